@@ -1,0 +1,120 @@
+"""Shared test plumbing: free loopback ports, daemons under test, raw HTTP.
+
+Every test talks to a real process over 127.0.0.1; nothing here mocks the
+network. Import it from a test module with ``import support``.
+"""
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WEBHOOKD = ROOT / "webhookd.py"
+SEARCHKEYS = ROOT / "searchkeys.py"
+WEBHOOK_BIN = shutil.which("webhook")  # Debian's adnanh/webhook, if installed
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port, proc=None, timeout=10.0):
+    """Block until something accepts on 127.0.0.1:port (or the process dies)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def request(port, method, path, body=None, headers=None, timeout=10.0):
+    """One HTTP request on a fresh connection: (status, headers dict, body bytes).
+
+    Header names in the returned dict are lower-cased.
+    """
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        if isinstance(body, str):
+            body = body.encode()
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+    finally:
+        conn.close()
+
+
+class Daemon:
+    """A server process under test, its output captured to a log file.
+
+    ``argv`` is the full command line; ``port`` is where it will listen.
+    Use as a context manager, or call ``stop()``.
+    """
+
+    def __init__(self, argv, port, env=None, cwd=None, wait=True, timeout=10.0):
+        self.argv = [str(a) for a in argv]
+        self.port = port
+        self._logfile = tempfile.NamedTemporaryFile(prefix="daemon-", suffix=".log", delete=False)
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self._logfile, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, start_new_session=True,
+        )
+        if wait:
+            try:
+                wait_for_port(port, self.proc, timeout)
+            except Exception:
+                self.stop()
+                raise RuntimeError(f"{self.argv} did not start:\n{self.log()}")
+
+    def request(self, method, path, body=None, headers=None, timeout=10.0):
+        return request(self.port, method, path, body, headers, timeout)
+
+    def log(self):
+        """Everything the process printed so far (stdout and stderr)."""
+        self._logfile.flush()
+        return Path(self._logfile.name).read_text(errors="replace")
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def stop(self, sig=signal.SIGTERM, timeout=10.0):
+        """Stop the process (and anything it started in its session)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        try:
+            os.unlink(self._logfile.name)
+        except OSError:
+            pass
+
+
+def python_cmd(script, *args):
+    """argv that runs one of our tools with the interpreter running the tests."""
+    return [sys.executable, str(script), *args]
