@@ -93,15 +93,22 @@ class Daemon:
     def signal(self, sig):
         self.proc.send_signal(sig)
 
-    def stop(self, sig=signal.SIGTERM, timeout=10.0):
-        """Stop the process (and anything it started in its session)."""
+    def stop(self, sig=None, timeout=10.0):
+        """Stop the process (SIGTERM unless told), then anything left in its session."""
+        # Inside a method body `signal` is the module again (the class-level name is the method).
+        sig = signal.SIGTERM if sig is None else sig
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(sig)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 self.proc.wait()
+        # Commands the daemon started in its session must not outlive the test.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         return self.proc.returncode
 
     def __enter__(self):
