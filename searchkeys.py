@@ -1,0 +1,3084 @@
+#!/usr/bin/env python3
+"""searchkeys -- a Meilisearch-compatible API-key service, guard and client.
+
+One file, Python 3.9+ standard library only.
+
+Server: speaks Meilisearch's ``/keys`` API (same bodies, field order, status
+codes and error JSON as Meilisearch 1.50), authorizes every Meilisearch route
+with upstream's permission model (actions, index patterns, expiry, tenant
+tokens), and forwards authorized requests to a real search backend::
+
+    MEILI_MASTER_KEY=... python3 searchkeys.py serve --store keys.json \\
+        --upstream http://127.0.0.1:7701 --upstream-key "$BACKEND_MASTER_KEY"
+
+``GET /authorize`` answers nginx ``auth_request`` sub-requests instead.
+
+Client: manages keys on any Meilisearch-compatible server and mints tenant
+tokens offline::
+
+    python3 searchkeys.py keys create --preset search --indexes blog --quiet
+    python3 searchkeys.py keys list
+    python3 searchkeys.py token --api-key KEY --uid UID --rules '["blog"]'
+
+Library: ``import searchkeys`` for ``ACTIONS``, ``expand``,
+``pattern_matches``, ``authorize``, ``KeyStore``, ``derive_key``,
+``sign_tenant_token``/``verify_tenant_token`` and ``Client``.
+
+Request pipeline of the server:
+    request -> authenticate -> authorize (action, index) -> validate -> store -> respond
+    (other routes: ... -> authorize -> handler rules -> forward upstream -> relay)
+The backend gets --upstream-key, not the caller's key, so for an index-scoped
+key or a tenant token the guard also does what Meilisearch's handlers do with
+the caller's key: check the indexes named in bodies, add tenant-token filters
+to searches, filter index/stats/task listings.
+"""
+
+import argparse
+import base64
+import binascii
+import calendar
+import datetime
+import functools
+import gc
+import hashlib
+import hmac
+import http.client
+import http.server
+import itertools
+import json
+import os
+import re
+import secrets
+import select
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+__version__ = "1.0"
+
+# =============================================================================
+# Constants: actions, wildcard expansion, index scopes, routes
+# =============================================================================
+
+# The 58 action names, in upstream's declaration order (the order used in
+# "expected one of ..." error lists).
+ACTIONS = (
+    "*", "search", "documents.*", "documents.add", "documents.get", "documents.delete",
+    "indexes.*", "indexes.create", "indexes.get", "indexes.update", "indexes.delete",
+    "indexes.swap",
+    "tasks.*", "tasks.cancel", "tasks.delete", "tasks.get",
+    "settings.*", "settings.get", "settings.update", "stats.*", "stats.get",
+    "metrics.*", "metrics.get", "dumps.*", "dumps.create", "snapshots.*",
+    "snapshots.create", "version",
+    "keys.create", "keys.get", "keys.update", "keys.delete",
+    "experimental.get", "experimental.update", "export", "network.get", "network.update",
+    "chatCompletions", "chats.*", "chats.get", "chats.delete",
+    "chatsSettings.*", "chatsSettings.get", "chatsSettings.update", "*.get",
+    "webhooks.get", "webhooks.update", "webhooks.delete", "webhooks.create", "webhooks.*",
+    "indexes.compact", "fields.post", "tasks.compact",
+    "dynamicSearchRules.get", "dynamicSearchRules.create", "dynamicSearchRules.update",
+    "dynamicSearchRules.delete", "dynamicSearchRules.*",
+)
+ACTION_SET = frozenset(ACTIONS)
+
+# What "*.get" grants: upstream's "read" actions (not keys.get, not chatCompletions).
+READ_ACTIONS = (
+    "search", "documents.get", "export", "indexes.get", "tasks.get", "settings.get",
+    "stats.get", "metrics.get", "version", "experimental.get", "network.get", "chats.get",
+    "chatsSettings.get", "webhooks.get", "fields.post", "dynamicSearchRules.get",
+)
+
+# Wildcard actions and what a stored key holding them is granted. A wildcard
+# does not grant itself (so "documents.*" does not pass a route that requires
+# the literal "documents.*"); only "*" grants everything, itself included.
+EXPANSIONS = {
+    "*": ACTIONS,
+    "*.get": READ_ACTIONS,
+    "documents.*": ("documents.add", "documents.get", "documents.delete"),
+    "indexes.*": ("indexes.create", "indexes.get", "indexes.update", "indexes.delete",
+                  "indexes.swap", "indexes.compact"),
+    "tasks.*": ("tasks.get", "tasks.delete", "tasks.cancel", "tasks.compact"),
+    "settings.*": ("settings.get", "settings.update"),
+    "stats.*": ("stats.get",),
+    "metrics.*": ("metrics.get",),
+    "dumps.*": ("dumps.create",),
+    "snapshots.*": ("snapshots.create",),
+    "chats.*": ("chats.get", "chats.delete"),
+    "chatsSettings.*": ("chatsSettings.get", "chatsSettings.update"),
+    "webhooks.*": ("webhooks.get", "webhooks.update", "webhooks.delete", "webhooks.create"),
+    "dynamicSearchRules.*": ("dynamicSearchRules.get", "dynamicSearchRules.create",
+                             "dynamicSearchRules.update", "dynamicSearchRules.delete"),
+}
+
+# Index scope of each action (upstream keys.rs `index_scope`).
+# Global: refused on index-scoped keys, and needs an all-index key to be used.
+GLOBAL_ACTIONS = frozenset((
+    "metrics.*", "metrics.get", "dumps.*", "dumps.create", "snapshots.*", "snapshots.create",
+    "version", "keys.create", "keys.get", "keys.update", "keys.delete",
+    "experimental.get", "experimental.update", "export", "network.get", "network.update",
+    "chats.*", "chats.get", "chats.delete",
+    "chatsSettings.*", "chatsSettings.get", "chatsSettings.update",
+    "webhooks.*", "webhooks.get", "webhooks.update", "webhooks.delete", "webhooks.create",
+    "dynamicSearchRules.*", "dynamicSearchRules.get", "dynamicSearchRules.create",
+    "dynamicSearchRules.update", "dynamicSearchRules.delete", "tasks.compact",
+))
+# Handler-checked: an index-scoped key may call the index-less route; the
+# route itself filters results or validates the indexes named in the body.
+HANDLER_CHECKED_ACTIONS = frozenset((
+    "search", "documents.get", "indexes.create", "indexes.get", "indexes.swap",
+    "tasks.cancel", "tasks.delete", "tasks.get", "settings.get", "stats.*", "stats.get",
+    "chatCompletions",
+))
+# Index-only: only meaningful on routes that name an index.
+INDEX_ONLY_ACTIONS = frozenset((
+    "documents.add", "documents.delete", "indexes.update", "indexes.delete",
+    "indexes.compact", "fields.post", "settings.update",
+))
+# Multi: wildcards spanning scopes; allowed on keys with any indexes.
+MULTI_SCOPE_ACTIONS = frozenset(("*", "*.get", "documents.*", "indexes.*", "tasks.*", "settings.*"))
+
+KEYS_ACTIONS = frozenset(("keys.create", "keys.get", "keys.update", "keys.delete"))
+# Routes needing one of these accept tenant tokens as well as API keys.
+TENANT_TOKEN_ACTIONS = frozenset(("search", "chatCompletions"))
+
+# Body fields of POST /keys in upstream's order (also the order of error lists),
+# and the fields PATCH may change.
+CREATE_FIELDS = ("description", "name", "uid", "actions", "indexes", "expiresAt")
+PATCH_FIELDS = ("description", "name")
+IMMUTABLE_FIELDS = ("uid", "actions", "indexes", "expiresAt", "createdAt", "updatedAt")
+LIST_PARAMETERS = ("offset", "limit")
+
+PUBLIC = ()  # the "actions" of a route anyone may call
+
+
+def _settings_resources():
+    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
+    put_names = (
+        "filterable-attributes", "sortable-attributes", "displayed-attributes",
+        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+        "prefix-search", "foreign-keys",
+    )
+    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+    resources = []
+    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
+        for name in names:
+            resources.append(("/indexes/{index_uid}/settings/" + name, {
+                "GET": ("settings.get",), verb: ("settings.update",),
+                "DELETE": ("settings.update",)}))
+    return resources
+
+
+# The route table of Meilisearch 1.50 (spec §8) as data: (path pattern,
+# {method: required actions}). Like actix, the first resource whose path
+# matches wins; a method it lacks is a 405. "{index_uid}" segments are checked
+# against the key's index patterns; other "{...}" segments match anything.
+ROUTES = tuple([
+    ("/health", {"GET": PUBLIC}),
+    ("/", {"GET": PUBLIC}),
+    ("/version", {"GET": ("version",)}),
+    ("/stats", {"GET": ("stats.get",)}),
+    ("/keys", {"GET": ("keys.get",), "POST": ("keys.create",)}),
+    ("/keys/{key}", {"GET": ("keys.get",), "PATCH": ("keys.update",),
+                     "DELETE": ("keys.delete",)}),
+    ("/indexes", {"GET": ("indexes.get",), "POST": ("indexes.create",)}),
+    ("/indexes/{index_uid}", {"GET": ("indexes.get",), "PATCH": ("indexes.update",),
+                              "DELETE": ("indexes.delete",)}),
+    ("/indexes/{index_uid}/stats", {"GET": ("stats.get",)}),
+    ("/indexes/{index_uid}/fields", {"POST": ("fields.post",)}),
+    ("/indexes/{index_uid}/compact", {"POST": ("indexes.compact",)}),
+    ("/indexes/{index_uid}/search", {"GET": ("search",), "POST": ("search",)}),
+    ("/indexes/{index_uid}/facet-search", {"POST": ("search",)}),
+    ("/indexes/{index_uid}/similar", {"GET": ("search",), "POST": ("search",)}),
+    ("/indexes/{index_uid}/documents", {
+        "GET": ("documents.get",), "POST": ("documents.add",), "PUT": ("documents.add",),
+        "DELETE": ("documents.delete",)}),
+    ("/indexes/{index_uid}/documents/delete-batch", {"POST": ("documents.delete",)}),
+    ("/indexes/{index_uid}/documents/delete", {"POST": ("documents.delete",)}),
+    ("/indexes/{index_uid}/documents/edit", {"POST": ("documents.*",)}),
+    ("/indexes/{index_uid}/documents/fetch", {"POST": ("documents.get",)}),
+    ("/indexes/{index_uid}/documents/{document_id}", {
+        "GET": ("documents.get",), "DELETE": ("documents.delete",)}),
+    ("/indexes/{index_uid}/settings", {
+        "GET": ("settings.get",), "PATCH": ("settings.update",),
+        "DELETE": ("settings.update",)}),
+] + _settings_resources() + [
+    ("/multi-search", {"POST": ("search",)}),
+    ("/swap-indexes", {"POST": ("indexes.swap",)}),
+    ("/render-template", {"POST": ("settings.get", "documents.get")}),
+    ("/tasks", {"GET": ("tasks.get",), "DELETE": ("tasks.delete",)}),
+    ("/tasks/cancel", {"POST": ("tasks.cancel",)}),
+    ("/tasks/compact", {"POST": ("tasks.compact",)}),
+    ("/tasks/{task_id}", {"GET": ("tasks.get",)}),
+    ("/tasks/{task_id}/documents", {"GET": ("tasks.get",)}),
+    ("/batches", {"GET": ("tasks.get",)}),
+    ("/batches/{batch_id}", {"GET": ("tasks.get",)}),
+    ("/dumps", {"POST": ("dumps.create",)}),
+    ("/snapshots", {"POST": ("snapshots.create",)}),
+    ("/metrics", {"GET": ("metrics.get",)}),
+    ("/logs/stream", {"POST": ("metrics.get",), "DELETE": ("metrics.get",)}),
+    ("/logs/stderr", {"POST": ("metrics.get",)}),
+    ("/experimental-features", {"GET": ("experimental.get",),
+                                "PATCH": ("experimental.update",)}),
+    ("/export", {"POST": ("export",)}),
+    ("/network", {"GET": ("network.get",), "PATCH": ("network.update",)}),
+    ("/network/control", {"POST": ("network.update",)}),
+    ("/webhooks", {"GET": ("webhooks.get",), "POST": ("webhooks.create",)}),
+    ("/webhooks/{webhook_uuid}", {"GET": ("webhooks.get",), "PATCH": ("webhooks.update",),
+                                  "DELETE": ("webhooks.delete",)}),
+    ("/dynamic-search-rules", {"POST": ("dynamicSearchRules.get",),
+                               "DELETE": ("dynamicSearchRules.delete",)}),
+    ("/dynamic-search-rules/{rule_uid}", {
+        "GET": ("dynamicSearchRules.get",), "PATCH": ("dynamicSearchRules.update",),
+        "DELETE": ("dynamicSearchRules.delete",)}),
+    ("/chats", {"GET": ("chats.get",)}),
+    ("/chats/{workspace}", {"GET": ("chats.get",), "DELETE": ("chats.delete",)}),
+    ("/chats/{workspace}/settings", {
+        "GET": ("chatsSettings.get",), "PATCH": ("chatsSettings.update",),
+        "DELETE": ("chatsSettings.update",)}),
+    ("/chats/{workspace}/chat/completions", {"POST": ("chatCompletions",)}),
+])
+
+# The four keys created whenever the store is empty at startup, in creation
+# order (listed newest first, so Search comes first in GET /keys).
+DEFAULT_KEYS = (
+    ("Default Chat API Key", "Use it to chat and search from the frontend",
+     ["chatCompletions", "search"]),
+    ("Default Read-Only Admin API Key",
+     "Use it to read information across the whole database. Caution! Do not expose this key "
+     "on a public frontend", ["*.get", "keys.get"]),
+    ("Default Admin API Key",
+     "Use it for anything that is not a search operation. Caution! Do not expose it on a "
+     "public frontend", ["*"]),
+    ("Default Search API Key", "Use it to search from the frontend", ["search"]),
+)
+
+# Presets of the client's `keys create --preset`.
+PRESETS = {
+    "search": ["search"],
+    "backend": ["search", "indexes.*", "documents.*", "settings.get", "stats.get"],
+}
+
+ERROR_LINK = "https://docs.meilisearch.com/errors#"
+MAX_KEYS_BODY = 1024 * 1024  # bytes accepted on /keys bodies
+MAX_HANDLER_BODY = 16 * 1024 * 1024  # bodies read to check their indexes (multi-search...)
+DEFAULT_URL = "http://127.0.0.1:7700"
+
+# =============================================================================
+# Errors: upstream's JSON error shape
+# =============================================================================
+
+
+class ApiError(Exception):
+    """An error answered as upstream's JSON: message, code, type, link."""
+
+    def __init__(self, status, code, message, kind="invalid_request"):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+    def to_json(self):
+        return {"message": self.message, "code": self.code, "type": self.kind,
+                "link": ERROR_LINK + self.code}
+
+    def __repr__(self):
+        return "ApiError(%d, %r, %r)" % (self.status, self.code, self.message)
+
+
+def invalid_api_key(message="The provided API key is invalid."):
+    return ApiError(403, "invalid_api_key", message, "auth")
+
+
+def missing_authorization_header():
+    return ApiError(401, "missing_authorization_header",
+                    "The Authorization header is missing. It must use the bearer "
+                    "authorization method.", "auth")
+
+
+def missing_master_key():
+    return ApiError(401, "missing_master_key",
+                    "Meilisearch is running without a master key. To access this API "
+                    "endpoint, you must have set a master key at launch.", "auth")
+
+
+def bad_request(message):
+    return ApiError(400, "bad_request", message)
+
+
+def internal_error(message):
+    return ApiError(500, "internal", message, "internal")
+
+
+def key_not_found(segment):
+    return ApiError(404, "api_key_not_found", "API key `%s` not found." % segment)
+
+
+# =============================================================================
+# Permission model (pure): expansion, index patterns, authorize
+# =============================================================================
+
+
+def expand(action):
+    """The set of actions that holding `action` grants."""
+    return frozenset(EXPANSIONS.get(action, (action,)))
+
+
+@functools.lru_cache(maxsize=4096)
+def grants(actions):
+    """Everything a key with the tuple `actions` may do (cached: keys share shapes)."""
+    granted = set()
+    for action in actions:
+        granted |= expand(action)
+    return frozenset(granted)
+
+
+_PATTERN_RE = re.compile(r"[A-Za-z0-9_-]{1,400}\*?\Z|\*\Z")
+
+
+def is_valid_index_pattern(pattern):
+    """`*`, or 1..400 ASCII alphanumerics/`-`/`_` with an optional trailing star."""
+    return isinstance(pattern, str) and _PATTERN_RE.match(pattern) is not None
+
+
+def pattern_matches(pattern, index):
+    """Does index pattern `pattern` cover index uid `index`?"""
+    if pattern.endswith("*"):
+        return index.startswith(pattern[:-1])
+    return pattern == index
+
+
+def rust_debug_list(strings):
+    """A list of strings the way Rust's `{:?}` prints a Vec<String>: ["a", "b"]."""
+    return "[" + ", ".join(json.dumps(s, ensure_ascii=False) for s in strings) + "]"
+
+
+def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
+    """May `key` perform `action` on `index` (None on index-less routes)?
+
+    Returns None when allowed, else the ApiError upstream answers. Mirrors
+    upstream's order: index checks (tenant token rules, then the key's
+    patterns) come before the action and expiry checks. `tenant_rules` are
+    the `searchRules` of a tenant token signed by `key`, if any.
+    """
+    if index is not None:
+        if tenant_rules is not None and not search_rules_allow(tenant_rules, index):
+            return invalid_api_key(
+                "The provided tenant token cannot acces the index `%s`, allowed indexes "
+                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(tenant_rules)))))
+        if not any(pattern_matches(p, index) for p in key.indexes):
+            if tenant_rules is not None:
+                return invalid_api_key(
+                    "The API key used to generate this tenant token cannot acces the "
+                    "index `%s`." % index)
+            return invalid_api_key(
+                "The API key cannot acces the index `%s`, authorized indexes are %s."
+                % (index, rust_debug_list(sorted(key.indexes))))
+    if action not in key.grants or key.is_expired(now_ns):
+        return invalid_api_key()
+    if key.is_global or index is not None:
+        return None
+    # An index-less route with an index-scoped key: only handler-checked
+    # actions let it in (the route restricts what it sees).
+    if action in HANDLER_CHECKED_ACTIONS and key.indexes:
+        return None
+    return invalid_api_key()
+
+
+def search_rule_patterns(rules):
+    """The index patterns a tenant token's `searchRules` name."""
+    return list(rules)  # a list of patterns, or the keys of an object
+
+
+def search_rules_allow(rules, index):
+    return any(pattern_matches(p, index) for p in search_rule_patterns(rules))
+
+
+def index_scoped_global_action(actions, indexes):
+    """The first global action of a key restricted to some indexes, or None."""
+    if not indexes or "*" in indexes:
+        return None
+    for action in actions:
+        if action in GLOBAL_ACTIONS:
+            return action
+    return None
+
+
+def match_route(method, segments):
+    """Find the route of a request path given as decoded segments (see
+    path_segments).
+
+    Returns (pattern, actions, index_uid, params) when the route exists,
+    "method" when the path exists but not for this method, None when no
+    route has the path.
+    """
+    for pattern, parts, methods in _ROUTES_BY_SHAPE.get(segments[:1] + (len(segments),), ()):
+        params = _match_segments(parts, segments)
+        if params is None:
+            continue
+        if method not in methods:
+            return "method"
+        return pattern, methods[method], params.get("index_uid"), params
+    return None
+
+
+def _match_segments(parts, segments):
+    if len(parts) != len(segments):
+        return None
+    params = {}
+    for want, got in zip(parts, segments):
+        if want.startswith("{"):
+            if not got:
+                return None
+            params[want[1:-1]] = got
+        elif want != got:
+            return None
+    return params
+
+
+def _routes_by_shape():
+    """Routes grouped by (first segment, segment count), in table order:
+    a request is matched against a handful of routes, not all of them."""
+    shapes = {}
+    for pattern, methods in ROUTES:
+        parts = tuple(pattern.split("/")[1:]) if pattern != "/" else ()
+        shapes.setdefault(parts[:1] + (len(parts),), []).append((pattern, parts, methods))
+    return shapes
+
+
+_ROUTES_BY_SHAPE = _routes_by_shape()
+
+
+def path_segments(raw_path):
+    """Upstream's view of a request path: `//` merged, one trailing slash
+    trimmed, then each segment percent-decoded (so `%2F` stays inside its
+    segment). `/` is the empty tuple."""
+    path = raw_path.split("?", 1)[0]
+    if "//" in path:
+        path = re.sub("/{2,}", "/", path)
+    if path.endswith("/"):
+        path = path[:-1]
+    segments = path.split("/")[1:]
+    if "%" in path:
+        segments = [urllib.parse.unquote(s, errors="replace") for s in segments]
+    return tuple(segments)
+
+
+# =============================================================================
+# Validation: bodies and query parameters, with upstream's exact messages
+# =============================================================================
+
+
+def damerau_levenshtein(a, b):
+    """Unrestricted Damerau-Levenshtein distance (transpositions of any span)."""
+    infinity = len(a) + len(b)
+    last_row_of = {}
+    d = [[infinity] * (len(b) + 2)]
+    d += [[infinity] + list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        d.append([infinity, i] + [0] * len(b))
+        last_match_col = 0
+        for j in range(1, len(b) + 1):
+            i1 = last_row_of.get(b[j - 1], 0)
+            j1 = last_match_col
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            if cost == 0:
+                last_match_col = j
+            d[i + 1][j + 1] = min(
+                d[i][j] + cost,             # substitution
+                d[i + 1][j] + 1,            # insertion
+                d[i][j + 1] + 1,            # deletion
+                d[i1][j1] + (i - i1 - 1) + 1 + (j - j1 - 1),  # transposition
+            )
+        last_row_of[a[i - 1]] = i
+    return d[len(a) + 1][len(b) + 1]
+
+
+def did_you_mean(received, accepted):
+    """deserr's hint: "did you mean `x`? " for a close enough accepted name."""
+    length = len(received.encode())
+    if length <= 3:
+        return ""
+    allowed = 1 if length <= 7 else 2 if length <= 12 else 3 if length <= 17 \
+        else 4 if length <= 24 else 5
+    best = None
+    for name in accepted:
+        if abs(len(received) - len(name)) > allowed:
+            continue  # too far apart anyway; and keeps a 1 MB name from costing minutes
+        distance = damerau_levenshtein(received, name)
+        if distance <= allowed and (best is None or distance < best[0]):
+            best = (distance, name)
+    return "did you mean `%s`? " % best[1] if best else ""
+
+
+def backticked(names):
+    return ", ".join("`%s`" % n for n in names)
+
+
+_COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def compact_json(value):
+    """JSON without spaces, like serde_json (one shared encoder: creating one is slow)."""
+    return _COMPACT_ENCODER.encode(value)
+
+
+def describe_json(value):
+    """deserr's description of a JSON value: `a string: `"x"``, `null`, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        kind = "a boolean"
+    elif isinstance(value, int):
+        kind = "a positive integer" if value >= 0 else "a negative integer"
+    elif isinstance(value, float):
+        kind = "a number"
+    elif isinstance(value, str):
+        kind = "a string"
+    elif isinstance(value, list):
+        kind = "an array"
+    else:
+        kind = "an object"
+    return "%s: `%s`" % (kind, compact_json(value))
+
+
+def wrong_type(code, path, expected, value):
+    where = " at `%s`" % path if path else ""
+    return ApiError(400, code, "Invalid value type%s: expected %s, but found %s"
+                    % (where, expected, describe_json(value)))
+
+
+def invalid_value(code, path, detail):
+    return ApiError(400, code, "Invalid value at `%s`: %s" % (path, detail))
+
+
+def expires_at_error(raw):
+    return invalid_value(
+        "invalid_api_key_expires_at", ".expiresAt",
+        "`%s` is not a valid date. It should follow the RFC 3339 format to represents a date "
+        "or datetime in the future or specified as a null value. e.g. 'YYYY-MM-DD' or "
+        "'YYYY-MM-DD HH:MM:SS'.\n" % raw)
+
+
+def check_content_type(value):
+    """Upstream accepts any `*/json` or `*/*+json` media type on bodies."""
+    accepted = "Accepted values for the Content-Type header are: `application/json`"
+    if value is None:
+        raise ApiError(415, "missing_content_type",
+                       "A Content-Type header is missing. " + accepted)
+    media = value.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if not kind or not (subtype == "json" or subtype.endswith("+json")):
+        raise ApiError(415, "invalid_content_type",
+                       "The Content-Type `%s` is invalid. %s" % (value, accepted))
+
+
+def _reject_constant(name):
+    raise ValueError("invalid number %s" % name)
+
+
+# JSON as serde_json reads it (no NaN/Infinity); one shared decoder, as
+# building one per call is slow.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+MAX_JSON_DEPTH = 128  # serde_json's recursion limit
+
+
+def strict_json(text):
+    """Parse JSON the way serde_json would accept it: no NaN, no lone
+    surrogates, at most 128 levels of nesting (deeper values would also
+    overflow Python's stack wherever they are printed later)."""
+    value = _STRICT_JSON.decode(text)
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise RecursionError("recursion limit exceeded")
+            stack.extend((child, depth + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+    return value
+
+
+def parse_json_body(body):
+    """Bytes -> JSON value, or upstream's missing/malformed payload error."""
+    if not body:
+        raise ApiError(400, "missing_payload", "A json payload is missing.")
+    try:
+        return strict_json(body.decode("utf-8"))
+    except UnicodeEncodeError:
+        detail = "lone leading surrogate in hex escape"
+    except UnicodeDecodeError as exc:
+        detail = "invalid unicode at byte %d" % exc.start
+    except json.JSONDecodeError as exc:
+        detail = "%s at line %d column %d" % (exc.msg, exc.lineno, exc.colno)
+    except (ValueError, RecursionError):
+        detail = "recursion limit exceeded"
+    raise ApiError(400, "malformed_payload",
+                   "The json payload provided is malformed. `%s`." % detail)
+
+
+def require_object(value):
+    if not isinstance(value, dict):
+        raise wrong_type("bad_request", None, "an object", value)
+    return value
+
+
+def _optional_string(code, field, value):
+    if value is not None and not isinstance(value, str):
+        raise wrong_type(code, "." + field, "a string", value)
+    return value
+
+
+def _string_list(code, field, value):
+    if not isinstance(value, list):
+        raise wrong_type(code, "." + field, "an array", value)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise wrong_type(code, ".%s[%d]" % (field, i), "a string", item)
+    return value
+
+
+def validate_actions(value):
+    _string_list("invalid_api_key_actions", "actions", value)
+    for i, action in enumerate(value):
+        if action not in ACTION_SET:
+            raise ApiError(400, "invalid_api_key_actions",
+                           "Unknown value `%s` at `.actions[%d]`: %sexpected one of %s"
+                           % (action, i, did_you_mean(action, ACTIONS), backticked(ACTIONS)))
+    return list(value)
+
+
+def validate_indexes(value):
+    _string_list("invalid_api_key_indexes", "indexes", value)
+    for i, pattern in enumerate(value):
+        if not is_valid_index_pattern(pattern):
+            raise invalid_value(
+                "invalid_api_key_indexes", ".indexes[%d]" % i,
+                "`%s` is not a valid index uid pattern. Index uid patterns can be an integer "
+                "or a string containing only alphanumeric characters, hyphens (-), "
+                "underscores (_), and optionally end with a star (*)." % pattern)
+    return list(value)
+
+
+def validate_uid(value):
+    if not isinstance(value, str):
+        raise wrong_type("invalid_api_key_uid", ".uid", "a string", value)
+    try:
+        return parse_uuid(value)
+    except ValueError as exc:
+        raise invalid_value("invalid_api_key_uid", ".uid", str(exc))
+
+
+def validate_expires_at(value, now_ns):
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise wrong_type("invalid_api_key_expires_at", ".expiresAt", "a string", value)
+    instant = parse_expires_at(value)
+    if instant is None or instant.ns <= now_ns:
+        raise expires_at_error(value)
+    return instant
+
+
+def unknown_field(field, accepted):
+    return bad_request("Unknown field `%s`: %sexpected one of %s"
+                       % (field, did_you_mean(field, accepted), backticked(accepted)))
+
+
+def validate_create(body, now_ns):
+    """A POST /keys body -> dict of validated fields (uid None = random).
+
+    Fields are visited in document order and the first problem wins; then
+    missing required fields in the order actions, indexes, expiresAt; then
+    the index-scope rule.
+    """
+    fields = {"description": None, "name": None, "uid": None}
+    for name, value in require_object(body).items():
+        if name == "description":
+            fields[name] = _optional_string("invalid_api_key_description", name, value)
+        elif name == "name":
+            fields[name] = _optional_string("invalid_api_key_name", name, value)
+        elif name == "uid":
+            fields[name] = validate_uid(value)
+        elif name == "actions":
+            fields[name] = validate_actions(value)
+        elif name == "indexes":
+            fields[name] = validate_indexes(value)
+        elif name == "expiresAt":
+            fields[name] = validate_expires_at(value, now_ns)
+        else:
+            raise unknown_field(name, CREATE_FIELDS)
+    for name, code in (("actions", "missing_api_key_actions"),
+                       ("indexes", "missing_api_key_indexes"),
+                       ("expiresAt", "missing_api_key_expires_at")):
+        if name not in fields:
+            raise ApiError(400, code, "Missing field `%s`" % name)
+    action = index_scoped_global_action(fields["actions"], fields["indexes"])
+    if action is not None:
+        raise ApiError(
+            400, "index_scoped_api_key_with_global_action",
+            'cannot create index-scoped API key with global action `"%s"`\n  - Hint: remove '
+            'action `"%s"` from the action list, or remove `indexes` to make the key global'
+            % (action, action))
+    return fields
+
+
+def validate_patch(body):
+    """A PATCH /keys/{k} body -> dict with the `name`/`description` to change."""
+    changes = {}
+    for name, value in require_object(body).items():
+        if name == "description":
+            changes[name] = _optional_string("invalid_api_key_description", name, value)
+        elif name == "name":
+            changes[name] = _optional_string("invalid_api_key_name", name, value)
+        elif name in IMMUTABLE_FIELDS:
+            code = "immutable_api_key_" + re.sub("([A-Z])", r"_\1", name).lower()
+            raise ApiError(400, code, "Immutable field `%s`: expected one of %s"
+                           % (name, backticked(PATCH_FIELDS)))
+        else:
+            raise unknown_field(name, PATCH_FIELDS)
+    return changes
+
+
+_USIZE_MAX = 2 ** 64 - 1
+
+
+def validate_list_query(query):
+    """GET /keys query string -> (offset, limit)."""
+    values = {"offset": 0, "limit": 20}
+    for name, raw in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        if name not in LIST_PARAMETERS:
+            raise bad_request("Unknown parameter `%s`: %sexpected one of %s"
+                              % (name, did_you_mean(name, LIST_PARAMETERS),
+                                 backticked(LIST_PARAMETERS)))
+        digits = raw[1:] if raw.startswith("+") else raw
+        if not digits.isascii() or not digits.isdigit() or int(digits) > _USIZE_MAX:
+            raise ApiError(400, "invalid_api_key_" + name,
+                           "Invalid value in parameter `%s`: could not parse `%s` as a "
+                           "positive integer" % (name, raw))
+        values[name] = int(digits)
+    return values["offset"], values["limit"]
+
+
+# =============================================================================
+# UUIDs: the `uuid` crate's accepted forms and error messages
+# =============================================================================
+
+_CANONICAL_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def parse_uuid(text):
+    """Any spelling the uuid crate accepts -> lowercase hyphenated; ValueError
+    with the crate's message otherwise."""
+    if len(text) == 32 and all(c in _HEX for c in text):
+        body = text
+    else:
+        inner = text
+        if len(text) == 38 and text[0] == "{" and text[-1] == "}":
+            inner = text[1:-1]
+        elif len(text) == 45 and text.startswith("urn:uuid:"):
+            inner = text[9:]
+        groups = inner.split("-")
+        if len(inner) != 36 or [len(g) for g in groups] != [8, 4, 4, 4, 12] \
+                or not all(c in _HEX for c in "".join(groups)):
+            raise ValueError(_uuid_error(text))
+        body = "".join(groups)
+    body = body.lower()
+    return "%s-%s-%s-%s-%s" % (body[:8], body[8:12], body[12:16], body[16:20], body[20:])
+
+
+def _uuid_error(text):
+    """The uuid crate's explanation of why `text` is not a UUID."""
+    offset, inner, simple = 0, text, True
+    if len(text) >= 2 and text[0] == "{" and text[-1] == "}":
+        offset, inner, simple = 1, text[1:-1], False
+    elif text.startswith("urn:uuid:"):
+        offset, inner, simple = 9, text[9:], False
+    hyphens = []
+    for i, char in enumerate(inner):
+        if char == "-":
+            hyphens.append(i)
+        elif char not in _HEX:
+            return "invalid character: found `%s` at %d" % (char, len(inner[:i].encode()) + offset)
+    if not hyphens and simple:
+        return "invalid length: found %d" % len(text.encode())
+    if len(hyphens) != 4:
+        return "invalid group count: expected 5, found %d" % (len(hyphens) + 1)
+    starts = (0, 9, 14, 19, 24)
+    expected = (8, 4, 4, 4, 12)
+    for group in range(4):
+        if hyphens[group] != starts[group + 1] - 1:
+            return "invalid group length in group %d: expected %d, found %d" % (
+                group, expected[group], hyphens[group] - starts[group])
+    return "invalid group length in group 4: expected 12, found %d" % (len(inner) - starts[4])
+
+
+# =============================================================================
+# Dates: RFC 3339 with nanoseconds and the client's UTC offset
+# =============================================================================
+
+
+class Instant:
+    """A point in time with nanosecond precision and the UTC offset it was
+    written with (so `expiresAt` is echoed the way the client sent it)."""
+
+    __slots__ = ("ns", "offset_minutes")
+
+    def __init__(self, ns, offset_minutes=0):
+        self.ns = ns
+        self.offset_minutes = offset_minutes
+
+    def __repr__(self):
+        return "Instant(%r)" % format_rfc3339(self)
+
+
+_RFC3339_RE = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))\Z")
+_NAIVE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})(?:([T ])(\d{2}):(\d{2}):(\d{2}))?\Z")
+
+
+def _epoch_seconds(year, month, day, hour, minute, second):
+    """Seconds since the epoch of a UTC civil time; ValueError when invalid."""
+    moment = datetime.datetime(year, month, day, hour, minute, second)
+    return calendar.timegm(moment.timetuple())
+
+
+def parse_expires_at(text):
+    """Upstream's accepted `expiresAt` spellings -> Instant, or None.
+
+    RFC 3339 first (keeping the offset), then `YYYY-MM-DDTHH:MM:SS`,
+    `YYYY-MM-DD HH:MM:SS` and `YYYY-MM-DD`, all three taken as UTC.
+    """
+    try:
+        match = _RFC3339_RE.match(text)
+        if match:
+            y, mo, d, h, mi, s, fraction, zulu, sign, oh, om = match.groups()
+            if int(oh or 0) > 23 or int(om or 0) > 59:
+                return None
+            offset = 0 if zulu else (int(oh) * 60 + int(om)) * (1 if sign == "+" else -1)
+            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h), int(mi), int(s))
+            nanos = int((fraction or "0")[:9].ljust(9, "0"))
+            return Instant((seconds - offset * 60) * 10 ** 9 + nanos, offset)
+        match = _NAIVE_RE.match(text)
+        if match:
+            y, mo, d, _sep, h, mi, s = match.groups()
+            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h or 0), int(mi or 0),
+                                     int(s or 0))
+            return Instant(seconds * 10 ** 9)
+    except (ValueError, OverflowError):
+        return None
+    return None
+
+
+def format_rfc3339(instant):
+    """Instant -> RFC 3339 in its own offset; fraction trimmed, omitted when zero."""
+    seconds, nanos = divmod(instant.ns + instant.offset_minutes * 60 * 10 ** 9, 10 ** 9)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    if nanos:
+        text += "." + ("%09d" % nanos).rstrip("0")
+    if instant.offset_minutes == 0:
+        return text + "Z"
+    sign = "+" if instant.offset_minutes > 0 else "-"
+    hours, minutes = divmod(abs(instant.offset_minutes), 60)
+    return "%s%s%02d:%02d" % (text, sign, hours, minutes)
+
+
+def format_timestamp(ns):
+    """createdAt/updatedAt: UTC, nanoseconds trimmed (always non-zero, see Clock)."""
+    return format_rfc3339(Instant(ns))
+
+
+class Clock:
+    """Strictly increasing wall-clock nanoseconds, never on a whole second.
+
+    Strictly increasing keeps `createdAt` order equal to creation order (the
+    default keys are created within nanoseconds); the non-zero fraction keeps
+    the official Python SDK happy (it cannot parse `...:00Z`).
+    """
+
+    def __init__(self, last_ns=0):
+        self._last = last_ns
+        self._lock = threading.Lock()
+
+    def now_ns(self):
+        with self._lock:
+            ns = max(time.time_ns(), self._last + 1)
+            if ns % 10 ** 9 == 0:
+                ns += 1
+            self._last = ns
+            return ns
+
+    def advance_past(self, ns):
+        with self._lock:
+            self._last = max(self._last, ns)
+
+
+# =============================================================================
+# Key derivation
+# =============================================================================
+
+
+def derive_key(master_key, uid):
+    """A key's value: lowercase hex HMAC-SHA256(master key, uid)."""
+    return hmac.digest(master_key.encode(), uid.encode(), "sha256").hex()
+
+
+def key_deriver(master_key):
+    """derive_key with the master key fixed: a function uid -> value.
+
+    The HMAC's inner and outer hash states are keyed once and copied per
+    uid, which makes deriving 100,000 keys at startup several times faster.
+    """
+    secret = master_key.encode()
+    if len(secret) > 64:  # HMAC hashes keys longer than the block size
+        secret = hashlib.sha256(secret).digest()
+    secret = secret.ljust(64, b"\0")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in secret))
+    outer = hashlib.sha256(bytes(b ^ 0x5C for b in secret))
+
+    def derive(uid):
+        state = inner.copy()
+        state.update(uid.encode())
+        result = outer.copy()
+        result.update(state.digest())
+        return result.hexdigest()
+    return derive
+
+
+# =============================================================================
+# Tenant tokens (JWT HS256/384/512 signed with the parent key's value)
+# =============================================================================
+
+JWT_HASHES = {"HS256": hashlib.sha256, "HS384": hashlib.sha384, "HS512": hashlib.sha512}
+# Every `alg` the JWT library knows; any other value is a header decoding error.
+JWT_KNOWN_ALGORITHMS = ("HS256", "HS384", "HS512", "ES256", "ES384", "RS256", "RS384",
+                        "RS512", "PS256", "PS384", "PS512", "EdDSA")
+_B64URL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+class NotATenantToken(Exception):
+    """The bearer token is not shaped like a JWT: treat it as an API key."""
+
+
+class TenantTokenError(Exception):
+    """A JWT that cannot be used; str() is upstream's complete message."""
+
+
+def b64url_encode(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64url_decode(text):
+    """Strict unpadded base64url, like the `base64` crate's URL_SAFE_NO_PAD."""
+    for i, char in enumerate(text):
+        if char not in _B64URL:
+            raise TenantTokenError("Base64 error: Invalid symbol %d, offset %d."
+                                   % (ord(char), i))
+    if len(text) % 4 == 1:
+        raise TenantTokenError("Base64 error: Invalid input length.")
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise TenantTokenError("Base64 error: Invalid last symbol.")
+
+
+def _json_part(text, what):
+    try:
+        value = strict_json(b64url_decode(text).decode("utf-8"))
+    except TenantTokenError:
+        raise
+    except UnicodeEncodeError:
+        raise TenantTokenError("JSON error: lone leading surrogate in hex escape")
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise TenantTokenError("JSON error: %s" % (getattr(exc, "msg", None) or exc))
+    if not isinstance(value, dict):
+        raise TenantTokenError("JSON error: invalid type: %s, expected %s"
+                               % (describe_json(value).split(":")[0], what))
+    return value
+
+
+def _missing(field, text):
+    return TenantTokenError("JSON error: missing field `%s` at line 1 column %d"
+                            % (field, len(text)))
+
+
+def decode_tenant_token(token):
+    """Read a tenant token without checking its signature.
+
+    Returns (algorithm, claims, signed_part, signature). Raises
+    NotATenantToken when `token` does not have the three JWT parts, and
+    TenantTokenError (the detail of "Could not decode tenant token, ...")
+    when a part cannot be decoded or a required claim is missing or wrong.
+    """
+    signed_part, dot, signature = token.rpartition(".")
+    header_text, dot2, payload_text = signed_part.rpartition(".")
+    if not dot or not dot2:
+        raise NotATenantToken()
+    header = _json_part(header_text, "struct Header")
+    algorithm = header.get("alg")
+    if "alg" not in header:
+        raise _missing("alg", b64url_decode(header_text).decode("utf-8", "replace"))
+    if algorithm not in JWT_KNOWN_ALGORITHMS:
+        raise TenantTokenError("JSON error: unknown variant `%s`, expected one of %s"
+                               % (algorithm, backticked(JWT_KNOWN_ALGORITHMS)))
+    claims = _json_part(payload_text, "struct Claims")
+    payload_json = b64url_decode(payload_text).decode("utf-8", "replace")
+    rules = claims.get("searchRules")
+    if "searchRules" not in claims:
+        raise _missing("searchRules", payload_json)
+    if not _valid_search_rules(rules):
+        raise TenantTokenError(
+            "JSON error: data did not match any variant of untagged enum SearchRules")
+    exp = claims.get("exp")
+    if exp is not None and (isinstance(exp, bool) or not isinstance(exp, int)):
+        raise TenantTokenError("JSON error: invalid type: %s, expected i64"
+                               % describe_json(exp).split(":")[0])
+    if "apiKeyUid" not in claims:
+        raise _missing("apiKeyUid", payload_json)
+    uid = claims["apiKeyUid"]
+    if not isinstance(uid, str):
+        raise TenantTokenError("JSON error: invalid type: %s, expected UUID"
+                               % describe_json(uid).split(":")[0])
+    try:
+        uid = parse_uuid(uid)
+    except ValueError as exc:
+        raise TenantTokenError("JSON error: UUID parsing failed: %s" % exc)
+    return algorithm, {"searchRules": rules, "exp": exp, "apiKeyUid": uid}, signed_part, signature
+
+
+def _valid_search_rules(rules):
+    """An array of index patterns, or an object pattern -> null | {filter?}."""
+    if isinstance(rules, list):
+        return all(isinstance(p, str) for p in rules)
+    if isinstance(rules, dict):
+        return all(v is None or isinstance(v, dict) for v in rules.values())
+    return False
+
+
+def _jwt_signature(algorithm, secret, signed_part):
+    digest = hmac.new(secret.encode(), signed_part.encode("ascii", "replace"),
+                      JWT_HASHES[algorithm]).digest()
+    return b64url_encode(digest)
+
+
+def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256"):
+    """Mint a tenant token for the key `api_key` (its 64-hex value) of uid
+    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime."""
+    if algorithm not in JWT_HASHES:
+        raise ValueError("algorithm must be one of %s" % ", ".join(JWT_HASHES))
+    if isinstance(expires_at, datetime.datetime):
+        expires_at = int(expires_at.timestamp())
+    header = b64url_encode(compact_json({"alg": algorithm, "typ": "JWT"}).encode())
+    claims = {"searchRules": search_rules, "apiKeyUid": parse_uuid(api_key_uid),
+              "exp": expires_at}
+    payload = b64url_encode(compact_json(claims).encode())
+    signed_part = header + "." + payload
+    return signed_part + "." + _jwt_signature(algorithm, api_key, signed_part)
+
+
+def verify_tenant_token(token, api_key, now=None):
+    """Check a tenant token against its parent key's value; return its claims.
+
+    `api_key` is the parent key's value, or a function uid -> value (a server
+    learns the uid from the token). Raises NotATenantToken, or
+    TenantTokenError carrying upstream's full message.
+    """
+    try:
+        algorithm, claims, signed_part, signature = decode_tenant_token(token)
+        if algorithm not in JWT_HASHES:
+            raise TenantTokenError("InvalidAlgorithm")
+        secret = api_key(claims["apiKeyUid"]) if callable(api_key) else api_key
+        expected = _jwt_signature(algorithm, secret, signed_part)
+        if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
+            raise TenantTokenError("InvalidSignature")
+    except TenantTokenError as exc:
+        raise TenantTokenError("Could not decode tenant token, %s." % exc)
+    now = int(time.time()) if now is None else now
+    if claims["exp"] is not None and now > claims["exp"]:
+        raise TenantTokenError("Tenant token expired. Was valid up to `%d` and we're now `%d`."
+                               % (claims["exp"], now))
+    return claims
+
+
+# =============================================================================
+# Keys and the key store
+# =============================================================================
+
+
+class StoreError(Exception):
+    """The store file cannot be used; the server must not start."""
+
+
+class StoreWriteError(Exception):
+    """A change could not be made durable; it was not applied."""
+
+
+class ApiKey:
+    """One stored API key. Immutable: a change makes a new ApiKey."""
+
+    __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
+                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored")
+
+    def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
+                 updated_ns, value, stored=None):
+        self.uid = uid
+        self.name = name
+        self.description = description
+        self.actions = tuple(actions)
+        self.indexes = tuple(indexes)
+        self.expires_at = expires_at  # Instant or None (never)
+        self.created_ns = created_ns
+        self.updated_ns = updated_ns
+        self.value = value  # derived hex value; None without a master key
+        self.grants = grants(self.actions)
+        self.is_global = "*" in self.indexes
+        self._stored = stored  # the record's JSON text, once known
+
+    def is_expired(self, now_ns=None):
+        if self.expires_at is None:
+            return False
+        return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
+
+    def changed(self, changes, updated_ns):
+        """A copy with `name`/`description` from `changes` and a new updatedAt."""
+        return ApiKey(self.uid, changes.get("name", self.name),
+                      changes.get("description", self.description), self.actions,
+                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value)
+
+    def to_json(self):
+        """The key as upstream shows it, in upstream's field order."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "key": self.value,
+            "uid": self.uid,
+            "actions": list(self.actions),
+            "indexes": list(self.indexes),
+            "expiresAt": format_rfc3339(self.expires_at) if self.expires_at else None,
+            "createdAt": format_timestamp(self.created_ns),
+            "updatedAt": format_timestamp(self.updated_ns),
+        }
+
+    def stored_json(self):
+        """to_record() as compact JSON text, computed once: compaction
+        rewrites every key, and re-encoding 100,000 of them is slow."""
+        if self._stored is None:
+            self._stored = compact_json(self.to_record())
+        return self._stored
+
+    def to_record(self):
+        """The key as stored: everything but the (derived, secret) value."""
+        return {
+            "uid": self.uid, "name": self.name, "description": self.description,
+            "actions": list(self.actions), "indexes": list(self.indexes),
+            "expiresAt": format_rfc3339(self.expires_at) if self.expires_at else None,
+            "createdAt": self.created_ns, "updatedAt": self.updated_ns,
+        }
+
+    @classmethod
+    def from_record(cls, record, derive, stored=None):
+        """A stored record -> ApiKey; ValueError says what is wrong with it.
+
+        `derive` computes the value from the uid (see key_deriver), or is
+        None without a master key; `stored` is the record's JSON text.
+        """
+        if not isinstance(record, dict) or record.keys() != _RECORD_FIELDS:
+            raise ValueError("a key record needs exactly the fields %s"
+                             % ", ".join(sorted(_RECORD_FIELDS)))
+        uid = record["uid"]
+        if not isinstance(uid, str) or not _CANONICAL_UUID_RE.match(uid):
+            raise ValueError("bad uid %r" % (uid,))
+        name, description = record["name"], record["description"]
+        if not (name is None or isinstance(name, str)) \
+                or not (description is None or isinstance(description, str)):
+            raise ValueError("bad name or description in key %s" % uid)
+        actions, indexes = record["actions"], record["indexes"]
+        if not isinstance(actions, list) or not _valid_stored_actions(tuple(actions)):
+            raise ValueError("bad actions in key %s" % uid)
+        if not isinstance(indexes, list) or not _valid_stored_indexes(tuple(indexes)):
+            raise ValueError("bad indexes in key %s" % uid)
+        expires_at = record["expiresAt"]
+        if expires_at is not None:
+            expires_at = parse_expires_at(expires_at) if isinstance(expires_at, str) else None
+            if expires_at is None:
+                raise ValueError("bad expiresAt in key %s" % uid)
+        created, updated = record["createdAt"], record["updatedAt"]
+        if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
+            raise ValueError("bad createdAt or updatedAt in key %s" % uid)
+        return cls(uid, name, description, actions, indexes, expires_at, created, updated,
+                   derive(uid) if derive is not None else None, stored)
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_stored_actions(actions):
+    # cached: a large store has few distinct action lists
+    return all(isinstance(a, str) and a in ACTION_SET for a in actions)
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_stored_indexes(indexes):
+    return all(is_valid_index_pattern(i) for i in indexes)
+
+
+_RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
+                            "createdAt", "updatedAt"))
+
+
+class KeyStore:
+    """All keys in memory, indexed by uid and by derived value, optionally
+    made durable in a Journal. Writers serialize on one lock; readers (the
+    per-request key lookup) never wait: keys are immutable and dict reads are
+    atomic.
+    """
+
+    def __init__(self, master_key=None, path=None, log=None):
+        self.master_key = master_key
+        self.derive = key_deriver(master_key) if master_key is not None else None
+        self.log = log or (lambda message: None)
+        self.clock = Clock()
+        self._keys = {}       # uid -> ApiKey, oldest first
+        self._by_value = {}   # derived value -> ApiKey
+        self._lock = threading.Lock()
+        self._journal = Journal(path, self.log) if path else None
+        collecting = gc.isenabled()
+        gc.disable()  # loading makes ~6 objects a key, none of them garbage
+        try:
+            self._load(path)
+        finally:
+            if collecting:
+                gc.enable()
+        if not self._keys:
+            for name, description, actions in DEFAULT_KEYS:
+                self._commit_put(self._new_key(new_uid(), name, description, actions, ["*"],
+                                               None))
+        # A journal left by a crash is folded in only past the usual
+        # threshold: its changes are durable already, and rewriting 100,000
+        # keys would delay the start.
+        if self._journal and (self._journal.needs_compaction or self._compaction_due()):
+            self._journal.compact(self._records())
+
+    def _load(self, path):
+        """Read the store file, if any: the snapshot, then the journal."""
+        if not self._journal:
+            return
+        try:
+            keys, changes = self._journal.load(
+                lambda record, text: ApiKey.from_record(record, self.derive, text))
+            for key in keys:
+                self._put(key)
+            for change in changes:
+                self._replay(change)
+        except ValueError as exc:
+            raise StoreError("store %s holds a bad key: %s" % (path, exc))
+        # Newest-first listing relies on dict order == createdAt order.
+        ordered = list(self._keys.values())
+        if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
+            self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
+        if ordered:
+            self.clock.advance_past(max(key.created_ns for key in ordered))
+
+    # -- reads ---------------------------------------------------------------
+
+    def __len__(self):
+        return len(self._keys)
+
+    def by_uid(self, uid):
+        return self._keys.get(uid)
+
+    def by_value(self, token):
+        """The key whose value is `token` (hex, any case), or None.
+
+        A hash lookup finds the one candidate; the final comparison is
+        constant time.
+        """
+        if len(token) != 64 or not token.isascii():
+            return None
+        token = token.lower()
+        key = self._by_value.get(token)
+        if key is not None and hmac.compare_digest(key.value.encode(), token.encode()):
+            return key
+        return None
+
+    def find(self, key_or_uid):
+        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        try:
+            uid = parse_uuid(key_or_uid)
+        except ValueError:
+            key = self.by_value(key_or_uid)
+            if key is None:
+                raise key_not_found(key_or_uid)
+            return key
+        key = self._keys.get(uid)
+        if key is None:
+            raise key_not_found(uid)
+        return key
+
+    def page(self, offset, limit):
+        """(keys newest first, skipping `offset`, at most `limit`; total)."""
+        with self._lock:
+            total = len(self._keys)
+            start, stop = min(offset, total), min(offset + limit, total)
+            return list(itertools.islice(reversed(self._keys.values()), start, stop)), total
+
+    # -- writes --------------------------------------------------------------
+
+    def create(self, fields):
+        """Create a key from validated POST fields; 409 ApiError on a used uid."""
+        with self._lock:
+            uid = fields.get("uid")
+            if uid is None:
+                uid = new_uid()
+                while uid in self._keys:
+                    uid = new_uid()
+            elif uid in self._keys:
+                raise ApiError(409, "api_key_already_exists",
+                               "`uid` field value `%s` is already an existing API key." % uid)
+            key = self._new_key(uid, fields.get("name"), fields.get("description"),
+                                fields["actions"], fields["indexes"], fields.get("expiresAt"))
+            self._commit_put(key)
+            return key
+
+    def update(self, key_or_uid, changes):
+        with self._lock:
+            key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
+            self._commit_put(key)
+            return key
+
+    def delete(self, key_or_uid):
+        with self._lock:
+            key = self.find(key_or_uid)
+            if self._journal:
+                self._journal.append(compact_json({"op": "delete", "uid": key.uid}))
+            self._remove(key.uid)
+            self._compact_if_due()
+
+    def _new_key(self, uid, name, description, actions, indexes, expires_at):
+        now = self.clock.now_ns()
+        value = self.derive(uid) if self.derive is not None else None
+        return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
+
+    def _commit_put(self, key):
+        """Make a new or changed key durable, then live (the caller holds
+        the lock or is the constructor)."""
+        if self._journal:
+            self._journal.append('{"op":"put","key":%s}' % key.stored_json())
+        self._put(key)
+        self._compact_if_due()
+
+    def _compaction_due(self):
+        # Compacting costs O(keys); doing it every keys/4 changes keeps the
+        # cost per change constant however big the store grows, and bounds
+        # what a restart after a crash must replay.
+        return self._journal.entries > max(1000, len(self._keys) // 4)
+
+    def _compact_if_due(self):
+        if self._journal and self._compaction_due():
+            try:
+                self._journal.compact(self._records())
+            except StoreWriteError as exc:  # the change itself is safe in the journal
+                self.log("searchkeys: store compaction failed, will retry: %s" % exc)
+
+    def _replay(self, change):
+        """Apply one journal line read at startup."""
+        if change.get("op") == "put":
+            self._put(ApiKey.from_record(change.get("key"), self.derive))
+        elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
+            self._remove(change["uid"])
+        else:
+            raise ValueError("unknown change %r" % (change,))
+
+    def _put(self, key):
+        old = self._keys.get(key.uid)
+        if old is not None and old.value is not None:
+            self._by_value.pop(old.value, None)
+        self._keys[key.uid] = key
+        if key.value is not None:
+            self._by_value[key.value] = key
+
+    def _remove(self, uid):
+        old = self._keys.pop(uid, None)
+        if old is not None and old.value is not None:
+            self._by_value.pop(old.value, None)
+
+    def _records(self):
+        return [key.stored_json() for key in self._keys.values()]
+
+    def checkpoint(self):
+        """Fold the journal into the snapshot now (at a clean shutdown, so
+        the next start reads one file); StoreWriteError if that fails."""
+        with self._lock:
+            if self._journal and self._journal.entries:
+                self._journal.compact(self._records())
+
+    def close(self):
+        """Release the store file (its lock) so another KeyStore may open it."""
+        if self._journal:
+            self._journal.close()
+
+
+def new_uid():
+    import uuid  # local: only key creation needs it
+    return str(uuid.uuid4())
+
+
+class Journal:
+    """Durable storage of the keys: FILE holds a JSON snapshot, FILE.journal
+    one JSON line per change since that snapshot.
+
+    A change is appended and fsync'd before it is applied and acknowledged.
+    Compaction (past a threshold, and at a clean shutdown) writes a new
+    snapshot atomically (temp file in the same folder, fsync, rename, fsync
+    of the folder) and then empties the journal.
+    A torn last journal line (a crash mid-append: no trailing newline) was
+    never acknowledged and is dropped; any other damage stops the start.
+    Files are created 0600 and hold uids and metadata, never key values.
+    """
+
+    FORMAT = "searchkeys-store"
+    VERSION = 1
+    _HEADER = b'{"format": "searchkeys-store", "version": 1, "keys": [\n'
+
+    def __init__(self, path, log):
+        self.path = os.path.abspath(path)
+        self.journal_path = self.path + ".journal"
+        self.log = log
+        self.entries = 0
+        self.needs_compaction = False
+        self._fd = None
+        self._size = 0
+        self._broken = None
+
+    def load(self, build):
+        """(snapshot keys, journal changes); StoreError if unusable.
+
+        `build(record, text)` turns a snapshot record (and its JSON text,
+        when known) into a key."""
+        try:
+            self._fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise StoreError("cannot open store journal %s: %s"
+                             % (self.journal_path, exc.strerror or exc))
+        try:
+            os.fchmod(self._fd, 0o600)  # an older or hand-made journal may be wider
+        except OSError:
+            pass
+        try:
+            import fcntl
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            pass
+        except OSError:
+            raise StoreError("store %s is in use by another searchkeys process" % self.path)
+        keys = self._read_snapshot(build)
+        changes = self._read_journal()
+        return keys, changes
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)  # also drops the flock
+            self._fd = None
+
+    def _read_snapshot(self, build):
+        try:
+            with open(self.path, "rb") as snapshot:
+                data = snapshot.read()
+        except FileNotFoundError:
+            self.needs_compaction = True
+            return []
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (self.path, exc.strerror or exc))
+        try:
+            document = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
+                             "is left untouched" % (self.path, exc))
+        if not isinstance(document, dict) or document.get("format") != self.FORMAT \
+                or document.get("version") != self.VERSION \
+                or not isinstance(document.get("keys"), list):
+            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
+                             "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+        records = document.pop("keys")
+        # In the layout compact() writes (one record a line) each record's
+        # text is kept for the next compaction, which then need not re-encode.
+        lines = data.split(b"\n")
+        del data
+        texts = itertools.repeat(None)
+        if len(lines) == len(records) + 3 and lines[0] == self._HEADER[:-1] \
+                and lines[-2:] == [b"]}", b""]:
+            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-2])
+        keys = []
+        for position, text in zip(range(len(records)), texts):
+            keys.append(build(records[position], text))
+            records[position] = None  # free the parsed record early
+        return keys
+
+    def _read_journal(self):
+        try:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            chunks = []
+            while True:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except OSError as exc:
+            raise StoreError("cannot read store journal %s: %s"
+                             % (self.journal_path, exc.strerror or exc))
+        data = b"".join(chunks)
+        self._size = len(data)
+        lines = data.split(b"\n")
+        torn = lines.pop()  # after the last newline: empty unless a write was torn
+        changes = []
+        for number, line in enumerate(lines, 1):
+            try:
+                change = json.loads(line.decode("utf-8"))
+                if not isinstance(change, dict) or change.get("op") not in ("put", "delete"):
+                    raise ValueError("not a change")
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise StoreError("store journal %s is corrupt at line %d (%s); refusing to "
+                                 "start, the file is left untouched"
+                                 % (self.journal_path, number, exc))
+            changes.append(change)
+        if torn:  # cut off only once the rest is known to be good
+            self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
+                     "was never acknowledged" % (self.journal_path, len(torn)))
+            try:
+                os.ftruncate(self._fd, self._size - len(torn))
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise StoreError("cannot repair store journal %s: %s"
+                                 % (self.journal_path, exc.strerror or exc))
+            self._size -= len(torn)
+        self.entries = len(changes)
+        return changes
+
+    def append(self, change):
+        """Write one change (a JSON text) durably, or raise StoreWriteError
+        leaving the journal as it was."""
+        if self._broken is not None:
+            self._take_back()
+        line = (change + "\n").encode("utf-8")
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._broken = exc
+            try:
+                self._take_back()
+            except StoreWriteError:
+                pass
+            raise StoreWriteError("cannot write store journal %s: %s"
+                                  % (self.journal_path, exc.strerror or exc))
+        self._size += len(line)
+        self.entries += 1
+
+    def _take_back(self):
+        """Cut a partly written line off the journal, so later appends stay
+        readable; until that succeeds, no change is accepted."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            raise StoreWriteError("the store journal %s cannot be repaired after a failed "
+                                  "write: %s" % (self.journal_path, exc.strerror or exc))
+        self._broken = None
+
+    def compact(self, records):
+        """Replace the snapshot with `records` (JSON texts) atomically, then
+        empty the journal."""
+        folder = os.path.dirname(self.path)
+        temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
+        body = ",\n".join(records).encode("utf-8")
+        data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, self.path)
+            _fsync_folder(folder)
+            os.ftruncate(self._fd, 0)
+            os.fsync(self._fd)
+        except OSError as exc:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self._size = 0
+        self.entries = 0
+        self.needs_compaction = False
+
+
+def _fsync_folder(folder):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# =============================================================================
+# Authentication: Authorization header -> master key, API key or tenant token
+# =============================================================================
+
+
+def _visible_ascii(value):
+    """The header as actix's `to_str()` sees it: empty unless visible ASCII."""
+    if value is None:
+        return None
+    if value.isascii() and value.replace("\t", " ").isprintable():
+        return value
+    return ""
+
+
+class Principal:
+    """Who an authorized request acts for: a key (None for the master key or
+    an instance without one) and the searchRules of a tenant token, if any."""
+
+    __slots__ = ("key", "rules")
+
+    def __init__(self, key=None, rules=None):
+        self.key = key
+        self.rules = rules
+
+    @property
+    def unrestricted(self):
+        return self.key is None or (self.key.is_global and self.rules is None)
+
+    def allows_index(self, index):
+        """Upstream's AuthFilter::is_index_authorized."""
+        if self.key is None:
+            return True
+        if self.rules is not None and not search_rules_allow(self.rules, index):
+            return False
+        return any(pattern_matches(p, index) for p in self.key.indexes)
+
+
+OPEN = Principal()
+
+
+class Guard:
+    """Decides whether a bearer credential may perform a route's actions."""
+
+    def __init__(self, store, master_key):
+        self.store = store
+        self.master_key = master_key
+        self._master_bytes = master_key.encode() if master_key is not None else None
+        self._derive = key_deriver(master_key) if master_key is not None else None
+
+    def check(self, authorization, actions, index):
+        """The Principal allowed to perform `actions` on `index` (None on
+        index-less routes); raises upstream's 401/403 ApiError otherwise."""
+        if not actions:
+            return OPEN  # public route: no header check at all
+        header = _visible_ascii(authorization)
+        if header is None:
+            try:
+                return self._authenticate("", actions, index)
+            except ApiError:
+                raise missing_master_key() if self.master_key is None \
+                    else missing_authorization_header()
+        scheme, space, token = header.partition(" ")
+        if scheme != "Bearer":
+            raise missing_authorization_header()
+        if not space:
+            raise invalid_api_key()
+        try:
+            return self._authenticate(token, actions, index)
+        except ApiError:
+            if self.master_key is None:
+                raise missing_master_key()
+            raise
+
+    def _authenticate(self, token, actions, index):
+        principal = OPEN
+        for action in actions:
+            principal = self.policy(token, action, index)
+        return principal
+
+    def policy(self, token, action, index):
+        """Upstream's ActionPolicy for one action: a Principal, or raises."""
+        if self.master_key is None:  # no master key: everything but /keys is open
+            if action in KEYS_ACTIONS:
+                raise invalid_api_key()
+            return OPEN
+        if hmac.compare_digest(self._master_bytes, token.encode()):
+            return OPEN
+        rules = None
+        key = None
+        if action in TENANT_TOKEN_ACTIONS:
+            try:
+                claims = verify_tenant_token(token, self._derive)
+            except NotATenantToken:
+                pass
+            except TenantTokenError as exc:
+                raise invalid_api_key(str(exc))
+            else:
+                rules = claims["searchRules"]
+                key = self.store.by_uid(claims["apiKeyUid"])
+                if key is None:
+                    raise invalid_api_key()
+        if rules is None:
+            key = self.store.by_value(token)
+            if key is None:
+                raise invalid_api_key()
+        refusal = authorize(key, action, index, tenant_rules=rules)
+        if refusal is not None:
+            raise refusal
+        return Principal(key, rules)
+
+
+# =============================================================================
+# Handler rules: what upstream's handlers check and filter for a restricted
+# principal (an index-scoped key or a tenant token). The backend gets our
+# --upstream-key, not the caller's credential, so the guard applies them.
+# =============================================================================
+
+
+def tenant_filter(rules, index):
+    """The filter a tenant token adds to searches on `index`: the rule of
+    the most specific matching pattern (exact beats prefix, longer beats
+    shorter), or None."""
+    if not isinstance(rules, dict):
+        return None
+    matching = [p for p in rules if pattern_matches(p, index)]
+    if not matching:
+        return None
+    rule = rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+    return rule.get("filter") if isinstance(rule, dict) else None
+
+
+def with_tenant_filter(query, rules, index):
+    """A search query (JSON object) with the token's filter ANDed in, the
+    way upstream's add_search_rules does it."""
+    rule = tenant_filter(rules, index)
+    if rule is None or not isinstance(query, dict):
+        return query
+    query = dict(query)
+    current = query.get("filter")
+    query["filter"] = rule if current is None else [current, rule]
+    return query
+
+
+def check_index_creation(principal, index, body):
+    """POST /indexes: the new index's uid must be one the key covers."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not principal.allows_index(uid):
+        raise invalid_api_key()
+    return body
+
+
+def restrict_multi_search(principal, index, body):
+    """POST /multi-search: every query's indexUid must be covered; a tenant
+    token's filters are added to each query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    restricted = []
+    for position, query in enumerate(queries):
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        if isinstance(uid, str):
+            if not principal.allows_index(uid):
+                raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
+                                      % position)
+            query = with_tenant_filter(query, principal.rules, uid)
+        restricted.append(query)
+    return dict(body, queries=restricted)
+
+
+def check_index_swap(principal, index, body):
+    """POST /swap-indexes: both indexes of every swap must be covered."""
+    for swap in body if isinstance(body, list) else ():
+        indexes = swap.get("indexes") if isinstance(swap, dict) else None
+        for uid in indexes if isinstance(indexes, list) else ():
+            if isinstance(uid, str) and not principal.allows_index(uid):
+                raise invalid_api_key()
+    return body
+
+
+def restrict_search_body(principal, index, body):
+    """POST search, facet-search, similar on one index: add the token's filter."""
+    return with_tenant_filter(body, principal.rules, index)
+
+
+def restrict_search_query(principal, index, query):
+    """GET search/similar: the token's filter joins the `filter` parameter
+    (upstream reads that parameter as JSON when it parses as JSON)."""
+    rule = tenant_filter(principal.rules, index)
+    if rule is None:
+        return query
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    current = None
+    for name, value in pairs:
+        if name == "filter":
+            try:
+                current = strict_json(value)
+            except (ValueError, RecursionError):
+                current = value
+    combined = rule if current is None else [current, rule]
+    pairs = [(n, v) for n, v in pairs if n != "filter"] + [("filter", compact_json(combined))]
+    return urllib.parse.urlencode(pairs)
+
+
+def filter_index_list(principal, answer, offset, limit):
+    """GET /indexes for a restricted key: only its indexes, paginated after
+    filtering as upstream does."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
+        return answer
+    allowed = [i for i in answer["results"]
+               if isinstance(i, dict) and principal.allows_index(str(i.get("uid")))]
+    return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
+                total=len(allowed))
+
+
+def filter_stats(principal, answer):
+    """GET /stats for a restricted key: only its indexes."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
+        return answer
+    return dict(answer, indexes={uid: stats for uid, stats in answer["indexes"].items()
+                                 if principal.allows_index(uid)})
+
+
+def restrict_task_query(query, allowed_uids):
+    """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
+    `indexUids` parameter to the indexes the key covers. With none left,
+    name an index that cannot exist, so the backend matches nothing."""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    asked = [v for n, v in pairs if n == "indexUids"]
+    uids = set(allowed_uids)
+    if asked:
+        wanted = {u.strip() for u in ",".join(asked).split(",")}
+        if "*" not in wanted:
+            uids &= wanted
+    if not uids:
+        uids = {"searchkeys-no-index-" + secrets.token_hex(8)}
+    pairs = [(n, v) for n, v in pairs if n != "indexUids"]
+    return urllib.parse.urlencode(pairs + [("indexUids", ",".join(sorted(uids)))])
+
+
+def check_task_answer(principal, task_id, answer):
+    """GET /tasks/{id} for a restricted key: a task on another index (or on
+    none) does not exist for it."""
+    uid = answer.get("indexUid") if isinstance(answer, dict) else None
+    if not isinstance(uid, str) or not principal.allows_index(uid):
+        raise ApiError(404, "task_not_found", "Task `%s` not found." % task_id)
+    return answer
+
+
+def check_batch_answer(principal, batch_id, answer):
+    """GET /batches/{id} for a restricted key: every index of the batch must
+    be covered."""
+    stats = answer.get("stats") if isinstance(answer, dict) else None
+    uids = stats.get("indexUids") if isinstance(stats, dict) else None
+    if not isinstance(uids, dict) or not uids or \
+            not all(principal.allows_index(uid) for uid in uids):
+        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % batch_id)
+    return answer
+
+
+# (method, route pattern) -> rule on the JSON body: returns the body to
+# forward, or raises the refusal.
+BODY_RULES = {
+    ("POST", "/indexes"): check_index_creation,
+    ("POST", "/multi-search"): restrict_multi_search,
+    ("POST", "/swap-indexes"): check_index_swap,
+}
+# ... and for a tenant token with a filter on the route's index:
+TOKEN_BODY_RULES = {
+    ("POST", "/indexes/{index_uid}/search"): restrict_search_body,
+    ("POST", "/indexes/{index_uid}/facet-search"): restrict_search_body,
+    ("POST", "/indexes/{index_uid}/similar"): restrict_search_body,
+}
+TOKEN_QUERY_RULES = frozenset((("GET", "/indexes/{index_uid}/search"),
+                               ("GET", "/indexes/{index_uid}/similar")))
+TASK_QUERY_ROUTES = frozenset((("GET", "/tasks"), ("GET", "/batches"), ("DELETE", "/tasks"),
+                               ("POST", "/tasks/cancel")))
+ANSWER_RULE_ROUTES = TASK_QUERY_ROUTES | {
+    ("GET", "/indexes"), ("GET", "/stats"), ("GET", "/tasks/{task_id}"),
+    ("GET", "/batches/{batch_id}"), ("GET", "/tasks/{task_id}/documents")}
+# Routes whose handler restricts a key in ways the guard does not reproduce
+# (the chat's search tool, the document a template renders): refused to a
+# restricted principal rather than forwarded without the restriction.
+UNGUARDED_ROUTES = frozenset((("POST", "/chats/{workspace}/chat/completions"),
+                              ("POST", "/render-template")))
+
+
+def handler_rules_apply(principal, route, index):
+    """Must the guard read or rewrite this request (or its answer) to hold
+    `principal` to its indexes and filters?"""
+    if principal.unrestricted:
+        return False
+    if route in BODY_RULES or route in ANSWER_RULE_ROUTES or route in UNGUARDED_ROUTES:
+        return True
+    return (route in TOKEN_BODY_RULES or route in TOKEN_QUERY_RULES) and index is not None \
+        and tenant_filter(principal.rules, index) is not None
+
+
+def restriction_not_enforceable(route, where):
+    return invalid_api_key(
+        "This API key is restricted to some indexes (or is a tenant token), and searchkeys "
+        "cannot enforce that restriction on `%s %s`%s; the request is refused."
+        % (route[0], route[1], " " + where if where else ""))
+ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
+
+
+# =============================================================================
+# The /keys API: validate -> store -> respond
+# =============================================================================
+
+
+class KeysApi:
+    """The five /keys endpoints, once the request is authorized."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def handle(self, request, method, params, query):
+        """(status, JSON value or None) for an authorized /keys request."""
+        segment = params.get("key")
+        if method == "GET" and segment is None:
+            offset, limit = validate_list_query(query)
+            keys, total = self.store.page(offset, limit)
+            return 200, {"results": [k.to_json() for k in keys], "offset": offset,
+                         "limit": limit, "total": total}
+        if method == "GET":
+            return 200, self.store.find(segment).to_json()
+        if method == "DELETE":
+            self.store.delete(segment)
+            return 204, None
+        body = request.read_json_body()
+        if method == "POST":
+            fields = validate_create(body, time.time_ns())
+            return 201, self._write(self.store.create, fields).to_json()
+        changes = validate_patch(body)
+        return 200, self._write(self.store.update, segment, changes).to_json()
+
+    @staticmethod
+    def _write(operation, *args):
+        try:
+            return operation(*args)
+        except StoreWriteError as exc:
+            raise internal_error("The change could not be saved: %s" % exc)
+
+
+# =============================================================================
+# HTTP/1.1 framing, shared by the server and the upstream client
+# =============================================================================
+
+SMALL_BODY = 64 * 1024  # bodies up to this size are sent/answered in one write
+
+
+class BrokenBody(Exception):
+    """A message body ended early or is not valid chunked coding."""
+
+
+class HeaderError(Exception):
+    """A header block that is too big or not HTTP; `status` says which."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+MAX_LINE = 65536    # bytes in a request line or header line
+MAX_HEADERS = 100   # header lines in one message
+_TOKEN_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+
+
+class Headers:
+    """Header fields in arrival order, looked up case-insensitively: the
+    part of email.message.Message this program uses, about ten times faster
+    to build (it is built twice for every proxied request)."""
+
+    __slots__ = ("_fields", "_by_name")
+
+    def __init__(self, fields=()):
+        self._fields = list(fields)
+        self._by_name = {}
+        for name, value in self._fields:
+            self._by_name.setdefault(name.lower(), []).append(value)
+
+    def get(self, name, default=None):
+        values = self._by_name.get(name.lower())
+        return values[0] if values else default
+
+    def get_all(self, name):
+        return self._by_name.get(name.lower(), [])
+
+    def items(self):
+        return list(self._fields)
+
+
+def read_headers(rfile):
+    """Read a header block up to its blank line; HeaderError if it is bad."""
+    fields = []
+    while True:
+        line = rfile.readline(MAX_LINE + 1)
+        if len(line) > MAX_LINE:
+            raise HeaderError(431, "Header line too long")
+        if line in (b"\r\n", b"\n", b""):
+            return Headers(fields)
+        if len(fields) >= MAX_HEADERS:
+            raise HeaderError(431, "Too many headers")
+        name, colon, value = line.decode("latin-1").rstrip("\r\n").partition(":")
+        if not colon or not _TOKEN_RE.match(name):
+            raise HeaderError(400, "Bad header line")
+        fields.append((name, value.strip(" \t")))
+
+
+class Body:
+    """A message body framed by its length, by chunked coding, or (answers
+    only, length None) by the end of the connection."""
+
+    def __init__(self, rfile, length=None, chunked=False):
+        self.rfile = rfile
+        self.chunked = chunked
+        self.until_close = length is None and not chunked
+        self.remaining = length or 0
+        self.finished = not chunked and not self.until_close and self.remaining == 0
+        self.size_known = not chunked and not self.until_close
+
+    @classmethod
+    def of_request(cls, rfile, headers):
+        """The body a request announces; 400 ApiError for framing that two
+        parties could read differently (the stuff of request smuggling):
+        the caller then closes the connection."""
+        lengths = {value.strip() for value in headers.get_all("Content-Length")}
+        encodings = headers.get_all("Transfer-Encoding")
+        if encodings:
+            if lengths or len(encodings) > 1 or encodings[0].strip().lower() != "chunked":
+                raise bad_request("Unsupported request framing: use either Content-Length or "
+                                    "Transfer-Encoding: chunked.")
+            return cls(rfile, chunked=True)
+        if len(lengths) > 1:
+            raise bad_request("Conflicting Content-Length headers.")
+        length = lengths.pop() if lengths else "0"
+        if not (length.isdigit() and length.isascii()):
+            raise bad_request("The Content-Length header `%s` is invalid." % length)
+        return cls(rfile, int(length))
+
+    def chunks(self, piece=SMALL_BODY):
+        """Yield the body in pieces as it arrives."""
+        try:
+            while self.until_close and not self.finished:
+                data = self.rfile.read1(piece)
+                if not data:
+                    break
+                yield data
+            while self.remaining:
+                data = self.rfile.read1(min(piece, self.remaining))
+                if not data:
+                    raise BrokenBody("body cut short")
+                self.remaining -= len(data)
+                yield data
+            while self.chunked and not self.finished:
+                size_text = self.rfile.readline(1024).split(b";", 1)[0].strip()
+                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                    raise BrokenBody("bad chunk size")
+                size = int(size_text, 16)
+                if size == 0:
+                    while self.rfile.readline(MAX_LINE) not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    break
+                while size:
+                    data = self.rfile.read1(min(piece, size))
+                    if not data:
+                        raise BrokenBody("body cut short")
+                    size -= len(data)
+                    yield data
+                self.rfile.readline(16)
+        except (OSError, ValueError) as exc:
+            raise BrokenBody(str(exc))
+        self.finished = True
+
+    def read(self, limit):
+        """The whole body, or a 413 ApiError when it is over `limit` bytes."""
+        if self.size_known and self.remaining > limit:
+            raise payload_too_large(limit)
+        data, size = [], 0
+        for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            data.append(chunk)
+        return b"".join(data)
+
+    def discard(self, limit=MAX_KEYS_BODY):
+        """Skip an unread body so the connection can be reused; False when it
+        is too big (the connection must then be closed)."""
+        if self.finished:
+            return True
+        if self.until_close or (self.size_known and self.remaining > limit):
+            return False
+        try:
+            size = 0
+            for chunk in self.chunks():
+                size += len(chunk)
+                if size > limit:
+                    return False
+        except BrokenBody:
+            return False
+        return True
+
+
+def payload_too_large(limit):
+    return ApiError(413, "payload_too_large",
+                    "The provided payload reached the size limit. The maximum accepted payload "
+                    "size is %s." % ("%.2f MiB" % (limit / 1048576.0)))
+
+
+# =============================================================================
+# Upstream: forward authorized requests to the search backend
+# =============================================================================
+
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailer", "trailers",
+                        "transfer-encoding", "upgrade"))
+# Request headers the proxy sets itself.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect"}
+MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+
+
+def _connection_headers(headers):
+    """Hop-by-hop header names, including those listed in Connection."""
+    names = set(HOP_BY_HOP)
+    for value in headers.get_all("Connection"):
+        names.update(token.strip().lower() for token in value.split(","))
+    return names
+
+
+class UpstreamError(Exception):
+    """The backend could not be reached, or answered something that is not HTTP."""
+
+
+class UpstreamResponse:
+    """A backend answer: status line and headers read, body still to read."""
+
+    def __init__(self, rfile, method):
+        while True:
+            line = rfile.readline(MAX_LINE + 1)
+            if not line:
+                raise UpstreamError("the connection was closed before an answer")
+            version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
+            status, _, self.reason = rest.partition(" ")
+            if not version.startswith("HTTP/1.") or len(status) != 3 or not status.isdigit():
+                raise UpstreamError("not an HTTP answer: %r" % line[:80])
+            try:
+                self.headers = read_headers(rfile)
+            except HeaderError as exc:
+                raise UpstreamError("bad answer headers: %s" % exc)
+            self.status = int(status)
+            if not 100 <= self.status < 200 or self.status == 101:
+                break  # skip interim answers such as 100 Continue
+        self.has_body = not (method == "HEAD" or self.status in (204, 304) or self.status < 200)
+        encoding = self.headers.get("Transfer-Encoding")
+        length = self.headers.get("Content-Length")
+        self.length = None
+        if not self.has_body:
+            self.body = Body(rfile, 0)
+        elif encoding is not None and "chunked" in encoding.lower():
+            self.body = Body(rfile, chunked=True)
+        elif length is not None and length.strip().isdigit():
+            self.length = int(length)
+            self.body = Body(rfile, self.length)
+        else:
+            self.body = Body(rfile, None)  # until the backend closes
+        self.will_close = version == "HTTP/1.0" or self.body.until_close or "close" in (
+            self.headers.get("Connection") or "").lower()
+
+
+class UpstreamConnection:
+    """A socket to the backend and its buffered reader."""
+
+    __slots__ = ("sock", "rfile")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.rfile = sock.makefile("rb")
+
+    def close(self):
+        self.rfile.close()
+        self.sock.close()
+
+
+class Upstream:
+    """A pool of keep-alive connections to the search backend."""
+
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
+        self.display_url = "%s://%s" % (parts.scheme, parts.netloc.rpartition("@")[2])
+        self.prefix = parts.path.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.pool_size = pool_size
+        self.tls = parts.scheme == "https"
+        self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
+        self.host_header = parts.netloc.rpartition("@")[2]
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def _connect(self):
+        sock = socket.create_connection(self.address, timeout=self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls:
+            import ssl  # only for https backends
+            sock = ssl.create_default_context().wrap_socket(sock,
+                                                            server_hostname=self.address[0])
+        return UpstreamConnection(sock)
+
+    def _acquire(self, check):
+        """A pooled connection (True) or a new one (False). With `check`, a
+        pooled socket that is readable while idle (the backend closed it)
+        is dropped first: for requests that cannot be retried. Others skip
+        that syscall and are retried once instead."""
+        while True:
+            with self._lock:
+                connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                return self._connect(), False
+            if not check or not select.select([connection.sock], [], [], 0)[0]:
+                return connection, True
+            connection.close()
+
+    def release(self, connection):
+        with self._lock:
+            if len(self._idle) < self.pool_size:
+                self._idle.append(connection)
+                return
+        connection.close()
+
+    def headers_for(self, incoming):
+        """The caller's headers minus hop-by-hop ones and its credential."""
+        dropped = _connection_headers(incoming) | NOT_FORWARDED
+        return [(name, value) for name, value in incoming.items()
+                if name.lower() not in dropped]
+
+    def fetch_json(self, target):
+        """GET `target` with the upstream key: (status, JSON value or None).
+        Used by the handler rules, e.g. to learn which indexes exist."""
+        try:
+            connection, response = self.send("GET", target, [("Accept", "application/json")],
+                                             b"")
+            data = response.body.read(MAX_UPSTREAM_JSON)
+        except (UpstreamError, OSError, BrokenBody) as exc:
+            raise upstream_unreachable(self, exc)
+        self.finish(connection, response)
+        try:
+            return response.status, json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return response.status, None
+
+    def finish(self, connection, response):
+        """After a fully read answer: keep the connection for the next request."""
+        if response.will_close:
+            connection.close()
+        else:
+            self.release(connection)
+
+    def send(self, method, target, headers, body):
+        """Send one request and read the answer's head: (connection, UpstreamResponse).
+
+        `body` is bytes, sent with the head in one write (and retried once
+        on a pooled connection the backend had closed), or an iterable of
+        byte chunks (streamed with chunked coding, never retried).
+        """
+        lines = ["%s %s%s HTTP/1.1" % (method, self.prefix, target), "Host: " + self.host_header]
+        lines += ["%s: %s" % header for header in headers]
+        if self.api_key:
+            lines.append("Authorization: Bearer " + self.api_key)
+        if not isinstance(body, bytes):
+            lines.append("Transfer-Encoding: chunked")
+        elif body or method in ("POST", "PUT", "PATCH"):
+            lines.append("Content-Length: %d" % len(body))
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+        for attempt in (1, 2):
+            try:
+                connection, reused = self._acquire(check=not isinstance(body, bytes))
+            except OSError as exc:
+                raise UpstreamError("%s: %s" % (type(exc).__name__, exc))
+            try:
+                if isinstance(body, bytes):
+                    connection.sock.sendall(head + body)
+                else:
+                    connection.sock.sendall(head)
+                    for chunk in body:
+                        if chunk:
+                            connection.sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    connection.sock.sendall(b"0\r\n\r\n")
+                return connection, UpstreamResponse(connection.rfile, method)
+            except (OSError, UpstreamError) as exc:
+                connection.close()
+                if not (reused and attempt == 1 and isinstance(body, bytes)):
+                    raise UpstreamError("%s: %s" % (type(exc).__name__, exc))
+        raise AssertionError("unreachable")
+
+
+def upstream_unreachable(upstream, reason):
+    return ApiError(502, "upstream_unavailable",
+                    "The search backend at %s could not be reached: %s."
+                    % (upstream.display_url, reason), "system")
+
+
+def no_upstream():
+    return ApiError(501, "no_upstream",
+                    "The request is authorized, but searchkeys runs without --upstream: there "
+                    "is no search backend to forward it to.", "system")
+
+
+# =============================================================================
+# HTTP server: request -> authenticate -> authorize -> dispatch -> respond
+# =============================================================================
+
+
+_DATE_CACHE = [0, ""]
+
+
+def http_date():
+    """The Date header value, formatted once a second (formatting is slow)."""
+    now = int(time.time())
+    if _DATE_CACHE[0] != now:
+        _DATE_CACHE[:] = [now, time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now))]
+    return _DATE_CACHE[1]
+
+
+class RequestHandler(http.server.BaseHTTPRequestHandler):
+    """One connection: parses requests and hands them to the Service."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds a connection may stay silent
+
+    def parse_request(self):
+        """Request line and headers, like the standard library's but with
+        the fast Headers parser; False (after an error answer) if bad."""
+        self.body = None
+        self.command = None
+        self.request_version = "HTTP/0.9"
+        self.close_connection = True
+        self.requestline = line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        words = line.split()
+        if not words:
+            return False
+        if len(words) != 3:
+            self.send_error(400, "Bad request line")
+            return False
+        command, path, version = words
+        if version not in ("HTTP/1.0", "HTTP/1.1"):
+            self.send_error(505 if re.match(r"HTTP/[2-9]", version) else 400,
+                            "Unsupported HTTP version")
+            return False
+        self.command, self.request_version = command, version
+        self.path = "/" + path.lstrip("/") if path.startswith("//") else path
+        try:
+            self.headers = read_headers(self.rfile)
+        except HeaderError as exc:
+            self.send_error(exc.status, str(exc))
+            return False
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close_connection = version != "HTTP/1.1" or connection == "close"
+        if version == "HTTP/1.1" and \
+                (self.headers.get("Expect") or "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
+
+    def do_request(self):
+        self.server.service.handle(self)
+
+    def __getattr__(self, name):
+        # Any method token reaches the router (404/405 like upstream), not
+        # the standard library's 501 page.
+        if name.startswith("do_"):
+            return self.do_request
+        raise AttributeError(name)
+
+    def read_json_body(self):
+        """Content type, size cap, then JSON: upstream's order."""
+        check_content_type(self.headers.get("Content-Type"))
+        return parse_json_body(self.body.read(MAX_KEYS_BODY))
+
+    def send_error(self, code, message=None, explain=None):
+        """Errors from request parsing (bad request line, huge headers) as JSON."""
+        self.close_connection = True
+        error = ApiError(code, "bad_request", message or self.responses.get(code, ("",))[0])
+        self.respond(code, compact_json(error.to_json()).encode(), "application/json")
+        self.server.service.log_request(self, code, 0.0)
+
+    def log_message(self, format, *args):
+        pass  # the Service logs one line per request
+
+    def head_lines(self, status, headers, dated=False):
+        """Status line and headers; `dated` when `headers` carry a Date."""
+        lines = ["HTTP/1.1 %d %s" % (status, self.responses.get(status, ("",))[0])]
+        lines += ["%s: %s" % header for header in headers]
+        if not dated:
+            lines.append("Date: " + http_date())
+        if self.close_connection:
+            lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+
+    def respond(self, status, body=b"", content_type=None, headers=()):
+        """A complete response in one write."""
+        body_obj = getattr(self, "body", None)
+        if body_obj is not None and not body_obj.discard():
+            self.close_connection = True
+        headers = list(headers)
+        if content_type:
+            headers.append(("Content-Type", content_type))
+        if status != 204 and status >= 200:
+            headers.append(("Content-Length", str(len(body))))
+        if self.command == "HEAD" or status == 204:
+            body = b""
+        self.status = status
+        self.wfile.write(self.head_lines(status, headers) + body)
+
+
+class Service:
+    """The server's request pipeline, shared by all connections."""
+
+    def __init__(self, store, master_key, upstream=None, log=None):
+        self.store = store
+        self.guard = Guard(store, master_key)
+        self.keys_api = KeysApi(store)
+        self.upstream = upstream
+        self.log = log or (lambda message: None)
+
+    def handle(self, request):
+        """One request through the pipeline: every failure ends as a JSON
+        answer (or, when the stream cannot be trusted, a closed connection)."""
+        started = time.monotonic()
+        request.status = 0
+        try:
+            self.answer(request)
+        except BrokenBody as exc:  # the rest of the stream cannot be trusted
+            request.close_connection = True
+            if not request.status:
+                self._try_send_error(request, bad_request(
+                    "The request body is malformed: %s." % exc))
+        except OSError:
+            request.close_connection = True
+        except Exception as exc:  # a bug: answer 500, never a traceback
+            self.log("searchkeys: internal error on %s %s: %s: %s" % (
+                request.command, safe_path(request.path), type(exc).__name__, exc))
+            request.close_connection = True
+            if not request.status:
+                self._try_send_error(request, internal_error("An internal error occurred."))
+        self.log_request(request, request.status, time.monotonic() - started)
+
+    def answer(self, request):
+        try:
+            request.body = Body.of_request(request.rfile, request.headers)
+            self.dispatch(request)
+        except ApiError as error:
+            if request.status:  # already answering: too late for an error
+                raise BrokenBody(error.message)
+            if request.body is None:  # unclear framing: nothing after it can be trusted
+                request.close_connection = True
+            self.send_error(request, error)
+
+    def log_request(self, request, status, seconds):
+        self.log("%s %s %s %.2fms" % (
+            getattr(request, "command", None) or "-",
+            safe_path(getattr(request, "path", None) or "-"), status or "-", seconds * 1000))
+
+    def _try_send_error(self, request, error):
+        try:
+            self.send_error(request, error)
+        except Exception:  # the caller may be gone; nothing more to do
+            pass
+
+    @staticmethod
+    def send_error(request, error):
+        request.respond(error.status, compact_json(error.to_json()).encode(), "application/json",
+                        _cors_headers(request))
+
+    @staticmethod
+    def send_json(request, status, value):
+        body = compact_json(value).encode() if value is not None else b""
+        request.respond(status, body, "application/json" if value is not None else None,
+                        _cors_headers(request))
+
+    def dispatch(self, request):
+        method = request.command
+        raw_path, _, query = request.path.partition("?")
+        segments = path_segments(raw_path)
+        if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
+            return request.respond(200, headers=_preflight_headers(request))
+        if segments == ("authorize",) and method == "GET":
+            return self.answer_authorize(request)
+        if segments == ("health",) and method == "GET":
+            return self.send_json(request, 200, {"status": "available"})
+        route = match_route(method, segments)
+        if route is None:
+            return request.respond(404)
+        if route == "method":
+            return request.respond(405)
+        pattern, actions, index, params = route
+        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        if pattern in ("/keys", "/keys/{key}"):
+            status, value = self.keys_api.handle(request, method, params, query)
+            return self.send_json(request, status, value)
+        plan = self.plan(request, principal, (method, pattern), params, raw_path, query)
+        if self.upstream is None:
+            raise no_upstream()
+        return self.forward(request, *plan)
+
+    def plan(self, request, principal, route, params, raw_path, query):
+        """(target, body, answer filter) to forward, after the handler rules
+        for a restricted principal. body None = stream the caller's as is."""
+        index = params.get("index_uid")
+        target, body, answer_filter = request.path, None, None
+        if not handler_rules_apply(principal, route, index):
+            return target, body, answer_filter
+        if route in UNGUARDED_ROUTES and self.upstream is not None:
+            raise restriction_not_enforceable(route, "")
+        if route in BODY_RULES or route in TOKEN_BODY_RULES:
+            rule = BODY_RULES.get(route) or TOKEN_BODY_RULES[route]
+            value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+            body = compact_json(rule(principal, index, value)).encode()
+        elif route in TOKEN_QUERY_RULES:
+            target = raw_path + "?" + restrict_search_query(principal, index, query)
+        elif route == ("GET", "/indexes"):
+            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+            asked = dict(pairs)
+            offset, limit = asked.get("offset", "0"), asked.get("limit", "20")
+            if offset.isdigit() and limit.isdigit():  # else the backend explains the error
+                pairs = [(n, v) for n, v in pairs if n not in ("offset", "limit")]
+                pairs += [("offset", "0"), ("limit", str(ALL_INDEXES_LIMIT))]
+                target = raw_path + "?" + urllib.parse.urlencode(pairs)
+                answer_filter = functools.partial(filter_index_list, principal,
+                                                  offset=int(offset), limit=int(limit))
+        elif route == ("GET", "/stats"):
+            answer_filter = functools.partial(filter_stats, principal)
+        elif route in TASK_QUERY_ROUTES and self.upstream is not None:
+            target = raw_path + "?" + restrict_task_query(query, self.allowed_indexes(principal))
+        elif route == ("GET", "/tasks/{task_id}"):
+            answer_filter = functools.partial(check_task_answer, principal, params["task_id"])
+        elif route == ("GET", "/batches/{batch_id}"):
+            answer_filter = functools.partial(check_batch_answer, principal, params["batch_id"])
+        elif route == ("GET", "/tasks/{task_id}/documents") and self.upstream is not None:
+            task_id = params["task_id"]
+            status, task = self.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
+            if status == 200:
+                check_task_answer(principal, task_id, task)
+        return target, body, answer_filter
+
+    def allowed_indexes(self, principal):
+        """The uids of the backend's indexes that `principal` covers."""
+        status, answer = self.upstream.fetch_json(
+            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
+        return [i["uid"] for i in answer.get("results", ())
+                if isinstance(i, dict) and isinstance(i.get("uid"), str)
+                and principal.allows_index(i["uid"])]
+
+    def answer_authorize(self, request):
+        """nginx auth_request: 204 when the original request is allowed."""
+        uri = request.headers.get("X-Original-URI")
+        if not uri:
+            raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
+                              "`X-Original-Method`) of the request to authorize.")
+        method = (request.headers.get("X-Original-Method") or "GET").strip().upper()
+        route = match_route(method, path_segments(uri))
+        if route is None or route == "method":
+            raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
+                           % (method, safe_path(uri)), "auth")
+        pattern, actions, index, _params = route
+        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        if handler_rules_apply(principal, (method, pattern), index):
+            raise restriction_not_enforceable(
+                (method, pattern), "through `GET /authorize`, which never sees the body nor "
+                "the answer (use `searchkeys.py serve --upstream` for such keys)")
+        request.respond(204)
+
+    def forward(self, request, target, payload=None, answer_filter=None):
+        """Send the authorized request upstream and stream the answer back.
+
+        `payload` is the body to send when the handler rules rewrote it;
+        `answer_filter` rewrites a successful JSON answer."""
+        upstream = self.upstream
+        body = request.body
+        if payload is None:
+            if body.finished:
+                payload = b""
+            elif body.size_known and body.remaining <= SMALL_BODY:
+                payload = body.read(SMALL_BODY)
+            else:
+                payload = body.chunks()
+        headers = upstream.headers_for(request.headers)
+        if answer_filter is not None:  # it must read the answer: no compression
+            headers = [(n, v) for n, v in headers if n.lower() != "accept-encoding"]
+        try:
+            connection, response = upstream.send(request.command, target, headers, payload)
+        except UpstreamError as exc:
+            if not body.finished:
+                request.close_connection = True
+            raise upstream_unreachable(upstream, exc)
+        try:
+            if answer_filter is not None and response.status == 200:
+                self.relay_filtered(request, response, answer_filter)
+            else:
+                self.relay(request, response)
+        except (OSError, BrokenBody):
+            connection.close()
+            request.close_connection = True
+            return
+        except ApiError:
+            connection.close()
+            raise
+        upstream.finish(connection, response)
+
+    @staticmethod
+    def relay_filtered(request, response, answer_filter):
+        """Send back a JSON answer after `answer_filter` rewrote it."""
+        data = response.body.read(MAX_UPSTREAM_JSON)
+        try:
+            data = compact_json(answer_filter(json.loads(data.decode("utf-8")))).encode()
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
+                           "JSON; it cannot be filtered for this key.", "system")
+        dropped = _connection_headers(response.headers) | {"content-length", "content-encoding"}
+        headers = [(n, v) for n, v in response.headers.items() if n.lower() not in dropped]
+        headers.append(("Content-Length", str(len(data))))
+        request.status = response.status
+        dated = response.headers.get("Date") is not None
+        request.wfile.write(request.head_lines(response.status, headers, dated) + data)
+
+    @staticmethod
+    def relay(request, response):
+        """Stream the backend's answer to the caller, re-framed for this hop."""
+        dropped = _connection_headers(response.headers) | {"content-length"}
+        headers = [(n, v) for n, v in response.headers.items() if n.lower() not in dropped]
+        status = response.status
+        request.status = status
+        dated = response.headers.get("Date") is not None
+        if not response.has_body:
+            length = response.headers.get("Content-Length")
+            if length is not None:
+                headers.append(("Content-Length", length))
+            request.wfile.write(request.head_lines(status, headers, dated))
+            return
+        if response.length is not None and response.length <= SMALL_BODY:
+            data = response.body.read(SMALL_BODY)
+            headers.append(("Content-Length", str(len(data))))
+            request.wfile.write(request.head_lines(status, headers, dated) + data)
+            return
+        chunked = response.length is None and request.request_version == "HTTP/1.1"
+        if response.length is not None:
+            headers.append(("Content-Length", str(response.length)))
+        elif chunked:
+            headers.append(("Transfer-Encoding", "chunked"))
+        else:
+            request.close_connection = True  # an HTTP/1.0 caller: the end is the close
+        request.wfile.write(request.head_lines(status, headers, dated))
+        for data in response.body.chunks():
+            request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+        if chunked:
+            request.wfile.write(b"0\r\n\r\n")
+
+
+def _cors_headers(request):
+    return [("Access-Control-Allow-Origin", "*")] if request.headers.get("Origin") else []
+
+
+def _preflight_headers(request):
+    """CORS preflight, as upstream's permissive actix-cors answers it."""
+    headers = [("Access-Control-Allow-Origin", "*"),
+               ("Access-Control-Allow-Methods",
+                request.headers.get("Access-Control-Request-Method", "")),
+               ("Access-Control-Max-Age", "86400")]
+    wanted = request.headers.get("Access-Control-Request-Headers")
+    if wanted:
+        headers.append(("Access-Control-Allow-Headers", wanted))
+    return headers
+
+
+def safe_path(raw):
+    """The path for logs: normalized, no query string, and no segment that
+    may be a secret (a key value after /keys/, or any long token)."""
+    segments = list(path_segments(raw))
+    for i, segment in enumerate(segments):
+        after_keys = i > 0 and segments[i - 1] == "keys"
+        if (after_keys or len(segment) >= 32) and not _CANONICAL_UUID_RE.match(segment.lower()):
+            segments[i] = "<hidden>"
+    return "/" + "/".join(segments)
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """Threaded HTTP server with a bound on simultaneous connections."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 1024
+
+    def __init__(self, address, service, max_connections=512):
+        self.service = service
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, RequestHandler)
+
+    def server_bind(self):
+        socketserver.TCPServer.server_bind(self)  # skip HTTPServer's slow getfqdn()
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def get_request(self):
+        connection, address = super().get_request()
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return connection, address
+
+    def process_request(self, request, client_address):
+        self._slots.acquire()  # at the bound, new connections wait in the backlog
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+# =============================================================================
+# Client: manage keys on any Meilisearch-compatible server
+# =============================================================================
+
+
+class ClientError(Exception):
+    """The server answered with an error: `status`, `code`, `message`."""
+
+    def __init__(self, status, code, message):
+        super().__init__("%s: %s" % (code, message))
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class ConnectionFailed(Exception):
+    """The server could not be reached; the message names the URL tried."""
+
+
+class Client:
+    """A small client of the /keys API (urllib; used by the CLI)."""
+
+    def __init__(self, url=DEFAULT_URL, key=None, timeout=30.0):
+        self.url = url.rstrip("/")
+        self.key = key
+        self.timeout = timeout
+
+    def request(self, method, path, body=None):
+        """JSON in, JSON out; ClientError or ConnectionFailed on failure."""
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = compact_json(body).encode()
+            headers["Content-Type"] = "application/json"
+        if self.key:
+            headers["Authorization"] = "Bearer " + self.key
+        url = self.url + path
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            raise _client_error(exc.code, exc.read())
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ConnectionFailed("cannot connect to %s: %s" % (url, reason))
+        return json.loads(payload.decode("utf-8")) if payload else None
+
+    def create_key(self, actions, indexes, expires_at=None, name=None, description=None,
+                   uid=None):
+        """POST /keys. `expires_at`: None (never) or an RFC 3339 / date string."""
+        body = {}
+        for field, value in (("description", description), ("name", name), ("uid", uid)):
+            if value is not None:
+                body[field] = value
+        body.update(actions=list(actions), indexes=list(indexes), expiresAt=expires_at)
+        return self.request("POST", "/keys", body)
+
+    def list_keys(self, offset=None, limit=None):
+        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+        query = "?" + urllib.parse.urlencode(params) if params else ""
+        return self.request("GET", "/keys" + query)
+
+    def get_key(self, key_or_uid):
+        return self.request("GET", _key_path(key_or_uid))
+
+    def update_key(self, key_or_uid, **changes):
+        """PATCH /keys/{k} with `name` and/or `description` (None clears)."""
+        return self.request("PATCH", _key_path(key_or_uid), changes)
+
+    def delete_key(self, key_or_uid):
+        self.request("DELETE", _key_path(key_or_uid))
+
+
+def _key_path(key_or_uid):
+    return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
+
+
+def _client_error(status, payload):
+    try:
+        error = json.loads(payload.decode("utf-8"))
+        return ClientError(status, error["code"], error["message"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        text = payload.decode("utf-8", "replace").strip() or http.client.responses.get(status, "")
+        return ClientError(status, "http_%d" % status, text)
+
+
+# =============================================================================
+# Command line
+# =============================================================================
+
+
+def _split_list(text):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def check_actions(text):
+    """--actions A,B -> list; ValueError naming an unknown action (with a hint)."""
+    actions = _split_list(text)
+    for action in actions:
+        if action not in ACTION_SET:
+            hint = did_you_mean(action, ACTIONS).strip()
+            raise ValueError("unknown action `%s`%s" % (action, ": " + hint if hint else ""))
+    if not actions:
+        raise ValueError("--actions is empty")
+    return actions
+
+
+def check_indexes(text):
+    indexes = _split_list(text)
+    if not indexes:
+        raise ValueError("--indexes is empty: name at least one index, or `*` for all")
+    for pattern in indexes:
+        if not is_valid_index_pattern(pattern):
+            raise ValueError("`%s` is not a valid index uid pattern" % pattern)
+    return indexes
+
+
+def check_expires_at(text):
+    """--expires-at value -> what to send: None for `never`, else the text."""
+    if text == "never":
+        return None
+    instant = parse_expires_at(text)
+    if instant is None:
+        raise ValueError("`%s` is not a valid date: use RFC 3339 (2030-01-31T00:00:00Z), "
+                         "'YYYY-MM-DD HH:MM:SS' or 'YYYY-MM-DD', or `never`" % text)
+    if instant.ns <= time.time_ns():
+        raise ValueError("--expires-at `%s` is in the past" % text)
+    return text
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help="server URL (env MEILI_URL, default %s)" % DEFAULT_URL)
+    common.add_argument("--key", default=argparse.SUPPRESS,
+                        help="credential sent as Bearer (env MEILI_MASTER_KEY)")
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="print only key values")
+
+    parser = argparse.ArgumentParser(
+        prog="searchkeys.py", parents=[common],
+        description="Meilisearch-compatible API-key service, guard and client.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    serve = commands.add_parser("serve", help="run the key service / guard")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=7700, help="listen port (7700)")
+    serve.add_argument("--master-key", default=os.environ.get("MEILI_MASTER_KEY"),
+                       help="master key (env MEILI_MASTER_KEY)")
+    serve.add_argument("--store", help="JSON file of keys (default: in memory)")
+    serve.add_argument("--upstream", help="search backend to forward authorized requests to")
+    serve.add_argument("--upstream-key", default=os.environ.get("SEARCHKEYS_UPSTREAM_KEY"),
+                       help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY)")
+    serve.add_argument("--max-connections", type=int, default=512,
+                       help="simultaneous connections served (512)")
+
+    keys = commands.add_parser("keys", help="manage API keys on a server")
+    key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")
+    key_commands.required = True
+    create = key_commands.add_parser("create", parents=[common], help="create a key")
+    shape = create.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--preset", choices=sorted(PRESETS),
+                       help="search: search only; backend: search + manage documents")
+    shape.add_argument("--actions", help="comma-separated actions")
+    create.add_argument("--indexes", required=True, help="comma-separated index patterns")
+    create.add_argument("--expires-at", default="never", help="ISO 8601 date or `never`")
+    create.add_argument("--description")
+    create.add_argument("--name")
+    create.add_argument("--uid")
+    listing = key_commands.add_parser("list", parents=[common], help="list keys")
+    listing.add_argument("--offset", type=int)
+    listing.add_argument("--limit", type=int)
+    get = key_commands.add_parser("get", parents=[common], help="show one key")
+    get.add_argument("key_or_uid")
+    update = key_commands.add_parser("update", parents=[common], help="rename a key")
+    update.add_argument("key_or_uid")
+    update.add_argument("--name")
+    update.add_argument("--description")
+    delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
+    delete.add_argument("key_or_uid")
+
+    token = commands.add_parser("token", parents=[common],
+                                help="mint a tenant token offline")
+    token.add_argument("--api-key", required=True, help="the parent key's value")
+    token.add_argument("--uid", required=True, help="the parent key's uid")
+    token.add_argument("--rules", required=True,
+                       help='searchRules as JSON, e.g. \'["blog"]\' or '
+                            '\'{"blog": {"filter": "user = 1"}}\'')
+    token.add_argument("--expires-at", help="ISO 8601 date")
+    token.add_argument("--algorithm", choices=sorted(JWT_HASHES), default="HS256")
+    return parser
+
+
+def _log_to_stderr(message):
+    sys.stderr.write(message + "\n")
+
+
+def run_serve(args):
+    master_key = args.master_key or None
+    if master_key is None:
+        _log_to_stderr("searchkeys: warning: no master key: /keys answers 401 and every other "
+                       "route is open")
+    elif len(master_key.encode()) < 16:
+        _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
+                       "(Meilisearch refuses such a key in production)")
+    try:
+        store = KeyStore(master_key, args.store, _log_to_stderr)
+        gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
+        upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
+        server = Server((args.host, args.port), Service(store, master_key, upstream,
+                                                         _log_to_stderr), args.max_connections)
+    except (StoreError, StoreWriteError, ValueError, OSError) as exc:
+        _log_to_stderr("searchkeys: cannot start: %s" % exc)
+        return 1
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the checkpoint finish
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
+        len(store), " in " + args.store if args.store else " in memory", args.host,
+        server.server_address[1], " -> " + upstream.display_url if upstream else ""))
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    try:
+        store.checkpoint()
+    except StoreWriteError as exc:  # every change is in the journal anyway
+        _log_to_stderr("searchkeys: could not fold the journal into the snapshot: %s" % exc)
+    return 0
+
+
+def run_keys(args):
+    client = Client(args.url, args.key)
+    command = args.keys_command
+    if command == "create":
+        key = client.create_key(args.actions, args.indexes, args.expires_at, name=args.name,
+                                description=args.description, uid=args.uid)
+    elif command == "list":
+        listing = client.list_keys(args.offset, args.limit)
+        return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
+    elif command == "get":
+        key = client.get_key(args.key_or_uid)
+    elif command == "update":
+        changes = {f: getattr(args, f) for f in ("name", "description")
+                   if getattr(args, f) is not None}
+        key = client.update_key(args.key_or_uid, **changes)
+    else:
+        client.delete_key(args.key_or_uid)
+        return 0
+    return _print(args, key, [key.get("key")])
+
+
+def _print(args, value, key_values):
+    if args.quiet:
+        for key_value in key_values:
+            print(key_value)
+    else:
+        print(json.dumps(value, indent=2, ensure_ascii=False))
+    return 0
+
+
+def run_token(args):
+    print(sign_tenant_token(args.api_key, args.uid, args.rules, args.expires_at,
+                            args.algorithm))
+    return 0
+
+
+def check_client_args(parser, args):
+    """Catch bad arguments before any request is sent."""
+    args.url = getattr(args, "url", None) or os.environ.get("MEILI_URL") or DEFAULT_URL
+    args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
+    args.quiet = getattr(args, "quiet", False)
+    try:
+        if args.command == "keys" and args.keys_command == "create":
+            args.actions = PRESETS[args.preset] if args.preset else check_actions(args.actions)
+            args.indexes = check_indexes(args.indexes)
+            args.expires_at = check_expires_at(args.expires_at)
+            if args.uid is not None:
+                args.uid = parse_uuid(args.uid)
+        elif args.command == "keys" and args.keys_command == "list":
+            for name in ("offset", "limit"):
+                if getattr(args, name) is not None and getattr(args, name) < 0:
+                    raise ValueError("--%s must be 0 or more" % name)
+        elif args.command == "token":
+            args.uid = parse_uuid(args.uid)
+            try:
+                args.rules = json.loads(args.rules)
+            except ValueError as exc:
+                raise ValueError("--rules is not JSON: %s" % exc)
+            if not _valid_search_rules(args.rules):
+                raise ValueError("--rules must be a JSON array of index patterns or an object "
+                                 "of index pattern -> null or {\"filter\": ...}")
+            if args.expires_at is not None:
+                args.expires_at = check_expires_at(args.expires_at)
+                args.expires_at = parse_expires_at(args.expires_at).ns // 10 ** 9
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    check_client_args(parser, args)
+    try:
+        if args.command == "token":
+            return run_token(args)
+        return run_keys(args)
+    except ClientError as exc:
+        _log_to_stderr("error: %s: %s" % (exc.code, exc.message))
+    except ConnectionFailed as exc:
+        _log_to_stderr("error: %s" % exc)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

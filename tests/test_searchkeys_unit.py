@@ -1,0 +1,935 @@
+"""Unit tests of searchkeys.py's pure parts: permission model, validation,
+dates, uuids, key derivation, tenant tokens and the key store.
+
+The expectations are restated here from the specs (meilisearch-keys.md) rather
+than read from the module, so a wrong constant in searchkeys.py fails a test.
+"""
+import json
+import os
+import random
+import stat
+import time
+
+import pytest
+
+import searchkeys as sk
+
+MASTER = "MASTER_KEY"
+FUTURE = "2099-01-01T00:00:00Z"
+
+# ---------------------------------------------------------------------------------------------
+# Actions and wildcards (spec §3)
+# ---------------------------------------------------------------------------------------------
+
+READS = {"search", "documents.get", "export", "indexes.get", "tasks.get", "settings.get",
+         "stats.get", "metrics.get", "version", "experimental.get", "network.get", "chats.get",
+         "chatsSettings.get", "webhooks.get", "fields.post", "dynamicSearchRules.get"}
+# What each wildcard grants (§3.1); every other action grants itself only.
+WILDCARDS = {
+    "*.get": READS,
+    "documents.*": {"documents.add", "documents.get", "documents.delete"},
+    "indexes.*": {"indexes.create", "indexes.get", "indexes.update", "indexes.delete",
+                  "indexes.swap", "indexes.compact"},
+    "tasks.*": {"tasks.get", "tasks.delete", "tasks.cancel", "tasks.compact"},
+    "settings.*": {"settings.get", "settings.update"},
+    "stats.*": {"stats.get"}, "metrics.*": {"metrics.get"}, "dumps.*": {"dumps.create"},
+    "snapshots.*": {"snapshots.create"},
+    "chats.*": {"chats.get", "chats.delete"},
+    "chatsSettings.*": {"chatsSettings.get", "chatsSettings.update"},
+    "webhooks.*": {"webhooks.get", "webhooks.update", "webhooks.delete", "webhooks.create"},
+    "dynamicSearchRules.*": {"dynamicSearchRules.get", "dynamicSearchRules.create",
+                             "dynamicSearchRules.update", "dynamicSearchRules.delete"},
+}
+
+
+def grants_alone(action, required):
+    """Does a key holding only `action` hold `required`? (`*` holds everything.)"""
+    return action == "*" or required in WILDCARDS.get(action, {action})
+
+
+def test_action_list_is_upstreams_in_order():
+    assert len(sk.ACTIONS) == 58 and len(set(sk.ACTIONS)) == 58
+    assert sk.ACTIONS[:6] == ("*", "search", "documents.*", "documents.add", "documents.get",
+                              "documents.delete")
+    assert sk.ACTIONS[-5:] == ("dynamicSearchRules.get", "dynamicSearchRules.create",
+                               "dynamicSearchRules.update", "dynamicSearchRules.delete",
+                               "dynamicSearchRules.*")
+    assert sk.ACTIONS.index("*.get") == 44 and sk.ACTIONS.index("chatCompletions") == 37
+    for missing in ("keys.*", "experimental.*", "network.*", "Search"):
+        assert missing not in sk.ACTIONS
+
+
+def test_expansion():
+    assert sk.expand("*") == frozenset(sk.ACTIONS)
+    for wildcard, members in WILDCARDS.items():
+        assert sk.expand(wildcard) == members, wildcard
+    assert "documents.*" not in sk.expand("documents.*")
+    assert "keys.get" not in sk.expand("*.get") and "chatCompletions" not in sk.expand("*.get")
+    assert sk.expand("search") == {"search"}
+    assert sk.grants(("search", "documents.*")) == {"search", "documents.add", "documents.get",
+                                                    "documents.delete"}
+
+
+def test_index_scopes_partition_the_actions():
+    scopes = [sk.GLOBAL_ACTIONS, sk.HANDLER_CHECKED_ACTIONS, sk.INDEX_ONLY_ACTIONS,
+              sk.MULTI_SCOPE_ACTIONS]
+    assert sum(len(s) for s in scopes) == 58 and set().union(*scopes) == set(sk.ACTIONS)
+    assert {"version", "keys.get", "tasks.compact", "export"} <= sk.GLOBAL_ACTIONS
+    assert {"search", "stats.*", "chatCompletions"} <= sk.HANDLER_CHECKED_ACTIONS
+    assert sk.index_scoped_global_action(["search", "version", "keys.get"], ["products"]) \
+        == "version"
+    assert sk.index_scoped_global_action(["version"], ["products", "*"]) is None
+    assert sk.index_scoped_global_action(["version"], []) is None
+    assert sk.index_scoped_global_action(["*", "*.get"], ["products"]) is None
+
+
+@pytest.mark.parametrize("pattern,index,matches", [
+    ("*", "anything", True), ("movies", "movies", True), ("movies", "Movies", False),
+    ("movies", "movies2", False), ("mov*", "mov", True), ("mov*", "movies", True),
+    ("mov*", "mo", False), ("Zeta", "zeta", False),
+])
+def test_pattern_matches(pattern, index, matches):
+    assert sk.pattern_matches(pattern, index) is matches
+
+
+def test_index_pattern_validity():
+    for good in ("*", "movies", "a-b_C9", "mov*", "1", "x" * 400, "x" * 400 + "*"):
+        assert sk.is_valid_index_pattern(good), good
+    for bad in ("", "*movies", "mo*vies", "movies**", "mo vies", "é", "a.b", "x" * 401, "**"):
+        assert not sk.is_valid_index_pattern(bad), bad
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole route table (§8), walked like upstream's authorization.rs
+# ---------------------------------------------------------------------------------------------
+
+SETTINGS_PUT = ("filterable-attributes", "sortable-attributes", "displayed-attributes",
+                "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+                "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+                "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+                "prefix-search", "foreign-keys")
+SETTINGS_PATCH = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+
+# (method, path, required actions, scoped keys allowed on this index-less route)
+# Paths naming an index use `products`.
+ROUTE_TABLE = [
+    ("GET", "/version", ["version"], False),
+    ("GET", "/stats", ["stats.get"], True),
+    ("GET", "/keys", ["keys.get"], False),
+    ("POST", "/keys", ["keys.create"], False),
+    ("GET", "/keys/some-key", ["keys.get"], False),
+    ("PATCH", "/keys/some-key", ["keys.update"], False),
+    ("DELETE", "/keys/some-key", ["keys.delete"], False),
+    ("GET", "/indexes", ["indexes.get"], True),
+    ("POST", "/indexes", ["indexes.create"], True),
+    ("GET", "/indexes/products", ["indexes.get"], None),
+    ("PATCH", "/indexes/products", ["indexes.update"], None),
+    ("DELETE", "/indexes/products", ["indexes.delete"], None),
+    ("GET", "/indexes/products/stats", ["stats.get"], None),
+    ("POST", "/indexes/products/fields", ["fields.post"], None),
+    ("POST", "/indexes/products/compact", ["indexes.compact"], None),
+    ("GET", "/indexes/products/search", ["search"], None),
+    ("POST", "/indexes/products/search", ["search"], None),
+    ("POST", "/indexes/products/facet-search", ["search"], None),
+    ("GET", "/indexes/products/similar", ["search"], None),
+    ("POST", "/indexes/products/similar", ["search"], None),
+    ("GET", "/indexes/products/documents", ["documents.get"], None),
+    ("POST", "/indexes/products/documents", ["documents.add"], None),
+    ("PUT", "/indexes/products/documents", ["documents.add"], None),
+    ("DELETE", "/indexes/products/documents", ["documents.delete"], None),
+    ("POST", "/indexes/products/documents/delete-batch", ["documents.delete"], None),
+    ("POST", "/indexes/products/documents/delete", ["documents.delete"], None),
+    ("POST", "/indexes/products/documents/fetch", ["documents.get"], None),
+    ("POST", "/indexes/products/documents/edit", ["documents.*"], None),
+    ("GET", "/indexes/products/documents/42", ["documents.get"], None),
+    ("DELETE", "/indexes/products/documents/42", ["documents.delete"], None),
+    ("GET", "/indexes/products/settings", ["settings.get"], None),
+    ("PATCH", "/indexes/products/settings", ["settings.update"], None),
+    ("DELETE", "/indexes/products/settings", ["settings.update"], None),
+] + [
+    (method, "/indexes/products/settings/" + name, [action], None)
+    for names, verb in ((SETTINGS_PUT, "PUT"), (SETTINGS_PATCH, "PATCH")) for name in names
+    for method, action in (("GET", "settings.get"), (verb, "settings.update"),
+                           ("DELETE", "settings.update"))
+] + [
+    ("POST", "/multi-search", ["search"], True),
+    ("POST", "/swap-indexes", ["indexes.swap"], True),
+    ("POST", "/render-template", ["settings.get", "documents.get"], True),
+    ("GET", "/tasks", ["tasks.get"], True),
+    ("DELETE", "/tasks", ["tasks.delete"], True),
+    ("POST", "/tasks/cancel", ["tasks.cancel"], True),
+    ("POST", "/tasks/compact", ["tasks.compact"], False),
+    ("GET", "/tasks/7", ["tasks.get"], True),
+    ("GET", "/tasks/7/documents", ["tasks.get"], True),
+    ("GET", "/batches", ["tasks.get"], True),
+    ("GET", "/batches/7", ["tasks.get"], True),
+    ("POST", "/dumps", ["dumps.create"], False),
+    ("POST", "/snapshots", ["snapshots.create"], False),
+    ("GET", "/metrics", ["metrics.get"], False),
+    ("POST", "/logs/stream", ["metrics.get"], False),
+    ("DELETE", "/logs/stream", ["metrics.get"], False),
+    ("POST", "/logs/stderr", ["metrics.get"], False),
+    ("GET", "/experimental-features", ["experimental.get"], False),
+    ("PATCH", "/experimental-features", ["experimental.update"], False),
+    ("POST", "/export", ["export"], False),
+    ("GET", "/network", ["network.get"], False),
+    ("PATCH", "/network", ["network.update"], False),
+    ("POST", "/network/control", ["network.update"], False),
+    ("GET", "/webhooks", ["webhooks.get"], False),
+    ("POST", "/webhooks", ["webhooks.create"], False),
+    ("GET", "/webhooks/0b9b6c52-3e33-4a2c-9b7a-0e7cba6cb9e2", ["webhooks.get"], False),
+    ("PATCH", "/webhooks/0b9b6c52-3e33-4a2c-9b7a-0e7cba6cb9e2", ["webhooks.update"], False),
+    ("DELETE", "/webhooks/0b9b6c52-3e33-4a2c-9b7a-0e7cba6cb9e2", ["webhooks.delete"], False),
+    ("POST", "/dynamic-search-rules", ["dynamicSearchRules.get"], False),
+    ("DELETE", "/dynamic-search-rules", ["dynamicSearchRules.delete"], False),
+    ("GET", "/dynamic-search-rules/r1", ["dynamicSearchRules.get"], False),
+    ("PATCH", "/dynamic-search-rules/r1", ["dynamicSearchRules.update"], False),
+    ("DELETE", "/dynamic-search-rules/r1", ["dynamicSearchRules.delete"], False),
+    ("GET", "/chats", ["chats.get"], False),
+    ("GET", "/chats/w1", ["chats.get"], False),
+    ("DELETE", "/chats/w1", ["chats.delete"], False),
+    ("GET", "/chats/w1/settings", ["chatsSettings.get"], False),
+    ("PATCH", "/chats/w1/settings", ["chatsSettings.update"], False),
+    ("DELETE", "/chats/w1/settings", ["chatsSettings.update"], False),
+    ("POST", "/chats/w1/chat/completions", ["chatCompletions"], True),
+]
+INVALID = "The provided API key is invalid."
+
+
+def route_of(method, path):
+    route = sk.match_route(method, sk.path_segments(path))
+    assert isinstance(route, tuple), (method, path, route)
+    return route
+
+
+def test_route_table_matches_the_spec():
+    for method, path, required, _scoped in ROUTE_TABLE:
+        _pattern, actions, index, _params = route_of(method, path)
+        assert list(actions) == required, (method, path)
+        assert index == ("products" if path.startswith("/indexes/products") else None), path
+    # every route of the module is in the table above (nothing extra is guarded)
+    listed = {(m, sk.match_route(m, sk.path_segments(p))[0]) for m, p, _r, _s in ROUTE_TABLE}
+    declared = {(m, pattern) for pattern, methods in sk.ROUTES for m, actions in methods.items()
+                if actions}
+    assert declared == listed
+    assert route_of("GET", "/health")[1] == () and route_of("GET", "/")[1] == ()
+
+
+def test_route_lookup_edges():
+    assert sk.match_route("GET", sk.path_segments("/nothing")) is None
+    assert sk.match_route("PUT", sk.path_segments("/keys")) == "method"
+    assert sk.match_route("GET", sk.path_segments("/indexes/products/documents/fetch")) \
+        == "method"  # the literal resource wins, like actix
+    assert route_of("GET", "/keys/")[0] == "/keys"
+    assert route_of("GET", "//indexes//products/search/")[2] == "products"
+    assert route_of("GET", "/%6Beys")[0] == "/keys"
+    assert route_of("GET", "/keys/%2F")[3] == {"key": "/"}
+    assert route_of("GET", "/indexes/mo%76ies/search?q=1")[2] == "movies"
+
+
+@pytest.fixture(scope="module")
+def one_action_keys():
+    """For every action: a global key and a key scoped to `products`, holding only it."""
+    store = sk.KeyStore(MASTER)
+    made = {}
+    for action in sk.ACTIONS:
+        made[action, "global"] = store.create(
+            {"actions": [action], "indexes": ["*"], "expiresAt": None}).value
+        # the store does not re-check the index-scope rule (the HTTP layer does)
+        made[action, "scoped"] = store.create(
+            {"actions": [action], "indexes": ["products"], "expiresAt": None}).value
+    return sk.Guard(store, MASTER), made
+
+
+def decision(guard, token, method, path):
+    _pattern, actions, index, _params = route_of(method, path)
+    try:
+        guard.check("Bearer " + token, actions, index)
+        return None
+    except sk.ApiError as error:
+        assert (error.status, error.code, error.kind) == (403, "invalid_api_key", "auth")
+        return error.message
+
+
+def test_authorize_walks_the_whole_route_table(one_action_keys):
+    guard, made = one_action_keys
+    for method, path, required, scoped_ok in ROUTE_TABLE:
+        for action in sk.ACTIONS:
+            granted = all(grants_alone(action, r) for r in required)
+            got = decision(guard, made[action, "global"], method, path)
+            assert (got is None) == granted, (method, path, action, got)
+            scoped = decision(guard, made[action, "scoped"], method, path)
+            allowed = granted and (scoped_ok is None or scoped_ok)
+            assert (scoped is None) == allowed, (method, path, action, "scoped", scoped)
+            if scoped is not None:
+                assert scoped == INVALID
+        assert decision(guard, MASTER, method, path) is None
+
+
+def test_foreign_index_is_refused_before_the_action(one_action_keys):
+    guard, made = one_action_keys
+    for method, path, _required, scoped_ok in ROUTE_TABLE:
+        if scoped_ok is not None:
+            continue
+        other = path.replace("/indexes/products", "/indexes/other")
+        for action in ("search", "version", "*"):
+            assert decision(guard, made[action, "scoped"], method, other) == (
+                'The API key cannot acces the index `other`, authorized indexes are '
+                '["products"].'), (method, other, action)
+
+
+class FakeKey:
+    """Just what authorize() reads from a key."""
+
+    def __init__(self, actions, indexes, expires_ns=None):
+        self.grants = sk.grants(tuple(actions))
+        self.indexes = tuple(indexes)
+        self.is_global = "*" in indexes
+        self.expires_ns = expires_ns
+
+    def is_expired(self, now_ns=None):
+        return self.expires_ns is not None and now_ns >= self.expires_ns
+
+
+def test_authorize_pure_rules():
+    key = FakeKey(["search", "documents.get"], ["products", "Zeta", "movies*"])
+    assert sk.authorize(key, "search", "movies2024", 0) is None
+    assert sk.authorize(key, "search", None, 0) is None  # handler-checked
+    assert sk.authorize(key, "documents.add", "products", 0).message == INVALID
+    assert sk.authorize(key, "search", "zeta", 0).message == (
+        'The API key cannot acces the index `zeta`, authorized indexes are '
+        '["Zeta", "movies*", "products"].')
+    expiring = FakeKey(["search"], ["*"], expires_ns=100)
+    assert sk.authorize(expiring, "search", "x", 99) is None
+    assert sk.authorize(expiring, "search", "x", 100).message == INVALID  # now < expiresAt only
+    nothing = FakeKey(["search"], [])
+    assert sk.authorize(nothing, "search", None, 0).message == INVALID
+    assert "cannot acces" in sk.authorize(nothing, "search", "x", 0).message
+
+
+def test_authorize_with_tenant_rules():
+    parent = FakeKey(["search"], ["movies*", "shows"])
+    assert sk.authorize(parent, "search", "movies", 0, tenant_rules=["movies"]) is None
+    assert sk.authorize(parent, "search", "shows", 0, tenant_rules={"sh*": None}) is None
+    assert sk.authorize(parent, "search", "other", 0, tenant_rules={"b": {}, "a*": None}) \
+        .message == ('The provided tenant token cannot acces the index `other`, allowed '
+                     'indexes are ["a*", "b"].')
+    assert sk.authorize(parent, "search", "books", 0, tenant_rules=["*"]).message == (
+        "The API key used to generate this tenant token cannot acces the index `books`.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Authentication headers (§2.3, §7)
+# ---------------------------------------------------------------------------------------------
+
+def test_authentication_headers():
+    store = sk.KeyStore(MASTER)
+    guard = sk.Guard(store, MASTER)
+    search = ("search",)
+
+    def code(header, actions=search, index="movies", g=guard):
+        try:
+            g.check(header, actions, index)
+            return "ok"
+        except sk.ApiError as error:
+            return error.status, error.code
+
+    assert code(None) == (401, "missing_authorization_header")
+    for header in ("Basic x", "bearer " + MASTER, "Token x", "Bearer\u00e9 x", ""):
+        assert code(header) == (401, "missing_authorization_header"), header
+    assert code("Bearer") == (403, "invalid_api_key")
+    assert code("Bearer ") == (403, "invalid_api_key")
+    assert code("Bearer " + MASTER) == "ok"
+    assert code("Bearer  " + MASTER) == (403, "invalid_api_key")
+    assert code(None, ()) == "ok"  # public route
+    open_guard = sk.Guard(sk.KeyStore(None), None)
+    assert code(None, g=open_guard) == "ok"
+    assert code("Bearer anything", g=open_guard) == "ok"
+    assert code("Basic x", g=open_guard) == (401, "missing_authorization_header")
+    assert code("Bearer", g=open_guard) == (403, "invalid_api_key")
+    for header in (None, "Bearer x", "Bearer " + MASTER):
+        assert code(header, ("keys.get",), None, open_guard) == (401, "missing_master_key")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation messages (§1.2, §2)
+# ---------------------------------------------------------------------------------------------
+
+def create_error(body):
+    with pytest.raises(sk.ApiError) as info:
+        sk.validate_create(body, time.time_ns())
+    return info.value.code, info.value.message
+
+
+def test_damerau_levenshtein():
+    assert sk.damerau_levenshtein("kitten", "sitting") == 3
+    assert sk.damerau_levenshtein("ab", "ba") == 1
+    assert sk.damerau_levenshtein("CA", "ABC") == 2  # unrestricted: not the OSA 3
+    assert sk.damerau_levenshtein("", "abc") == 3
+    assert sk.damerau_levenshtein("search", "search") == 0
+
+
+@pytest.mark.parametrize("received,hint", [
+    ("serch", "search"), ("Search", "search"), ("saerch", "search"), ("expires_at", "expiresAt"),
+    ("sea", None),                        # 3 bytes: no typo allowed
+    ("seerch", "search"), ("sxxrch", None),   # 6 bytes: 1 typo
+    ("documents.ad", "documents.add"), ("documents.XXXX", None),  # 12 bytes: 2, 14: 3
+    ("documentsXXX.add", "documents.add"),
+])
+def test_did_you_mean_thresholds(received, hint):
+    accepted = list(sk.ACTIONS) + list(sk.CREATE_FIELDS)
+    expected = "did you mean `%s`? " % hint if hint else ""
+    assert sk.did_you_mean(received, accepted) == expected
+
+
+def test_did_you_mean_on_huge_input_is_quick():
+    started = time.monotonic()
+    assert sk.did_you_mean("s" * 1_000_000, sk.ACTIONS) == ""
+    assert time.monotonic() - started < 5  # generous: without the length guard, minutes
+
+
+def test_create_validation_messages():
+    assert create_error({}) == ("missing_api_key_actions", "Missing field `actions`")
+    assert create_error({"actions": []}) == ("missing_api_key_indexes", "Missing field `indexes`")
+    assert create_error({"actions": [], "indexes": []}) == (
+        "missing_api_key_expires_at", "Missing field `expiresAt`")
+    assert create_error([]) == (
+        "bad_request", "Invalid value type: expected an object, but found an array: `[]`")
+    assert create_error({"expires_at": 1}) == (
+        "bad_request", "Unknown field `expires_at`: did you mean `expiresAt`? expected one of "
+        "`description`, `name`, `uid`, `actions`, `indexes`, `expiresAt`")
+    assert create_error({"name": 13}) == (
+        "invalid_api_key_name",
+        "Invalid value type at `.name`: expected a string, but found a positive integer: `13`")
+    assert create_error({"description": {"name": "products"}}) == (
+        "invalid_api_key_description", "Invalid value type at `.description`: expected a "
+        'string, but found an object: `{"name":"products"}`')
+    assert create_error({"actions": "search"}) == (
+        "invalid_api_key_actions",
+        'Invalid value type at `.actions`: expected an array, but found a string: `"search"`')
+    assert create_error({"actions": [True]}) == (
+        "invalid_api_key_actions",
+        "Invalid value type at `.actions[0]`: expected a string, but found a boolean: `true`")
+    code, message = create_error({"actions": ["search", "serch"]})
+    assert code == "invalid_api_key_actions" and message.startswith(
+        "Unknown value `serch` at `.actions[1]`: did you mean `search`? expected one of `*`, "
+        "`search`, `documents.*`,")
+    assert message.endswith("`dynamicSearchRules.delete`, `dynamicSearchRules.*`")
+    assert create_error({"indexes": [-1]}) == (
+        "invalid_api_key_indexes",
+        "Invalid value type at `.indexes[0]`: expected a string, but found a negative integer: "
+        "`-1`")
+    assert create_error({"indexes": ["ok", "mo*vies"]}) == (
+        "invalid_api_key_indexes", "Invalid value at `.indexes[1]`: `mo*vies` is not a valid "
+        "index uid pattern. Index uid patterns can be an integer or a string containing only "
+        "alphanumeric characters, hyphens (-), underscores (_), and optionally end with a star "
+        "(*).")
+    assert create_error({"uid": None}) == (
+        "invalid_api_key_uid", "Invalid value type at `.uid`: expected a string, but found null")
+    assert create_error({"uid": "doggo"}) == (
+        "invalid_api_key_uid", "Invalid value at `.uid`: invalid character: found `o` at 1")
+    assert create_error({"expiresAt": 1.5}) == (
+        "invalid_api_key_expires_at",
+        "Invalid value type at `.expiresAt`: expected a string, but found a number: `1.5`")
+    code, message = create_error({"expiresAt": "2020-01-01"})
+    assert code == "invalid_api_key_expires_at" and message == (
+        "Invalid value at `.expiresAt`: `2020-01-01` is not a valid date. It should follow the "
+        "RFC 3339 format to represents a date or datetime in the future or specified as a null "
+        "value. e.g. 'YYYY-MM-DD' or 'YYYY-MM-DD HH:MM:SS'.\n")
+    # document order: the first problem wins, whatever the field
+    assert create_error({"uid": 1, "name": 2})[0] == "invalid_api_key_uid"
+    assert create_error({"name": 2, "uid": 1})[0] == "invalid_api_key_name"
+    assert create_error({"nope": 1, "actions": 2})[0] == "bad_request"
+    assert create_error({"actions": ["search", "keys.get", "version"], "indexes": ["products"],
+                         "expiresAt": None}) == (
+        "index_scoped_api_key_with_global_action",
+        'cannot create index-scoped API key with global action `"keys.get"`\n  - Hint: remove '
+        'action `"keys.get"` from the action list, or remove `indexes` to make the key global')
+
+
+def test_create_validation_accepts():
+    fields = sk.validate_create({"uid": "{9A77A636-E4E2-4F1A-93AC-978C368FD596}",
+                                 "actions": ["search", "search"], "indexes": [],
+                                 "expiresAt": None, "name": "", "description": None},
+                                time.time_ns())
+    assert fields["uid"] == "9a77a636-e4e2-4f1a-93ac-978c368fd596"
+    assert fields["actions"] == ["search", "search"] and fields["indexes"] == []
+    assert fields["expiresAt"] is None and fields["name"] == ""
+
+
+def test_patch_validation():
+    assert sk.validate_patch({"name": None, "description": "d"}) == {"name": None,
+                                                                      "description": "d"}
+    for field, code in (("uid", "immutable_api_key_uid"), ("actions", "immutable_api_key_actions"),
+                        ("indexes", "immutable_api_key_indexes"),
+                        ("expiresAt", "immutable_api_key_expires_at"),
+                        ("createdAt", "immutable_api_key_created_at"),
+                        ("updatedAt", "immutable_api_key_updated_at")):
+        with pytest.raises(sk.ApiError) as info:
+            sk.validate_patch({field: 1})
+        assert (info.value.code, info.value.message) == (
+            code, "Immutable field `%s`: expected one of `description`, `name`" % field)
+    with pytest.raises(sk.ApiError) as info:
+        sk.validate_patch({"key": "x"})
+    assert info.value.message == "Unknown field `key`: expected one of `description`, `name`"
+
+
+def test_list_query():
+    assert sk.validate_list_query("") == (0, 20)
+    assert sk.validate_list_query("offset=2&limit=0") == (2, 0)
+    assert sk.validate_list_query("limit=%2B5") == (0, 5)
+    for query, code, raw in (("offset=-1", "invalid_api_key_offset", "-1"),
+                             ("limit=", "invalid_api_key_limit", ""),
+                             ("limit=1.0", "invalid_api_key_limit", "1.0"),
+                             ("limit=18446744073709551616", "invalid_api_key_limit",
+                              "18446744073709551616")):
+        with pytest.raises(sk.ApiError) as info:
+            sk.validate_list_query(query)
+        name = code.rsplit("_", 1)[1]
+        assert (info.value.code, info.value.message) == (
+            code, "Invalid value in parameter `%s`: could not parse `%s` as a positive integer"
+            % (name, raw))
+    with pytest.raises(sk.ApiError) as info:
+        sk.validate_list_query("fields=uid")
+    assert info.value.message == "Unknown parameter `fields`: expected one of `offset`, `limit`"
+
+
+def test_content_type_and_payload():
+    for good in ("application/json", "application/json; charset=utf-8", "text/json",
+                 "application/vnd.api+json", "Application/JSON"):
+        sk.check_content_type(good)
+    with pytest.raises(sk.ApiError) as info:
+        sk.check_content_type(None)
+    assert (info.value.status, info.value.code) == (415, "missing_content_type")
+    with pytest.raises(sk.ApiError) as info:
+        sk.check_content_type("")
+    assert info.value.message == ("The Content-Type `` is invalid. Accepted values for the "
+                                  "Content-Type header are: `application/json`")
+    for body, code in ((b"", "missing_payload"), (b"{", "malformed_payload"),
+                       (b"NaN", "malformed_payload"), (b'"\\ud800"', "malformed_payload"),
+                       (b"\xff", "malformed_payload")):
+        with pytest.raises(sk.ApiError) as info:
+            sk.parse_json_body(body)
+        assert info.value.code == code, body
+    assert sk.parse_json_body(b'{"a": [1]}') == {"a": [1]}
+    assert sk.parse_json_body(b"[" * 128 + b"]" * 128)
+    for depth in (129, 978, 100000):
+        with pytest.raises(sk.ApiError) as info:
+            sk.parse_json_body(b"[" * depth + b"]" * depth)
+        assert info.value.message == ("The json payload provided is malformed. `recursion "
+                                      "limit exceeded`."), depth
+
+
+# ---------------------------------------------------------------------------------------------
+# UUIDs (uuid crate forms and messages)
+# ---------------------------------------------------------------------------------------------
+
+def test_uuid_forms():
+    canonical = "9a77a636-e4e2-4f1a-93ac-978c368fd596"
+    for spelling in (canonical, canonical.upper(), canonical.replace("-", ""),
+                     "{" + canonical + "}", "urn:uuid:" + canonical):
+        assert sk.parse_uuid(spelling) == canonical, spelling
+
+
+@pytest.mark.parametrize("text,message", [
+    ("aaaaabbbbbccc", "invalid length: found 13"),
+    ("doggo", "invalid character: found `o` at 1"),
+    ("", "invalid length: found 0"),
+    ("9a77a636-e4e2-4f1a-93ac", "invalid group count: expected 5, found 4"),
+    ("9a77a63-6e4e2-4f1a-93ac-978c368fd596", "invalid group length in group 0: expected 8, found 7"),
+    ("9a77a636-e4e2-4f1a-93ac-978c368fd5961", "invalid group length in group 4: expected 12, found 13"),
+    ("9a77a636-e4e2-4f1a-93ac-978c368fd59g", "invalid character: found `g` at 35"),
+])
+def test_uuid_errors(text, message):
+    with pytest.raises(ValueError) as info:
+        sk.parse_uuid(text)
+    assert str(info.value) == message
+
+
+# ---------------------------------------------------------------------------------------------
+# Dates (§1.1, §1.2)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,shown", [
+    ("2050-11-13T00:00:00Z", "2050-11-13T00:00:00Z"),
+    ("2050-11-13t00:00:00z", "2050-11-13T00:00:00Z"),
+    ("2050-11-13T00:00:00.120Z", "2050-11-13T00:00:00.12Z"),
+    ("2050-11-13T00:00:00.000Z", "2050-11-13T00:00:00Z"),
+    ("2050-11-13T00:00:00.123456789Z", "2050-11-13T00:00:00.123456789Z"),
+    ("2050-11-13T10:30:00+02:00", "2050-11-13T10:30:00+02:00"),
+    ("2050-11-13T10:30:00-05:30", "2050-11-13T10:30:00-05:30"),
+    ("2050-11-13T10:30:00+00:00", "2050-11-13T10:30:00Z"),
+    ("2050-11-13T10:30:00-00:00", "2050-11-13T10:30:00Z"),
+    ("2050-11-13T10:30:00", "2050-11-13T10:30:00Z"),
+    ("2050-11-13 10:30:00", "2050-11-13T10:30:00Z"),
+    ("2050-11-13", "2050-11-13T00:00:00Z"),
+])
+def test_expires_at_accepted_forms(text, shown):
+    assert sk.format_rfc3339(sk.parse_expires_at(text)) == shown
+
+
+def test_expires_at_instant_and_rejects():
+    assert sk.parse_expires_at("2050-11-13T02:00:00+02:00").ns == \
+        sk.parse_expires_at("2050-11-13T00:00:00Z").ns
+    for bad in ("2050-11-13T00:00:00.5", "2050-02-30", "2050-13-01", "2050-11-13T24:00:00Z",
+                "2050-11-13T00:00:00+24:00", "13/11/2050", "tomorrow", "2050-11-13T00:00Z",
+                "2050-11-13 10:30", ""):
+        assert sk.parse_expires_at(bad) is None, bad
+    with pytest.raises(sk.ApiError):
+        sk.validate_expires_at("2050-01-01", sk.parse_expires_at("2050-01-01").ns)
+    assert sk.validate_expires_at(FUTURE, time.time_ns()).ns > time.time_ns()
+
+
+def test_timestamps_always_carry_a_fraction():
+    assert sk.format_timestamp(1_700_000_000_123_456_789) == "2023-11-14T22:13:20.123456789Z"
+    assert sk.format_timestamp(1_700_000_000_500_000_000) == "2023-11-14T22:13:20.5Z"
+    clock = sk.Clock(last_ns=1_699_999_999_999_999_999)
+    stamps = [clock.now_ns() for _ in range(1000)]
+    assert stamps == sorted(set(stamps)) and all(ns % 10 ** 9 for ns in stamps)
+    assert all("." in sk.format_timestamp(ns) for ns in stamps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key derivation (§5, upstream vectors)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("master,uid,key", [
+    ("MASTER_KEY", "4bc0887a-0e41-4f3b-935d-0c451dcee9c8",
+     "d9e776b8412f1db6974c9a5556b961c3559440b6588216f4ea5d9ed49f7c8f3c"),
+    ("MASTER_KEY", "00000000-0000-0000-0000-000000000000",
+     "aeb94973e0b6e912d94165430bbe87dee91a7c4f891ce19050c3910ec96977e9"),
+    ("kefir", "9a77a636-e4e2-4f1a-93ac-978c368fd596",
+     "760c6345918b5ab1d251c1a3e8f9666547628a710d91f6b1d558ba944ef15746"),
+    ("kefir", "dc699ff0-a053-4956-a46a-912e51b3316b",
+     "4d9376547ed779a05dde416148e7e98bd47530e28c500be674c9e60b2accb814"),
+])
+def test_key_derivation_vectors(master, uid, key):
+    assert sk.derive_key(master, uid) == key
+    assert sk.key_deriver(master)(uid) == key
+
+
+def test_key_deriver_matches_hmac_for_any_master_length():
+    rng = random.Random(20261121)
+    for length in (0, 1, 16, 63, 64, 65, 200):
+        master = "".join(rng.choice("abcé€ XYZ019") for _ in range(length))
+        uid = sk.new_uid()
+        assert sk.key_deriver(master)(uid) == sk.derive_key(master, uid), length
+
+
+# ---------------------------------------------------------------------------------------------
+# Tenant tokens (§9)
+# ---------------------------------------------------------------------------------------------
+
+PARENT_UID = "9a77a636-e4e2-4f1a-93ac-978c368fd596"
+PARENT = sk.derive_key("kefir", PARENT_UID)
+
+
+def craft(header, claims, secret=PARENT, algorithm="HS256"):
+    signed = sk.b64url_encode(json.dumps(header).encode()) + "." + \
+        sk.b64url_encode(json.dumps(claims).encode())
+    return signed + "." + sk._jwt_signature(algorithm, secret, signed)
+
+
+@pytest.mark.parametrize("algorithm", ["HS256", "HS384", "HS512"])
+def test_token_round_trip(algorithm):
+    token = sk.sign_tenant_token(PARENT, PARENT_UID.upper(), {"movies": {"filter": "a = 1"}},
+                                 expires_at=int(time.time()) + 60, algorithm=algorithm)
+    claims = sk.verify_tenant_token(token, PARENT)
+    assert claims["apiKeyUid"] == PARENT_UID
+    assert claims["searchRules"] == {"movies": {"filter": "a = 1"}}
+    assert sk.verify_tenant_token(token, lambda uid: sk.derive_key("kefir", uid)) == claims
+
+
+def test_token_made_by_the_official_sdk_verifies():
+    meilisearch = pytest.importorskip("meilisearch")
+    client = meilisearch.Client("http://127.0.0.1:1", PARENT)
+    token = client.generate_tenant_token(PARENT_UID, ["movies"])
+    assert sk.verify_tenant_token(token, PARENT)["searchRules"] == ["movies"]
+
+
+def token_error(token, now=None):
+    with pytest.raises(sk.TenantTokenError) as info:
+        sk.verify_tenant_token(token, PARENT, now=now)
+    return str(info.value)
+
+
+def test_token_refusals():
+    good = {"searchRules": ["*"], "apiKeyUid": PARENT_UID}
+    assert token_error(craft({"alg": "HS256"}, good, secret=sk.derive_key("other", PARENT_UID))) \
+        == "Could not decode tenant token, InvalidSignature."
+    assert token_error(craft({"alg": "RS256"}, good)) == \
+        "Could not decode tenant token, InvalidAlgorithm."
+    assert token_error(craft({"alg": "HS256"}, dict(good, exp=1000)), now=2000) == \
+        "Tenant token expired. Was valid up to `1000` and we're now `2000`."
+    assert sk.verify_tenant_token(craft({"alg": "HS256"}, dict(good, exp=2000)), PARENT,
+                                  now=2000)["exp"] == 2000
+    missing = token_error(craft({"alg": "HS256"}, {"apiKeyUid": PARENT_UID}))
+    assert missing.startswith("Could not decode tenant token, JSON error: missing field "
+                              "`searchRules`")
+    assert "missing field `apiKeyUid`" in token_error(craft({"alg": "HS256"},
+                                                            {"searchRules": []}))
+    assert "unknown variant `none`" in token_error(craft({"alg": "none"}, good))
+    assert "SearchRules" in token_error(craft({"alg": "HS256"}, dict(good, searchRules=5)))
+    assert "Base64 error" in token_error("a!.b.c")
+    for not_a_jwt in (PARENT, "abc", "a.b"):
+        with pytest.raises(sk.NotATenantToken):
+            sk.verify_tenant_token(not_a_jwt, PARENT)
+
+
+def test_guard_accepts_tenant_tokens_on_search_routes_only():
+    store = sk.KeyStore("kefir")
+    parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.get"],
+                           "indexes": ["movies*"], "expiresAt": None})
+    guard = sk.Guard(store, "kefir")
+    token = sk.sign_tenant_token(parent.value, PARENT_UID, {"movies": {"filter": "x = 1"}})
+    principal = guard.check("Bearer " + token, ("search",), "movies")
+    assert principal.key is parent and principal.rules == {"movies": {"filter": "x = 1"}}
+    assert guard.check("Bearer " + token, ("search",), None).rules is not None  # multi-search
+    with pytest.raises(sk.ApiError) as info:
+        guard.check("Bearer " + token, ("documents.get",), "movies")
+    assert info.value.message == INVALID
+    with pytest.raises(sk.ApiError) as info:
+        guard.check("Bearer " + token, ("search",), "movies2")
+    assert "tenant token cannot acces the index `movies2`" in info.value.message
+    stranger = sk.sign_tenant_token(sk.derive_key("kefir", sk.new_uid()), sk.new_uid(), ["*"])
+    with pytest.raises(sk.ApiError) as info:
+        guard.check("Bearer " + stranger, ("search",), "movies")
+    assert info.value.message == "Could not decode tenant token, InvalidSignature."
+
+
+def refusal(rule, principal, body, index=None):
+    with pytest.raises(sk.ApiError) as info:
+        rule(principal, index, body)
+    return info.value.message
+
+
+def test_handler_checks():
+    scoped = sk.Principal(FakeKey(["search", "indexes.create", "indexes.swap"], ["movies*"]))
+    assert sk.check_index_creation(scoped, None, {"uid": "movies2"}) == {"uid": "movies2"}
+    assert refusal(sk.check_index_creation, scoped, {"uid": "books"}) == INVALID
+    assert refusal(sk.restrict_multi_search, scoped, {"queries": [
+        {"indexUid": "movies"}, {"indexUid": "books"}]}) == \
+        "Inside `.queries[1]`: The provided API key is invalid."
+    assert refusal(sk.check_index_swap, scoped, [{"indexes": ["movies", "books"]}]) == INVALID
+    assert sk.check_index_swap(scoped, None, [{"indexes": ["movies", "movies2"]}])
+    token = sk.Principal(FakeKey(["search"], ["*"]), rules=["movies"])
+    assert not token.unrestricted and not token.allows_index("books")
+    assert sk.Principal().unrestricted and sk.Principal(FakeKey(["search"], ["*"])).unrestricted
+
+
+def test_tenant_filters_are_added_to_searches():
+    rules = {"*": {"filter": "public = true"}, "mov*": {"filter": "a = 1"},
+             "movies": {"filter": ["b = 2", ["c = 3", "d = 4"]]}, "shows": None}
+    assert sk.tenant_filter(rules, "movies") == ["b = 2", ["c = 3", "d = 4"]]  # exact wins
+    assert sk.tenant_filter(rules, "movies2") == "a = 1"     # longer pattern wins
+    assert sk.tenant_filter(rules, "books") == "public = true"
+    assert sk.tenant_filter(rules, "shows") is None and sk.tenant_filter(["*"], "x") is None
+    assert sk.with_tenant_filter({"q": "x"}, rules, "movies2") == {"q": "x", "filter": "a = 1"}
+    assert sk.with_tenant_filter({"q": "x", "filter": "y > 1"}, rules, "movies2") == \
+        {"q": "x", "filter": ["y > 1", "a = 1"]}
+    assert sk.with_tenant_filter({"filter": None}, rules, "books") == {"filter": "public = true"}
+    token = sk.Principal(FakeKey(["search"], ["*"]), rules=rules)
+    body = sk.restrict_multi_search(token, None, {"federation": {}, "queries": [
+        {"indexUid": "movies2", "q": "a"}, {"indexUid": "shows", "filter": "z = 1"}]})
+    assert body == {"federation": {}, "queries": [
+        {"indexUid": "movies2", "q": "a", "filter": "a = 1"},
+        {"indexUid": "shows", "filter": "z = 1"}]}
+    assert sk.restrict_search_body(token, "books", {"q": "a"}) == {"q": "a",
+                                                                   "filter": "public = true"}
+    query = sk.restrict_search_query(token, "movies2", "q=a+b&filter=y+%3E+1&limit=3")
+    assert sk.urllib.parse.parse_qsl(query) == [("q", "a b"), ("limit", "3"),
+                                                ("filter", '["y > 1","a = 1"]')]
+    assert sk.restrict_search_query(token, "shows", "q=a") == "q=a"
+
+
+def test_which_requests_need_the_handler_rules():
+    applies = sk.handler_rules_apply
+    everything = sk.Principal(FakeKey(["*"], ["*"]))
+    scoped = sk.Principal(FakeKey(["*"], ["movies*"]))
+    token = sk.Principal(FakeKey(["search"], ["*"]), rules={"movies": {"filter": "a = 1"},
+                                                             "shows": None})
+    search = ("POST", "/indexes/{index_uid}/search")
+    assert not applies(sk.OPEN, ("POST", "/multi-search"), None)
+    assert not applies(everything, ("GET", "/indexes"), None)
+    for route in (("POST", "/multi-search"), ("GET", "/indexes"), ("GET", "/stats"),
+                  ("DELETE", "/tasks"), ("GET", "/tasks/{task_id}"), ("POST", "/indexes"),
+                  ("POST", "/render-template")):
+        assert applies(scoped, route, None), route
+    assert not applies(scoped, search, "movies")       # the index check was enough
+    assert applies(token, search, "movies") and not applies(token, search, "shows")
+    assert applies(token, ("GET", "/indexes/{index_uid}/similar"), "movies")
+    assert "cannot enforce" in sk.restriction_not_enforceable(search, "here").message
+
+
+def test_list_answers_are_filtered_for_restricted_keys():
+    scoped = sk.Principal(FakeKey(["indexes.get", "stats.get"], ["movies*", "shows"]))
+    answer = {"results": [{"uid": u} for u in ("books", "movies", "movies2", "music", "shows")],
+              "offset": 0, "limit": 1000000, "total": 5}
+    assert sk.filter_index_list(scoped, answer, 1, 5) == {
+        "results": [{"uid": "movies2"}, {"uid": "shows"}], "offset": 1, "limit": 5, "total": 3}
+    stats = {"databaseSize": 1, "indexes": {"books": {}, "movies": {"n": 1}}}
+    assert sk.filter_stats(scoped, stats) == {"databaseSize": 1, "indexes": {"movies": {"n": 1}}}
+
+
+def test_task_routes_are_limited_to_the_keys_indexes():
+    parse = sk.urllib.parse.parse_qsl
+    allowed = ["movies", "movies2"]
+    assert parse(sk.restrict_task_query("limit=2", allowed)) == [
+        ("limit", "2"), ("indexUids", "movies,movies2")]
+    assert parse(sk.restrict_task_query("indexUids=books,movies2", allowed)) == [
+        ("indexUids", "movies2")]
+    assert parse(sk.restrict_task_query("indexUids=*", allowed)) == [
+        ("indexUids", "movies,movies2")]
+    nothing = dict(parse(sk.restrict_task_query("indexUids=books", allowed)))["indexUids"]
+    assert nothing.startswith("searchkeys-no-index-") and sk.is_valid_index_pattern(nothing)
+    scoped = sk.Principal(FakeKey(["tasks.get"], ["movies*"]))
+    assert sk.check_task_answer(scoped, "2", {"indexUid": "movies"}) == {"indexUid": "movies"}
+    for task in ({"indexUid": "books"}, {"indexUid": None}, []):
+        with pytest.raises(sk.ApiError) as info:
+            sk.check_task_answer(scoped, "1", task)
+        assert (info.value.status, info.value.message) == (404, "Task `1` not found.")
+    assert sk.check_batch_answer(scoped, "3", {"stats": {"indexUids": {"movies": 1}}})
+    for batch in ({"stats": {"indexUids": {"movies": 1, "books": 1}}}, {"stats": {}}):
+        with pytest.raises(sk.ApiError) as info:
+            sk.check_batch_answer(scoped, "3", batch)
+        assert (info.value.code, info.value.message) == ("batch_not_found", "Batch `3` not found.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Key store and its journal
+# ---------------------------------------------------------------------------------------------
+
+def new_fields(**extra):
+    fields = {"actions": ["search"], "indexes": ["*"], "expiresAt": None}
+    fields.update(extra)
+    return fields
+
+
+def test_memory_store_defaults_and_listing():
+    store = sk.KeyStore(MASTER)
+    names = [k.name for k in store.page(0, 20)[0]]
+    assert names == ["Default Search API Key", "Default Admin API Key",
+                     "Default Read-Only Admin API Key", "Default Chat API Key"]
+    made = [store.create(new_fields(name=str(i))) for i in range(5)]
+    page, total = store.page(1, 3)
+    assert total == 9 and [k.name for k in page] == ["3", "2", "1"]
+    assert store.page(100, 5) == ([], 9) and store.page(0, 2 ** 64 - 1)[1] == 9
+    key = made[0]
+    assert key.value == sk.derive_key(MASTER, key.uid)
+    assert store.find(key.value.upper()) is key and store.find(key.uid.upper()) is key
+    with pytest.raises(sk.ApiError) as info:
+        store.find(MASTER)
+    assert info.value.message == "API key `MASTER_KEY` not found."
+    with pytest.raises(sk.ApiError) as info:
+        store.create(new_fields(uid=key.uid))
+    assert info.value.status == 409
+    updated = store.update(key.uid, {"name": None})
+    assert updated.name is None and updated.updated_ns > updated.created_ns
+    assert updated.to_json()["createdAt"] == key.to_json()["createdAt"]
+    store.delete(key.value)
+    assert store.by_value(key.value) is None and store.by_uid(key.uid) is None
+    assert list(updated.to_json()) == ["name", "description", "key", "uid", "actions", "indexes",
+                                       "expiresAt", "createdAt", "updatedAt"]
+
+
+def test_journal_store_survives_reopen_and_holds_no_secrets(tmp_path):
+    path = tmp_path / "keys.json"
+    store = sk.KeyStore(MASTER, str(path))
+    kept = store.create(new_fields(name="kept", expiresAt=sk.parse_expires_at(
+        "2099-01-01T00:00:00.5+02:00")))
+    gone = store.create(new_fields(name="gone"))
+    store.update(kept.uid, {"description": "d"})
+    store.delete(gone.uid)
+    assert len(json.loads(path.read_text())["keys"]) == 4  # the changes are in the journal
+    store.checkpoint()
+    assert len(json.loads(path.read_text())["keys"]) == 5
+    assert (tmp_path / "keys.json.journal").stat().st_size == 0
+    store.close()
+    for file in (path, tmp_path / "keys.json.journal"):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600
+        data = file.read_text()
+        assert MASTER not in data and kept.value not in data
+    again = sk.KeyStore(MASTER, str(path))
+    assert again.by_uid(kept.uid).to_json() == store.by_uid(kept.uid).to_json()
+    assert again.by_uid(kept.uid).to_json()["expiresAt"] == "2099-01-01T00:00:00.5+02:00"
+    assert again.by_uid(gone.uid) is None and len(again) == 5
+    with pytest.raises(sk.StoreError):
+        sk.KeyStore(MASTER, str(path))  # in use by `again`
+    again.close()
+    assert sk.KeyStore("another-master", str(path)).by_uid(kept.uid).value == \
+        sk.derive_key("another-master", kept.uid)
+
+
+def test_journal_torn_last_line_is_dropped_other_damage_refuses(tmp_path):
+    path = tmp_path / "keys.json"
+    store = sk.KeyStore(MASTER, str(path))
+    store.create(new_fields(name="acknowledged"))
+    store.close()
+    journal = tmp_path / "keys.json.journal"
+    with open(journal, "ab") as f:
+        f.write(b'{"op":"put","key":{"uid":"9a77a636-e4e2')  # kill -9 mid-append
+    logged = []
+    reopened = sk.KeyStore(MASTER, str(path), logged.append)
+    assert [k.name for k in reopened.page(0, 1)[0]] == ["acknowledged"]
+    assert any("torn" in line for line in logged)
+    assert b"9a77a636" not in journal.read_bytes() + path.read_bytes()  # cut off
+    reopened.create(new_fields(name="after"))
+    reopened.close()
+    lines = journal.read_bytes().split(b"\n")
+    journal.write_bytes(b"garbage\n" + b"\n".join(lines))  # damage before good lines
+    before = (path.read_bytes(), journal.read_bytes())
+    with pytest.raises(sk.StoreError) as info:
+        sk.KeyStore(MASTER, str(path))
+    assert str(journal) in str(info.value) and "line 1" in str(info.value)
+    assert (path.read_bytes(), journal.read_bytes()) == before
+    journal.write_bytes(b"")
+    path.write_text('{"format": "searchkeys-store", "version": 1, "keys": [')
+    with pytest.raises(sk.StoreError) as info:
+        sk.KeyStore(MASTER, str(path))
+    assert str(path) in str(info.value)
+    assert path.read_text().endswith("[")
+    path.write_text('{"format": "searchkeys-store", "version": 1, "keys": [{"uid": "x"}]}')
+    with pytest.raises(sk.StoreError):
+        sk.KeyStore(MASTER, str(path))
+
+
+def test_failed_write_is_not_applied(tmp_path, monkeypatch):
+    path = tmp_path / "keys.json"
+    journal = tmp_path / "keys.json.journal"
+    store = sk.KeyStore(MASTER, str(path))
+    before = store.page(0, 100)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(sk.os, "fsync", disk_full)  # the line is written, its fsync fails
+    with pytest.raises(sk.StoreWriteError) as info:
+        store.create(new_fields(name="lost"))
+    assert "No space left" in str(info.value)
+    with pytest.raises(sk.StoreWriteError):
+        store.delete(before[0][0].uid)
+    assert store.page(0, 100) == before and journal.stat().st_size == 0
+    monkeypatch.undo()
+    store.create(new_fields(name="works again"))
+    store.close()
+    assert len(sk.KeyStore(MASTER, str(path))) == 5
+
+
+def test_journal_compacts_past_its_threshold(tmp_path):
+    path = tmp_path / "keys.json"
+    store = sk.KeyStore(MASTER, str(path))
+    for i in range(1001):
+        store.create(new_fields(name=str(i)))
+    assert store._journal.entries == 0  # compacted past max(1000, keys / 2) changes
+    store.create(new_fields(name="last"))
+    store.close()
+    assert len(json.loads(path.read_text())["keys"]) == 1005
+    assert len(sk.KeyStore(MASTER, str(path))) == 1006
+
+
+def test_logged_paths_hide_key_values():
+    value = sk.derive_key(MASTER, PARENT_UID)
+    for raw in ("/keys/" + value, "//keys/" + value + "/", "/%6Beys/" + value + "?x=" + value,
+                "/indexes/" + value + "/search"):
+        assert value not in sk.safe_path(raw) and "<hidden>" in sk.safe_path(raw)
+    assert sk.safe_path("/keys/" + PARENT_UID) == "/keys/" + PARENT_UID
+    assert sk.safe_path("/indexes/movies/search?q=secret") == "/indexes/movies/search"
