@@ -23,6 +23,7 @@ Python 3.9+ standard library only.  Request pipeline::
 """
 
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -32,6 +33,7 @@ import re
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -291,8 +293,8 @@ def usage_text(program):
     """The flag list in the format of Go's flag.PrintDefaults."""
     lines = ["Usage of %s:" % program]
     for flag in sorted(FLAGS, key=lambda f: f.name):
-        type_name = {"bool": "", "int": " int", "string": " string", "list": " value"}[flag.kind]
-        lines.append("  -%s%s" % (flag.name, type_name))
+        value_name = {"bool": "", "int": " int", "string": " string", "list": " value"}[flag.kind]
+        lines.append("  -%s%s" % (flag.name, value_name))
         text = "    \t" + flag.help
         if flag.kind == "string" and flag.default:
             text += ' (default "%s")' % flag.default
@@ -457,8 +459,18 @@ def did_you_mean(name, known):
     return " (did you mean %r?)" % close[0] if close else ""
 
 
+def expect(value, container, where):
+    """value if it is a dict (JSON object) or list (JSON array) as asked, else HooksFileError."""
+    if not isinstance(value, container):
+        raise HooksFileError("%s: expected an %s, got %s" % (
+            where, "object" if container is dict else "array", type_name(value)))
+    return value
+
+
 def fold_keys(obj, known, where, problems):
-    """Go's encoding/json matches field names case-insensitively; unknown names are warned."""
+    """The fields of a JSON object by lower-case name (Go's encoding/json matches names
+    case-insensitively); unknown names are warned, anything but an object is an error."""
+    expect(obj, dict, where)
     folded = {}
     for key, value in obj.items():
         lowered = key.lower()
@@ -556,8 +568,6 @@ def compile_re2(pattern):
 
 
 def parse_argument(obj, where, problems):
-    if not isinstance(obj, dict):
-        raise HooksFileError("%s: expected an object, got %s" % (where, type_name(obj)))
     obj = fold_keys(obj, ARGUMENT_FIELDS, where, problems)
     base64decode = obj.get("base64decode") or False
     if not isinstance(base64decode, bool):
@@ -572,24 +582,17 @@ def parse_argument(obj, where, problems):
 
 
 def parse_arguments(value, where, problems):
-    if not isinstance(value, list):
-        raise HooksFileError("%s: expected an array, got %s" % (where, type_name(value)))
     return tuple(parse_argument(item, "%s[%d]" % (where, i), problems)
-                 for i, item in enumerate(value))
+                 for i, item in enumerate(expect(value, list, where)))
 
 
 def parse_rule(obj, where, problems):
     """A rule tree as tuples: ("and", [rules]), ("or", [rules]), ("not", rule),
     ("match", MatchRule) or ("none",) for an object without a known key (always false)."""
-    if not isinstance(obj, dict):
-        raise HooksFileError("%s: expected an object, got %s" % (where, type_name(obj)))
     obj = fold_keys(obj, RULE_FIELDS, where, problems)
     for key in ("and", "or"):
         if obj.get(key) is not None:
-            items = obj[key]
-            if not isinstance(items, list):
-                raise HooksFileError("%s.%s: expected an array, got %s"
-                                     % (where, key, type_name(items)))
+            items = expect(obj[key], list, "%s.%s" % (where, key))
             return (key, [parse_rule(r, "%s.%s[%d]" % (where, key, i), problems)
                           for i, r in enumerate(items)])
     if obj.get("not") is not None:
@@ -601,8 +604,6 @@ def parse_rule(obj, where, problems):
 
 
 def parse_match(obj, where, problems):
-    if not isinstance(obj, dict):
-        raise HooksFileError("%s: expected an object, got %s" % (where, type_name(obj)))
     obj = fold_keys(obj, MATCH_FIELDS, where, problems)
     fields = {key: as_string(obj.get(key) or "", "%s.%s" % (where, key))
               for key in ("type", "value", "regex", "secret", "ip-range")}
@@ -650,15 +651,12 @@ def parse_field(kind, value, where, problems):
         return parse_arguments(value, where, problems)
     if kind == "rule":
         return parse_rule(value, where, problems)
-    if not isinstance(value, list):
-        raise HooksFileError("%s: expected an array, got %s" % (where, type_name(value)))
+    expect(value, list, where)
     if kind == "strlist":
         return tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
     headers = []
     for i, item in enumerate(value):
         here = "%s[%d]" % (where, i)
-        if not isinstance(item, dict):
-            raise HooksFileError("%s: expected an object, got %s" % (here, type_name(item)))
         item = fold_keys(item, ("name", "value"), here, problems)
         headers.append((as_string(item.get("name") or "", here + ".name"),
                         as_string(item.get("value") or "", here + ".value")))
@@ -669,8 +667,6 @@ class Hook:
     """One hook definition.  Attributes are named after the fields (see HOOK_FIELDS)."""
 
     def __init__(self, obj, where, problems):
-        if not isinstance(obj, dict):
-            raise HooksFileError("%s: expected an object, got %s" % (where, type_name(obj)))
         obj = fold_keys(obj, HOOK_FIELDS, where, problems)
         for field, (attr, kind) in HOOK_FIELDS.items():
             value = obj.get(field)
@@ -781,13 +777,15 @@ def look_path(command, working_directory, path_env=None):
     else:
         candidate = os.path.join(working_directory, command)
     if "/" in candidate:
-        return os.path.abspath(candidate) if is_executable(candidate) else _not_found(candidate)
+        if is_executable(candidate):
+            return os.path.abspath(candidate)
+        raise OSError(errno.ENOENT, "exec: %r: no such executable file" % candidate)
     search = os.environ.get("PATH", "") if path_env is None else path_env
     for directory in search.split(os.pathsep):
         full = os.path.join(directory or ".", candidate)
         if is_executable(full):
             return os.path.abspath(full)
-    return _not_found(candidate, '"%s": executable file not found in $PATH' % candidate)
+    raise OSError(errno.ENOENT, '"%s": executable file not found in $PATH' % candidate)
 
 
 def is_executable(path):
@@ -795,11 +793,7 @@ def is_executable(path):
         mode = os.stat(path).st_mode
     except OSError:
         return False
-    return not (mode & 0o170000 == 0o040000) and bool(mode & 0o111)
-
-
-def _not_found(path, message=None):
-    raise OSError(errno.ENOENT, message or "exec: %r: no such executable file" % path)
+    return not stat.S_ISDIR(mode) and bool(mode & 0o111)
 
 
 def validate_files(paths, template=False):
@@ -940,6 +934,12 @@ class RuleError(Exception):
     """Any other evaluation error: answered with 500."""
 
 
+def is_ascii_digits(text):
+    """0-9 only: str.isdigit() also accepts `²` and other scripts' digits, which int() refuses
+    or reads, where Go's strconv refuses them all."""
+    return text.isascii() and text.isdigit()
+
+
 def get_parameter(path, params):
     """Upstream's GetParameter: a literal key (even with dots) wins, else a dot-path with array
     indexes.  Returns (value, error)."""
@@ -949,7 +949,7 @@ def get_parameter(path, params):
         if isinstance(params, list):
             head, dot, rest = path.partition(".")
             index = head if dot else path
-            if not params or not index.isdigit() or int(index) >= len(params):
+            if not params or not is_ascii_digits(index) or int(index) >= len(params):
                 return None, ParameterNodeError(path)
             if not dot:
                 return params[int(index)], None
@@ -972,7 +972,7 @@ def replace_parameter(path, params, value):
     while True:
         head, dot, rest = path.partition(".")
         if isinstance(params, list):
-            if not dot or not head.isdigit() or int(head) >= len(params):
+            if not dot or not is_ascii_digits(head) or int(head) >= len(params):
                 return False
             params, path = params[int(head)], rest
         elif isinstance(params, dict):
@@ -1266,40 +1266,48 @@ def parse_payload(request, hook, multipart_content_type):
     return []
 
 
+def parameter_map(arg, request):
+    """(map, key) an argument of a map source (header, url/query, payload) is looked up in;
+    None for the other sources."""
+    if arg.source == "header":
+        return request.headers, canonical_header(arg.name)
+    if arg.source in ("url", "query"):
+        return request.query, arg.name
+    if arg.source == "payload":
+        return request.payload, arg.name
+    return None
+
+
 def get_argument(arg, request):
     """Argument.Get: (string value, error)."""
-    source = arg.source
-    if source == "header":
-        params, key = request.headers, canonical_header(arg.name)
-    elif source in ("url", "query"):
-        params, key = request.query, arg.name
-    elif source == "payload":
-        params, key = request.payload, arg.name
-        if params is None:
+    lookup = parameter_map(arg, request)
+    if lookup is not None:
+        params, key = lookup
+        if params is None:  # no payload
             return "", ParameterNodeError(key)
-    elif source == "string":
+        value, err = get_parameter(key, params)
+        if err is not None:
+            return "", err
+        return go_format(value), None
+    source = arg.source
+    if source == "string":
         return arg.name, None
-    elif source == "raw-request-body":
+    if source == "raw-request-body":
         return request.body.decode("utf-8", "surrogateescape"), None
-    elif source == "request":
+    if source == "request":
         which = arg.name.lower()
         if which == "method":
             return request.method, None
         if which == "remote-addr":
             return request.remote_addr, None
         return "", RuleError("unsupported request key: %s" % json.dumps(arg.name))
-    elif source == "entire-payload":
+    if source == "entire-payload":
         return go_json(request.payload), None
-    elif source == "entire-headers":
+    if source == "entire-headers":
         return go_json(request.headers), None
-    elif source == "entire-query":
+    if source == "entire-query":
         return go_json(request.query), None
-    else:
-        return "", RuleError("no source for value retrieval")
-    value, err = get_parameter(key, params)
-    if err is not None:
-        return "", err
-    return go_format(value), None
+    return "", RuleError("no source for value retrieval")
 
 
 def apply_json_parameters(hook, request):
@@ -1315,15 +1323,11 @@ def apply_json_parameters(hook, request):
         except ValueError as exc:
             messages.append("error parsing JSON parameters: %s" % exc)
             continue
-        if arg.source == "header":
-            target, key = request.headers, canonical_header(arg.name)
-        elif arg.source in ("url", "query"):
-            target, key = request.query, arg.name
-        elif arg.source == "payload":
-            target, key = request.payload, arg.name
-        else:
+        lookup = parameter_map(arg, request)
+        if lookup is None:
             messages.append("invalid source for argument %r" % arg)
             continue
+        target, key = lookup
         if not replace_parameter(key, target, decoded):
             messages.append("couldn't retrieve argument for %r" % arg)
     return messages
@@ -1337,26 +1341,22 @@ def evaluate(rule, request):
     """Evaluate a rule tree exactly as upstream: returns (satisfied, error or None)."""
     kind = rule[0]
     if kind == "and":
-        result = True
         for sub in rule[1]:
             ok, err = evaluate(sub, request)
             if err is not None:
                 return False, err
-            result = result and ok
-            if not result:
+            if not ok:
                 return False, None
-        return result, None
+        return True, None
     if kind == "or":
-        result = False
         for sub in rule[1]:
             ok, err = evaluate(sub, request)
             if err is not None and not isinstance(err, ParameterNodeError):
                 if not (request.allow_signature_errors and isinstance(err, SignatureError)):
                     return False, err
-            result = result or ok
-            if result:
+            if ok:
                 return True, None
-        return result, None
+        return False, None
     if kind == "not":
         ok, err = evaluate(rule[1], request)
         return not ok, err
@@ -1412,6 +1412,7 @@ def check_payload_signature(body, secret, header, algorithm, prefix):
     return SignatureError("invalid payload signature")  # the presented value is not logged
 
 
+@functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
 def parse_cidr(text):
     import ipaddress  # only needed by ip-whitelist rules
     if "/" not in text:
@@ -1550,13 +1551,14 @@ def go_base64_decode(data):
     try:
         return base64.b64decode(data, validate=True), None
     except binascii.Error as exc:
-        good = 0
-        while good + 4 <= len(data):
-            try:
-                base64.b64decode(data[:good + 4], validate=True)
-            except binascii.Error:
-                break
-            good += 4
+        # the longest prefix of whole 4-character groups that decodes (alphabet characters,
+        # then the padding of a last group): one scan, where decoding ever longer prefixes
+        # would take quadratic time on a large payload
+        valid = re.match(rb"[A-Za-z0-9+/]*", data).end()
+        good = valid - valid % 4
+        for padding in (b"=", b"=="):
+            if (valid + len(padding)) % 4 == 0 and data.startswith(padding, valid):
+                good = valid + len(padding)
         return base64.b64decode(data[:good]), exc
 
 
@@ -1619,7 +1621,13 @@ def write_temp_files(invocation):
 
 
 def remove_files(written):
-    for _, path in written:
+    """Remove the temp files of write_temp_files: [(envname, path)]."""
+    remove_paths(path for _, path in written)
+
+
+def remove_paths(paths):
+    """Unlink each path; one that is already gone is fine."""
+    for path in paths:
         try:
             os.unlink(path)
         except OSError:
@@ -1908,8 +1916,9 @@ class WorkerPool:
                                  daemon=True).start()
 
     def busy(self):
-        """True when no thread is idle and jobs are waiting."""
-        return not self.jobs.empty()
+        """True when jobs wait and the pool cannot start a thread for them (a job queued
+        while a thread is being started or woken is not a reason to stop lingering)."""
+        return self.threads >= self.size and not self.jobs.empty()
 
     def _work(self):
         while True:
@@ -2195,6 +2204,7 @@ class RequestHead:
 
 
 HTTP_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
+CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")  # Go refuses longer sizes too
 CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not TAB, CR, LF
 
 
@@ -2412,12 +2422,12 @@ class Connection:
     def read_chunked(self, limit):
         body = bytearray()
         while True:
-            line = self.read_line().split(b";")[0].strip()
-            try:
-                size = int(line, 16)
-            except ValueError:
-                raise BodyError("invalid byte in chunk length", bytes(body)) from None
-            if size < 0 or len(body) + size > limit:
+            # as Go: hex digits only (int() would also take `-5`, `0x5`, ` 5`, `5_0`)
+            line = self.read_line().rstrip(b" \t\r\n").split(b";")[0]
+            if not CHUNK_SIZE.fullmatch(line):
+                raise BodyError("invalid byte in chunk length", bytes(body))
+            size = int(line, 16)
+            if len(body) + size > limit:
                 raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
             if size == 0:
                 while self.read_line().strip():
@@ -2473,7 +2483,7 @@ class ConnectionLoop(threading.Thread):
     def run(self):
         next_sweep = time.monotonic() + 1.0
         while True:
-            timeout = 1.0 if self.parked else -1
+            timeout = 1.0 if self.parked or self.accept_paused else -1
             try:
                 events = self.epoll.poll(timeout)
             except InterruptedError:
@@ -2499,6 +2509,7 @@ class ConnectionLoop(threading.Thread):
                 for fd, conn in list(self.parked.items()):
                     if conn.deadline <= now and self.parked.pop(fd, None) is conn:
                         self.close(conn)
+                self._resume_accepting()  # after an accept error, retried once a second
 
     def _accept(self, listener):
         while not self.accept_paused:
@@ -2508,6 +2519,9 @@ class ConnectionLoop(threading.Thread):
                 return
             except OSError as exc:
                 log.error("accept: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    with self.lock:  # the listener stays readable: retrying now would spin
+                        self._pause_accepting()
                 return
             with self.lock:
                 self.open_count += 1
@@ -2571,6 +2585,11 @@ class ConnectionLoop(threading.Thread):
             return
         with self.lock:
             self.open_count -= 1
+        self._resume_accepting()
+
+    def _resume_accepting(self):
+        """Accept again when paused and below -max-connections."""
+        with self.lock:
             if self.accept_paused and self.open_count < self.server.max_connections \
                     and not self.stopping:
                 self.accept_paused = False
@@ -2758,7 +2777,7 @@ class Server:
         lengths = head.headers.get("Content-Length")
         if not lengths:
             return 0
-        if len(set(lengths)) != 1 or not lengths[0].isdigit():
+        if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]):
             raise BadRequest(400, "bad Content-Length")
         size = int(lengths[0])
         if size > self.max_body:
@@ -2771,38 +2790,11 @@ class Server:
         return conn.read_chunked(self.max_body) if size is None else conn.read_exact(size)
 
     def route(self, conn, head, rid):
-        target = head.target
-        if target.startswith(("http://", "https://")):
-            target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
+        """find hook -> read the body -> the hook pipeline; other answers skip the body."""
         expects_continue = head.get("Expect").lower() == "100-continue"
-        if target == "*" and head.method == "OPTIONS":
-            return self.without_body(conn, head, Response(200), expects_continue)
-        raw_path, _, raw_query = target.partition("?")
-        path = go_unescape(raw_path, False)
-        if path is None or not raw_path.startswith("/"):
-            raise BadRequest(400, "invalid request target")
-        cleaned = clean_path(path)
-        if cleaned != path:
-            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
-            return self.without_body(conn, head, Response(301, b"", {"Location": location}),
-                                     expects_continue)
-        if path == "/":
-            return self.without_body(conn, head, Response(200, b"OK"), expects_continue)
-        if self.status_path and path == self.status_path:
-            return self.without_body(conn, head, self.status_response(head), expects_continue)
-        if not path.startswith(self.prefix) or "\n" in path:
-            return self.without_body(conn, head, Response(404, MSG_PAGE_NOT_FOUND, {
-                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"}),
-                expects_continue)
-        hook_id = path[len(self.prefix):]
-        hook = self.registry.hook(hook_id)
-        if hook is None:
-            return self.without_body(conn, head, Response(404, MSG_HOOK_NOT_FOUND),
-                                     expects_continue)
-        allowed = hook.allowed_methods or self.default_methods
-        if allowed and head.method not in allowed:
-            log.info("HTTP %s method not allowed for hook %s", head.method, json.dumps(hook_id))
-            return self.without_body(conn, head, Response(405), expects_continue)
+        hook, raw_query, answer = self.find_hook(head)
+        if answer is not None:
+            return self.without_body(conn, head, answer, expects_continue)
         if expects_continue:
             self.body_length(head)  # a body we would refuse is refused before it is sent
             conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -2815,6 +2807,38 @@ class Server:
         response.close = response.close or broken
         response.secret_params = hook.secret_params
         return response
+
+    def find_hook(self, head):
+        """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
+        target = head.target
+        if target.startswith(("http://", "https://")):
+            target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
+        if target == "*" and head.method == "OPTIONS":
+            return None, None, Response(200)
+        raw_path, _, raw_query = target.partition("?")
+        path = go_unescape(raw_path, False)
+        if path is None or not raw_path.startswith("/"):
+            raise BadRequest(400, "invalid request target")
+        cleaned = clean_path(path)
+        if cleaned != path:
+            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
+            return None, None, Response(301, b"", {"Location": location})
+        if path == "/":
+            return None, None, Response(200, b"OK")
+        if self.status_path and path == self.status_path:
+            return None, None, self.status_response(head)
+        if not path.startswith(self.prefix) or "\n" in path:
+            return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
+                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        hook_id = path[len(self.prefix):]
+        hook = self.registry.hook(hook_id)
+        if hook is None:
+            return None, None, Response(404, MSG_HOOK_NOT_FOUND)
+        allowed = hook.allowed_methods or self.default_methods
+        if allowed and head.method not in allowed:
+            log.info("HTTP %s method not allowed for hook %s", head.method, json.dumps(hook_id))
+            return None, None, Response(405)
+        return hook, raw_query, None
 
     def without_body(self, conn, head, response, expects_continue):
         """Answer without needing the body: skip it, or close if the client waits for 100."""
@@ -2917,14 +2941,14 @@ class Server:
             return CommandResult(False, error=exc)
         for message in invocation.messages:
             log.info("[%s] %s", request.id, message)
-        gate = self.gate(hook)
-        if not slot_held:
+        gate = None if slot_held else self.gate(hook)
+        if gate is not None:
             gate.wait_turn()
         try:
             result = self.runner.run(invocation, request.id, hook.command_timeout, on_output,
                                      keep_output)
         finally:
-            if not slot_held:
+            if gate is not None:
                 gate.leave()
         self.log_result(hook, request.id, result, on_output is None and keep_output)
         return result
@@ -3293,10 +3317,8 @@ class Daemon:
         """Main loop; returns the exit status."""
         stop_deadline = None
         while True:
-            timeout = POLL_INTERVAL if self.opts.hotreload else None
-            if stop_deadline is not None:
-                timeout = POLL_INTERVAL
-            self.signals.wait(timeout)
+            polling = self.opts.hotreload or stop_deadline is not None
+            self.signals.wait(POLL_INTERVAL if polling else None)
             while self.signals.pending:
                 signum = self.signals.pending.popleft()
                 if signum in (signal.SIGHUP, signal.SIGUSR1):
@@ -3338,11 +3360,7 @@ class Daemon:
         return time.monotonic() + max(0, self.opts.shutdown_timeout)
 
     def finish(self):
-        for path in self.cleanup_paths:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        remove_paths(self.cleanup_paths)
         log.info("exiting")
         return 0
 
@@ -3438,13 +3456,23 @@ def serve(opts):
         return 1
     if opts.socket and where.startswith("unix:"):
         cleanup.append(opts.socket)
-    if opts.pidfile:
-        write_pidfile(opts.pidfile)
-        cleanup.append(opts.pidfile)
-    if opts.secure:
-        server.tls_context = make_tls_context(opts)
-    if opts.setuid and opts.setgid:
-        drop_privileges(opts.setuid, opts.setgid)
+    try:  # a start that fails from here on leaves no socket file or pidfile behind
+        if opts.pidfile:
+            try:
+                write_pidfile(opts.pidfile)
+            except OSError as exc:
+                raise SystemExit("Error creating pidfile: %s" % exc) from None
+            cleanup.append(opts.pidfile)
+        if opts.secure:
+            server.tls_context = make_tls_context(opts)
+        if opts.setuid and opts.setgid:
+            try:
+                drop_privileges(opts.setuid, opts.setgid)
+            except OSError as exc:
+                raise SystemExit("error dropping privileges: %s" % exc) from None
+    except SystemExit:
+        remove_paths(cleanup)
+        raise
     daemon = Daemon(opts, registry, server, notifier, signals, cleanup)
     server.loop = ConnectionLoop(server, listeners)
     server.loop.start()
