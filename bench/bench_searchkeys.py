@@ -1,0 +1,378 @@
+"""Benchmark: searchkeys.py serve — authorization, key creation, startup, memory, guard cost.
+
+    python3 bench/bench_searchkeys.py [--quick] [--repeat N] [--keys 100000]
+
+Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measures, in one run:
+
+- authorization throughput and latency (``GET /authorize`` with a valid search key, as nginx
+  ``auth_request`` sends it) with 10, 10,000 and 100,000 stored keys; the key used is always the
+  newest one (worst case for a lookup that scans in insertion order); the same requests against
+  the bare-stdlib floor (``stub_server.py floor``) for scale;
+- ``POST /keys`` rate (durable store: every create is on disk before the answer) with ~100 and
+  with ~100,000 stored keys, at concurrency 1 and 8;
+- startup time (spawn → first answer on ``/health``) with an empty store and with 100,000 keys,
+  and idle RSS for both (→ memory per 100,000 keys);
+- the guard's cost: a search request (``POST /indexes/blog/search`` with a search key) through
+  ``serve --upstream`` to ``stub_server.py search`` vs the same request sent to the stub directly,
+  interleaved in the same run.
+
+The store is filled through the API (``POST /keys`` from a concurrent keep-alive client), the way
+a user would; the fill rate is reported too. Prints ONE JSON object with the figures, the ratios
+and the targets met or missed; keeps a copy in bench/results/. Progress goes to stderr.
+"""
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+from common import log, ratio
+
+SEARCHKEYS = common.ROOT / "searchkeys.py"
+STUB = common.BENCH_DIR / "stub_server.py"
+MASTER_KEY = "bench-master-key-0123456789abcdef"
+UPSTREAM_KEY = "bench-upstream-key-0123456789"
+INDEX = "blog"
+SEARCH_PATH = f"/indexes/{INDEX}/search"
+SEARCH_BODY = json.dumps({"q": "bench", "limit": 20})
+NEW_KEY_BODY = json.dumps({"description": "bench", "actions": ["search"], "indexes": [INDEX],
+                           "expiresAt": None})
+MASTER_AUTH = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
+
+TARGETS_DOC = {
+    "authorize_scaling": "authorization throughput at 10 keys / at 100,000 keys < 1.2",
+    "create_scaling": "POST /keys per-create cost does not grow: rate at 100k / rate at 100 >= 0.8",
+    "startup_100k": "startup with 100,000 keys < 2 s",
+    "guard_p50": "guard adds < 1 ms to the p50 of a search at c=1",
+    "guard_rps": "guarded search throughput >= 0.5x direct at c=8",
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="short run: repeat 1, 300 requests, 1 s wrk, 20,000 keys")
+    common.add_load_arguments(parser, 3000, "1,8", "searchkeys.py and the stubs")
+    parser.add_argument("--creates", type=int, help="POST /keys per rate measurement (300)")
+    parser.add_argument("--keys", type=int, help="largest store size (100000)")
+    parser.add_argument("--fill-concurrency", type=int, default=8,
+                        help="concurrent clients filling the store through the API (8)")
+    parser.add_argument("--fill-budget", type=float, default=900.0,
+                        help="seconds allowed for filling the store; the run stops if exceeded")
+    parser.add_argument("--searchkeys", default=str(SEARCHKEYS), help="path of searchkeys.py")
+    args = parser.parse_args()
+    quick = args.quick
+    common.apply_defaults(args, {
+        "repeat": 1 if quick else 3, "requests": 300 if quick else 3000,
+        "creates": 60 if quick else 300, "keys": 20000 if quick else 100000,
+        "wrk_seconds": 1 if quick else 2, "slices": 2 if quick else 4})
+    if not Path(args.searchkeys).exists():
+        sys.exit(f"{args.searchkeys} does not exist yet")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Servers and single API calls
+# --------------------------------------------------------------------------------------------
+
+def start_searchkeys(args, workdir, store=None, upstream=None):
+    port = common.free_port()
+    argv = [args.python, args.searchkeys, "serve", "--host", common.HOST, "--port", port,
+            "--master-key", MASTER_KEY]
+    if store:
+        argv += ["--store", store]
+    if upstream:
+        argv += ["--upstream", upstream, "--upstream-key", UPSTREAM_KEY]
+    return common.Server("searchkeys", argv, port, ready_path="/health", log_dir=workdir,
+                         timeout=120.0)
+
+
+def start_stub(args, kind, workdir):
+    port = common.free_port()
+    return common.Server(f"stub-{kind}", [args.python, STUB, kind, "--port", port], port,
+                         ready_path="/", log_dir=workdir)
+
+
+def call(port, method, path, headers=None, body=b""):
+    """One request on a fresh connection: (status, decoded JSON or None)."""
+    conn = common.Connection(port, timeout=60.0)
+    try:
+        status, data = conn.exchange(common.build_request(method, path, headers, body))
+    finally:
+        conn.close()
+    try:
+        return status, json.loads(data) if data else None
+    except ValueError:
+        return status, None
+
+
+def stored_keys(port):
+    status, body = call(port, "GET", "/keys?limit=1", MASTER_AUTH)
+    if status != 200 or not isinstance(body, dict) or "total" not in body:
+        raise RuntimeError(f"GET /keys answered {status}: {body}")
+    return body["total"]
+
+
+def new_search_key(port):
+    status, body = call(port, "POST", "/keys", MASTER_AUTH, NEW_KEY_BODY)
+    if status != 201 or not isinstance(body, dict) or "key" not in body:
+        raise RuntimeError(f"POST /keys answered {status}: {body}")
+    return body["key"]
+
+
+def authorize_headers(key):
+    return {"X-Original-Method": "POST", "X-Original-URI": SEARCH_PATH,
+            "Authorization": f"Bearer {key}"}
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------
+
+def fill(args, server, target, deadline, fill_log):
+    """Create keys through the API until ``target`` are stored; chunks of at most 5000."""
+    have = stored_keys(server.port)
+    request = [common.build_request("POST", "/keys", MASTER_AUTH, NEW_KEY_BODY)]
+    while have < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"store fill exceeded --fill-budget at {have} keys")
+        chunk = min(5000, target - have)
+        fig = common.run_load(server.port, request, chunk, args.fill_concurrency,
+                              args.client_procs, {201})
+        if fig["unexpected"] or fig["errors"]:
+            raise RuntimeError(f"fill failed: {fig}")
+        fill_log.append({"stored_before": have, "created": chunk, "rps": fig["rps"],
+                         "p50_ms": fig["p50_ms"], "p99_ms": fig["p99_ms"]})
+        have = stored_keys(server.port)
+        log(f"fill: {have} keys stored, last chunk {fig['rps']} creates/s "
+            f"(p50 {fig['p50_ms']} ms, p99 {fig['p99_ms']} ms)")
+    return have
+
+
+def interleaved(args, targets, requests, labels, expected, count=None):
+    """The same requests against several servers, alternated within each repeat (the order
+    rotates), so that the machine's load changes hit all of them alike.
+
+    ``targets``: name -> (server, pre-encoded requests for it); ``labels``: which clients and
+    concurrencies ("python c=N" / "wrk c=N"); returns label -> name -> merged figures.
+    """
+    raw = {}
+    names = list(targets)
+    for rep in range(args.repeat):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for label in labels:
+            client, c = label.split(" c=")
+            c = int(c)
+            if client == "python":  # slices alternating between the servers (ABBA order)
+                parts = {name: [] for name in order}
+                per_slice = max(c, (count or args.requests) // args.slices)
+                for k in range(args.slices):
+                    for name in (order if k % 2 == 0 else order[::-1]):
+                        server, request = targets[name]
+                        parts[name].append(common.run_load(
+                            server.port, [request.encode()], per_slice, c, args.client_procs,
+                            expected[name], server.pid, keep_raw=True))
+                figures = {n: common.summarize(parts[n], expected[n]) for n in order}
+            else:
+                figures = {}
+                for name in order:
+                    server, request = targets[name]
+                    figures[name] = common.run_wrk(server.port, request.path, c,
+                                                   args.wrk_seconds, request.headers,
+                                                   request.method, request.body)
+            for name in order:
+                fig = figures[name]
+                raw.setdefault((label, name), []).append(fig)
+                log(f"{requests} {label} {name}: {fig['rps']} rps p50 {fig['p50_ms']} "
+                    f"p99 {fig['p99_ms']} ms cpu {fig.get('server_cpu_us_per_req')} us/req "
+                    f"(unexpected {fig.get('unexpected', fig.get('non_2xx_3xx'))}, "
+                    f"errors {fig.get('errors', fig.get('socket_errors'))})")
+    return {label: {name: common.merge_repeats(raw[(label, name)]) for name in names}
+            for label in labels}
+
+
+class Req:
+    """One request, kept both as parts (for wrk) and pre-encoded (for the Python client)."""
+
+    def __init__(self, method, path, headers, body=""):
+        self.method, self.path, self.headers, self.body = method, path, headers, body
+
+    def encode(self):
+        return common.build_request(self.method, self.path, self.headers, self.body)
+
+
+def authorize_request(key):
+    return Req("GET", "/authorize", authorize_headers(key))
+
+
+def client_labels(args, with_wrk=True):
+    labels = [f"python c={c}" for c in args.concurrency]
+    if with_wrk and not args.no_wrk:
+        labels.append(f"wrk c={max(args.concurrency)}")
+    return labels
+
+
+def measure_authorize(args, small, big, floor, level):
+    """Authorization with ``level`` keys (``big``) vs 10 keys (``small``) and the floor."""
+    targets = {"floor": (floor[0], authorize_request(floor[1])),
+               "10 keys": (small[0], authorize_request(small[1])),
+               f"{level} keys": (big[0], authorize_request(big[1]))}
+    expected = {"floor": {404}, "10 keys": {204}, f"{level} keys": {204}}
+    table = interleaved(args, targets, f"authorize@{level}", client_labels(args), expected)
+    for row in table.values():
+        row["big/10"] = common.compare(row[f"{level} keys"], row["10 keys"])
+        row["big/floor"] = common.compare(row[f"{level} keys"], row["floor"])
+    return table
+
+
+def measure_creates(args, small, big, level):
+    """POST /keys on durable stores: ~100 stored keys (``small``) vs ``level`` (``big``)."""
+    request = Req("POST", "/keys", MASTER_AUTH, NEW_KEY_BODY)
+    small_label, big_label = f"~{stored_keys(small.port)} keys", f"{level} keys"
+    targets = {small_label: (small, request), big_label: (big, request)}
+    expected = {small_label: {201}, big_label: {201}}
+    table = interleaved(args, targets, "POST /keys", client_labels(args, with_wrk=False),
+                        expected, count=args.creates)
+    for row in table.values():
+        row["big/small"] = common.compare(row[big_label], row[small_label])
+    table["stored_after"] = {small_label: stored_keys(small.port),
+                             big_label: stored_keys(big.port)}
+    return table
+
+
+def measure_guard(args, workdir):
+    """The same search request through the guard and directly to the stub, interleaved."""
+    stub = start_stub(args, "search", workdir)
+    guard = start_searchkeys(args, workdir, upstream=f"http://{common.HOST}:{stub.port}")
+    try:
+        key = new_search_key(guard.port)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        request = Req("POST", SEARCH_PATH, headers, SEARCH_BODY)
+        status, body = call(guard.port, "POST", SEARCH_PATH, headers, SEARCH_BODY)
+        log(f"guarded search answered {status}: {str(body)[:100]}")
+        targets = {"direct": (stub, request), "guarded": (guard, request)}
+        table = interleaved(args, targets, "search", client_labels(args),
+                            {"direct": {200}, "guarded": {200}})
+        for row in table.values():
+            row["guarded/direct"] = common.compare(row["guarded"], row["direct"])
+            row["added_p50_ms"] = round(row["guarded"]["p50_ms"] - row["direct"]["p50_ms"], 3)
+        table["guarded_status"] = status
+        table["guard_rss_mib"] = round((guard.status() or {}).get("rss_kib", 0) / 1024, 1)
+        return table
+    finally:
+        guard.stop()
+        stub.stop()
+
+
+def idle_rss_mib(server):
+    time.sleep(1.0)
+    return round((server.status() or {}).get("rss_kib", 0) / 1024, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+def evaluate_targets(args, result):
+    targets = common.Targets(TARGETS_DOC)
+    add = targets.add
+
+    big = f"{args.keys} keys"
+    for label, row in result.get("authorize", {}).get(str(args.keys), {}).items():
+        if row["10 keys"]["rps"] and row[big]["rps"]:
+            slowdown = ratio(row["10 keys"]["rps"], row[big]["rps"])
+            add("authorize_scaling", f"authorize {label} rps@10 / rps@{args.keys}", slowdown,
+                "< 1.2", slowdown < 1.2)
+    for label, row in result.get("creates", {}).items():
+        if label.startswith("python"):
+            kept = row["big/small"]["rps"]
+            add("create_scaling", f"POST /keys {label} rate@{args.keys} / rate@~100", kept,
+                ">= 0.8", kept >= 0.8)
+    startup = result.get("startup_ms", {}).get(big)
+    if startup:
+        add("startup_100k", f"startup ms with {args.keys} keys (median wall)",
+            startup["median_ms"], "< 2000", startup["median_ms"] < 2000)
+    guard = result.get("guard", {})
+    if "python c=1" in guard:
+        added = guard["python c=1"]["added_p50_ms"]
+        add("guard_p50", "added p50 ms at c=1 (guarded - direct)", added, "< 1", added < 1)
+    for label in ("python c=8", "wrk c=8"):
+        if label in guard:
+            r = guard[label]["guarded/direct"]["rps"]
+            add("guard_rps", f"{label} rps guarded/direct", r, ">= 0.5", r >= 0.5)
+    return targets
+
+
+# --------------------------------------------------------------------------------------------
+
+def main():
+    args = parse_args()
+    result = common.new_result("searchkeys", args, (
+        "quick", "repeat", "requests", "slices", "creates", "keys", "wrk_seconds", "no_wrk",
+        "concurrency", "fill_concurrency", "client_procs", "python"))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-searchkeys-"))
+    stores = {name: workdir / f"keys-{name}.json" for name in ("small", "mid", "big")}
+    big_label = f"{args.keys} keys"
+    deadline = time.monotonic() + args.fill_budget
+    fill_log = []
+    servers = []
+
+    def start(store):
+        server = start_searchkeys(args, workdir, store)
+        servers.append(server)
+        return server
+
+    try:
+        result["startup_ms"] = {"empty store": common.measure_startup(
+            lambda: start_searchkeys(args, workdir, stores["big"]), args.repeat)}
+        log("startup, empty store:", result["startup_ms"]["empty store"])
+        floor = start_stub(args, "floor", workdir)
+        servers.append(floor)
+        small = start(stores["small"])
+        fill(args, small, 9, deadline, fill_log)
+        small_key = new_search_key(small.port)
+        result["idle_rss_mib"] = {"10 keys": idle_rss_mib(small)}
+        mid = start(stores["mid"])
+        fill(args, mid, 100, deadline, fill_log)
+        big = start(stores["big"])
+        result["authorize"], result["rss_mib_running"] = {}, {}
+        for level in (10000, args.keys):
+            fill(args, big, level - 1, deadline, fill_log)
+            big_key = new_search_key(big.port)  # the newest key: last in insertion order
+            result["rss_mib_running"][f"{level} keys"] = idle_rss_mib(big)
+            result["authorize"][str(level)] = measure_authorize(
+                args, (small, small_key), (big, big_key), (floor, small_key), level)
+        result["creates"] = measure_creates(args, mid, big, args.keys)
+        result["fill"] = fill_log
+        final_count = stored_keys(big.port)
+        big.stop()
+        mid.stop()
+        result["store_bytes"] = sum(p.stat().st_size for p in workdir.glob("keys-big.json*"))
+        result["stored_keys_final"] = final_count
+        result["startup_ms"][big_label] = common.measure_startup(
+            lambda: start_searchkeys(args, workdir, stores["big"]), args.repeat)
+        log(f"startup with {final_count} keys:", result["startup_ms"][big_label])
+        restarted = start(stores["big"])
+        result["idle_rss_mib"][f"{final_count} keys, fresh start"] = full = \
+            idle_rss_mib(restarted)
+        per = (full - result["idle_rss_mib"]["10 keys"]) * 100000 / (final_count - 10)
+        result["memory_mib_per_100k_keys"] = round(per, 1)
+        for server in (restarted, small, floor):
+            server.stop()
+        result["guard"] = measure_guard(args, workdir)
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    common.finish_result("searchkeys", result, evaluate_targets(args, result))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        log("interrupted; servers stopped")
+        sys.exit(130)

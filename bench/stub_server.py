@@ -1,0 +1,83 @@
+"""Tiny stdlib HTTP servers the benchmarks measure against (127.0.0.1 only).
+
+    python3 bench/stub_server.py floor  --port N   # the Python floor for webhookd's cheap paths
+    python3 bench/stub_server.py search --port N   # a stand-in search backend for searchkeys
+
+``floor``: a bare ``http.server`` handler that does nothing but answer — every GET gets
+404 ``Hook not found.`` — with HTTP/1.1 keep-alive, the threading server and TCP_NODELAY. It is the
+fastest a webhook runner built on ``http.server`` can be on this machine.
+
+``search``: answers every GET/POST with a small fixed Meilisearch-shaped search result, so that a
+request through ``searchkeys.py serve --upstream`` can be compared with the same request sent to
+this backend directly.
+"""
+import argparse
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def canned_response(status, reason, content_type, body):
+    """Status line, headers and body as one byte string, so each answer is a single send."""
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+class QuietKeepAliveHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 keep-alive, no Nagle delay, no access log; answers ``self.response`` as is."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    response = canned_response(200, "OK", "text/plain", b"")
+
+    def log_message(self, format, *args):
+        pass
+
+    def _respond(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        self.wfile.write(self.response)
+
+    do_GET = do_POST = _respond
+
+
+class FloorHandler(QuietKeepAliveHandler):
+    response = canned_response(404, "Not Found", "text/plain; charset=utf-8", b"Hook not found.")
+
+
+SEARCH_RESULT = json.dumps({
+    "hits": [{"id": 1, "title": "Benchmarks, not tests"}],
+    "query": "bench", "processingTimeMs": 0, "limit": 20, "offset": 0, "estimatedTotalHits": 1,
+}).encode()
+
+
+class SearchStubHandler(QuietKeepAliveHandler):
+    response = canned_response(200, "OK", "application/json", SEARCH_RESULT)
+
+
+HANDLERS = {"floor": FloorHandler, "search": SearchStubHandler}
+
+
+class QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's default backlog of 5 drops SYNs at c=32
+
+    def handle_error(self, request, client_address):
+        pass  # load generators drop connections at the end of a run; not worth a traceback
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=sorted(HANDLERS))
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    server = QuietServer(("127.0.0.1", args.port), HANDLERS[args.kind])
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
