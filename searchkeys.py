@@ -519,6 +519,11 @@ def did_you_mean(received, accepted):
     return "did you mean `%s`? " % best[1] if best else ""
 
 
+def is_decimal(text):
+    """Only ASCII digits (str.isdigit alone also takes `²`, which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def backticked(names):
     return ", ".join("`%s`" % n for n in names)
 
@@ -589,6 +594,7 @@ def _reject_constant(name):
 # building one per call is slow.
 _STRICT_JSON = json.JSONDecoder(parse_constant=_reject_constant)
 MAX_JSON_DEPTH = 128  # serde_json's recursion limit
+_SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def strict_json(text):
@@ -604,7 +610,8 @@ def strict_json(text):
                 raise RecursionError("recursion limit exceeded")
             stack.extend((child, depth + 1)
                          for child in (item.values() if isinstance(item, dict) else item))
-    compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+    if _SURROGATE_ESCAPE_RE.search(text):  # the only way a lone surrogate gets in
+        compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone one
     return value
 
 
@@ -632,9 +639,10 @@ def require_object(value):
     return value
 
 
-def _optional_string(code, field, value):
+def _optional_string(field, value):
+    """`name` / `description`: a string or null."""
     if value is not None and not isinstance(value, str):
-        raise wrong_type(code, "." + field, "a string", value)
+        raise wrong_type("invalid_api_key_" + field, "." + field, "a string", value)
     return value
 
 
@@ -703,10 +711,8 @@ def validate_create(body, now_ns):
     """
     fields = {"description": None, "name": None, "uid": None}
     for name, value in require_object(body).items():
-        if name == "description":
-            fields[name] = _optional_string("invalid_api_key_description", name, value)
-        elif name == "name":
-            fields[name] = _optional_string("invalid_api_key_name", name, value)
+        if name in PATCH_FIELDS:
+            fields[name] = _optional_string(name, value)
         elif name == "uid":
             fields[name] = validate_uid(value)
         elif name == "actions":
@@ -736,10 +742,8 @@ def validate_patch(body):
     """A PATCH /keys/{k} body -> dict with the `name`/`description` to change."""
     changes = {}
     for name, value in require_object(body).items():
-        if name == "description":
-            changes[name] = _optional_string("invalid_api_key_description", name, value)
-        elif name == "name":
-            changes[name] = _optional_string("invalid_api_key_name", name, value)
+        if name in PATCH_FIELDS:
+            changes[name] = _optional_string(name, value)
         elif name in IMMUTABLE_FIELDS:
             code = "immutable_api_key_" + re.sub("([A-Z])", r"_\1", name).lower()
             raise ApiError(400, code, "Immutable field `%s`: expected one of %s"
@@ -761,7 +765,7 @@ def validate_list_query(query):
                               % (name, did_you_mean(name, LIST_PARAMETERS),
                                  backticked(LIST_PARAMETERS)))
         digits = raw[1:] if raw.startswith("+") else raw
-        if not digits.isascii() or not digits.isdigit() or int(digits) > _USIZE_MAX:
+        if not is_decimal(digits) or int(digits) > _USIZE_MAX:
             raise ApiError(400, "invalid_api_key_" + name,
                            "Invalid value in parameter `%s`: could not parse `%s` as a "
                            "positive integer" % (name, raw))
@@ -1008,7 +1012,9 @@ def _json_part(text, what):
     return value
 
 
-def _missing(field, text):
+def _missing(field, part):
+    """serde's error for a claim missing from `part` (a base64url JSON part)."""
+    text = b64url_decode(part).decode("utf-8", "replace")
     return TenantTokenError("JSON error: missing field `%s` at line 1 column %d"
                             % (field, len(text)))
 
@@ -1028,15 +1034,14 @@ def decode_tenant_token(token):
     header = _json_part(header_text, "struct Header")
     algorithm = header.get("alg")
     if "alg" not in header:
-        raise _missing("alg", b64url_decode(header_text).decode("utf-8", "replace"))
+        raise _missing("alg", header_text)
     if algorithm not in JWT_KNOWN_ALGORITHMS:
         raise TenantTokenError("JSON error: unknown variant `%s`, expected one of %s"
                                % (algorithm, backticked(JWT_KNOWN_ALGORITHMS)))
     claims = _json_part(payload_text, "struct Claims")
-    payload_json = b64url_decode(payload_text).decode("utf-8", "replace")
     rules = claims.get("searchRules")
     if "searchRules" not in claims:
-        raise _missing("searchRules", payload_json)
+        raise _missing("searchRules", payload_text)
     if not _valid_search_rules(rules):
         raise TenantTokenError(
             "JSON error: data did not match any variant of untagged enum SearchRules")
@@ -1045,7 +1050,7 @@ def decode_tenant_token(token):
         raise TenantTokenError("JSON error: invalid type: %s, expected i64"
                                % describe_json(exp).split(":")[0])
     if "apiKeyUid" not in claims:
-        raise _missing("apiKeyUid", payload_json)
+        raise _missing("apiKeyUid", payload_text)
     uid = claims["apiKeyUid"]
     if not isinstance(uid, str):
         raise TenantTokenError("JSON error: invalid type: %s, expected UUID"
@@ -1150,6 +1155,9 @@ class ApiKey:
             return False
         return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
 
+    def expires_at_text(self):
+        return format_rfc3339(self.expires_at) if self.expires_at else None
+
     def changed(self, changes, updated_ns):
         """A copy with `name`/`description` from `changes` and a new updatedAt."""
         return ApiKey(self.uid, changes.get("name", self.name),
@@ -1165,7 +1173,7 @@ class ApiKey:
             "uid": self.uid,
             "actions": list(self.actions),
             "indexes": list(self.indexes),
-            "expiresAt": format_rfc3339(self.expires_at) if self.expires_at else None,
+            "expiresAt": self.expires_at_text(),
             "createdAt": format_timestamp(self.created_ns),
             "updatedAt": format_timestamp(self.updated_ns),
         }
@@ -1182,7 +1190,7 @@ class ApiKey:
         return {
             "uid": self.uid, "name": self.name, "description": self.description,
             "actions": list(self.actions), "indexes": list(self.indexes),
-            "expiresAt": format_rfc3339(self.expires_at) if self.expires_at else None,
+            "expiresAt": self.expires_at_text(),
             "createdAt": self.created_ns, "updatedAt": self.updated_ns,
         }
 
@@ -1447,7 +1455,7 @@ class Journal:
 
     FORMAT = "searchkeys-store"
     VERSION = 1
-    _HEADER = b'{"format": "searchkeys-store", "version": 1, "keys": [\n'
+    _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
 
     def __init__(self, path, log):
         self.path = os.path.abspath(path)
@@ -1570,9 +1578,7 @@ class Journal:
             self._take_back()
         line = (change + "\n").encode("utf-8")
         try:
-            view = memoryview(line)
-            while view:
-                view = view[os.write(self._fd, view):]
+            _write_all(self._fd, line)
             os.fsync(self._fd)
         except OSError as exc:
             self._broken = exc
@@ -1605,9 +1611,7 @@ class Journal:
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -1624,6 +1628,13 @@ class Journal:
         self._size = 0
         self.entries = 0
         self.needs_compaction = False
+
+
+def _write_all(fd, data):
+    """os.write until all of `data` is written (a write may be partial)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _fsync_folder(folder):
@@ -1681,7 +1692,6 @@ class Guard:
         self.store = store
         self.master_key = master_key
         self._master_bytes = master_key.encode() if master_key is not None else None
-        self._derive = key_deriver(master_key) if master_key is not None else None
 
     def check(self, authorization, actions, index):
         """The Principal allowed to perform `actions` on `index` (None on
@@ -1690,22 +1700,15 @@ class Guard:
             return OPEN  # public route: no header check at all
         header = _visible_ascii(authorization)
         if header is None:
-            try:
-                return self._authenticate("", actions, index)
-            except ApiError:
-                raise missing_master_key() if self.master_key is None \
-                    else missing_authorization_header()
+            if self.master_key is not None:
+                raise missing_authorization_header()
+            return self._authenticate("", actions, index)  # open instance: all but /keys
         scheme, space, token = header.partition(" ")
         if scheme != "Bearer":
             raise missing_authorization_header()
         if not space:
             raise invalid_api_key()
-        try:
-            return self._authenticate(token, actions, index)
-        except ApiError:
-            if self.master_key is None:
-                raise missing_master_key()
-            raise
+        return self._authenticate(token, actions, index)
 
     def _authenticate(self, token, actions, index):
         principal = OPEN
@@ -1717,15 +1720,15 @@ class Guard:
         """Upstream's ActionPolicy for one action: a Principal, or raises."""
         if self.master_key is None:  # no master key: everything but /keys is open
             if action in KEYS_ACTIONS:
-                raise invalid_api_key()
+                raise missing_master_key()
             return OPEN
         if hmac.compare_digest(self._master_bytes, token.encode()):
             return OPEN
         rules = None
         key = None
-        if action in TENANT_TOKEN_ACTIONS:
+        if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
             try:
-                claims = verify_tenant_token(token, self._derive)
+                claims = verify_tenant_token(token, self.store.derive)
             except NotATenantToken:
                 pass
             except TenantTokenError as exc:
@@ -1837,6 +1840,23 @@ def restrict_search_query(principal, index, query):
     return urllib.parse.urlencode(pairs)
 
 
+ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
+
+
+def all_indexes_query(query):
+    """GET /indexes for a restricted key: (the query that asks the backend
+    for every index, offset, limit to apply after filtering), or None when
+    offset/limit are not plain numbers."""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    asked = dict(pairs)
+    offset, limit = asked.get("offset", "0"), asked.get("limit", "20")
+    if not (is_decimal(offset) and is_decimal(limit)):
+        return None
+    pairs = [(n, v) for n, v in pairs if n not in ("offset", "limit")]
+    pairs += [("offset", "0"), ("limit", str(ALL_INDEXES_LIMIT))]
+    return urllib.parse.urlencode(pairs), int(offset), int(limit)
+
+
 def filter_index_list(principal, answer, offset, limit):
     """GET /indexes for a restricted key: only its indexes, paginated after
     filtering as upstream does."""
@@ -1936,7 +1956,6 @@ def restriction_not_enforceable(route, where):
         "This API key is restricted to some indexes (or is a tenant token), and searchkeys "
         "cannot enforce that restriction on `%s %s`%s; the request is refused."
         % (route[0], route[1], " " + where if where else ""))
-ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
 
 
 # =============================================================================
@@ -1961,7 +1980,7 @@ class KeysApi:
         if method == "GET":
             return 200, self.store.find(segment).to_json()
         if method == "DELETE":
-            self.store.delete(segment)
+            self._write(self.store.delete, segment)
             return 204, None
         body = request.read_json_body()
         if method == "POST":
@@ -1970,11 +1989,13 @@ class KeysApi:
         changes = validate_patch(body)
         return 200, self._write(self.store.update, segment, changes).to_json()
 
-    @staticmethod
-    def _write(operation, *args):
+    def _write(self, operation, *args):
+        """Run a store change; one that could not be made durable was not
+        applied: log it for the operator and answer 500."""
         try:
             return operation(*args)
         except StoreWriteError as exc:
+            self.store.log("searchkeys: %s" % exc)
             raise internal_error("The change could not be saved: %s" % exc)
 
 
@@ -2038,7 +2059,9 @@ def read_headers(rfile):
         if len(fields) >= MAX_HEADERS:
             raise HeaderError(431, "Too many headers")
         name, colon, value = line.decode("latin-1").rstrip("\r\n").partition(":")
-        if not colon or not _TOKEN_RE.match(name):
+        # A bare CR or a NUL in a value: a backend may read it as a line
+        # break, and see headers (Transfer-Encoding...) the guard never saw.
+        if not colon or not _TOKEN_RE.match(name) or "\r" in value or "\0" in value:
             raise HeaderError(400, "Bad header line")
         fields.append((name, value.strip(" \t")))
 
@@ -2070,7 +2093,7 @@ class Body:
         if len(lengths) > 1:
             raise bad_request("Conflicting Content-Length headers.")
         length = lengths.pop() if lengths else "0"
-        if not (length.isdigit() and length.isascii()):
+        if not is_decimal(length):
             raise bad_request("The Content-Length header `%s` is invalid." % length)
         return cls(rfile, int(length))
 
@@ -2089,8 +2112,10 @@ class Body:
                 self.remaining -= len(data)
                 yield data
             while self.chunked and not self.finished:
-                size_text = self.rfile.readline(1024).split(b";", 1)[0].strip()
-                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                size_line = self.rfile.readline(1024)
+                size_text = size_line.split(b";", 1)[0].strip()
+                if not size_line.endswith(b"\n") or not size_text \
+                        or size_text.strip(b"0123456789abcdefABCDEF"):
                     raise BrokenBody("bad chunk size")
                 size = int(size_text, 16)
                 if size == 0:
@@ -2103,7 +2128,8 @@ class Body:
                         raise BrokenBody("body cut short")
                     size -= len(data)
                     yield data
-                self.rfile.readline(16)
+                if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                    raise BrokenBody("chunk not followed by CRLF")
         except (OSError, ValueError) as exc:
             raise BrokenBody(str(exc))
         self.finished = True
@@ -2153,15 +2179,19 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-a
                         "transfer-encoding", "upgrade"))
 # Request headers the proxy sets itself.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect"}
+# Answer headers not relayed as is: this hop frames the body itself, and a
+# filtered answer is re-encoded as plain JSON.
+NOT_RELAYED = HOP_BY_HOP | {"content-length"}
+NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
 
 
-def _connection_headers(headers):
-    """Hop-by-hop header names, including those listed in Connection."""
-    names = set(HOP_BY_HOP)
+def _kept_headers(headers, dropped):
+    """`headers` as (name, value) pairs, without the names in `dropped` and
+    those the Connection header lists (hop-by-hop too)."""
     for value in headers.get_all("Connection"):
-        names.update(token.strip().lower() for token in value.split(","))
-    return names
+        dropped = dropped | {token.strip().lower() for token in value.split(",")}
+    return [(name, value) for name, value in headers.items() if name.lower() not in dropped]
 
 
 class UpstreamError(Exception):
@@ -2177,8 +2207,8 @@ class UpstreamResponse:
             if not line:
                 raise UpstreamError("the connection was closed before an answer")
             version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
-            status, _, self.reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or len(status) != 3 or not status.isdigit():
+            status = rest.partition(" ")[0]  # the reason phrase is not relayed
+            if not version.startswith("HTTP/1.") or len(status) != 3 or not is_decimal(status):
                 raise UpstreamError("not an HTTP answer: %r" % line[:80])
             try:
                 self.headers = read_headers(rfile)
@@ -2195,7 +2225,7 @@ class UpstreamResponse:
             self.body = Body(rfile, 0)
         elif encoding is not None and "chunked" in encoding.lower():
             self.body = Body(rfile, chunked=True)
-        elif length is not None and length.strip().isdigit():
+        elif length is not None and is_decimal(length.strip()):
             self.length = int(length)
             self.body = Body(rfile, self.length)
         else:
@@ -2225,14 +2255,14 @@ class Upstream:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
-        self.display_url = "%s://%s" % (parts.scheme, parts.netloc.rpartition("@")[2])
+        self.host_header = parts.netloc.rpartition("@")[2]  # without any user:password@
+        self.display_url = "%s://%s" % (parts.scheme, self.host_header)
         self.prefix = parts.path.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.pool_size = pool_size
         self.tls = parts.scheme == "https"
         self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
-        self.host_header = parts.netloc.rpartition("@")[2]
         self._idle = []
         self._lock = threading.Lock()
 
@@ -2255,7 +2285,7 @@ class Upstream:
                 connection = self._idle.pop() if self._idle else None
             if connection is None:
                 return self._connect(), False
-            if not check or not select.select([connection.sock], [], [], 0)[0]:
+            if not check or not _readable(connection.sock):
                 return connection, True
             connection.close()
 
@@ -2268,9 +2298,7 @@ class Upstream:
 
     def headers_for(self, incoming):
         """The caller's headers minus hop-by-hop ones and its credential."""
-        dropped = _connection_headers(incoming) | NOT_FORWARDED
-        return [(name, value) for name, value in incoming.items()
-                if name.lower() not in dropped]
+        return _kept_headers(incoming, NOT_FORWARDED)
 
     def fetch_json(self, target):
         """GET `target` with the upstream key: (status, JSON value or None).
@@ -2325,11 +2353,24 @@ class Upstream:
                             connection.sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     connection.sock.sendall(b"0\r\n\r\n")
                 return connection, UpstreamResponse(connection.rfile, method)
+            except BrokenBody:  # the caller's body broke off: the backend got half a request
+                connection.close()
+                raise
             except (OSError, UpstreamError) as exc:
                 connection.close()
                 if not (reused and attempt == 1 and isinstance(body, bytes)):
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc))
         raise AssertionError("unreachable")
+
+
+def _readable(sock):
+    """Has `sock` data or an EOF waiting? poll() where there is one: select()
+    fails on descriptors past 1023, which a busy server reaches."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def upstream_unreachable(upstream, reason):
@@ -2542,7 +2583,9 @@ class Service:
 
     def plan(self, request, principal, route, params, raw_path, query):
         """(target, body, answer filter) to forward, after the handler rules
-        for a restricted principal. body None = stream the caller's as is."""
+        for a restricted principal. body None = stream the caller's as is.
+        Without --upstream the request ends in 501 after this; only a refusal
+        by the body checks (upstream's 403) comes first."""
         index = params.get("index_uid")
         target, body, answer_filter = request.path, None, None
         if not handler_rules_apply(principal, route, index):
@@ -2556,15 +2599,12 @@ class Service:
         elif route in TOKEN_QUERY_RULES:
             target = raw_path + "?" + restrict_search_query(principal, index, query)
         elif route == ("GET", "/indexes"):
-            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-            asked = dict(pairs)
-            offset, limit = asked.get("offset", "0"), asked.get("limit", "20")
-            if offset.isdigit() and limit.isdigit():  # else the backend explains the error
-                pairs = [(n, v) for n, v in pairs if n not in ("offset", "limit")]
-                pairs += [("offset", "0"), ("limit", str(ALL_INDEXES_LIMIT))]
-                target = raw_path + "?" + urllib.parse.urlencode(pairs)
+            paging = all_indexes_query(query)
+            if paging is not None:  # else the backend explains the bad offset/limit
+                all_query, offset, limit = paging
+                target = raw_path + "?" + all_query
                 answer_filter = functools.partial(filter_index_list, principal,
-                                                  offset=int(offset), limit=int(limit))
+                                                  offset=offset, limit=limit)
         elif route == ("GET", "/stats"):
             answer_filter = functools.partial(filter_stats, principal)
         elif route in TASK_QUERY_ROUTES and self.upstream is not None:
@@ -2655,8 +2695,7 @@ class Service:
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
                            "JSON; it cannot be filtered for this key.", "system")
-        dropped = _connection_headers(response.headers) | {"content-length", "content-encoding"}
-        headers = [(n, v) for n, v in response.headers.items() if n.lower() not in dropped]
+        headers = _kept_headers(response.headers, NOT_RELAYED_FILTERED)
         headers.append(("Content-Length", str(len(data))))
         request.status = response.status
         dated = response.headers.get("Date") is not None
@@ -2665,8 +2704,7 @@ class Service:
     @staticmethod
     def relay(request, response):
         """Stream the backend's answer to the caller, re-framed for this hop."""
-        dropped = _connection_headers(response.headers) | {"content-length"}
-        headers = [(n, v) for n, v in response.headers.items() if n.lower() not in dropped]
+        headers = _kept_headers(response.headers, NOT_RELAYED)
         status = response.status
         request.status = status
         dated = response.headers.get("Date") is not None
@@ -2795,16 +2833,23 @@ class Client:
         if self.key:
             headers["Authorization"] = "Bearer " + self.key
         url = self.url + path
-        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        except ValueError as exc:  # not a URL urllib can use, e.g. no http://
+            raise ConnectionFailed("cannot connect to %s: %s" % (url, exc))
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                payload = response.read()
+                status, payload = response.status, response.read()
         except urllib.error.HTTPError as exc:
             raise _client_error(exc.code, exc.read())
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise ConnectionFailed("cannot connect to %s: %s" % (url, reason))
-        return json.loads(payload.decode("utf-8")) if payload else None
+        try:
+            return json.loads(payload.decode("utf-8")) if payload else None
+        except (UnicodeDecodeError, ValueError):  # not a Meilisearch-compatible server
+            raise ClientError(status, "invalid_response",
+                              "%s answered %d with a body that is not JSON" % (url, status))
 
     def create_key(self, actions, indexes, expires_at=None, name=None, description=None,
                    uid=None):
@@ -3057,8 +3102,8 @@ def check_client_args(parser, args):
                 raise ValueError("--rules must be a JSON array of index patterns or an object "
                                  "of index pattern -> null or {\"filter\": ...}")
             if args.expires_at is not None:
-                args.expires_at = check_expires_at(args.expires_at)
-                args.expires_at = parse_expires_at(args.expires_at).ns // 10 ** 9
+                text = check_expires_at(args.expires_at)  # None for `never`: no `exp`
+                args.expires_at = parse_expires_at(text).ns // 10 ** 9 if text else None
     except ValueError as exc:
         parser.error(str(exc))
 
