@@ -39,6 +39,7 @@ import socket
 import stat
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -253,8 +254,12 @@ def snapshot_bytes(store):
 
 @pytest.fixture
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="searchkeys-attack-", ignore_cleanup_errors=True) as path:
+    # mkdtemp + rmtree(ignore_errors) rather than TemporaryDirectory(ignore_cleanup_errors), 3.10+
+    path = tempfile.mkdtemp(prefix="searchkeys-attack-")
+    try:
         yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ============================================================================

@@ -277,8 +277,12 @@ def assert_still_serving(daemon, context):
 
 @pytest.fixture
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="webhookd-attack-", ignore_cleanup_errors=True) as path:
+    # mkdtemp + rmtree(ignore_errors) rather than TemporaryDirectory(ignore_cleanup_errors), 3.10+
+    path = tempfile.mkdtemp(prefix="webhookd-attack-")
+    try:
         yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ============================================================================
