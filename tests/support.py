@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +126,25 @@ class Daemon:
 def python_cmd(script, *args):
     """argv that runs one of our tools with the interpreter running the tests."""
     return [sys.executable, str(script), *args]
+
+
+@contextmanager
+def scratch_dir(prefix):
+    """A temporary folder removed afterwards even if a test left unreadable files in it.
+
+    (TemporaryDirectory(ignore_cleanup_errors=True) would do, but only from Python 3.10.)
+    """
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def hook_arg(source, name=None, **extra):
+    """An argument object of a hook definition: {"source": ..., "name": ..., **extra}."""
+    obj = {"source": source}
+    if name is not None:
+        obj["name"] = name
+    obj.update(extra)
+    return obj

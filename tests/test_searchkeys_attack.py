@@ -39,8 +39,6 @@ import socket
 import stat
 import subprocess
 import sys
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -254,12 +252,8 @@ def snapshot_bytes(store):
 
 @pytest.fixture
 def workdir():
-    # mkdtemp + rmtree(ignore_errors) rather than TemporaryDirectory(ignore_cleanup_errors), 3.10+
-    path = tempfile.mkdtemp(prefix="searchkeys-attack-")
-    try:
-        yield Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with support.scratch_dir("searchkeys-attack-") as path:
+        yield path
 
 
 # ============================================================================

@@ -5,7 +5,6 @@ The expectations are restated here from the specs (meilisearch-keys.md) rather
 than read from the module, so a wrong constant in searchkeys.py fails a test.
 """
 import json
-import os
 import random
 import stat
 import time

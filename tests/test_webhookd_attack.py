@@ -158,13 +158,7 @@ def build_request(method=b"GET", target=b"/hooks/ok", headers=b"", body=b"", ver
     return head + b"\r\n" + body
 
 
-def arg(source, name=None, **extra):
-    """An argument object of a hook definition."""
-    obj = {"source": source}
-    if name is not None:
-        obj["name"] = name
-    obj.update(extra)
-    return obj
+arg = support.hook_arg  # hooks below are built from many of these
 
 
 # printf with the format "%s\0" prints each later argument followed by a NUL: the captured
@@ -277,12 +271,8 @@ def assert_still_serving(daemon, context):
 
 @pytest.fixture
 def workdir():
-    # mkdtemp + rmtree(ignore_errors) rather than TemporaryDirectory(ignore_cleanup_errors), 3.10+
-    path = tempfile.mkdtemp(prefix="webhookd-attack-")
-    try:
-        yield Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with support.scratch_dir("webhookd-attack-") as path:
+        yield path
 
 
 # ============================================================================

@@ -155,12 +155,7 @@ def new_token():
 # The shared daemon and its hooks
 # ----------------------------------------------------------------------------
 
-def arg(source, name=None, **extra):
-    a = {"source": source}
-    if name is not None:
-        a["name"] = name
-    a.update(extra)
-    return a
+arg = support.hook_arg  # hooks below are built from many of these
 
 
 def match(type_, parameter=None, **fields):
