@@ -2360,7 +2360,8 @@ def go_escape_path(path):
 
 
 # ---------------------------------------------------------------------------
-# Connections: a selector thread parks idle connections, workers serve requests
+# Connections: a selector thread parks idle connections and gives cheap answers, workers
+# serve the rest
 # ---------------------------------------------------------------------------
 
 class Connection:
@@ -2461,7 +2462,8 @@ def format_peer(address):
 
 class ConnectionLoop(threading.Thread):
     """Accepts connections and reads request heads without holding a worker thread: a slow or
-    idle client costs a file descriptor, not a thread.  A complete head goes to the pool."""
+    idle client costs a file descriptor, not a thread.  A complete request that runs no
+    command is answered right here (Server.serve_in_loop); anything else goes to the pool."""
 
     def __init__(self, server, listeners):
         threading.Thread.__init__(self, name="connections", daemon=True)
@@ -2554,7 +2556,11 @@ class ConnectionLoop(threading.Thread):
             return
         conn.buf += data
         if head_end(conn.buf) >= 0:
-            self.server.workers.submit(self.server.serve, conn)
+            try:
+                self.server.serve_in_loop(conn)
+            except Exception:  # a bug must cost one connection, not this thread
+                log.exception("unexpected error answering %s", conn.remote_addr)
+                self.close(conn)
         elif len(conn.buf) > MAX_HEADER_BYTES:
             self.server.workers.submit(self.server.reject, conn,
                                        BadRequest(431, "request header too large"))
@@ -2618,9 +2624,27 @@ class ConnectionLoop(threading.Thread):
 # The server: routing and the hook pipeline
 # ---------------------------------------------------------------------------
 
+INLINE_BODY_LIMIT = 64 << 10  # bodies up to this size, already read, may be answered inline
+INLINE_REQUESTS_PER_TURN = 16  # then a long pipeline goes to a worker: other clients wait less
+
+
+class Exchange:
+    """One request in flight: its head, what decide() found, and the answer once known."""
+
+    __slots__ = ("head", "rid", "keep_alive", "started", "hook", "request", "headers",
+                 "broken", "response")
+
+    def __init__(self, head, rid, keep_alive):
+        self.head, self.rid, self.keep_alive = head, rid, keep_alive
+        self.started = time.monotonic()
+        self.hook = self.request = self.headers = self.response = None
+        self.broken = False  # the body broke off: answer, then close
+
+
 class Server:
-    """Routes requests and runs hooks: find hook -> parse payload -> check rules ->
-    build argv/env -> run -> respond."""
+    """Routes requests and runs hooks: find hook -> parse payload -> check rules (decide) ->
+    build argv/env -> run (act) -> respond.  decide() never blocks once the body is in the
+    buffer, so the loop thread runs it for small requests and answers those that end there."""
 
     def __init__(self, opts, registry):
         self.opts = opts
@@ -2741,30 +2765,150 @@ class Server:
 
     def handle(self, conn, head_bytes):
         """One request on conn: returns True to keep the connection open."""
-        started = time.monotonic()
-        head = parse_head(head_bytes)
-        keep_alive = head.keep_alive() and not self.stopping
-        rid = self.request_id(head)
-        self.enter_busy()
+        exchange = self.begin(parse_head(head_bytes))
         try:
-            try:
-                response = self.route(conn, head, rid)
-            except (BadRequest, OSError):
-                raise
-            except Exception:  # a bug must cost one 500, not a hung connection
-                log.exception("unexpected error handling %s %s", head.method, head.target)
-                response = Response(500, b"500 Internal Server Error", close=True)
-            if response.close:
-                keep_alive = False
-            if not response.sent:  # a streamed answer went out while the command ran
-                conn.send(serialize_response(response, head, keep_alive))
+            self.step(self.decide, conn, exchange)
+        except BaseException:
+            self.leave_busy()
+            raise
+        self.complete(conn, exchange)
+        return exchange.keep_alive
+
+    def complete(self, conn, exchange, unsent=None):
+        """act (when decide() left a command to run) -> send the answer, or the `unsent` rest
+        of it -> log the request."""
+        try:
+            if unsent is None:
+                if exchange.response is None:
+                    self.step(self.act, conn, exchange)
+                unsent = self.answer_bytes(exchange)
+            if unsent:
+                conn.send(unsent)
         finally:
             self.leave_busy()
+        self.log_request(exchange)
+
+    def begin(self, head):
+        exchange = Exchange(head, self.request_id(head), head.keep_alive() and not self.stopping)
+        self.enter_busy()
+        return exchange
+
+    def step(self, work, conn, exchange):
+        """decide or act; a bug must cost one 500, not a hung connection."""
+        try:
+            work(conn, exchange)
+        except (BadRequest, OSError):
+            raise
+        except Exception:
+            log.exception("unexpected error handling %s %s", exchange.head.method,
+                          exchange.head.target)
+            exchange.response = Response(500, b"500 Internal Server Error", close=True)
+
+    def answer_bytes(self, exchange):
+        """The serialized answer (b"" when it was streamed while the command ran)."""
+        response = exchange.response
+        if response.close:
+            exchange.keep_alive = False
+        if response.sent:
+            return b""
+        return serialize_response(response, exchange.head, exchange.keep_alive)
+
+    def log_request(self, exchange):
         if log.isEnabledFor(logging.INFO):
-            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
-                     len(response.body), (time.monotonic() - started) * 1000.0, head.get("Host"),
-                     head.method, redact_target(head.target, response.secret_params))
-        return keep_alive
+            head, response = exchange.head, exchange.response
+            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", exchange.rid, response.status,
+                     len(response.body), (time.monotonic() - exchange.started) * 1000.0,
+                     head.get("Host"), head.method,
+                     redact_target(head.target, response.secret_params))
+
+    # -- answering in the loop thread --------------------------------------------------------
+
+    def serve_in_loop(self, conn):
+        """Loop thread: answer the complete requests in conn.buf that run no command (404,
+        rules not satisfied, ...) with non-blocking sends, in order.  Anything that could
+        block (a body still to come, TLS, a command to run, a full socket buffer) goes to a
+        worker together with the connection, at the request where it happens."""
+        for _ in range(INLINE_REQUESTS_PER_TURN):
+            end = head_end(conn.buf)
+            if end < 0:
+                break
+            head = self.inline_head(conn, end)
+            if head is None:
+                self.workers.submit(self.serve, conn)
+                return
+            del conn.buf[:end]
+            exchange = self.begin(head)
+            try:
+                self.step(self.decide, conn, exchange)
+            except BadRequest as exc:
+                self.leave_busy()
+                self.workers.submit(self.reject, conn, exc)
+                return
+            except (OSError, ValueError):
+                self.leave_busy()
+                self.loop.close(conn)
+                return
+            if exchange.response is None:  # a command runs: not in this thread
+                self.workers.submit(self.resume, conn, exchange)
+                return
+            answer = self.answer_bytes(exchange)
+            try:
+                sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.leave_busy()
+                self.loop.close(conn)
+                return
+            if sent < len(answer):
+                self.workers.submit(self.resume, conn, exchange, answer[sent:])
+                return
+            self.leave_busy()
+            self.log_request(exchange)
+            if not exchange.keep_alive or self.stopping:
+                self.loop.close(conn)
+                return
+            conn.deadline = time.monotonic() + self.header_timeout
+        else:
+            if head_end(conn.buf) >= 0:  # a long pipeline: the rest is served by a worker
+                self.workers.submit(self.serve, conn)
+                return
+        if len(conn.buf) > MAX_HEADER_BYTES:
+            self.workers.submit(self.reject, conn, BadRequest(431, "request header too large"))
+        elif conn.buf:
+            self.loop.park(conn, conn.deadline)
+        else:
+            self.loop.park(conn, time.monotonic() + KEEPALIVE_IDLE_SECONDS)
+
+    def inline_head(self, conn, end):
+        """The parsed head when the loop thread can answer this request without blocking:
+        plain TCP, no 100-continue, a small Content-Length body already in the buffer.
+        None sends the request the usual way (a worker; malformed heads are refused there)."""
+        if conn.tls:
+            return None
+        try:
+            head = parse_head(bytes(conn.buf[:end]))
+            size = self.body_length(head)
+        except BadRequest:
+            return None
+        if size is None or size > INLINE_BODY_LIMIT or len(conn.buf) - end < size \
+                or "Expect" in head.headers:
+            return None
+        return head
+
+    def resume(self, conn, exchange, unsent=None):
+        """Worker: finish a request the loop thread began (run its command, or send the rest
+        of its answer), then serve the connection as usual."""
+        try:
+            self.complete(conn, exchange, unsent)
+        except (OSError, ValueError):
+            self.loop.close(conn)
+            return
+        if not exchange.keep_alive or self.stopping:
+            self.loop.close(conn)
+            return
+        conn.deadline = time.monotonic() + self.header_timeout
+        self.serve(conn)
 
     def body_length(self, head):
         """The declared body size (None: chunked); a bad or too large one is refused."""
@@ -2789,24 +2933,51 @@ class Server:
         size = self.body_length(head)
         return conn.read_chunked(self.max_body) if size is None else conn.read_exact(size)
 
-    def route(self, conn, head, rid):
-        """find hook -> read the body -> the hook pipeline; other answers skip the body."""
+    def decide(self, conn, exchange):
+        """find hook -> read the body -> parse payload -> check rules: sets exchange.response
+        for a plain answer, else leaves it None with what act() needs to run the command."""
+        head = exchange.head
         expects_continue = head.get("Expect").lower() == "100-continue"
         hook, raw_query, answer = self.find_hook(head)
         if answer is not None:
-            return self.without_body(conn, head, answer, expects_continue)
+            exchange.response = self.without_body(conn, head, answer, expects_continue)
+            return
         if expects_continue:
             self.body_length(head)  # a body we would refuse is refused before it is sent
             conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            body, broken = self.read_body(conn, head), False
+            body = self.read_body(conn, head)
         except BodyError as exc:  # as upstream: logged, the hook runs with what was read
             log.info("error reading the request body: %s", exc)
-            body, broken = exc.partial, True
-        response = self.run_hook(conn, head, rid, hook, raw_query, body)
-        response.close = response.close or broken
-        response.secret_params = hook.secret_params
-        return response
+            body, exchange.broken = exc.partial, True
+        exchange.hook = hook
+        self.check_hook(conn, exchange, raw_query, body)
+        if exchange.response is not None:
+            self.finish_hook_response(exchange)
+
+    def act(self, conn, exchange):
+        """build argv/env -> run -> respond, in one of three modes."""
+        hook, request, headers = exchange.hook, exchange.request, exchange.headers
+        success = self.status_or_200(hook.success_status, request.id, hook)
+        if hook.stream_output:
+            response = self.run_streamed(conn, exchange.head, hook, request, headers, success)
+        elif hook.capture_output:
+            response = self.run_captured(hook, request, headers, success)
+        elif not self.run_async(hook, request):
+            log.info("[%s] %d background runs waiting already: %s refused", request.id,
+                     ASYNC_BACKLOG_LIMIT, hook.id)
+            response = Response(503, MSG_BACKLOG_FULL, headers)
+        else:
+            response = Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
+                                headers)
+        exchange.response = response
+        self.finish_hook_response(exchange)
+
+    @staticmethod
+    def finish_hook_response(exchange):
+        response = exchange.response
+        response.close = response.close or exchange.broken
+        response.secret_params = exchange.hook.secret_params
 
     def find_hook(self, head):
         """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
@@ -2861,8 +3032,9 @@ class Server:
 
     # -- the hook pipeline ---------------------------------------------------------------
 
-    def run_hook(self, conn, head, rid, hook, raw_query, body):
-        """The pipeline once the hook is found and its method allowed."""
+    def check_hook(self, conn, exchange, raw_query, body):
+        """parse payload -> check rules, once the hook is found and its method allowed."""
+        head, rid, hook = exchange.head, exchange.rid, exchange.hook
         if log.isEnabledFor(logging.INFO):
             log.info("[%s] incoming HTTP %s request from %s", rid, head.method, conn.remote_addr)
             log.info("[%s] %s got matched", rid, hook.id)
@@ -2884,7 +3056,8 @@ class Server:
             messages = parse_payload(request, hook, request_content_type)
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
-            return Response(500, MSG_MULTIPART_ERROR, headers)
+            exchange.response = Response(500, MSG_MULTIPART_ERROR, headers)
+            return
         messages += apply_json_parameters(hook, request)
         for message in messages:
             log.info("[%s] %s", rid, message)
@@ -2895,28 +3068,17 @@ class Server:
             log.info("[%s] %s", rid, note)
         if error is not None:
             log.info("[%s] error evaluating hook: %s", rid, error)
-            return Response(500, MSG_RULES_ERROR, headers)
-        if not satisfied:
+            exchange.response = Response(500, MSG_RULES_ERROR, headers)
+        elif not satisfied:
             log.info("[%s] %s got matched, but didn't get triggered because the trigger rules "
                      "were not satisfied", rid, hook.id)
-            return Response(self.status_or_200(hook.mismatch_status, rid, hook),
-                            MSG_RULES_NOT_SATISFIED, headers)
-
-        log.info("[%s] %s hook triggered successfully", rid, hook.id)
-        for name, value in hook.response_headers:
-            headers[canonical_header(name)] = value
-        success = self.status_or_200(hook.success_status, rid, hook)
-        # build argv/env -> run -> respond, in one of three modes
-        if hook.stream_output:
-            return self.run_streamed(conn, head, hook, request, headers, success)
-        if hook.capture_output:
-            return self.run_captured(hook, request, headers, success)
-        if not self.run_async(hook, request):
-            log.info("[%s] %d background runs waiting already: %s refused", rid,
-                     ASYNC_BACKLOG_LIMIT, hook.id)
-            return Response(503, MSG_BACKLOG_FULL, headers)
-        return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
-                        headers)
+            exchange.response = Response(self.status_or_200(hook.mismatch_status, rid, hook),
+                                         MSG_RULES_NOT_SATISFIED, headers)
+        else:
+            log.info("[%s] %s hook triggered successfully", rid, hook.id)
+            for name, value in hook.response_headers:
+                headers[canonical_header(name)] = value
+            exchange.request, exchange.headers = request, headers
 
     @staticmethod
     def status_or_200(code, rid, hook):

@@ -609,3 +609,96 @@ def test_setuid_setgid_drop_privileges_after_binding(tmp_path):
         assert b"groups=65534" in body and b"0(root)" not in body  # root's groups dropped
     assert os.listdir(workdir) == []  # the pass-file temp file was removed
     os.rmdir(workdir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cheap answers given by the connection thread (issue 6)
+# ---------------------------------------------------------------------------------------------
+
+def read_responses(sock, count, timeout=20.0):
+    """Read `count` Content-Length framed responses, no more; returns [(status line, body)]."""
+    sock.settimeout(timeout)
+    data, found = b"", []
+    while len(found) < count:
+        end = data.find(b"\r\n\r\n")
+        if end >= 0:
+            head = data[:end].decode()
+            length = int(head.lower().split("content-length: ")[1].split("\r\n")[0])
+            if len(data) >= end + 4 + length:
+                found.append((head.split("\r\n")[0], data[end + 4:end + 4 + length]))
+                data = data[end + 4 + length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed after %d responses" % len(found)
+        data += chunk
+    return found
+
+
+def test_pipelined_requests_are_answered_in_order_across_inline_and_command_answers(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("say", **{"trigger-rule": {
+        "match": {"type": "value", "value": "yes", "parameter": {"source": "url",
+                                                                 "name": "t"}}}})])
+    wanted = []
+    raw = b""
+    for i in range(40):  # more than one loop turn: 404s, mismatches, runs, a POST body
+        kind = i % 4
+        if kind == 0:
+            raw += b"GET /hooks/none-%d HTTP/1.1\r\nHost: x\r\n\r\n" % i
+            wanted.append(("HTTP/1.1 404 Not Found", b"Hook not found."))
+        elif kind == 1:
+            raw += b"GET /hooks/say?t=no HTTP/1.1\r\nHost: x\r\n\r\n"
+            wanted.append(("HTTP/1.1 200 OK", b"Hook rules were not satisfied."))
+        elif kind == 2:
+            raw += b"GET /hooks/say?t=yes HTTP/1.1\r\nHost: x\r\n\r\n"
+            wanted.append(("HTTP/1.1 200 OK", b"say\n"))
+        else:
+            raw += (b"POST /hooks/say HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 11\r\n\r\n{\"t\": \"no\"}")
+            wanted.append(("HTTP/1.1 200 OK", b"Hook rules were not satisfied."))
+    with start(hooks, "-header", "X-Extra=1") as daemon:
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as sock:
+            sock.sendall(raw)
+            assert read_responses(sock, len(wanted)) == wanted
+            # a HEAD answer declares the length of a body it does not carry
+            sock.sendall(b"HEAD /hooks/say?t=no HTTP/1.1\r\nHost: x\r\n\r\n")
+            tail = sock.recv(65536)
+            while b"\r\n\r\n" not in tail:
+                tail += sock.recv(65536)
+            assert tail.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert b"Content-Length: 30\r\n" in tail and tail.endswith(b"\r\n\r\n")
+            assert b"X-Extra: 1\r\n" in tail
+        # the access line of the last answer is written just after it is sent
+        log = wait_until(lambda: (lambda text: "| HEAD /hooks/say?t=<redacted>" in text and text)(
+            daemon.log()), what="the access line of the HEAD request")
+    assert log.count("didn't get triggered because the trigger rules were not satisfied") == 21
+    assert log.count("| GET /hooks/none-") == 10 and log.count(" 404 | 15 B |") == 10
+    assert log.count("say hook triggered successfully") == 10
+
+
+def test_a_client_that_never_reads_its_answers_does_not_stall_others(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("say", **{"trigger-rule": {
+        "match": {"type": "value", "value": "yes", "parameter": {"source": "url",
+                                                                 "name": "t"}}}})])
+    mismatch = b"GET /hooks/say?t=no HTTP/1.1\r\nHost: x\r\n\r\n"
+    with start(hooks, verbose=False) as daemon:
+        hogs = []
+        try:
+            for _ in range(2):  # each fills its socket buffers with unread answers
+                hog = socket.create_connection(("127.0.0.1", daemon.port), timeout=20)
+                hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                hog.setblocking(False)
+                sent, deadline = 0, time.monotonic() + 2.0
+                while sent < 8 << 20 and time.monotonic() < deadline:
+                    try:
+                        sent += hog.send(mismatch * 200)
+                    except BlockingIOError:
+                        time.sleep(0.01)
+                hogs.append(hog)
+            for _ in range(5):
+                assert daemon.request("GET", "/hooks/say?t=no", timeout=10)[2] == \
+                    b"Hook rules were not satisfied."
+                assert daemon.request("GET", "/hooks/say?t=yes", timeout=10)[2] == b"say\n"
+                assert daemon.request("GET", "/hooks/nothing", timeout=10)[0] == 404
+        finally:
+            for hog in hogs:
+                hog.close()
