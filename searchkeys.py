@@ -43,16 +43,16 @@ import gc
 import hashlib
 import hmac
 import http.client
-import http.server
 import itertools
 import json
 import os
+import queue
 import re
 import secrets
 import select
 import signal
 import socket
-import socketserver
+import struct
 import sys
 import threading
 import time
@@ -2020,7 +2020,80 @@ class HeaderError(Exception):
 
 MAX_LINE = 65536    # bytes in a request line or header line
 MAX_HEADERS = 100   # header lines in one message
+MAX_HEAD = 128 * 1024  # bytes in a request head, as actix-http
+RECV_SIZE = 65536
 _TOKEN_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+
+
+def head_size(buf):
+    """The length of the head at the start of `buf`, through the blank line
+    that ends it; -1 while that line has not arrived."""
+    ends = [at + skip for at, skip in ((buf.find(b"\n\r\n"), 3), (buf.find(b"\n\n"), 2))
+            if at >= 0]
+    return min(ends) if ends else -1
+
+
+def set_socket_timeouts(sock, seconds):
+    """Blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO): each recv
+    or send is then one system call, where a Python socket timeout adds a
+    poll() before each; a timeout raises BlockingIOError."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, value)
+
+
+class SocketReader:
+    """A socket's incoming bytes, buffered, with the reads the head and body
+    parsers need (read_head, readline, read1); each refill is one recv. The
+    connection loop adds what has arrived without waiting (fill_nowait)."""
+
+    __slots__ = ("sock", "buf")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+
+    def fill(self):
+        """One recv into the buffer; False at the end of the stream."""
+        data = self.sock.recv(RECV_SIZE)
+        self.buf += data
+        return bool(data)
+
+    def fill_nowait(self):
+        """Like fill, but BlockingIOError when nothing has arrived."""
+        data = self.sock.recv(RECV_SIZE, socket.MSG_DONTWAIT)
+        self.buf += data
+        return bool(data)
+
+    def read_head(self):
+        """The next message head, through its blank line, as text (what
+        there is when the stream ends first); HeaderError over MAX_HEAD."""
+        while True:
+            size = head_size(self.buf)
+            if size > MAX_HEAD or (size < 0 and len(self.buf) > MAX_HEAD):
+                raise HeaderError(431, "Header fields too large")
+            if size >= 0 or not self.fill():
+                return self._take(size if size >= 0 else len(self.buf)).decode("latin-1")
+
+    def readline(self, limit):
+        while True:
+            end = self.buf.find(b"\n", 0, limit)
+            if end >= 0:
+                return self._take(end + 1)
+            if len(self.buf) >= limit or not self.fill():
+                return self._take(limit)
+
+    def read1(self, size):
+        if not self.buf:
+            self.fill()
+        return self._take(size)
+
+    def _take(self, size):
+        data = bytes(self.buf[:size])
+        del self.buf[:size]
+        return data
 
 
 class Headers:
@@ -2047,31 +2120,33 @@ class Headers:
         return list(self._fields)
 
 
-def read_headers(rfile):
-    """Read a header block up to its blank line; HeaderError if it is bad."""
+def parse_head(text):
+    """(start line, Headers) of a message head; HeaderError if it is bad."""
+    lines = text.split("\n")
     fields = []
-    while True:
-        line = rfile.readline(MAX_LINE + 1)
+    for line in itertools.islice(lines, 1, None):
+        line = line.rstrip("\r")
+        if not line:
+            break
         if len(line) > MAX_LINE:
             raise HeaderError(431, "Header line too long")
-        if line in (b"\r\n", b"\n", b""):
-            return Headers(fields)
         if len(fields) >= MAX_HEADERS:
             raise HeaderError(431, "Too many headers")
-        name, colon, value = line.decode("latin-1").rstrip("\r\n").partition(":")
+        name, colon, value = line.partition(":")
         # A bare CR or a NUL in a value: a backend may read it as a line
         # break, and see headers (Transfer-Encoding...) the guard never saw.
         if not colon or not _TOKEN_RE.match(name) or "\r" in value or "\0" in value:
             raise HeaderError(400, "Bad header line")
         fields.append((name, value.strip(" \t")))
+    return lines[0].rstrip("\r"), Headers(fields)
 
 
 class Body:
     """A message body framed by its length, by chunked coding, or (answers
     only, length None) by the end of the connection."""
 
-    def __init__(self, rfile, length=None, chunked=False):
-        self.rfile = rfile
+    def __init__(self, reader, length=None, chunked=False):
+        self.reader = reader
         self.chunked = chunked
         self.until_close = length is None and not chunked
         self.remaining = length or 0
@@ -2079,7 +2154,7 @@ class Body:
         self.size_known = not chunked and not self.until_close
 
     @classmethod
-    def of_request(cls, rfile, headers):
+    def of_request(cls, reader, headers):
         """The body a request announces; 400 ApiError for framing that two
         parties could read differently (the stuff of request smuggling):
         the caller then closes the connection."""
@@ -2089,46 +2164,46 @@ class Body:
             if lengths or len(encodings) > 1 or encodings[0].strip().lower() != "chunked":
                 raise bad_request("Unsupported request framing: use either Content-Length or "
                                     "Transfer-Encoding: chunked.")
-            return cls(rfile, chunked=True)
+            return cls(reader, chunked=True)
         if len(lengths) > 1:
             raise bad_request("Conflicting Content-Length headers.")
         length = lengths.pop() if lengths else "0"
         if not is_decimal(length):
             raise bad_request("The Content-Length header `%s` is invalid." % length)
-        return cls(rfile, int(length))
+        return cls(reader, int(length))
 
     def chunks(self, piece=SMALL_BODY):
         """Yield the body in pieces as it arrives."""
         try:
             while self.until_close and not self.finished:
-                data = self.rfile.read1(piece)
+                data = self.reader.read1(piece)
                 if not data:
                     break
                 yield data
             while self.remaining:
-                data = self.rfile.read1(min(piece, self.remaining))
+                data = self.reader.read1(min(piece, self.remaining))
                 if not data:
                     raise BrokenBody("body cut short")
                 self.remaining -= len(data)
                 yield data
             while self.chunked and not self.finished:
-                size_line = self.rfile.readline(1024)
+                size_line = self.reader.readline(1024)
                 size_text = size_line.split(b";", 1)[0].strip()
                 if not size_line.endswith(b"\n") or not size_text \
                         or size_text.strip(b"0123456789abcdefABCDEF"):
                     raise BrokenBody("bad chunk size")
                 size = int(size_text, 16)
                 if size == 0:
-                    while self.rfile.readline(MAX_LINE) not in (b"\r\n", b"\n", b""):
+                    while self.reader.readline(MAX_LINE) not in (b"\r\n", b"\n", b""):
                         pass  # trailers
                     break
                 while size:
-                    data = self.rfile.read1(min(piece, size))
+                    data = self.reader.read1(min(piece, size))
                     if not data:
                         raise BrokenBody("body cut short")
                     size -= len(data)
                     yield data
-                if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                if self.reader.readline(3) not in (b"\r\n", b"\n"):
                     raise BrokenBody("chunk not followed by CRLF")
         except (OSError, ValueError) as exc:
             raise BrokenBody(str(exc))
@@ -2199,52 +2274,62 @@ class UpstreamError(Exception):
 
 
 class UpstreamResponse:
-    """A backend answer: status line and headers read, body still to read."""
+    """One backend answer head (status line and headers), body still to read."""
 
-    def __init__(self, rfile, method):
-        while True:
-            line = rfile.readline(MAX_LINE + 1)
-            if not line:
-                raise UpstreamError("the connection was closed before an answer")
-            version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
-            status = rest.partition(" ")[0]  # the reason phrase is not relayed
-            if not version.startswith("HTTP/1.") or len(status) != 3 or not is_decimal(status):
-                raise UpstreamError("not an HTTP answer: %r" % line[:80])
-            try:
-                self.headers = read_headers(rfile)
-            except HeaderError as exc:
-                raise UpstreamError("bad answer headers: %s" % exc)
-            self.status = int(status)
-            if not 100 <= self.status < 200 or self.status == 101:
-                break  # skip interim answers such as 100 Continue
+    def __init__(self, reader, method):
+        try:
+            line, self.headers = parse_head(reader.read_head())
+        except HeaderError as exc:
+            raise UpstreamError("bad answer head: %s" % exc)
+        if not line:
+            raise UpstreamError("the connection was closed before an answer")
+        version, _, rest = line.partition(" ")
+        status = rest.partition(" ")[0]  # the reason phrase is not relayed
+        if not version.startswith("HTTP/1.") or len(status) != 3 or not is_decimal(status):
+            raise UpstreamError("not an HTTP answer: %r" % line[:80])
+        self.status = int(status)
+        self.interim = 100 <= self.status < 200 and self.status != 101  # 100 Continue...
         self.has_body = not (method == "HEAD" or self.status in (204, 304) or self.status < 200)
         encoding = self.headers.get("Transfer-Encoding")
         length = self.headers.get("Content-Length")
         self.length = None
         if not self.has_body:
-            self.body = Body(rfile, 0)
+            self.body = Body(reader, 0)
         elif encoding is not None and "chunked" in encoding.lower():
-            self.body = Body(rfile, chunked=True)
+            self.body = Body(reader, chunked=True)
         elif length is not None and is_decimal(length.strip()):
             self.length = int(length)
-            self.body = Body(rfile, self.length)
+            self.body = Body(reader, self.length)
         else:
-            self.body = Body(rfile, None)  # until the backend closes
+            self.body = Body(reader, None)  # until the backend closes
         self.will_close = version == "HTTP/1.0" or self.body.until_close or "close" in (
             self.headers.get("Connection") or "").lower()
+
+    @classmethod
+    def read(cls, reader, method):
+        """The final answer, after any interim ones."""
+        while True:
+            response = cls(reader, method)
+            if not response.interim:
+                return response
+
+    def fully_buffered(self):
+        """Is the whole answer in the reader's buffer, and small?"""
+        return not self.has_body or (
+            self.length is not None and len(self.body.reader.buf) >= self.length
+            and self.length <= SMALL_BODY)
 
 
 class UpstreamConnection:
     """A socket to the backend and its buffered reader."""
 
-    __slots__ = ("sock", "rfile")
+    __slots__ = ("sock", "reader")
 
     def __init__(self, sock):
         self.sock = sock
-        self.rfile = sock.makefile("rb")
+        self.reader = SocketReader(sock)
 
     def close(self):
-        self.rfile.close()
         self.sock.close()
 
 
@@ -2273,7 +2358,14 @@ class Upstream:
             import ssl  # only for https backends
             sock = ssl.create_default_context().wrap_socket(sock,
                                                             server_hostname=self.address[0])
+        else:
+            set_socket_timeouts(sock, self.timeout)
         return UpstreamConnection(sock)
+
+    def idle_connection(self):
+        """A pooled connection, or None (the connection loop never waits for a connect)."""
+        with self._lock:
+            return self._idle.pop() if self._idle else None
 
     def _acquire(self, check):
         """A pooled connection (True) or a new one (False). With `check`, a
@@ -2281,8 +2373,7 @@ class Upstream:
         is dropped first: for requests that cannot be retried. Others skip
         that syscall and are retried once instead."""
         while True:
-            with self._lock:
-                connection = self._idle.pop() if self._idle else None
+            connection = self.idle_connection()
             if connection is None:
                 return self._connect(), False
             if not check or not _readable(connection.sock):
@@ -2322,13 +2413,8 @@ class Upstream:
         else:
             self.release(connection)
 
-    def send(self, method, target, headers, body):
-        """Send one request and read the answer's head: (connection, UpstreamResponse).
-
-        `body` is bytes, sent with the head in one write (and retried once
-        on a pooled connection the backend had closed), or an iterable of
-        byte chunks (streamed with chunked coding, never retried).
-        """
+    def request_head(self, method, target, headers, body):
+        """Request line and headers for `body` (bytes, or chunks to stream)."""
         lines = ["%s %s%s HTTP/1.1" % (method, self.prefix, target), "Host: " + self.host_header]
         lines += ["%s: %s" % header for header in headers]
         if self.api_key:
@@ -2337,7 +2423,16 @@ class Upstream:
             lines.append("Transfer-Encoding: chunked")
         elif body or method in ("POST", "PUT", "PATCH"):
             lines.append("Content-Length: %d" % len(body))
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+
+    def send(self, method, target, headers, body):
+        """Send one request and read the answer's head: (connection, UpstreamResponse).
+
+        `body` is bytes, sent with the head in one write (and retried once
+        on a pooled connection the backend had closed), or an iterable of
+        byte chunks (streamed with chunked coding, never retried).
+        """
+        head = self.request_head(method, target, headers, body)
         for attempt in (1, 2):
             try:
                 connection, reused = self._acquire(check=not isinstance(body, bytes))
@@ -2352,7 +2447,7 @@ class Upstream:
                         if chunk:
                             connection.sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     connection.sock.sendall(b"0\r\n\r\n")
-                return connection, UpstreamResponse(connection.rfile, method)
+                return connection, UpstreamResponse.read(connection.reader, method)
             except BrokenBody:  # the caller's body broke off: the backend got half a request
                 connection.close()
                 raise
@@ -2386,10 +2481,11 @@ def no_upstream():
 
 
 # =============================================================================
-# HTTP server: request -> authenticate -> authorize -> dispatch -> respond
+# Requests: one parsed request on a client connection, and its answer
 # =============================================================================
 
-
+REASONS = {status.value: status.phrase for status in http.HTTPStatus}
+CLIENT_TIMEOUT = 30.0  # seconds a connection may stay silent, or take to send a request head
 _DATE_CACHE = [0, ""]
 
 
@@ -2401,73 +2497,99 @@ def http_date():
     return _DATE_CACHE[1]
 
 
-class RequestHandler(http.server.BaseHTTPRequestHandler):
-    """One connection: parses requests and hands them to the Service."""
+class ClientConnection:
+    """A caller's connection: its socket, its unread bytes, where answers go.
 
-    protocol_version = "HTTP/1.1"
-    timeout = 30  # seconds a connection may stay silent
+    While the connection loop serves it, answers collect in `outbox` and are
+    sent without waiting; in a worker thread they are sent at once."""
 
-    def parse_request(self):
-        """Request line and headers, like the standard library's but with
-        the fast Headers parser; False (after an error answer) if bad."""
-        self.body = None
-        self.command = None
-        self.request_version = "HTTP/0.9"
-        self.close_connection = True
-        self.requestline = line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        words = line.split()
-        if not words:
+    __slots__ = ("sock", "reader", "outbox", "deadline", "closed")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.reader = SocketReader(sock)
+        self.outbox = None
+        self.deadline = 0.0
+        self.closed = False
+
+    def write(self, data):
+        if self.outbox is not None:
+            self.outbox.append(data)
+        else:
+            self.sock.sendall(data)
+
+    def close(self):
+        """Close once; False if it was closed already."""
+        if self.closed:
             return False
-        if len(words) != 3:
-            self.send_error(400, "Bad request line")
-            return False
-        command, path, version = words
-        if version not in ("HTTP/1.0", "HTTP/1.1"):
-            self.send_error(505 if re.match(r"HTTP/[2-9]", version) else 400,
-                            "Unsupported HTTP version")
-            return False
-        self.command, self.request_version = command, version
-        self.path = "/" + path.lstrip("/") if path.startswith("//") else path
+        self.closed = True
         try:
-            self.headers = read_headers(self.rfile)
-        except HeaderError as exc:
-            self.send_error(exc.status, str(exc))
-            return False
-        connection = (self.headers.get("Connection") or "").lower()
-        self.close_connection = version != "HTTP/1.1" or connection == "close"
-        if version == "HTTP/1.1" and \
-                (self.headers.get("Expect") or "").lower() == "100-continue":
-            return self.handle_expect_100()
+            self.sock.close()
+        except OSError:
+            pass
         return True
 
-    def do_request(self):
-        self.server.service.handle(self)
 
-    def __getattr__(self, name):
-        # Any method token reaches the router (404/405 like upstream), not
-        # the standard library's 501 page.
-        if name.startswith("do_"):
-            return self.do_request
-        raise AttributeError(name)
+class Request:
+    """One request read from a client connection, and the means to answer it."""
+
+    __slots__ = ("conn", "command", "path", "request_version", "headers", "body",
+                 "close_connection", "expects_continue", "status", "started")
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.command = self.path = self.body = None
+        self.request_version = "HTTP/0.9"
+        self.headers = Headers()
+        self.close_connection = True
+        self.expects_continue = False
+        self.status = 0
+        self.started = time.monotonic()
+
+    def read_head(self):
+        """Parse the request line and headers, which are in the buffer (or
+        over the size limit: HeaderError). False for an empty request line:
+        the connection just closes."""
+        reader = self.conn.reader
+        if reader.buf.find(b"\n", 0, MAX_LINE + 2) < 0 and len(reader.buf) > MAX_LINE:
+            raise HeaderError(414, "Request line too long")
+        text = reader.read_head()
+        if text.startswith(("\r\n", "\n")):
+            return False
+        line, headers = parse_head(text)
+        if len(line) > MAX_LINE:
+            raise HeaderError(414, "Request line too long")
+        words = line.split()
+        if len(words) != 3:
+            raise HeaderError(400, "Bad request line")
+        command, path, version = words
+        if version not in ("HTTP/1.0", "HTTP/1.1"):
+            raise HeaderError(505 if re.match(r"HTTP/[2-9]", version) else 400,
+                              "Unsupported HTTP version")
+        self.command, self.request_version = command, version
+        self.path = "/" + path.lstrip("/") if path.startswith("//") else path
+        self.headers = headers
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close_connection = version != "HTTP/1.1" or connection == "close"
+        self.expects_continue = version == "HTTP/1.1" and \
+            (self.headers.get("Expect") or "").lower() == "100-continue"
+        return True
+
+    def fits_in_loop(self):
+        """Can it be answered without waiting: the whole (small) body is
+        already read and no 100 Continue is due?"""
+        body = self.body
+        return not self.expects_continue and (body.finished or (
+            body.size_known and body.remaining <= min(SMALL_BODY, len(self.conn.reader.buf))))
 
     def read_json_body(self):
         """Content type, size cap, then JSON: upstream's order."""
         check_content_type(self.headers.get("Content-Type"))
         return parse_json_body(self.body.read(MAX_KEYS_BODY))
 
-    def send_error(self, code, message=None, explain=None):
-        """Errors from request parsing (bad request line, huge headers) as JSON."""
-        self.close_connection = True
-        error = ApiError(code, "bad_request", message or self.responses.get(code, ("",))[0])
-        self.respond(code, compact_json(error.to_json()).encode(), "application/json")
-        self.server.service.log_request(self, code, 0.0)
-
-    def log_message(self, format, *args):
-        pass  # the Service logs one line per request
-
     def head_lines(self, status, headers, dated=False):
         """Status line and headers; `dated` when `headers` carry a Date."""
-        lines = ["HTTP/1.1 %d %s" % (status, self.responses.get(status, ("",))[0])]
+        lines = ["HTTP/1.1 %d %s" % (status, REASONS.get(status, ""))]
         lines += ["%s: %s" % header for header in headers]
         if not dated:
             lines.append("Date: " + http_date())
@@ -2477,8 +2599,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def respond(self, status, body=b"", content_type=None, headers=()):
         """A complete response in one write."""
-        body_obj = getattr(self, "body", None)
-        if body_obj is not None and not body_obj.discard():
+        if self.body is not None and not self.body.discard():
             self.close_connection = True
         headers = list(headers)
         if content_type:
@@ -2488,11 +2609,37 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if self.command == "HEAD" or status == 204:
             body = b""
         self.status = status
-        self.wfile.write(self.head_lines(status, headers) + body)
+        self.write(self.head_lines(status, headers) + body)
+
+    def write(self, data):
+        self.conn.write(data)
+
+
+class Forward:
+    """An authorized request on its way to the backend: where to send it,
+    the body to send instead of the caller's (None: the caller's), a filter
+    for a successful JSON answer, and `prepare`, a backend call that must
+    come first (it waits on the network) and returns the target."""
+
+    __slots__ = ("target", "payload", "answer_filter", "prepare")
+
+    def __init__(self, target):
+        self.target = target
+        self.payload = self.answer_filter = self.prepare = None
+
+
+# =============================================================================
+# Service: request -> authenticate -> authorize -> dispatch -> respond
+# =============================================================================
 
 
 class Service:
-    """The server's request pipeline, shared by all connections."""
+    """The server's request pipeline, shared by all connections.
+
+    `begin` runs the part that never waits (route, authenticate, authorize,
+    plan) and returns the step left, if any: a Forward, or a call of the
+    /keys API. `finish` runs a whole request, or the step left of it, in a
+    thread that may wait (a worker)."""
 
     def __init__(self, store, master_key, upstream=None, log=None):
         self.store = store
@@ -2501,13 +2648,55 @@ class Service:
         self.upstream = upstream
         self.log = log or (lambda message: None)
 
-    def handle(self, request):
-        """One request through the pipeline: every failure ends as a JSON
-        answer (or, when the stream cannot be trusted, a closed connection)."""
-        started = time.monotonic()
-        request.status = 0
+    def read_request(self, conn):
+        """The next request on `conn`, its head in the buffer; None when the
+        connection must close (a bad head was answered with its error)."""
+        request = Request(conn)
         try:
-            self.answer(request)
+            if not request.read_head():
+                return None
+            request.body = Body.of_request(conn.reader, request.headers)
+            return request
+        except HeaderError as exc:
+            error = ApiError(exc.status, "bad_request", str(exc))
+        except ApiError as exc:  # framing two parties could read differently
+            error = exc
+        request.close_connection = True
+        self._safely(request, self._raise, error)
+        self.log_request(request)
+        return None
+
+    def begin(self, request):
+        return self._safely(request, self.decide)
+
+    def finish(self, request, step=None):
+        if request.expects_continue:  # the caller waits for this before sending the body
+            request.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if step is None:
+            step = self._safely(request, self.decide)
+        if step is not None:
+            self._safely(request, self.run_step, step)
+        self.log_request(request)
+
+    def finish_forward(self, request, connection, response):
+        """Relay a forwarded request's answer, its head read already."""
+        self._safely(request, self.relay_answer, connection, response, None)
+        self.log_request(request)
+
+    def forward_failed(self, request, reason):
+        self._safely(request, self._raise, upstream_unreachable(self.upstream, reason))
+        self.log_request(request)
+
+    def _safely(self, request, work, *args):
+        """Run a part of the pipeline: every failure ends as a JSON answer
+        (or, when the stream cannot be trusted, a closed connection)."""
+        try:
+            try:
+                return work(request, *args)
+            except ApiError as error:
+                if request.status:  # already answering: too late for an error
+                    raise BrokenBody(error.message)
+                self.send_error(request, error)
         except BrokenBody as exc:  # the rest of the stream cannot be trusted
             request.close_connection = True
             if not request.status:
@@ -2517,27 +2706,20 @@ class Service:
             request.close_connection = True
         except Exception as exc:  # a bug: answer 500, never a traceback
             self.log("searchkeys: internal error on %s %s: %s: %s" % (
-                request.command, safe_path(request.path), type(exc).__name__, exc))
+                request.command, safe_path(request.path or "-"), type(exc).__name__, exc))
             request.close_connection = True
             if not request.status:
                 self._try_send_error(request, internal_error("An internal error occurred."))
-        self.log_request(request, request.status, time.monotonic() - started)
+        return None
 
-    def answer(self, request):
-        try:
-            request.body = Body.of_request(request.rfile, request.headers)
-            self.dispatch(request)
-        except ApiError as error:
-            if request.status:  # already answering: too late for an error
-                raise BrokenBody(error.message)
-            if request.body is None:  # unclear framing: nothing after it can be trusted
-                request.close_connection = True
-            self.send_error(request, error)
+    @staticmethod
+    def _raise(request, error):
+        raise error
 
-    def log_request(self, request, status, seconds):
+    def log_request(self, request):
         self.log("%s %s %s %.2fms" % (
-            getattr(request, "command", None) or "-",
-            safe_path(getattr(request, "path", None) or "-"), status or "-", seconds * 1000))
+            request.command or "-", safe_path(request.path or "-"), request.status or "-",
+            (time.monotonic() - request.started) * 1000))
 
     def _try_send_error(self, request, error):
         try:
@@ -2556,7 +2738,9 @@ class Service:
         request.respond(status, body, "application/json" if value is not None else None,
                         _cors_headers(request))
 
-    def dispatch(self, request):
+    def decide(self, request):
+        """Route, authenticate, authorize and plan; answer what needs no
+        more. Returns the step left (None when answered)."""
         method = request.command
         raw_path, _, query = request.path.partition("?")
         segments = path_segments(raw_path)
@@ -2574,51 +2758,70 @@ class Service:
         pattern, actions, index, params = route
         principal = self.guard.check(request.headers.get("Authorization"), actions, index)
         if pattern in ("/keys", "/keys/{key}"):
-            status, value = self.keys_api.handle(request, method, params, query)
-            return self.send_json(request, status, value)
-        plan = self.plan(request, principal, (method, pattern), params, raw_path, query)
+            return functools.partial(self.answer_keys, method, params, query)
+        forward = self.plan(request, principal, (method, pattern), params, raw_path, query)
         if self.upstream is None:
             raise no_upstream()
-        return self.forward(request, *plan)
+        return forward
+
+    def run_step(self, request, step):
+        if isinstance(step, Forward):
+            return self.forward(request, step)
+        return step(request)
+
+    def answer_keys(self, method, params, query, request):
+        status, value = self.keys_api.handle(request, method, params, query)
+        self.send_json(request, status, value)
 
     def plan(self, request, principal, route, params, raw_path, query):
-        """(target, body, answer filter) to forward, after the handler rules
-        for a restricted principal. body None = stream the caller's as is.
+        """The Forward, after the handler rules for a restricted principal.
         Without --upstream the request ends in 501 after this; only a refusal
         by the body checks (upstream's 403) comes first."""
         index = params.get("index_uid")
-        target, body, answer_filter = request.path, None, None
+        forward = Forward(request.path)
         if not handler_rules_apply(principal, route, index):
-            return target, body, answer_filter
+            return forward
         if route in UNGUARDED_ROUTES and self.upstream is not None:
             raise restriction_not_enforceable(route, "")
         if route in BODY_RULES or route in TOKEN_BODY_RULES:
             rule = BODY_RULES.get(route) or TOKEN_BODY_RULES[route]
             value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-            body = compact_json(rule(principal, index, value)).encode()
+            forward.payload = compact_json(rule(principal, index, value)).encode()
         elif route in TOKEN_QUERY_RULES:
-            target = raw_path + "?" + restrict_search_query(principal, index, query)
+            forward.target = raw_path + "?" + restrict_search_query(principal, index, query)
         elif route == ("GET", "/indexes"):
             paging = all_indexes_query(query)
             if paging is not None:  # else the backend explains the bad offset/limit
                 all_query, offset, limit = paging
-                target = raw_path + "?" + all_query
-                answer_filter = functools.partial(filter_index_list, principal,
-                                                  offset=offset, limit=limit)
+                forward.target = raw_path + "?" + all_query
+                forward.answer_filter = functools.partial(filter_index_list, principal,
+                                                          offset=offset, limit=limit)
         elif route == ("GET", "/stats"):
-            answer_filter = functools.partial(filter_stats, principal)
-        elif route in TASK_QUERY_ROUTES and self.upstream is not None:
-            target = raw_path + "?" + restrict_task_query(query, self.allowed_indexes(principal))
+            forward.answer_filter = functools.partial(filter_stats, principal)
+        elif route in TASK_QUERY_ROUTES:
+            forward.prepare = functools.partial(self.task_query_target, principal, raw_path,
+                                                query)
         elif route == ("GET", "/tasks/{task_id}"):
-            answer_filter = functools.partial(check_task_answer, principal, params["task_id"])
+            forward.answer_filter = functools.partial(check_task_answer, principal,
+                                                      params["task_id"])
         elif route == ("GET", "/batches/{batch_id}"):
-            answer_filter = functools.partial(check_batch_answer, principal, params["batch_id"])
-        elif route == ("GET", "/tasks/{task_id}/documents") and self.upstream is not None:
-            task_id = params["task_id"]
-            status, task = self.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
-            if status == 200:
-                check_task_answer(principal, task_id, task)
-        return target, body, answer_filter
+            forward.answer_filter = functools.partial(check_batch_answer, principal,
+                                                      params["batch_id"])
+        elif route == ("GET", "/tasks/{task_id}/documents"):
+            forward.prepare = functools.partial(self.task_documents_target, principal,
+                                                params["task_id"], request.path)
+        return forward
+
+    def task_query_target(self, principal, raw_path, query):
+        """A task listing or task change limited to the principal's indexes."""
+        return raw_path + "?" + restrict_task_query(query, self.allowed_indexes(principal))
+
+    def task_documents_target(self, principal, task_id, target):
+        """A task's documents, if the principal covers the task's indexes."""
+        status, task = self.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
+        if status == 200:
+            check_task_answer(principal, task_id, task)
+        return target
 
     def allowed_indexes(self, principal):
         """The uids of the backend's indexes that `principal` covers."""
@@ -2649,29 +2852,43 @@ class Service:
                 "the answer (use `searchkeys.py serve --upstream` for such keys)")
         request.respond(204)
 
-    def forward(self, request, target, payload=None, answer_filter=None):
-        """Send the authorized request upstream and stream the answer back.
-
-        `payload` is the body to send when the handler rules rewrote it;
-        `answer_filter` rewrites a successful JSON answer."""
-        upstream = self.upstream
-        body = request.body
-        if payload is None:
-            if body.finished:
-                payload = b""
-            elif body.size_known and body.remaining <= SMALL_BODY:
-                payload = body.read(SMALL_BODY)
-            else:
-                payload = body.chunks()
-        headers = upstream.headers_for(request.headers)
-        if answer_filter is not None:  # it must read the answer: no compression
+    def headers_to_send(self, request, forward):
+        headers = self.upstream.headers_for(request.headers)
+        if forward.answer_filter is not None:  # it must read the answer: no compression
             headers = [(n, v) for n, v in headers if n.lower() != "accept-encoding"]
+        return headers
+
+    @staticmethod
+    def payload_of(request, forward):
+        """The body to send: the rewritten one, the caller's (whole when it
+        is small), or the caller's chunks to stream."""
+        if forward.payload is not None:
+            return forward.payload
+        body = request.body
+        if body.finished:
+            return b""
+        if body.size_known and body.remaining <= SMALL_BODY:
+            return body.read(SMALL_BODY)
+        return body.chunks()
+
+    def forward(self, request, forward):
+        """Send the authorized request upstream and stream the answer back."""
+        upstream = self.upstream
+        if forward.prepare is not None:
+            forward.target = forward.prepare()
+        payload = self.payload_of(request, forward)
         try:
-            connection, response = upstream.send(request.command, target, headers, payload)
+            connection, response = upstream.send(request.command, forward.target,
+                                                 self.headers_to_send(request, forward), payload)
         except UpstreamError as exc:
-            if not body.finished:
+            if not request.body.finished:
                 request.close_connection = True
             raise upstream_unreachable(upstream, exc)
+        self.relay_answer(request, connection, response, forward.answer_filter)
+
+    def relay_answer(self, request, connection, response, answer_filter):
+        """The backend's answer to the caller (through `answer_filter`
+        when it is a success); the backend connection is kept if it can serve again."""
         try:
             if answer_filter is not None and response.status == 200:
                 self.relay_filtered(request, response, answer_filter)
@@ -2684,7 +2901,7 @@ class Service:
         except ApiError:
             connection.close()
             raise
-        upstream.finish(connection, response)
+        self.upstream.finish(connection, response)
 
     @staticmethod
     def relay_filtered(request, response, answer_filter):
@@ -2699,7 +2916,7 @@ class Service:
         headers.append(("Content-Length", str(len(data))))
         request.status = response.status
         dated = response.headers.get("Date") is not None
-        request.wfile.write(request.head_lines(response.status, headers, dated) + data)
+        request.write(request.head_lines(response.status, headers, dated) + data)
 
     @staticmethod
     def relay(request, response):
@@ -2712,12 +2929,12 @@ class Service:
             length = response.headers.get("Content-Length")
             if length is not None:
                 headers.append(("Content-Length", length))
-            request.wfile.write(request.head_lines(status, headers, dated))
+            request.write(request.head_lines(status, headers, dated))
             return
         if response.length is not None and response.length <= SMALL_BODY:
             data = response.body.read(SMALL_BODY)
             headers.append(("Content-Length", str(len(data))))
-            request.wfile.write(request.head_lines(status, headers, dated) + data)
+            request.write(request.head_lines(status, headers, dated) + data)
             return
         chunked = response.length is None and request.request_version == "HTTP/1.1"
         if response.length is not None:
@@ -2726,11 +2943,11 @@ class Service:
             headers.append(("Transfer-Encoding", "chunked"))
         else:
             request.close_connection = True  # an HTTP/1.0 caller: the end is the close
-        request.wfile.write(request.head_lines(status, headers, dated))
+        request.write(request.head_lines(status, headers, dated))
         for data in response.body.chunks():
-            request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            request.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
         if chunked:
-            request.wfile.write(b"0\r\n\r\n")
+            request.write(b"0\r\n\r\n")
 
 
 def _cors_headers(request):
@@ -2760,40 +2977,329 @@ def safe_path(raw):
     return "/" + "/".join(segments)
 
 
-class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """Threaded HTTP server with a bound on simultaneous connections."""
+# =============================================================================
+# Server: one connection loop for what never waits, workers for the rest
+# =============================================================================
 
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 1024
+
+class WorkerPool:
+    """Daemon threads for work that may wait, started as needed up to
+    `size`; jobs beyond that wait their turn."""
+
+    def __init__(self, size):
+        self.size = size
+        self.jobs = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.idle = 0
+
+    def submit(self, job, *args):
+        with self.lock:
+            self.jobs.put((job, args))
+            if self.idle:
+                self.idle -= 1  # that thread takes it
+                return
+            if self.threads >= self.size:
+                return
+            self.threads += 1
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self):
+        while True:
+            job, args = self.jobs.get()
+            try:
+                job(*args)
+            except Exception as exc:  # a bug in one job must not cost a thread
+                sys.stderr.write("searchkeys: internal error: %s: %s\n"
+                                 % (type(exc).__name__, exc))
+            with self.lock:
+                self.idle += 1
+
+
+class Exchange:
+    """A forward the loop waits on: the caller's connection and request,
+    the Forward, the backend connection, and its answer once read."""
+
+    __slots__ = ("conn", "request", "forward", "connection", "response", "deadline")
+
+    def __init__(self, conn, request, forward, connection, deadline):
+        self.conn, self.request, self.forward = conn, request, forward
+        self.connection, self.deadline = connection, deadline
+        self.response = None
+
+
+class Server:
+    """Accepts connections and serves them.
+
+    One thread (the caller of serve_forever) waits on every connection and
+    does all that never waits: reading requests, authenticating,
+    authorizing, answering /health, /authorize and refusals, and forwarding
+    small requests on pooled backend connections (the answer is awaited in
+    the same loop). Work that may wait (the store's fsync'd writes, bodies
+    still arriving, large or streamed answers, connecting to the backend)
+    goes to worker threads, which give the connection back afterwards.
+    Handing every request from thread to thread costs more under the GIL
+    than a search request itself."""
 
     def __init__(self, address, service, max_connections=512):
         self.service = service
-        self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, RequestHandler)
+        self.upstream = service.upstream
+        self.max_connections = max(1, max_connections)
+        self.listener = socket.create_server(address, backlog=1024)
+        self.listener.setblocking(False)
+        self.server_address = self.listener.getsockname()
+        self.epoll = select.epoll()
+        self.epoll.register(self.listener.fileno(), select.EPOLLIN)
+        self.waiting = {}  # fd -> (callback, connection or Exchange) the loop waits on
+        self.workers = WorkerPool(self.max_connections)
+        self.lock = threading.Lock()
+        self.open_connections = 0
+        self.accepting = True
 
-    def server_bind(self):
-        socketserver.TCPServer.server_bind(self)  # skip HTTPServer's slow getfqdn()
-        self.server_name, self.server_port = self.server_address[:2]
+    def serve_forever(self):
+        next_sweep = time.monotonic() + 1.0
+        listener_fd = self.listener.fileno()
+        while True:
+            for fd, _ in self.epoll.poll(1.0):
+                if fd == listener_fd:
+                    self._accept()
+                    continue
+                entry = self.waiting.pop(fd, None)
+                if entry is not None:
+                    try:
+                        entry[0](entry[1])
+                    except Exception as exc:  # a bug: lose this connection, not the server
+                        self._drop(entry[1], exc)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + 1.0
+                self._sweep(now)
 
-    def get_request(self):
-        connection, address = super().get_request()
-        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return connection, address
+    def server_close(self):
+        self.listener.close()
+        self.epoll.close()
 
-    def process_request(self, request, client_address):
-        self._slots.acquire()  # at the bound, new connections wait in the backlog
+    def _drop(self, item, exc):
+        self.service.log("searchkeys: internal error: %s: %s" % (type(exc).__name__, exc))
+        if isinstance(item, Exchange):
+            item.connection.close()
+            item = item.conn
+        self.close(item)
+
+    # -- connections -----------------------------------------------------------------
+
+    def _accept(self):
+        while self.accepting:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors...: retried by the sweep
+                self.service.log("searchkeys: cannot accept a connection: %s" % exc)
+                self._set_accepting(False)
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_socket_timeouts(sock, CLIENT_TIMEOUT)
+            with self.lock:
+                self.open_connections += 1
+                if self.open_connections >= self.max_connections:
+                    self._set_accepting(False)  # the rest wait in the backlog
+            self.park(ClientConnection(sock))
+
+    def _set_accepting(self, on):
+        self.accepting = on
+        self.epoll.modify(self.listener.fileno(), select.EPOLLIN if on else 0)
+
+    def close(self, conn):
+        if conn.close():
+            with self.lock:
+                self.open_connections -= 1
+                if not self.accepting and self.open_connections < self.max_connections:
+                    self._set_accepting(True)
+
+    def _wait_readable(self, sock, callback, item):
+        """Have the loop call callback(item) once `sock` is readable (from any thread)."""
+        fd = sock.fileno()
+        self.waiting[fd] = (callback, item)
         try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._slots.release()
-            raise
+            self.epoll.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except FileNotFoundError:  # new socket (a closed one leaves the epoll set)
+            self.epoll.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
 
-    def process_request_thread(self, request, client_address):
+    def park(self, conn):
+        """Wait for more of conn's next request."""
+        if not conn.reader.buf:
+            conn.deadline = time.monotonic() + CLIENT_TIMEOUT
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            self._wait_readable(conn.sock, self._client_readable, conn)
+        except (OSError, ValueError):  # closed meanwhile
+            self.waiting.pop(conn.sock.fileno(), None)
+            self.close(conn)
+
+    def _client_readable(self, conn):
+        was_empty = not conn.reader.buf
+        try:
+            more = conn.reader.fill_nowait()
+        except BlockingIOError:
+            return self.park(conn)
+        except OSError:
+            more = False
+        if not more:
+            return self.close(conn)
+        if was_empty:  # a new request starts: its head must come within the timeout
+            conn.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self.serve(conn)
+
+    def _sweep(self, now):
+        """Close idle connections; give up on a backend that does not answer;
+        accept again after running out of descriptors."""
+        for fd, entry in list(self.waiting.items()):
+            if entry[1].deadline <= now and self.waiting.pop(fd, None) is entry:
+                if isinstance(entry[1], Exchange):
+                    self._forward_failed(entry[1], "timed out")
+                else:
+                    self.close(entry[1])
+        if not self.accepting:
+            with self.lock:
+                if self.open_connections < self.max_connections:
+                    self._set_accepting(True)
+
+    # -- requests --------------------------------------------------------------------
+
+    def serve(self, conn):
+        """Answer the requests in conn's buffer, in order, as far as that
+        needs no waiting; hand the first that does to a worker; then wait
+        for more. Runs in the loop, or in a worker once it is done."""
+        service = self.service
+        while True:
+            buf = conn.reader.buf
+            if head_size(buf) < 0 and len(buf) <= MAX_HEAD:
+                return self.park(conn)
+            conn.outbox = []
+            request = service.read_request(conn)
+            if request is None:
+                return self._flush(conn, close=True)
+            if not request.fits_in_loop():
+                return self.workers.submit(self._finish, conn, request, None)
+            step = service.begin(request)
+            if isinstance(step, Forward) and step.prepare is None and \
+                    step.answer_filter is None and not self.upstream.tls:
+                return self._send_upstream(conn, request, step)
+            if step is not None:
+                return self.workers.submit(self._finish, conn, request, step)
+            service.log_request(request)
+            if not self._flush(conn, request.close_connection):
+                return
+
+    def _flush(self, conn, close):
+        """Send what was answered without waiting; a slow reader gets the
+        rest from a worker. True when the connection can serve on."""
+        data = b"".join(conn.outbox)
+        conn.outbox = None
+        try:
+            sent = conn.sock.send(data, socket.MSG_DONTWAIT) if data else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.close(conn)
+            return False
+        if sent < len(data):
+            self.workers.submit(self._send_rest, conn, data[sent:], close)
+            return False
+        if close:
+            self.close(conn)
+            return False
+        return True
+
+    def _send_rest(self, conn, data, close):
+        try:
+            conn.sock.sendall(data)
+        except OSError:
+            close = True
+        self._next(conn, close)
+
+    def _finish(self, conn, request, step):
+        """In a worker: the request, or the step left of it."""
+        conn.outbox = None
+        self.service.finish(request, step)
+        self._next(conn, request.close_connection)
+
+    def _next(self, conn, close):
+        if close:
+            self.close(conn)
+        else:
+            self.serve(conn)
+
+    # -- forwards awaited in the loop --------------------------------------------------
+
+    def _send_upstream(self, conn, request, forward):
+        """Send the request on an idle backend connection and await the
+        answer in the loop. Without an idle connection, or if the send would
+        wait, a worker forwards it instead."""
+        service = self.service
+        connection = self.upstream.idle_connection()
+        if connection is None:
+            return self.workers.submit(self._finish, conn, request, forward)
+        forward.payload = payload = service.payload_of(request, forward)  # kept for a retry
+        data = self.upstream.request_head(request.command, forward.target,
+                                          service.headers_to_send(request, forward), payload)
+        try:
+            sent = connection.sock.send(data + payload, socket.MSG_DONTWAIT)
+        except OSError:
+            sent = -1
+        if sent != len(data) + len(payload):
+            connection.close()
+            return self.workers.submit(self._finish, conn, request, forward)
+        exchange = Exchange(conn, request, forward, connection,
+                            time.monotonic() + self.upstream.timeout)
+        self._wait_readable(connection.sock, self._upstream_readable, exchange)
+
+    def _upstream_readable(self, exchange):
+        connection = exchange.connection
+        reader = connection.reader
+        try:
+            more = reader.fill_nowait()
+        except BlockingIOError:
+            more = True
+        except OSError:
+            more = False
+        try:
+            while exchange.response is None and head_size(reader.buf) >= 0:
+                response = UpstreamResponse(reader, exchange.request.command)
+                if not response.interim:
+                    exchange.response = response
+        except UpstreamError:
+            more = False
+        response = exchange.response
+        if response is None and more and len(reader.buf) <= MAX_HEAD:
+            return self._wait_readable(connection.sock, self._upstream_readable, exchange)
+        if response is None:
+            # A pooled connection the backend had closed, or not HTTP: the
+            # worker's forward retries once on a fresh connection.
+            connection.close()
+            return self.workers.submit(self._finish, exchange.conn, exchange.request,
+                                       exchange.forward)
+        if response.fully_buffered():
+            exchange.conn.outbox = []
+            self.service.finish_forward(exchange.request, connection, response)
+            if self._flush(exchange.conn, exchange.request.close_connection):
+                self.serve(exchange.conn)
+        elif more and response.length is not None and response.length <= SMALL_BODY:
+            self._wait_readable(connection.sock, self._upstream_readable, exchange)
+        else:  # large or streamed: relayed by a worker
+            self.workers.submit(self._relay, exchange)
+
+    def _relay(self, exchange):
+        exchange.conn.outbox = None
+        self.service.finish_forward(exchange.request, exchange.connection, exchange.response)
+        self._next(exchange.conn, exchange.request.close_connection)
+
+    def _forward_failed(self, exchange, reason):
+        exchange.connection.close()
+        exchange.conn.outbox = []
+        self.service.forward_failed(exchange.request, reason)
+        if self._flush(exchange.conn, exchange.request.close_connection):
+            self.serve(exchange.conn)
 
 
 # =============================================================================
@@ -3028,7 +3534,7 @@ def run_serve(args):
         len(store), " in " + args.store if args.store else " in memory", args.host,
         server.server_address[1], " -> " + upstream.display_url if upstream else ""))
     try:
-        server.serve_forever(poll_interval=0.5)
+        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:

@@ -63,6 +63,8 @@ def parse_args():
     parser.add_argument("--fill-budget", type=float, default=900.0,
                         help="seconds allowed for filling the store; the run stops if exceeded")
     parser.add_argument("--searchkeys", default=str(SEARCHKEYS), help="path of searchkeys.py")
+    parser.add_argument("--guard-only", action="store_true",
+                        help="measure only the guard's cost (no store filling)")
     args = parser.parse_args()
     quick = args.quick
     common.apply_defaults(args, {
@@ -326,6 +328,10 @@ def main():
         return server
 
     try:
+        if args.guard_only:
+            result["guard"] = measure_guard(args, workdir)
+            return common.finish_result("searchkeys-guard", result,
+                                        evaluate_targets(args, result))
         result["startup_ms"] = {"empty store": common.measure_startup(
             lambda: start_searchkeys(args, workdir, stores["big"]), args.repeat)}
         log("startup, empty store:", result["startup_ms"]["empty store"])

@@ -1,0 +1,299 @@
+"""searchkeys.py serve: the connection loop under load shapes a real deployment meets.
+
+One thread answers what never waits (reading requests, authorization, /health, /authorize,
+forwards on pooled backend connections); workers take what may wait (the store's writes, large
+or streamed answers, connecting to the backend). These tests check, through real sockets, that
+answers keep their order on a keep-alive connection whichever thread makes them, and that one
+slow party (a backend, a client that does not read) never holds up the others.
+"""
+import http.server
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
+
+MASTER = "server-test-master-key-0123456789"
+SEARCH_BODY = b'{"q": "x"}'
+
+
+class Backend:
+    """A search backend on 127.0.0.1: answers JSON naming the path; `/indexes/slow/...`
+    waits for `release`; `/indexes/big/...` answers 256 KiB."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.waiting = threading.Event()
+        backend = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if "/slow/" in self.path:
+                    backend.waiting.set()
+                    backend.release.wait(30)
+                payload = json.dumps({"path": self.path}).encode()
+                if "/big/" in self.path:
+                    payload = b"[" + b"0," * (128 * 1024) + b"0]"
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ClosingBackend:
+    """A backend that answers one request per connection, then closes it without saying so
+    (no `Connection: close`): what a keep-alive timeout on the backend looks like to a pool."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                payload = b'{"n": %d}' % self.connections
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+
+    def close(self):
+        self.sock.close()
+
+
+def start_guard(upstream=None, extra=()):
+    port = free_port()
+    argv = python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER, *extra)
+    if upstream:
+        argv += ["--upstream", upstream, "--upstream-key", "backend-key"]
+    return Daemon(argv, port, timeout=30.0)
+
+
+def search_key(port):
+    status, _, data = request(port, "POST", "/keys", json.dumps(
+        {"actions": ["search"], "indexes": ["*"], "expiresAt": None}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 201, data
+    return json.loads(data)["key"]
+
+
+def raw_request(method, path, key=None, body=b"", extra=()):
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: t"]
+    if key:
+        lines.append("Authorization: Bearer " + key)
+    if body or method == "POST":
+        lines += ["Content-Type: application/json", "Content-Length: %d" % len(body)]
+    lines += list(extra)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class AnswerReader:
+    """Reads HTTP/1.1 answers one by one from a socket (Content-Length framing)."""
+
+    def __init__(self, sock):
+        self.sock, self.buf = sock, b""
+
+    def _more(self):
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("closed with %r unread" % self.buf[:200])
+        self.buf += data
+
+    def next(self):
+        while b"\r\n\r\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        while len(self.buf) < length:
+            self._more()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return int(lines[0].split()[1]), headers, body
+
+
+@pytest.fixture
+def backend():
+    b = Backend()
+    yield b
+    b.close()
+
+
+def test_pipelined_requests_keep_their_order_whichever_thread_answers(backend):
+    """Answers made by the loop (health, authorize, refusals, small forwards) and by workers
+    (a store write, a 256 KiB answer) come back in request order on one connection."""
+    with start_guard(backend.url) as guard:
+        key = search_key(guard.port)
+        authorize = ["X-Original-URI: /indexes/a/search", "X-Original-Method: POST"]
+        pipeline = [
+            (raw_request("GET", "/health"), 200, b'{"status":"available"}'),
+            (raw_request("POST", "/indexes/one/search", key, SEARCH_BODY), 200,
+             b'{"path": "/indexes/one/search"}'),
+            (raw_request("POST", "/keys", MASTER, json.dumps(
+                {"actions": ["search"], "indexes": ["a"], "expiresAt": None}).encode()),
+             201, None),
+            (raw_request("GET", "/authorize", key, extra=authorize), 204, b""),
+            (raw_request("POST", "/indexes/big/search", key, SEARCH_BODY), 200, None),
+            (raw_request("GET", "/keys", key), 403, None),
+            (raw_request("POST", "/indexes/two/search", key, SEARCH_BODY), 200,
+             b'{"path": "/indexes/two/search"}'),
+            (raw_request("GET", "/nowhere"), 404, b""),
+        ] * 3
+        with socket.create_connection(("127.0.0.1", guard.port), timeout=30) as sock:
+            sock.sendall(b"".join(data for data, _, _ in pipeline))
+            answers = AnswerReader(sock)
+            for i, (_, status, body) in enumerate(pipeline):
+                got_status, _, got_body = answers.next()
+                assert got_status == status, (i, got_status, got_body[:200])
+                if body is not None:
+                    assert got_body == body, (i, got_body[:200])
+                if got_status == 201:
+                    assert json.loads(got_body)["indexes"] == ["a"]
+                if b"big" in pipeline[i][0].split(b"\r\n")[0]:
+                    assert len(got_body) == 2 + 2 * 128 * 1024 + 1
+        assert request(guard.port, "GET", "/keys?limit=100",
+                       headers={"Authorization": "Bearer " + MASTER})[0] == 200
+
+
+def test_a_backend_that_does_not_answer_holds_up_nobody_else(backend):
+    """While the backend sits on one search, other callers' searches and health checks are
+    answered (the waiting forward is not done by the thread that serves everyone)."""
+    with start_guard(backend.url) as guard:
+        key = search_key(guard.port)
+        slow = {}
+
+        def slow_search():
+            slow["answer"] = request(guard.port, "POST", "/indexes/slow/search", SEARCH_BODY,
+                                     {"Authorization": "Bearer " + key,
+                                      "Content-Type": "application/json"}, timeout=30)
+
+        thread = threading.Thread(target=slow_search)
+        thread.start()
+        assert backend.waiting.wait(15), "the slow search never reached the backend"
+        for _ in range(20):
+            status, _, data = request(guard.port, "POST", "/indexes/fast/search", SEARCH_BODY,
+                                      {"Authorization": "Bearer " + key,
+                                       "Content-Type": "application/json"}, timeout=10)
+            assert (status, data) == (200, b'{"path": "/indexes/fast/search"}')
+            assert request(guard.port, "GET", "/health", timeout=10)[0] == 200
+        assert "answer" not in slow, "the slow search was answered before its backend did"
+        backend.release.set()
+        thread.join(30)
+        assert slow["answer"][0] == 200 and slow["answer"][2] == b'{"path": "/indexes/slow/search"}'
+
+
+def test_a_client_that_never_reads_its_answers_holds_up_nobody_else(backend):
+    """Two clients pipeline requests and never read (their answers fill the socket buffers:
+    the rest waits in a worker, not in the loop); others are still served."""
+    with start_guard(backend.url) as guard:
+        key = search_key(guard.port)
+        greedy = []
+        for path in ("/health", "/indexes/big/search"):
+            sock = socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            one = raw_request("POST", path, key, SEARCH_BODY) if "search" in path \
+                else raw_request("GET", path)
+            sock.setblocking(False)
+            try:
+                for _ in range(2000 if "health" in path else 40):
+                    sock.send(one)
+            except BlockingIOError:
+                pass  # the guard stopped reading: its answers are not being read
+            greedy.append(sock)
+        try:
+            for _ in range(10):
+                status, _, data = request(guard.port, "POST", "/indexes/fast/search",
+                                          SEARCH_BODY, {"Authorization": "Bearer " + key,
+                                                        "Content-Type": "application/json"},
+                                          timeout=10)
+                assert (status, data) == (200, b'{"path": "/indexes/fast/search"}')
+                assert request(guard.port, "GET", "/health", timeout=10)[0] == 200
+        finally:
+            for sock in greedy:
+                sock.close()
+
+
+def test_pooled_backend_connections_closed_by_the_backend_are_retried():
+    """The backend closes every connection after one answer without announcing it: each
+    search finds a dead pooled connection, and is sent again on a new one."""
+    closing = ClosingBackend()
+    try:
+        with start_guard(closing.url) as guard:
+            key = search_key(guard.port)
+            with socket.create_connection(("127.0.0.1", guard.port), timeout=30) as sock:
+                answers = AnswerReader(sock)
+                for n in range(1, 6):
+                    time.sleep(0.05)  # let the backend's close arrive first
+                    sock.sendall(raw_request("POST", "/indexes/a/search", key, SEARCH_BODY))
+                    status, _, body = answers.next()
+                    assert status == 200, body
+                    assert json.loads(body)["n"] >= n
+    finally:
+        closing.close()
+
+
+def test_max_connections_leaves_the_rest_waiting_in_the_backlog():
+    with start_guard(extra=("--max-connections", "2")) as guard:
+        held = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                for _ in range(2)]
+        for sock in held:  # both are being served: the bound is reached
+            sock.sendall(raw_request("GET", "/health"))
+            assert AnswerReader(sock).next()[0] == 200
+        extra = socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+        try:
+            extra.sendall(raw_request("GET", "/health"))
+            extra.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                extra.recv(1)  # not accepted yet
+            held.pop().close()
+            extra.settimeout(30)
+            assert AnswerReader(extra).next()[0] == 200
+        finally:
+            extra.close()
+            for sock in held:
+                sock.close()
