@@ -24,6 +24,7 @@ Python 3.9+ standard library only.  Request pipeline::
 
 import errno
 import functools
+import heapq
 import itertools
 import json
 import logging
@@ -147,8 +148,9 @@ FLAGS = [
          "connections wait in the listen backlog"),
     Flag("max-multipart-mem", "int", 1048576, "maximum memory in bytes for parsing multipart form "
          "data before disk caching"),
-    Flag("max-workers", "int", 64, "webhookd: threads handling requests at most (a captured "
-         "command holds one while it runs)"),
+    Flag("max-workers", "int", 64, "webhookd: threads handling requests at most (a command "
+         "holds one while it runs if its output streams or its request came over TLS or with a "
+         "chunked, large or 100-continue body)"),
     Flag("nopanic", "bool", False, "do not panic if hooks cannot be loaded when webhook is not "
          "running in verbose mode"),
     Flag("pidfile", "string", "", "create PID file at the given path"),
@@ -1597,6 +1599,8 @@ def build_invocation(hook, request):
 
 def write_temp_files(invocation):
     """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)]."""
+    if not invocation.file_pairs:
+        return []
     import random  # only needed by hooks that pass files
     import tempfile
     directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
@@ -1656,26 +1660,31 @@ class Child:
         if self.returncode is not None:
             return self.returncode
         if timeout is None:
-            status = os.waitpid(self.pid, 0)[1]
-        else:
-            deadline, delay = time.monotonic() + timeout, 0.0005
-            while True:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-                if pid:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise subprocess.TimeoutExpired(self.pid, timeout)
-                time.sleep(min(delay, remaining))
-                delay = min(delay * 2, 0.05)
-        self.returncode = os.waitstatus_to_exitcode(status)
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            return self.returncode
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while self.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(self.pid, timeout)
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+    def poll(self):
+        """The exit code once the process has exited (it is reaped then), else None."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
 
 class Spawner:
     """posix_spawn(3) called through ctypes.  CPython 3.11's subprocess holds the GIL while the
-    vfork()ed child execs (about a millisecond), which stalls every other request; a ctypes call
-    releases the GIL, so requests are served while commands start.  The child gets its own
+    vfork()ed child execs (about a millisecond), which stalls every other thread; a ctypes call
+    releases the GIL, so workers and the log writer go on while a command starts (the loop
+    thread waits: about 0.2 ms for /bin/true, more on a busy machine).  The child gets its own
     session, stdin/stdout/stderr as given, SIGPIPE/SIGXFSZ reset to default as Popen does, and
     no other descriptors (Python opens everything close-on-exec)."""
 
@@ -1691,11 +1700,17 @@ class Spawner:
                      "posix_spawn_file_actions_adddup2", "posix_spawn_file_actions_addchdir_np",
                      "posix_spawn_file_actions_destroy", "posix_spawnattr_init",
                      "posix_spawnattr_setflags", "posix_spawnattr_setsigdefault",
-                     "posix_spawnattr_setsigmask", "posix_spawnattr_destroy", "sigemptyset",
-                     "sigaddset"):
+                     "posix_spawnattr_setsigmask", "sigemptyset", "sigaddset"):
             getattr(libc, name)  # AttributeError: not glibc-like; Popen is used instead
+        # the same attributes for every command: set up once
+        self.attributes = attributes = ctypes.create_string_buffer(1024)  # > glibc's struct
+        libc.posix_spawnattr_init(attributes)
         self.reset_signals = self._sigset(signal.SIGPIPE, signal.SIGXFSZ)
         self.no_signals = self._sigset()
+        libc.posix_spawnattr_setsigdefault(attributes, self.reset_signals)
+        libc.posix_spawnattr_setsigmask(attributes, self.no_signals)
+        libc.posix_spawnattr_setflags(attributes, ctypes.c_short(
+            self.SETSIGDEF | self.SETSIGMASK | self.SETSID))
 
     def _sigset(self, *signums):
         sigset = self.ctypes.create_string_buffer(256)  # larger than any sigset_t
@@ -1704,31 +1719,34 @@ class Spawner:
             self.libc.sigaddset(sigset, int(signum))
         return sigset
 
-    def spawn(self, executable, argv, env, cwd, stdin_fd, stdout_fd):
-        """Start executable (bytes) with argv and env (lists of bytes); returns a Child."""
-        if any(b"\0" in item for item in argv + env) or b"\0" in executable:
+    def c_strings(self, items):
+        """A list of bytes as the NULL-terminated char *[] of argv/envp; prepared once, an
+        environment can be given to spawn() again and again."""
+        if any(b"\0" in item for item in items):
             raise ValueError("embedded null byte")
+        return (self.ctypes.c_char_p * (len(items) + 1))(*items, None)
+
+    def spawn(self, executable, argv, env, cwd, stdin_fd, stdout_fd):
+        """Start executable (bytes) with argv and env (lists of bytes, or c_strings() of them);
+        returns a Child."""
+        if b"\0" in executable:
+            raise ValueError("embedded null byte")
+        argv = self.c_strings(argv)
+        if isinstance(env, list):
+            env = self.c_strings(env)
         ctypes, libc = self.ctypes, self.libc
-        actions = ctypes.create_string_buffer(1024)  # larger than the glibc structures
-        attributes = ctypes.create_string_buffer(1024)
+        actions = ctypes.create_string_buffer(1024)  # larger than the glibc structure
         libc.posix_spawn_file_actions_init(actions)
-        libc.posix_spawnattr_init(attributes)
         try:
             for source, target in ((stdin_fd, 0), (stdout_fd, 1), (stdout_fd, 2)):
                 libc.posix_spawn_file_actions_adddup2(actions, source, target)
             if cwd:
                 libc.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd))
-            libc.posix_spawnattr_setsigdefault(attributes, self.reset_signals)
-            libc.posix_spawnattr_setsigmask(attributes, self.no_signals)
-            libc.posix_spawnattr_setflags(attributes, ctypes.c_short(
-                self.SETSIGDEF | self.SETSIGMASK | self.SETSID))
             pid = ctypes.c_int()
-            error = libc.posix_spawn(ctypes.byref(pid), executable, actions, attributes,
-                                     (ctypes.c_char_p * (len(argv) + 1))(*argv, None),
-                                     (ctypes.c_char_p * (len(env) + 1))(*env, None))
+            error = libc.posix_spawn(ctypes.byref(pid), executable, actions, self.attributes,
+                                     argv, env)
         finally:
             libc.posix_spawn_file_actions_destroy(actions)
-            libc.posix_spawnattr_destroy(attributes)
         if error:
             raise OSError(error, os.strerror(error))
         return Child(pid.value)
@@ -1745,6 +1763,17 @@ def environment_list(env):
     return pairs
 
 
+class StartedCommand:
+    """A command CommandRunner.launch started: its process, the read end of the pipe its
+    stdout and stderr share (None when the output is discarded), its temp files."""
+
+    __slots__ = ("proc", "output", "files", "request_id")
+
+    def __init__(self, files, request_id):
+        self.proc = self.output = None
+        self.files, self.request_id = files, request_id
+
+
 class CommandRunner:
     """Runs invocations: argv (never a shell), stdin /dev/null, stdout+stderr in one pipe, its
     own process group (so a timeout or shutdown can stop the whole tree)."""
@@ -1755,18 +1784,16 @@ class CommandRunner:
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)  # opened once, not per run
         self.spawner = None  # created with the first command; False: not available here
         self.inherited_env = None
+        self.watchable = None  # see can_watch(); decided with the first command
 
     def start(self, invocation, env, stdout_fd):
         """Start the command: through Spawner where the C library allows, else Popen."""
         if self.spawner is None:
-            try:
-                self.spawner = Spawner()
-            except (ImportError, OSError, AttributeError, ValueError):
-                self.spawner = False
+            self.spawner = self._make_spawner()
         if self.spawner:
             if env is None:  # our own environment: converted once, it does not change
                 if self.inherited_env is None:
-                    self.inherited_env = environment_list(os.environ)
+                    self.inherited_env = self.spawner.c_strings(environment_list(os.environ))
                 env_list = self.inherited_env
             else:
                 env_list = environment_list(env)
@@ -1777,9 +1804,41 @@ class CommandRunner:
                                 stdout=stdout_fd, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
+    @staticmethod
+    def _make_spawner():
+        try:
+            return Spawner()
+        except (ImportError, OSError, AttributeError, ValueError):
+            return False
+
+    def can_watch(self):
+        """True when a run can be waited for without a thread (WatchedRun): its process is a
+        plain child started by Spawner, and the kernel has pidfds (Linux 5.3+)."""
+        if self.watchable is None:
+            if self.spawner is None:
+                self.spawner = self._make_spawner()
+            watchable = False
+            if self.spawner and hasattr(os, "pidfd_open"):
+                try:
+                    os.close(os.pidfd_open(os.getpid()))
+                    watchable = True
+                except OSError:  # ENOSYS: an older kernel
+                    pass
+            self.watchable = watchable
+        return self.watchable
+
     def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
-        """Run to completion.  Output goes to on_output(chunk) as it arrives when given, else it
-        is collected into the result (or discarded when keep_output is False)."""
+        """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives
+        when given, else it is collected into the result (or discarded when keep_output is
+        False)."""
+        started = self.launch(invocation, request_id, keep_output or on_output is not None)
+        if isinstance(started, CommandResult):
+            return started
+        return self.wait(started, timeout, on_output)
+
+    def launch(self, invocation, request_id, keep_output):
+        """Write the temp files, log, start the command with its output in a pipe (or
+        discarded): a StartedCommand, or the CommandResult of a command that did not start."""
         try:
             files = write_temp_files(invocation)
         except OSError as exc:
@@ -1798,32 +1857,43 @@ class CommandRunner:
                      go_quote_list(invocation.argv),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
-        # a bare pipe (not Popen's file object around it): stdout and stderr share it
-        read_end, write_end = os.pipe2(os.O_CLOEXEC) if keep_output or on_output \
-            else (None, self.devnull)
+        started = StartedCommand(files, request_id)
         try:
+            # a bare pipe (not Popen's file object around it): stdout and stderr share it
+            write_end = self.devnull
+            if keep_output:
+                started.output, write_end = os.pipe2(os.O_CLOEXEC)
             try:
-                proc = self.start(invocation, env, write_end)
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:
-                return CommandResult(False, error=exc)  # ValueError: a NUL byte in argv/env
+                started.proc = self.start(invocation, env, write_end)
             finally:
-                if read_end is not None:
+                if started.output is not None:
                     os.close(write_end)
-            with self.lock:
-                self.processes.add(proc)
-            try:
-                if read_end is None:
-                    return self._wait(proc, timeout)
-                return self._collect(proc, read_end, timeout, on_output)
-            finally:
-                with self.lock:
-                    self.processes.discard(proc)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self.finish(started)  # ValueError: a NUL byte in argv/env
+            return CommandResult(False, error=exc)
+        with self.lock:
+            self.processes.add(started.proc)
+        return started
+
+    def wait(self, started, timeout, on_output=None):
+        """Block until a launched run has ended: read its output, reap it, finish()."""
+        try:
+            if started.output is None:
+                return self._wait(started.proc, timeout)
+            return self._collect(started.proc, started.output, timeout, on_output)
         finally:
-            if read_end is not None:
-                os.close(read_end)
-            for _, path in files:
-                log.info("[%s] removing file %s", request_id, path)
-            remove_files(files)
+            self.finish(started)
+
+    def finish(self, started):
+        """After a run (or a failed start): forget the process, close the pipe, remove the
+        temp files."""
+        with self.lock:
+            self.processes.discard(started.proc)
+        if started.output is not None:
+            os.close(started.output)
+        for _, path in started.files:
+            log.info("[%s] removing file %s", started.request_id, path)
+        remove_files(started.files)
 
     def _wait(self, proc, timeout):
         try:
@@ -1873,6 +1943,85 @@ class CommandRunner:
             running = list(self.processes)
         for proc in running:
             signal_group(proc, signal.SIGKILL)
+
+
+class WatchedRun:
+    """Waits for a launched command without a thread, as CommandRunner.wait does with one: the
+    connection loop watches the output pipe (non-blocking) and a pidfd of the process (readable
+    once it has exited), and keeps the command-timeout and the kill grace period as timers.
+    on_done(CommandResult) runs in the loop thread once the output has ended and the process
+    has been reaped.  Raises OSError (nothing registered) when the loop cannot watch it."""
+
+    def __init__(self, runner, started, loop, timeout, on_done):
+        self.runner, self.started, self.loop, self.on_done = runner, started, loop, on_done
+        self.proc = started.proc
+        self.chunks = []
+        self.timed_out = False
+        self.timer = None
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.reading = started.output is not None
+        try:
+            loop.watch(self.pidfd, self._reap)
+            if self.reading:
+                os.set_blocking(started.output, False)
+                loop.watch(started.output, self._read)
+        except OSError:
+            if self.reading:
+                os.set_blocking(started.output, True)
+            loop.unwatch(self.pidfd)
+            os.close(self.pidfd)
+            raise
+        if timeout is not None:
+            self.timer = loop.call_later(timeout, self._time_out)
+
+    def _read(self):
+        try:
+            chunk = os.read(self.started.output, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if chunk:
+            self.chunks.append(chunk)
+            return
+        self.loop.unwatch(self.started.output)
+        self.reading = False
+        self._end()
+
+    def _reap(self):
+        if self.proc.poll() is None:
+            return
+        self.loop.unwatch(self.pidfd)
+        os.close(self.pidfd)
+        self.pidfd = None
+        if self.timed_out and self.timer is not None:  # as stop(): once the leader has gone
+            self.loop.cancel(self.timer)
+            self.timer = None
+            signal_group(self.proc, signal.SIGKILL)
+        self._end()
+
+    def _time_out(self):
+        """As CommandRunner.stop: SIGTERM to the group, SIGKILL when its leader has exited or
+        the grace period is over; the output is read until it ends."""
+        self.timed_out = True
+        self.timer = None
+        signal_group(self.proc, signal.SIGTERM)
+        if self.pidfd is None:
+            signal_group(self.proc, signal.SIGKILL)
+        else:
+            self.timer = self.loop.call_later(KILL_GRACE_SECONDS, self._kill)
+
+    def _kill(self):
+        self.timer = None
+        signal_group(self.proc, signal.SIGKILL)
+
+    def _end(self):
+        if self.reading or self.pidfd is not None:
+            return
+        if self.timer is not None:
+            self.loop.cancel(self.timer)
+            self.timer = None
+        self.runner.finish(self.started)
+        self.on_done(CommandResult(True, self.proc.returncode, b"".join(self.chunks),
+                                   self.timed_out))
 
 
 def signal_group(proc, signum):
@@ -2460,10 +2609,57 @@ def format_peer(address):
     return "@"  # Unix socket peers, as Go prints them
 
 
+CALLS_PER_TURN = 8  # call_soon callbacks per loop turn (a command start blocks while it spawns)
+
+
+class Timers:
+    """Callbacks due at monotonic times, for the loop thread only: a heap where a cancelled
+    entry stays until it comes up (or until cancelled entries are the larger part)."""
+
+    def __init__(self):
+        self.heap = []
+        self.order = itertools.count()  # equal times: first added, first run
+        self.cancelled = 0
+
+    def add(self, when, callback):
+        entry = [when, next(self.order), callback]
+        heapq.heappush(self.heap, entry)
+        return entry
+
+    def cancel(self, entry):
+        if entry[2] is None:
+            return
+        entry[2] = None
+        self.cancelled += 1
+        if self.cancelled > 64 and self.cancelled * 2 > len(self.heap):
+            # long command-timeouts of runs that ended early must not pile up
+            self.heap = [e for e in self.heap if e[2] is not None]
+            heapq.heapify(self.heap)
+            self.cancelled = 0
+
+    def next_due(self):
+        """The time of the next live callback, or None."""
+        while self.heap and self.heap[0][2] is None:
+            heapq.heappop(self.heap)
+            self.cancelled -= 1
+        return self.heap[0][0] if self.heap else None
+
+    def run_due(self, now, call):
+        while self.heap and self.heap[0][0] <= now:
+            entry = heapq.heappop(self.heap)
+            callback, entry[2] = entry[2], None
+            if callback is None:
+                self.cancelled -= 1
+            else:
+                call(callback)
+
+
 class ConnectionLoop(threading.Thread):
     """Accepts connections and reads request heads without holding a worker thread: a slow or
-    idle client costs a file descriptor, not a thread.  A complete request that runs no
-    command is answered right here (Server.serve_in_loop); anything else goes to the pool."""
+    idle client costs a file descriptor, not a thread.  A complete request is served right
+    here (Server.serve_in_loop) when nothing has to block: answers that run no command,
+    background runs, and captured commands, whose output pipe and exit this thread waits for
+    (WatchedRun) like the rest.  Anything else goes to the pool."""
 
     def __init__(self, server, listeners):
         threading.Thread.__init__(self, name="connections", daemon=True)
@@ -2475,8 +2671,12 @@ class ConnectionLoop(threading.Thread):
         self.open_count = 0
         self.accept_paused = False
         self.stopping = False
+        self.watched = {}  # fd -> callback: pipes and pidfds of the commands of WatchedRuns
+        self.timers = Timers()
+        self.calls = deque()  # callbacks from call_soon, run after the events at hand
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)  # a full pipe means a wake-up is pending anyway
         self.epoll.register(self.wake_r, select.EPOLLIN)
         for fd, listener in self.listeners.items():
             listener.setblocking(False)
@@ -2486,6 +2686,12 @@ class ConnectionLoop(threading.Thread):
         next_sweep = time.monotonic() + 1.0
         while True:
             timeout = 1.0 if self.parked or self.accept_paused else -1
+            due = self.timers.next_due()
+            if self.calls:
+                timeout = 0
+            elif due is not None:
+                left = max(0.0, due - time.monotonic())
+                timeout = left if timeout < 0 else min(timeout, left)
             try:
                 events = self.epoll.poll(timeout)
             except InterruptedError:
@@ -2502,10 +2708,15 @@ class ConnectionLoop(threading.Thread):
                     conn = self.parked.pop(fd, None)
                     if conn is not None:
                         self._readable(conn)
-            if self.stopping:
-                self._close_parked()
-                return
+                    elif fd in self.watched:
+                        self._call(self.watched[fd])
+            for _ in range(min(len(self.calls), CALLS_PER_TURN)):
+                self._call(self.calls.popleft())
             now = time.monotonic()
+            self.timers.run_due(now, self._call)
+            if self.stopping and (self.listeners or self.parked):
+                self._close_listeners()  # the thread goes on: runs may still finish here
+                self._close_parked()
             if now >= next_sweep:
                 next_sweep = now + 1.0
                 for fd, conn in list(self.parked.items()):
@@ -2556,11 +2767,7 @@ class ConnectionLoop(threading.Thread):
             return
         conn.buf += data
         if head_end(conn.buf) >= 0:
-            try:
-                self.server.serve_in_loop(conn)
-            except Exception:  # a bug must cost one connection, not this thread
-                log.exception("unexpected error answering %s", conn.remote_addr)
-                self.close(conn)
+            self.serve(conn)
         elif len(conn.buf) > MAX_HEADER_BYTES:
             self.server.workers.submit(self.server.reject, conn,
                                        BadRequest(431, "request header too large"))
@@ -2568,6 +2775,50 @@ class ConnectionLoop(threading.Thread):
             deadline = time.monotonic() + self.server.header_timeout if was_empty \
                 else conn.deadline
             self.park(conn, deadline)
+
+    def serve(self, conn):
+        """Server.serve_in_loop: the complete requests in conn's buffer."""
+        try:
+            self.server.serve_in_loop(conn)
+        except Exception:  # a bug must cost one connection, not this thread
+            log.exception("unexpected error answering %s", conn.remote_addr)
+            self.close(conn)
+
+    def _call(self, callback):
+        try:
+            callback()
+        except Exception:  # a bug must cost one request, not this thread
+            log.exception("unexpected error in the connection loop")
+
+    # -- for WatchedRun and the server: descriptors, timers, calls from other threads -----
+
+    def watch(self, fd, callback):
+        """callback() in this thread whenever fd is readable, until unwatch(fd)."""
+        self.epoll.register(fd, select.EPOLLIN)
+        self.watched[fd] = callback
+
+    def unwatch(self, fd):
+        self.watched.pop(fd, None)
+        try:
+            self.epoll.unregister(fd)
+        except OSError:
+            pass
+
+    def call_later(self, delay, callback):
+        """callback() in this thread after delay seconds; returns a handle for cancel()."""
+        return self.timers.add(time.monotonic() + delay, callback)
+
+    def cancel(self, timer):
+        self.timers.cancel(timer)
+
+    def call_soon(self, callback):
+        """callback() in this thread soon; may be called from any thread."""
+        self.calls.append(callback)
+        if threading.get_ident() != self.ident:
+            try:
+                os.write(self.wake_w, b"x")
+            except BlockingIOError:
+                pass
 
     def park(self, conn, deadline, register=False):
         """Hand a connection (back) to this thread until its next request head is complete."""
@@ -2603,15 +2854,20 @@ class ConnectionLoop(threading.Thread):
                     self.epoll.modify(fd, select.EPOLLIN)
 
     def stop(self):
-        """Stop accepting and close idle connections; busy ones close after their answer."""
+        """Stop accepting and close idle connections (done by this thread, woken up here);
+        busy ones close after their answer."""
         self.stopping = True
-        for fd, listener in self.listeners.items():
-            try:
-                self.epoll.unregister(fd)
-            except OSError:
-                pass
+        try:
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _close_listeners(self):
+        with self.lock:  # _resume_accepting in a worker must not touch a closed listener
+            listeners, self.listeners = self.listeners, {}
+        for fd, listener in listeners.items():
+            self.epoll.unregister(fd)
             listener.close()
-        os.write(self.wake_w, b"x")
 
     def _close_parked(self):
         for fd in list(self.parked):
@@ -2659,7 +2915,8 @@ class Server:
             else NO_TIMEOUT
         self.max_connections = max(1, opts.max_connections)
         self.workers = WorkerPool(opts.max_workers, "worker")
-        self.async_runs = WorkerPool(opts.max_async_runs, "command")
+        self.async_runs = WorkerPool(opts.max_async_runs, "command")  # where no WatchedRun
+        self.async_slots = HookGate(max(1, opts.max_async_runs))  # background runs at once
         self.runner = CommandRunner()
         self.tls_context = None
         self.loop = None
@@ -2824,10 +3081,11 @@ class Server:
     # -- answering in the loop thread --------------------------------------------------------
 
     def serve_in_loop(self, conn):
-        """Loop thread: answer the complete requests in conn.buf that run no command (404,
-        rules not satisfied, ...) with non-blocking sends, in order.  Anything that could
-        block (a body still to come, TLS, a command to run, a full socket buffer) goes to a
-        worker together with the connection, at the request where it happens."""
+        """Loop thread: answer the complete requests in conn.buf, in order, with non-blocking
+        sends.  Anything that could block (a body still to come, TLS, streamed output, a
+        full socket buffer) goes to a worker together with the connection, at the request
+        where it happens.  A captured command keeps the connection in this thread: its end
+        answers the request and serves the next ones (act_in_loop)."""
         for _ in range(INLINE_REQUESTS_PER_TURN):
             end = head_end(conn.buf)
             if end < 0:
@@ -2840,6 +3098,10 @@ class Server:
             exchange = self.begin(head)
             try:
                 self.step(self.decide, conn, exchange)
+                if exchange.response is None and self.acts_in_loop(exchange.hook):
+                    self.step(self.act_in_loop, conn, exchange)
+                    if exchange.response is None:
+                        return  # the command runs; its end carries on with conn
             except BadRequest as exc:
                 self.leave_busy()
                 self.workers.submit(self.reject, conn, exc)
@@ -2848,27 +3110,11 @@ class Server:
                 self.leave_busy()
                 self.loop.close(conn)
                 return
-            if exchange.response is None:  # a command runs: not in this thread
+            if exchange.response is None:  # a command runs in a worker
                 self.workers.submit(self.resume, conn, exchange)
                 return
-            answer = self.answer_bytes(exchange)
-            try:
-                sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self.leave_busy()
-                self.loop.close(conn)
+            if not self.send_in_loop(conn, exchange):
                 return
-            if sent < len(answer):
-                self.workers.submit(self.resume, conn, exchange, answer[sent:])
-                return
-            self.leave_busy()
-            self.log_request(exchange)
-            if not exchange.keep_alive or self.stopping:
-                self.loop.close(conn)
-                return
-            conn.deadline = time.monotonic() + self.header_timeout
         else:
             if head_end(conn.buf) >= 0:  # a long pipeline: the rest is served by a worker
                 self.workers.submit(self.serve, conn)
@@ -2879,6 +3125,29 @@ class Server:
             self.loop.park(conn, conn.deadline)
         else:
             self.loop.park(conn, time.monotonic() + KEEPALIVE_IDLE_SECONDS)
+
+    def send_in_loop(self, conn, exchange):
+        """Loop thread: send the answer without blocking (the rest from a worker) and log the
+        request.  True when conn stays with this thread for its next request."""
+        answer = self.answer_bytes(exchange)
+        try:
+            sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self.leave_busy()
+            self.loop.close(conn)
+            return False
+        if sent < len(answer):
+            self.workers.submit(self.resume, conn, exchange, answer[sent:])
+            return False
+        self.leave_busy()
+        self.log_request(exchange)
+        if not exchange.keep_alive or self.stopping:
+            self.loop.close(conn)
+            return False
+        conn.deadline = time.monotonic() + self.header_timeout
+        return True
 
     def inline_head(self, conn, end):
         """The parsed head when the loop thread can answer this request without blocking:
@@ -2962,7 +3231,8 @@ class Server:
         if hook.stream_output:
             response = self.run_streamed(conn, exchange.head, hook, request, headers, success)
         elif hook.capture_output:
-            response = self.run_captured(hook, request, headers, success)
+            response = self.captured_response(hook, self.run_command(hook, request), headers,
+                                              success)
         elif not self.run_async(hook, request):
             log.info("[%s] %d background runs waiting already: %s refused", request.id,
                      ASYNC_BACKLOG_LIMIT, hook.id)
@@ -3090,9 +3360,9 @@ class Server:
                  "defaulting to 200", rid, hook.id, code)
         return 200
 
-    def run_command(self, hook, request, on_output=None, keep_output=True, slot_held=False):
-        """build argv/env -> wait for a max-concurrency slot (unless the caller holds one) ->
-        run -> log: a CommandResult."""
+    def invocation(self, hook, request):
+        """build argv/env, logged: an Invocation, or the CommandResult of a command that
+        cannot be found."""
         try:
             invocation = build_invocation(hook, request)
         except OSError as exc:
@@ -3103,6 +3373,14 @@ class Server:
             return CommandResult(False, error=exc)
         for message in invocation.messages:
             log.info("[%s] %s", request.id, message)
+        return invocation
+
+    def run_command(self, hook, request, on_output=None, keep_output=True, slot_held=False):
+        """build argv/env -> wait for a max-concurrency slot (unless the caller holds one) ->
+        run -> log: a CommandResult."""
+        invocation = self.invocation(hook, request)
+        if isinstance(invocation, CommandResult):
+            return invocation
         gate = None if slot_held else self.gate(hook)
         if gate is not None:
             gate.wait_turn()
@@ -3129,8 +3407,9 @@ class Server:
                 log.info("[%s] error occurred: %s", rid, describe_exit(result.returncode))
         log.info("[%s] finished handling %s", rid, hook.id)
 
-    def run_captured(self, hook, request, headers, success):
-        result = self.run_command(hook, request)
+    @staticmethod
+    def captured_response(hook, result, headers, success):
+        """The answer of include-command-output-in-response, once the command has ended."""
         if result.ok:
             return Response(success, result.output, headers)
         headers["Content-Type"] = TEXT_PLAIN
@@ -3143,30 +3422,125 @@ class Server:
         return self.registry.gate(hook.id) or HookGate(0)
 
     def run_async(self, hook, request):
-        """Default mode: answer now; the run waits for its max-concurrency slot without holding
-        a thread, then runs in the background pool.  False if the backlog is full."""
+        """Default mode: answer now; the run waits for its max-concurrency slot and then for
+        one of the -max-async-runs background slots without holding a thread, then runs:
+        waited for by the loop thread where it can watch processes, else in the background
+        pool.  False if the backlog is full."""
         with self.busy_lock:
             if self.async_backlog >= ASYNC_BACKLOG_LIMIT:
                 return False
             self.async_backlog += 1
         self.enter_busy()
         gate = self.gate(hook)
+        keep_output = log.isEnabledFor(logging.INFO)  # a background run's output is only logged
+
+        def dropped():
+            stopping = self.stopping
+            if stopping:
+                log.info("[%s] stopping: queued run of %s dropped", request.id, hook.id)
+            return stopping
+
+        def release():
+            gate.leave()
+            with self.busy_lock:
+                self.async_backlog -= 1
+            self.leave_busy()
+
+        if self.runner.can_watch():
+            def finished(_result=None):
+                self.async_slots.leave()
+                release()
+
+            def start():  # loop thread
+                if dropped():
+                    finished()
+                    return
+                try:
+                    self.run_in_loop(hook, request, keep_output, finished, slot_held=True)
+                except Exception:  # a bug must not keep the run counted forever
+                    log.exception("unexpected error starting %s", hook.id)
+                    finished()
+            gate.enter(lambda: self.async_slots.enter(
+                functools.partial(self.loop.call_soon, start)))
+            return True
 
         def job():
             try:
-                if self.stopping:
-                    log.info("[%s] stopping: queued run of %s dropped", request.id, hook.id)
-                    return
-                # output of a background run is only ever logged
-                self.run_command(hook, request, keep_output=log.isEnabledFor(logging.INFO),
-                                 slot_held=True)
+                if not dropped():
+                    self.run_command(hook, request, keep_output=keep_output, slot_held=True)
             finally:
-                gate.leave()
-                with self.busy_lock:
-                    self.async_backlog -= 1
-                self.leave_busy()
+                release()
         gate.enter(lambda: self.async_runs.submit(job))
         return True
+
+    # -- commands waited for in the loop thread ----------------------------------------------
+
+    def acts_in_loop(self, hook):
+        """Whether act() may run in the loop thread: a background run is only scheduled there,
+        a captured one needs processes the loop can watch; streamed output needs a worker."""
+        if hook.stream_output:
+            return False
+        return not hook.capture_output or self.runner.can_watch()
+
+    def act_in_loop(self, conn, exchange):
+        """Loop thread: act() without blocking.  A captured command is started and waited for
+        here; exchange.response stays None until it has ended, then its answer is sent and the
+        connection served on from here."""
+        hook, request, headers = exchange.hook, exchange.request, exchange.headers
+        if not hook.capture_output:
+            self.act(conn, exchange)
+            return
+        success = self.status_or_200(hook.success_status, request.id, hook)
+
+        def finished(result):
+            exchange.response = self.captured_response(hook, result, headers, success)
+            self.finish_hook_response(exchange)
+            if self.send_in_loop(conn, exchange):
+                self.loop.serve(conn)
+        self.run_in_loop(hook, request, True, finished)
+
+    def run_in_loop(self, hook, request, keep_output, on_done, slot_held=False):
+        """run_command without a thread, in the loop thread: build argv/env -> wait for a
+        max-concurrency slot (unless the caller holds one) holding nothing -> start -> the loop
+        waits for the end -> log -> on_done(result), in the loop thread; after this returns
+        unless slot_held (act_in_loop's caller is still serving the connection)."""
+        invocation = self.invocation(hook, request)
+        if isinstance(invocation, CommandResult):
+            self.loop.call_soon(functools.partial(on_done, invocation))
+            return
+        gate = None if slot_held else self.gate(hook)
+
+        def finished(result):
+            if gate is not None:
+                gate.leave()
+            self.log_result(hook, request.id, result, keep_output)
+            on_done(result)
+
+        def start():
+            try:
+                started = self.runner.launch(invocation, request.id, keep_output)
+            except Exception as exc:  # a bug must cost one run, not a request left hanging
+                log.exception("unexpected error starting %s", hook.id)
+                started = CommandResult(False, error=exc)
+            if isinstance(started, CommandResult):
+                finished(started)
+                return
+            try:
+                WatchedRun(self.runner, started, self.loop, hook.command_timeout, finished)
+            except OSError:  # no descriptor left for a pidfd: a worker waits instead
+                self.workers.submit(self.wait_in_worker, started, hook.command_timeout, finished)
+        if gate is None:
+            start()
+        else:
+            gate.enter(functools.partial(self.loop.call_soon, start))
+
+    def wait_in_worker(self, started, timeout, on_done):
+        try:
+            result = self.runner.wait(started, timeout)
+        except Exception as exc:  # a bug must cost one run, not a request left hanging
+            log.exception("unexpected error waiting for a command")
+            result = CommandResult(False, error=exc)
+        self.loop.call_soon(functools.partial(on_done, result))
 
     def run_streamed(self, conn, head, hook, request, headers, success):
         """stream-command-output: chunked output while the command runs.  A failed or timed

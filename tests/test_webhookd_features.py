@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -702,3 +703,169 @@ def test_a_client_that_never_reads_its_answers_does_not_stall_others(tmp_path):
         finally:
             for hog in hogs:
                 hog.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands waited for by the connection loop, not a thread each (issue 6)
+# ---------------------------------------------------------------------------------------------
+
+def thread_count(pid):
+    return len(os.listdir("/proc/%d/task" % pid))
+
+
+def concurrent_gets(port, paths, timeout=60):
+    """GET each path from its own thread and connection: [(status, body)] in the same order."""
+    answers = [None] * len(paths)
+
+    def get(i):
+        try:
+            status, _, body = support.request(port, "GET", paths[i], timeout=timeout)
+            answers[i] = (status, body)
+        except OSError as exc:
+            answers[i] = exc
+    clients = [threading.Thread(target=get, args=(i,)) for i in range(len(paths))]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout + 10)
+    return answers
+
+
+def started_with(code, flags, tmp_path):
+    """The daemon run by `python -c`: `code` first (to change os before webhookd is loaded)."""
+    port = free_port()
+    runner = ("import runpy, sys\n%s\nsys.argv = [%r] + sys.argv[1:]\n"
+              "runpy.run_path(%r, run_name='__main__')\n" % (code, str(WEBHOOKD), str(WEBHOOKD)))
+    return Daemon([sys.executable, "-c", runner, "-ip", "127.0.0.1", "-port", str(port),
+                   "-verbose"] + list(flags), port, cwd=tmp_path)
+
+
+def sleep_echo_hook(hook_id, **extra):
+    """Captured: sleeps a little, then prints the `t` URL parameter."""
+    return dict({"id": hook_id, "execute-command": "/bin/sh",
+                 "include-command-output-in-response": True,
+                 "pass-arguments-to-command": [
+                     {"source": "string", "name": "-c"},
+                     {"source": "string", "name": 'sleep 0.5; printf "%s" "$1"'},
+                     {"source": "string", "name": "sh"}, {"source": "url", "name": "t"}]},
+                **extra)
+
+
+def test_100_concurrent_awaited_commands_each_answered_without_a_thread_each(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [sleep_echo_hook("say")])
+    with start(hooks) as daemon:
+        assert daemon.request("GET", "/hooks/say?t=warm")[2] == b"warm"
+        base = thread_count(daemon.proc.pid)
+        peak, done = [base], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], thread_count(daemon.proc.pid))
+                time.sleep(0.02)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            tokens = ["t%03d-%s" % (i, os.urandom(4).hex()) for i in range(100)]
+            answers = concurrent_gets(daemon.port, ["/hooks/say?t=" + t for t in tokens])
+        finally:
+            done.set()
+            sampler.join()
+        assert answers == [(200, t.encode()) for t in tokens]
+        assert peak[0] <= base + 1, "a thread per awaited command: %d -> %d" % (base, peak[0])
+        log = daemon.log()
+        assert log.count("finished handling say") == 101 and "Traceback" not in log
+
+
+def test_timed_out_command_whose_leader_exits_has_its_group_killed_at_once(tmp_path):
+    # the leader dies of SIGTERM; a grandchild that ignores it keeps the output pipe open: it
+    # is SIGKILLed as soon as the leader has gone, not after the 5 s grace period
+    hooks = write_hooks(tmp_path / "hooks.json", [{
+        "id": "slow", "execute-command": "/bin/sh", "include-command-output-in-response": True,
+        "command-timeout": 0.5, "pass-arguments-to-command": [
+            {"source": "string", "name": "-c"},
+            {"source": "string", "name": "(trap '' TERM; sleep 60) & echo started; wait"}]}])
+    with start(hooks) as daemon:
+        started = time.monotonic()
+        status, _, body = daemon.request("GET", "/hooks/slow", timeout=30)
+        elapsed = time.monotonic() - started
+        assert (status, body) == (504, b"Hook command timed out.")
+        assert 0.5 <= elapsed < 4.5, elapsed
+        log = wait_until(lambda: "finished handling slow" in daemon.log() and daemon.log())
+        assert "command output: started" in log and "command timed out after 0.5s" in log
+
+
+def test_sigterm_with_runs_queued_behind_max_concurrency_answers_them_all(tmp_path):
+    # the queued runs start after the listener is closed: their descriptors take its number
+    run, gate = gated_command(tmp_path, "deploy", "started", "done")
+    hooks = write_hooks(tmp_path / "hooks.json", [{
+        "id": "deploy", "execute-command": run, "include-command-output-in-response": True,
+        "max-concurrency": 1}])
+    with start(hooks) as daemon:
+        answers = []
+        clients = [threading.Thread(target=lambda: answers.append(
+            daemon.request("GET", "/hooks/deploy", timeout=60)[::2])) for _ in range(3)]
+        for client in clients:
+            client.start()
+        try:
+            wait_until(lambda: daemon.log().count("got matched") == 3, what="three requests")
+            daemon.signal(signal.SIGTERM)
+            wait_until(lambda: "stopping" in daemon.log(), what="stop logged")
+        finally:
+            gate.write_text("")  # the commands run in sessions of their own: let them end
+        for client in clients:
+            client.join(60)
+        assert answers == [(200, b"started\ndone\n")] * 3
+        assert daemon.proc.wait(30) == 0
+        log = daemon.log()
+        assert log.count("finished handling deploy") == 3
+        assert "accept:" not in log and "Traceback" not in log
+
+
+def test_max_async_runs_bounds_background_runs_of_the_loop(tmp_path):
+    run, gate = gated_command(tmp_path, "bg", "started", "done")
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "bg", "execute-command": run}])
+    with start(hooks, "-max-async-runs", "2") as daemon:
+        try:
+            for _ in range(5):
+                assert daemon.request("GET", "/hooks/bg")[0] == 200
+            wait_until(lambda: daemon.log().count("executing") == 2, what="two runs")
+            time.sleep(0.5)  # the three others wait for a background slot
+            assert daemon.log().count("executing") == 2
+        finally:
+            gate.write_text("")  # the commands run in sessions of their own: let them end
+        wait_until(lambda: daemon.log().count("finished handling bg") == 5, what="five runs")
+        assert daemon.log().count("command output: started\ndone\n") == 5
+
+
+@pytest.mark.parametrize("pidfds", ["missing", "out-of-descriptors"])
+def test_commands_still_run_where_the_loop_cannot_watch_processes(tmp_path, pidfds):
+    """Without pidfds (old kernel) captured commands run on workers as before; when one cannot
+    be opened for a run (no descriptor left), a worker waits for that run."""
+    if pidfds == "missing":
+        code = "import os\ndel os.pidfd_open"
+    else:
+        code = ("import errno, os\nreal = os.pidfd_open\n"
+                "def pidfd_open(pid, flags=0):\n"
+                "    if pid == os.getpid():\n"
+                "        return real(pid, flags)\n"
+                "    raise OSError(errno.EMFILE, 'Too many open files')\n"
+                "os.pidfd_open = pidfd_open")
+    bg_done = tmp_path / "bg.done"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        sleep_echo_hook("say"),
+        sleep_echo_hook("slow", **{"command-timeout": 0.2}),
+        {"id": "bg", "execute-command": "/bin/touch",
+         "pass-arguments-to-command": [{"source": "string", "name": str(bg_done)}]}])
+    with started_with(code, ["-hooks", str(hooks)], tmp_path) as daemon:
+        assert daemon.request("GET", "/hooks/say?t=one")[::2] == (200, b"one")
+        base = thread_count(daemon.proc.pid)
+        tokens = ["t%d" % i for i in range(6)]
+        assert concurrent_gets(daemon.port, ["/hooks/say?t=" + t for t in tokens]) == \
+            [(200, t.encode()) for t in tokens]
+        assert thread_count(daemon.proc.pid) > base  # workers waited for the commands
+        assert daemon.request("GET", "/hooks/slow?t=x", timeout=30)[::2] == \
+            (504, b"Hook command timed out.")
+        assert daemon.request("GET", "/hooks/bg")[0] == 200
+        wait_until(bg_done.exists, what="background run")
+        log = daemon.log()
+        assert log.count("finished handling say") == 7 and "Traceback" not in log

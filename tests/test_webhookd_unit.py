@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import threading
 import time
 
@@ -526,6 +527,86 @@ def test_command_runner_both_ways_of_starting(tmp_path, through):
                    w.Invocation("/bin/true", [b"tr\0ue"], [], [], None, []),
                    w.Invocation("/bin/true", [b"true"], [("A=B", b"c")], [], None, [])):
         assert not runner.run(broken, "id").started
+
+
+class MiniLoop:
+    """What WatchedRun needs from the connection loop, driven by select() here."""
+
+    def __init__(self):
+        self.watched, self.timers = {}, w.Timers()
+
+    def watch(self, fd, callback):
+        self.watched[fd] = callback
+
+    def unwatch(self, fd):
+        del self.watched[fd]
+
+    def call_later(self, delay, callback):
+        return self.timers.add(time.monotonic() + delay, callback)
+
+    def cancel(self, timer):
+        self.timers.cancel(timer)
+
+    def run_until(self, condition, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "loop did not finish"
+            for fd in select.select(list(self.watched), [], [], 0.05)[0]:
+                if fd in self.watched:
+                    self.watched[fd]()
+            self.timers.run_due(time.monotonic(), lambda callback: callback())
+
+
+def test_watched_run_ends_as_command_runner_run_does(tmp_path):
+    runner, loop = w.CommandRunner(), MiniLoop()
+
+    def watched(invocation, keep_output=True, timeout=None):
+        results = []
+        started = runner.launch(invocation, "id", keep_output)
+        w.WatchedRun(runner, started, loop, timeout, results.append)
+        loop.run_until(lambda: results)
+        assert not loop.watched and not runner.processes and loop.timers.next_due() is None
+        return results[0]
+
+    script = b'echo out; echo err >&2; cat "$HOOK_F"; exit 3'
+    run = w.Invocation("/bin/sh", [b"sh", b"-c", script], [], [("HOOK_F", b"file data")],
+                       str(tmp_path), [])
+    result = watched(run)
+    assert (result.started, result.returncode, result.timed_out) == (True, 3, False)
+    assert result.output == b"out\nerr\nfile data"
+    assert not list(tmp_path.iterdir())  # the pass-file temp file is gone
+    assert watched(run, keep_output=False).output == b""
+    assert watched(run, timeout=60).returncode == 3  # its timer is cancelled (checked above)
+    # the leader ignores SIGTERM: SIGKILL after the grace period (shortened here)
+    stubborn = w.Invocation("/bin/sh", [b"sh", b"-c", b"trap '' TERM; echo up; sleep 30"], [],
+                            [], None, [])
+    grace, w.KILL_GRACE_SECONDS = w.KILL_GRACE_SECONDS, 0.3
+    try:
+        result = watched(stubborn, timeout=0.2)
+    finally:
+        w.KILL_GRACE_SECONDS = grace
+    assert (result.timed_out, result.returncode, result.output) == (True, -9, b"up\n")
+    sleeper = w.Invocation("/bin/sleep", [b"sleep", b"30"], [], [], None, [])
+    result = watched(sleeper, keep_output=False, timeout=0.2)
+    assert (result.timed_out, result.returncode) == (True, -15)
+
+
+def test_timers_run_in_order_and_drop_cancelled_ones():
+    timers, ran = w.Timers(), []
+    later = timers.add(5.0, lambda: ran.append("later"))
+    timers.add(1.0, lambda: ran.append("b"))
+    timers.add(1.0, lambda: ran.append("c"))  # the same time: in the order added
+    timers.cancel(later)
+    timers.cancel(later)
+    assert timers.next_due() == 1.0
+    timers.run_due(0.5, lambda callback: callback())
+    assert ran == []
+    timers.run_due(10.0, lambda callback: callback())
+    assert ran == ["b", "c"] and timers.next_due() is None
+    handles = [timers.add(100.0 + i, ran.append) for i in range(200)]
+    for handle in handles[:150]:  # runs that ended before their command-timeout
+        timers.cancel(handle)
+    assert len(timers.heap) < 200 and timers.next_due() == 250.0
 
 
 def test_go_base64_decode():
