@@ -2662,7 +2662,7 @@ class Service:
         except ApiError as exc:  # framing two parties could read differently
             error = exc
         request.close_connection = True
-        self._safely(request, self._raise, error)
+        self._try_send_error(request, error)
         self.log_request(request)
         return None
 
@@ -2684,7 +2684,7 @@ class Service:
         self.log_request(request)
 
     def forward_failed(self, request, reason):
-        self._safely(request, self._raise, upstream_unreachable(self.upstream, reason))
+        self._try_send_error(request, upstream_unreachable(self.upstream, reason))
         self.log_request(request)
 
     def _safely(self, request, work, *args):
@@ -2711,10 +2711,6 @@ class Service:
             if not request.status:
                 self._try_send_error(request, internal_error("An internal error occurred."))
         return None
-
-    @staticmethod
-    def _raise(request, error):
-        raise error
 
     def log_request(self, request):
         self.log("%s %s %s %.2fms" % (
