@@ -42,7 +42,8 @@ import threading
 import time
 from collections import deque
 
-VERSION = "2.8.0"
+__version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
+VERSION = "2.8.0"  # the adnanh/webhook release whose behaviour webhookd reproduces
 PROGRAM = "webhook"
 
 # ---------------------------------------------------------------------------
