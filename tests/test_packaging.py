@@ -1,0 +1,318 @@
+"""packaging/build-deb: the .deb it builds, read back with dpkg-deb and installed with dpkg
+into a throwaway root (never the machine's own system: dpkg gets --root, the maintainer
+scripts DPKG_ROOT, and systemctl/deb-systemd-invoke are stubs that record any call)."""
+
+import gzip
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT, scratch_dir
+import webhookd
+
+pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="dpkg-deb is not installed")
+
+BUILD_DEB = ROOT / "packaging" / "build-deb"
+UNIT = "lib/systemd/system/webhookd.service"
+ENABLED_LINK = "etc/systemd/system/multi-user.target.wants/webhookd.service"
+EXEC_START = ("ExecStart=/usr/bin/webhookd -nopanic -hooks /etc/webhook.conf -hotreload -verbose "
+              "-port 9000")
+
+
+def build(checkout_build_deb, out_dir, **env):
+    return subprocess.run([sys.executable, str(checkout_build_deb), str(out_dir)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
+
+
+def dpkg_deb(*args):
+    return subprocess.run(["dpkg-deb", *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout
+
+
+@pytest.fixture(scope="module")
+def deb():
+    with scratch_dir("webhookd-deb-test-") as out:
+        run = build(BUILD_DEB, out)
+        assert run.returncode == 0, run.stderr
+        yield out / f"webhookd_{webhookd.__version__}_all.deb"
+
+
+@pytest.fixture(scope="module")
+def extracted(deb):
+    with scratch_dir("webhookd-deb-x-") as root:
+        dpkg_deb("-x", str(deb), str(root))
+        dpkg_deb("-e", str(deb), str(root / "DEBIAN"))
+        yield root
+
+
+# ---------------------------------------------------------------------------
+# What the package says and holds
+# ---------------------------------------------------------------------------
+
+def test_control_fields(deb):
+    assert deb.exists(), "the package is named webhookd_<webhookd.__version__>_all.deb"
+    fields = dict(line.split(": ", 1) for line in
+                  dpkg_deb("-f", str(deb), "Package", "Version", "Architecture", "Depends",
+                           "Maintainer", "Section", "Priority").splitlines())
+    assert fields["Package"] == "webhookd"
+    assert fields["Version"] == webhookd.__version__
+    assert fields["Architecture"] == "all"
+    assert fields["Depends"] == "python3 (>= 3.9)"
+    assert re.fullmatch(r"[^<>]+ <[^@<>\s]+@[^@<>\s]+>", fields["Maintainer"])
+    assert fields["Section"] and fields["Priority"] == "optional"
+    info = dpkg_deb("-I", str(deb))
+    assert re.search(r"^ Description: \S.*\n(  \S.*\n)+", info, re.MULTILINE), info
+    for script in ("postinst", "prerm", "postrm", "md5sums"):
+        assert re.search(rf"^\s+\d+ bytes,\s+\d+ lines\s.*\b{script}\b", info, re.MULTILINE)
+
+
+def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
+    entries = {}
+    for line in dpkg_deb("-c", str(deb)).splitlines():
+        mode, owner, _size, _date, _time, path = line.split(None, 5)
+        entries[path] = (mode, owner)
+    assert {owner for _, owner in entries.values()} == {"root/root"}
+    assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
+    for path in ("./" + UNIT, "./usr/share/man/man1/webhookd.1.gz",
+                 "./usr/share/doc/webhookd/README.md.gz",
+                 "./usr/share/doc/webhookd/webhook.conf.example",
+                 "./usr/share/doc/webhookd/copyright", "./usr/share/doc/webhookd/changelog.gz"):
+        assert entries[path][0] == "-rw-r--r--", path
+    assert all(mode == "drwxr-xr-x" for path, (mode, _) in entries.items() if path.endswith("/"))
+    assert not [path for path in entries if path.startswith("./etc")], "the package owns nothing in /etc"
+
+
+def test_installed_program_is_webhookd_py_with_debians_python(extracted):
+    installed = (extracted / "usr/bin/webhookd").read_text()
+    source = (ROOT / "webhookd.py").read_text()
+    assert installed.startswith("#!/usr/bin/python3\n")
+    assert installed.split("\n", 1)[1] == source.split("\n", 1)[1]
+    example = (extracted / "usr/share/doc/webhookd/webhook.conf.example").read_bytes()
+    assert example == (ROOT / "webhook.conf.example").read_bytes()
+
+
+def test_unit_runs_the_installed_program_and_is_otherwise_the_repositorys(extracted):
+    unit = (extracted / UNIT).read_text().splitlines()
+    assert [line for line in unit if line.startswith("ExecStart=")] == [EXEC_START]
+    repo_unit = (ROOT / "webhookd.service").read_text().splitlines()
+    settings = [line for line in repo_unit
+                if "=" in line and not line.startswith(("#", "ExecStart="))]
+    packaged = [line for line in unit if "=" in line and not line.startswith("#")]
+    assert [line for line in packaged if line in settings] == settings
+    assert "/usr/local/bin" not in "\n".join(unit)
+
+
+def test_man_page_documents_every_flag_of_help(extracted):
+    page = gzip.decompress((extracted / "usr/share/man/man1/webhookd.1.gz").read_bytes()).decode()
+    assert page.startswith(f'.TH WEBHOOKD 1 ') and f'"webhookd {webhookd.__version__}"' in page
+    help_text = subprocess.run([sys.executable, str(ROOT / "webhookd.py"), "-help"],
+                               capture_output=True, text=True, timeout=30)
+    flags = re.findall(r"^  -(\S+)", help_text.stdout + help_text.stderr, re.MULTILINE)
+    assert "hotreload" in flags
+    for flag in flags:
+        assert "\\fB\\-" + flag.replace("-", "\\-") + "\\fR" in page, flag
+
+
+def test_changelog_names_the_version(extracted):
+    changelog = gzip.decompress(
+        (extracted / "usr/share/doc/webhookd/changelog.gz").read_bytes()).decode()
+    assert changelog.startswith(f"webhookd ({webhookd.__version__}) ")
+
+
+def test_maintainer_scripts_parse(extracted):
+    for name in ("postinst", "prerm", "postrm"):
+        script = extracted / "DEBIAN" / name
+        assert os.access(script, os.X_OK), name
+        run = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
+        assert run.returncode == 0, (name, run.stderr)
+
+
+# ---------------------------------------------------------------------------
+# Built from whatever the checkout holds
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def checkout_copy():
+    """The files build-deb reads, copied to a scratch folder that is not a git checkout."""
+    with scratch_dir("webhookd-deb-src-") as src:
+        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example"):
+            shutil.copy(ROOT / name, src / name)
+        shutil.copytree(ROOT / "packaging", src / "packaging")
+        yield src
+
+
+MAINTAINER = {"DEBFULLNAME": "Test Builder", "DEBEMAIL": "builder@example.org"}
+
+
+def test_build_follows_edits_of_the_unit_and_the_version(checkout_copy):
+    src = checkout_copy
+    unit = (src / "webhookd.service").read_text()
+    unit = re.sub(r"-port 9000", "-port 9010 -urlprefix hooks", unit)
+    (src / "webhookd.service").write_text(unit.replace("[Service]\n", "[Service]\nNice=5\n"))
+    script = (src / "webhookd.py").read_text()
+    (src / "webhookd.py").write_text(script.replace(
+        f'__version__ = "{webhookd.__version__}"', '__version__ = "9.1~rc1"', 1))
+    out = src / "out"
+    run = build(src / "packaging" / "build-deb", out, **MAINTAINER)
+    assert run.returncode == 0, run.stderr
+    deb = out / "webhookd_9.1~rc1_all.deb"
+    assert dpkg_deb("-f", str(deb), "Version").strip() == "9.1~rc1"
+    assert dpkg_deb("-f", str(deb), "Maintainer").strip() == "Test Builder <builder@example.org>"
+    dpkg_deb("-x", str(deb), str(src / "root"))
+    packaged = (src / "root" / UNIT).read_text().splitlines()
+    assert "Nice=5" in packaged
+    assert [line for line in packaged if line.startswith("ExecStart=")] == [
+        "ExecStart=/usr/bin/webhookd -nopanic -hooks /etc/webhook.conf -hotreload -verbose "
+        "-port 9010 -urlprefix hooks"]
+
+
+@pytest.mark.parametrize("line", ['__version__ = "3.0 beta"', "__version__ = VERSION", ""])
+def test_build_refuses_an_unreadable_version(checkout_copy, line):
+    src = checkout_copy
+    script = (src / "webhookd.py").read_text()
+    (src / "webhookd.py").write_text(
+        re.sub(r'^__version__ = "[^"]*"', line, script, count=1, flags=re.MULTILINE))
+    run = build(src / "packaging" / "build-deb", src / "out", **MAINTAINER)
+    assert run.returncode == 1
+    assert run.stderr.startswith("build-deb: ") and "__version__" in run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.splitlines()) == 1
+    assert not list(src.glob("out/*.deb"))
+
+
+# ---------------------------------------------------------------------------
+# Installed with dpkg into a throwaway root
+# ---------------------------------------------------------------------------
+
+needs_dpkg = pytest.mark.skipif(
+    not (shutil.which("dpkg") and shutil.which("deb-systemd-helper")),
+    reason="dpkg or deb-systemd-helper (init-system-helpers) is not installed")
+
+
+class ThrowawayRoot:
+    """An empty dpkg database under a scratch folder; systemctl and deb-systemd-invoke on
+    PATH are stubs writing their arguments to calls.log (systemd must never be asked)."""
+
+    def __init__(self, path):
+        self.path = path
+        for folder in ("var/lib/dpkg/info", "var/lib/dpkg/updates", "stubs"):
+            (path / folder).mkdir(parents=True)
+        (path / "var/lib/dpkg/status").touch()
+        self.calls = path / "calls.log"
+        for stub in ("systemctl", "deb-systemd-invoke"):
+            (path / "stubs" / stub).write_text(f'#!/bin/sh\necho "{stub} $*" >> "{self.calls}"\n')
+            (path / "stubs" / stub).chmod(0o755)
+
+    def dpkg(self, *args):
+        env = dict(os.environ, PATH=f"{self.path / 'stubs'}:{os.environ['PATH']}")
+        run = subprocess.run(["dpkg", f"--root={self.path}", "--log=/dev/null", "--force-not-root",
+                              "--force-script-chrootless", "--force-depends", *args],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout + run.stderr
+
+    def systemd_calls(self):
+        return self.calls.read_text() if self.calls.exists() else ""
+
+    def enabled(self, unit="webhookd.service"):
+        return os.path.lexists(self.path / "etc/systemd/system/multi-user.target.wants" / unit)
+
+    def enable_debians_webhook(self):
+        (self.path / "lib/systemd/system").mkdir(parents=True)
+        (self.path / "lib/systemd/system/webhook.service").write_text(
+            "[Service]\nExecStart=/usr/bin/webhook -nopanic -hooks /etc/webhook.conf\n"
+            "[Install]\nWantedBy=multi-user.target\n")
+        wants = self.path / "etc/systemd/system/multi-user.target.wants"
+        wants.mkdir(parents=True)
+        os.symlink("/lib/systemd/system/webhook.service", wants / "webhook.service")
+
+
+@pytest.fixture
+def throwaway_root():
+    with scratch_dir("webhookd-deb-root-") as path:
+        yield ThrowawayRoot(path)
+
+
+@needs_dpkg
+def test_install_enables_the_unit_and_purge_leaves_only_the_hooks_file(deb, throwaway_root):
+    root = throwaway_root
+    (root.path / "etc").mkdir()
+    (root.path / "etc/webhook.conf").write_text("[]\n")
+    output = root.dpkg("-i", str(deb))
+    assert "Setting up webhookd" in output
+    assert root.enabled()
+    assert os.readlink(root.path / ENABLED_LINK) == "/" + UNIT
+    assert os.access(root.path / "usr/bin/webhookd", os.X_OK)
+    assert "does not exist" not in output
+
+    root.dpkg("-i", str(deb))  # reinstall/upgrade: idempotent
+    assert root.enabled()
+
+    root.dpkg("--purge", "webhookd")
+    assert not root.enabled()
+    assert not (root.path / "usr/bin/webhookd").exists()
+    assert not (root.path / "var/lib/systemd/deb-systemd-helper-enabled/webhookd.service.dsh-also").exists()
+    assert (root.path / "etc/webhook.conf").read_text() == "[]\n"
+    assert root.systemd_calls() == "", "no systemd here: nothing may call systemctl"
+
+
+@needs_dpkg
+def test_install_without_hooks_file_says_how_to_create_one(deb, throwaway_root):
+    output = throwaway_root.dpkg("-i", str(deb))
+    assert "/etc/webhook.conf does not exist" in output
+    assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
+    assert not (throwaway_root.path / "etc/webhook.conf").exists()
+
+
+@needs_dpkg
+def test_upgrade_keeps_a_unit_the_admin_disabled_disabled(deb, throwaway_root):
+    root = throwaway_root
+    root.dpkg("-i", str(deb))
+    os.unlink(root.path / ENABLED_LINK)  # what `systemctl disable webhookd` does
+    root.dpkg("-i", str(deb))
+    assert not root.enabled()
+
+
+@needs_dpkg
+def test_next_to_debians_webhook_the_unit_stays_disabled_until_the_admin_switches(deb, throwaway_root):
+    root = throwaway_root
+    root.enable_debians_webhook()
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled() and root.enabled("webhook.service")
+    assert "systemctl disable --now webhook && systemctl enable --now webhookd" in output
+
+    root.dpkg("-i", str(deb))  # an upgrade does not enable it behind the admin's back
+    assert not root.enabled()
+
+    # The admin switches (systemctl disable webhook; systemctl enable webhookd): upgrades keep it.
+    os.unlink(root.path / "etc/systemd/system/multi-user.target.wants/webhook.service")
+    os.symlink("/" + UNIT, root.path / ENABLED_LINK)
+    output = root.dpkg("-i", str(deb))
+    assert root.enabled() and "left disabled" not in output
+    assert root.systemd_calls() == ""
+
+
+@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="systemd runs here")
+def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted):
+    """As in a container: no DPKG_ROOT, no systemd; deb-systemd-helper is a recording stub."""
+    with scratch_dir("webhookd-deb-stubs-") as stubs:
+        calls = stubs / "calls.log"
+        for command in ("systemctl", "deb-systemd-invoke", "deb-systemd-helper"):
+            # The helper answers "not enabled" for is-enabled (no webhook), "enabled" otherwise.
+            (stubs / command).write_text(
+                f'#!/bin/sh\necho "{command} $*" >> "{calls}"\n'
+                'case "$*" in *is-enabled*|*debian-installed*) exit 1;; esac\nexit 0\n')
+            (stubs / command).chmod(0o755)
+        env = {"PATH": f"{stubs}:/usr/bin:/bin", "DPKG_MAINTSCRIPT_PACKAGE": "webhookd"}
+        for script, args in (("postinst", ["configure", ""]), ("postinst", ["configure", "3.0.0"]),
+                             ("prerm", ["remove"]), ("postrm", ["remove"]), ("postrm", ["purge"])):
+            run = subprocess.run(["sh", str(extracted / "DEBIAN" / script), *args], env=env,
+                                 capture_output=True, text=True, timeout=30)
+            assert run.returncode == 0, (script, args, run.stderr)
+        recorded = calls.read_text().splitlines()
+    assert not [call for call in recorded if not call.startswith("deb-systemd-helper ")]
+    assert recorded.count("deb-systemd-helper enable webhookd.service") == 2
+    assert recorded[-1] == "deb-systemd-helper purge webhookd.service"
