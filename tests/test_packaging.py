@@ -91,6 +91,10 @@ def test_installed_program_is_webhookd_py_with_debians_python(extracted):
     source = (ROOT / "webhookd.py").read_text()
     assert installed.startswith("#!/usr/bin/python3\n")
     assert installed.split("\n", 1)[1] == source.split("\n", 1)[1]
+    if os.access("/usr/bin/python3", os.X_OK):
+        run = subprocess.run([str(extracted / "usr/bin/webhookd"), "-version"],
+                             capture_output=True, text=True, timeout=30)
+        assert run.returncode == 0 and "version" in run.stdout + run.stderr, run.stderr
     example = (extracted / "usr/share/doc/webhookd/webhook.conf.example").read_bytes()
     assert example == (ROOT / "webhook.conf.example").read_bytes()
 
