@@ -712,7 +712,7 @@ def test_handler_checks():
     assert refusal(sk.check_index_swap, scoped, [{"indexes": ["movies", "books"]}]) == INVALID
     assert sk.check_index_swap(scoped, None, [{"indexes": ["movies", "movies2"]}])
     token = sk.Principal(FakeKey(["search"], ["*"]), rules=["movies"])
-    assert not token.unrestricted and not token.allows_index("books")
+    assert not token.unrestricted and not token.may_use_index("books")
     assert sk.Principal().unrestricted and sk.Principal(FakeKey(["search"], ["*"])).unrestricted
 
 
