@@ -46,7 +46,6 @@ import hashlib
 import hmac
 import http.client
 import http.server
-import io
 import itertools
 import json
 import os
@@ -2102,8 +2101,13 @@ SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if 
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-_TOKEN_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
+_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
+# Header lines as every party reads them alike: a token, a colon, a value
+# without CR or NUL (a bare CR may read as a line break to a backend, which
+# would then see headers, Transfer-Encoding..., the guard never saw); no
+# continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r?\n)*")
 
 
 class BrokenBody(Exception):
@@ -2124,22 +2128,6 @@ def origin_form(target):
         raise bad_request("The request target `%s` is not supported: it must be a path "
                           "starting with `/`." % printable(target[:200]))
     return target
-
-
-def header_line_problem(line):
-    """Why a raw request header line is refused, or None. A bare CR or a NUL
-    may read as a line break to a backend, which would then see headers
-    (Transfer-Encoding...) the guard never saw; a continuation line or a
-    name that is not a token is read differently by different parsers."""
-    text = line.rstrip(b"\n")
-    if text.endswith(b"\r"):
-        text = text[:-1]
-    name, colon, value = text.partition(b":")
-    if not colon or not _TOKEN_RE.match(name.decode("latin-1")):
-        return "Bad header line"
-    if b"\r" in value or b"\0" in value:
-        return "Bad character in a header value"
-    return None
 
 
 class Body:
@@ -2713,38 +2701,37 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                     (time.monotonic() - started) * 1000))
 
     def parse_request(self):
-        """http.server's for the request line; then checks it does not make:
-        three words (no HTTP/0.9), the whole head within MAX_HEAD but no cap
-        per line, header lines every party reads alike, and an unambiguous
-        body framing. 100 Continue waits until the body is read."""
+        """Replaces http.server's: a request line of three words and HTTP/1.x
+        (no HTTP/0.9, whose answers have no head), the whole head within
+        MAX_HEAD but no cap per line, header lines every party reads alike,
+        one unambiguous body framing; 100 Continue waits until the body is read."""
+        self.close_connection = True
         self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
         words = self.requestline.split()
-        if len(words) not in (0, 3):
+        if not words:
+            return False
+        version = _HTTP_VERSION_RE.match(words[-1])
+        if len(words) != 3 or not version:
             self.send_error(400, "Bad request line")
             return False
-        lines = self.read_header_lines(MAX_HEAD - len(self.raw_requestline))
-        if lines is None:
+        if version.group(1) != "1":
+            self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported")
             return False
-        stream, self.rfile = self.rfile, io.BytesIO(b"\r\n")  # the headers are read already
-        try:
-            if not super().parse_request():
-                return False
-        finally:
-            self.rfile = stream
-        self.path = words[1]  # as sent: the service checks and routes it
-        self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(
-            b"".join(lines).decode("iso-8859-1"))
+        self.command, self.path = words[0], words[1]  # the target as sent: the service checks it
+        self.request_version = "HTTP/1.1" if int(version.group(2)) else "HTTP/1.0"
+        head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
+        if head is None:
+            return False
+        self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
         connection = self.headers.get("Connection", "").lower()
-        if connection == "close":
-            self.close_connection = True
-        elif connection == "keep-alive":
-            self.close_connection = False
-        expecting = self.headers.get("Expect", "").lower() == "100-continue" and \
-            self.request_version != "HTTP/1.0"
+        self.close_connection = connection == "close" or (
+            self.request_version == "HTTP/1.0" and connection != "keep-alive")
+        expecting = self.request_version == "HTTP/1.1" and \
+            self.headers.get("Expect", "").lower() == "100-continue"
         if expecting and not self.handle_expect_100():
             return False
         try:
-            self.body = Body.of_request(stream, self.headers,
+            self.body = Body.of_request(self.rfile, self.headers,
                                         self.send_continue if expecting else None)
         except ApiError as error:
             self.close_connection = True
@@ -2752,8 +2739,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return False
         return True
 
-    def read_header_lines(self, budget):
-        """The raw header lines within `budget` bytes, or None once refused."""
+    def read_header_block(self, budget):
+        """The header lines within `budget` bytes as text, or None once refused."""
         lines = []
         while True:
             line = self.rfile.readline(budget + 1)
@@ -2762,12 +2749,13 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.send_error(431, "Header fields too large")
                 return None
             if line in (b"\r\n", b"\n", b""):
-                return lines
-            problem = header_line_problem(line)
-            if problem is not None:
-                self.send_error(400, problem)
-                return None
+                break
             lines.append(line)
+        block = b"".join(lines)
+        if not _HEADER_BLOCK_RE.fullmatch(block):
+            self.send_error(400, "Bad header line")
+            return None
+        return block.decode("iso-8859-1")
 
     def handle_expect_100(self):
         """Deferred: 100 Continue goes out when the body is first read (by
@@ -2833,6 +2821,17 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             stream.close()
+
+    _date = (0, "")
+
+    def date_time_string(self, timestamp=None):
+        """http.server's, formatted once a second (formatting is slow)."""
+        if timestamp is not None:
+            return super().date_time_string(timestamp)
+        now = int(time.time())
+        if KeysHandler._date[0] != now:
+            KeysHandler._date = (now, super().date_time_string(now))
+        return KeysHandler._date[1]
 
     def log_message(self, format, *args):
         self.server.service.log("searchkeys: %s" % printable(format % args))
