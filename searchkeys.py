@@ -2677,10 +2677,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def handle_one_request(self):
         """Like http.server's, with the whole head (not each line) bounded
         at MAX_HEAD, and one pipeline instead of do_* methods."""
-        started, self.status, self.body, self.command = time.monotonic(), None, None, None
+        self.status, self.body, self.command = None, None, None
         self.path, self.request_version = None, self.default_request_version
         try:
             self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
+            started = time.monotonic()  # not before: a keep-alive connection waits idle
             if not self.raw_requestline:
                 self.close_connection = True
                 return

@@ -296,7 +296,8 @@ def start_nginx(workdir, name, listen, searchkeys, backend):
     with ``searchkeys`` None, the same proxy without the auth_request lines (nginx direct)."""
     prefix = workdir / name
     prefix.mkdir()
-    prefix.chmod(0o755)  # nginx's workers may run as another user
+    for folder in (workdir, prefix):
+        folder.chmod(0o755)  # nginx's workers may run as another user
     text = (common.ROOT / "searchkeys-nginx.conf.example").read_text()
     if searchkeys is None:
         text = "\n".join(line for line in text.splitlines() if "auth_request" not in line)
