@@ -2405,15 +2405,23 @@ class Upstream:
 
     def send(self, method, target, headers, body, repeatable):
         """Send one request: (connection, http.client.HTTPResponse), head read.
-        `body` is bytes, or an iterable of chunks sent as they come (with
-        the Content-Length in `headers`, or chunked)."""
+        `headers` go as they are, repeated ones included; `body` is bytes,
+        or an iterable of chunks sent as they come (with the Content-Length
+        in `headers`, or chunked)."""
         at_hand = isinstance(body, bytes)
+        chunked = not at_hand and not any(n.lower() == "content-length" for n, _ in headers)
+        if at_hand and (body or method in ("POST", "PUT", "PATCH")):
+            headers = headers + [("Content-Length", str(len(body)))]
+        elif chunked:
+            headers = headers + [("Transfer-Encoding", "chunked")]
         for attempt in (1, 2):
             connection, reused = self._connection(check=not (repeatable and at_hand))
             try:
-                connection.request(method, self.prefix + target, body=body or None,
-                                   headers=dict(headers), encode_chunked=not at_hand and not
-                                   any(n.lower() == "content-length" for n, _ in headers))
+                connection.putrequest(method, self.prefix + target, skip_host=True,
+                                      skip_accept_encoding=True)
+                for name, value in headers:
+                    connection.putheader(name, value)
+                connection.endheaders(body or None, encode_chunked=chunked)
                 return connection, connection.getresponse()
             except BrokenBody:  # the caller's body broke off: the backend got half a request
                 connection.close()
@@ -2642,7 +2650,7 @@ def printable(text):
     if text.isascii() and text.isprintable():
         return text
     return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
-                   if c != "\\" else "\\\\" for c in text)
+                   for c in text)
 
 
 def safe_path(raw):

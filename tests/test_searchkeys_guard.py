@@ -64,13 +64,14 @@ class Recorder:
                 if not line:
                     return
                 method, target, _ = line.decode("latin-1").split(" ", 2)
-                headers = {}
+                headers, fields = {}, []
                 while True:
                     header = stream.readline().decode("latin-1").rstrip("\r\n")
                     if not header:
                         break
                     name, _, value = header.partition(":")
                     headers[name.strip().lower()] = value.strip()
+                    fields.append((name.strip().lower(), value.strip()))
                 if headers.get("transfer-encoding") == "chunked":
                     body = b""
                     while True:
@@ -82,7 +83,7 @@ class Recorder:
                 else:
                     body = stream.read(int(headers.get("content-length", "0")))
                 self.seen.append({"method": method, "target": target, "headers": headers,
-                                  "body": body})
+                                  "fields": fields, "body": body})
                 if "drop" in target:
                     return
                 if "chunked" in target:
@@ -297,6 +298,20 @@ def test_chunked_and_large_bodies_are_streamed_both_ways(guard, backend):
                                     headers={"Authorization": "Bearer " + key})
     assert status == 200 and len(data) == size
     assert data == (b"0123456789abcdef" * 1024 * 20)[:size]
+
+
+def test_headers_reach_the_backend_as_sent_but_the_credential(guard, backend):
+    key = create_key(guard, ["search"], ["*"])["key"]
+    backend.seen.clear()
+    status, _ = raw(guard.port, (
+        "GET /indexes/blog/search?q=a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        "X-Tag: one\r\nX-Tag: two\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\n"
+        "Content-Length: 0\r\n\r\n" % key).encode())
+    assert status == 200
+    fields = backend.seen[-1]["fields"]
+    assert [v for n, v in fields if n == "x-tag"] == ["one", "two"]
+    assert ("authorization", "Bearer " + UPSTREAM_KEY) in fields
+    assert not [n for n, _ in fields if n in ("x-hop", "connection", "accept-encoding")]
 
 
 # ---------------------------------------------------------------------------------------------
