@@ -324,7 +324,7 @@ def key_not_found(segment):
 
 
 # =============================================================================
-# Permission model (pure): expansion, index patterns, authorize
+# Permission model (pure): expansion, index patterns, Principal, authorize
 # =============================================================================
 
 
@@ -383,6 +383,48 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
     if action in HANDLER_CHECKED_ACTIONS and key.indexes:
         return None
     return invalid_api_key()
+
+
+class Principal:
+    """Who an authorized request acts for: a key (None for the master key or
+    an instance without one) and the searchRules of a tenant token, if any.
+    The one owner of "may this credential touch this index" (upstream's
+    AuthFilter::is_index_authorized): `authorize`, the handler rules and the
+    listing filters all ask it."""
+
+    __slots__ = ("key", "rules")
+
+    def __init__(self, key=None, rules=None):
+        self.key = key
+        self.rules = rules
+
+    @property
+    def unrestricted(self):
+        return self.key is None or (self.key.is_global and self.rules is None)
+
+    def index_refusal(self, index):
+        """None when the credential covers `index`, else upstream's refusal
+        (the token's rules are checked before its parent key's patterns)."""
+        key, rules = self.key, self.rules
+        if key is None:
+            return None
+        if rules is not None and not search_rules_allow(rules, index):
+            return invalid_api_key(
+                "The provided tenant token cannot acces the index `%s`, allowed indexes "
+                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(rules)))))
+        if any(pattern_matches(p, index) for p in key.indexes):
+            return None
+        if rules is not None:
+            return invalid_api_key("The API key used to generate this tenant token cannot "
+                                   "acces the index `%s`." % index)
+        return invalid_api_key("The API key cannot acces the index `%s`, authorized indexes "
+                               "are %s." % (index, rust_debug_list(sorted(key.indexes))))
+
+    def may_use_index(self, index):
+        return self.index_refusal(index) is None
+
+
+OPEN = Principal()
 
 
 def search_rule_patterns(rules):
@@ -1649,48 +1691,6 @@ def _visible_ascii(value):
     if value.isascii() and value.replace("\t", " ").isprintable():
         return value
     return ""
-
-
-class Principal:
-    """Who an authorized request acts for: a key (None for the master key or
-    an instance without one) and the searchRules of a tenant token, if any.
-    The one owner of "may this credential touch this index" (upstream's
-    AuthFilter::is_index_authorized): `authorize`, the handler rules and the
-    listing filters all ask it."""
-
-    __slots__ = ("key", "rules")
-
-    def __init__(self, key=None, rules=None):
-        self.key = key
-        self.rules = rules
-
-    @property
-    def unrestricted(self):
-        return self.key is None or (self.key.is_global and self.rules is None)
-
-    def index_refusal(self, index):
-        """None when the credential covers `index`, else upstream's refusal
-        (the token's rules are checked before its parent key's patterns)."""
-        key, rules = self.key, self.rules
-        if key is None:
-            return None
-        if rules is not None and not search_rules_allow(rules, index):
-            return invalid_api_key(
-                "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(rules)))))
-        if any(pattern_matches(p, index) for p in key.indexes):
-            return None
-        if rules is not None:
-            return invalid_api_key("The API key used to generate this tenant token cannot "
-                                   "acces the index `%s`." % index)
-        return invalid_api_key("The API key cannot acces the index `%s`, authorized indexes "
-                               "are %s." % (index, rust_debug_list(sorted(key.indexes))))
-
-    def may_use_index(self, index):
-        return self.index_refusal(index) is None
-
-
-OPEN = Principal()
 
 
 class Guard:
