@@ -2215,6 +2215,8 @@ class Body:
         """The whole body, or a 413 ApiError when it is over `limit` bytes."""
         if self.size_known and self.remaining > limit:
             raise payload_too_large(limit)
+        if self.size_known and self.remaining <= SMALL_BODY:  # the common case, in one read
+            return b"".join(self.chunks(self.remaining))
         data, size = [], 0
         for chunk in self.chunks():
             size += len(chunk)
