@@ -2101,6 +2101,7 @@ SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if 
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
+LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value
@@ -2872,6 +2873,24 @@ class KeysServer(http.server.ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def shutdown_request(self, request):
+        """socketserver's, plus a lingering close: what the caller still sends
+        is read and dropped for a moment, or closing with unread bytes would
+        reset the connection and lose an answer sent before the request was
+        read to its end (a refused head, an oversized body)."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(LINGER_SECONDS)
+            budget = MAX_KEYS_BODY
+            while budget > 0:
+                data = request.recv(SMALL_BODY)
+                if not data:
+                    break
+                budget -= len(data)
+        except OSError:
+            pass
+        self.close_request(request)
 
     def handle_error(self, request, client_address):
         self.service.log("searchkeys: internal error: %s" % printable(
