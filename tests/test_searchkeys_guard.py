@@ -328,3 +328,29 @@ def test_the_access_log_cannot_be_forged(guard):
     lines = guard.log().splitlines()
     assert not [line for line in lines if line.startswith("FORGED")], lines[-5:]
     assert any("FORGED" in line and "\\n" in line for line in lines), lines[-5:]
+
+
+def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(guard, backend):
+    """A refused request gets its refusal without `100 Continue` (its body is never invited);
+    an authorized one gets `100 Continue`, then its body reaches the backend."""
+    key = create_key(guard, ["documents.add"], ["blog"])["key"]
+    body = b'[{"id": 7}]'
+
+    def send(path):
+        sock = socket.create_connection(("127.0.0.1", guard.port), timeout=15)
+        sock.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                      "Content-Type: application/json\r\nContent-Length: %d\r\n"
+                      "Expect: 100-continue\r\n\r\n" % (path, key, len(body))).encode())
+        return sock, sock.makefile("rb")
+
+    sock, stream = send("/indexes/other/documents")
+    with sock:
+        assert stream.readline().split()[1] == b"403"
+    backend.seen.clear()
+    sock, stream = send("/indexes/blog/documents")
+    with sock:
+        assert stream.readline().split()[1] == b"100"
+        assert stream.readline() == b"\r\n"
+        sock.sendall(body)
+        assert stream.readline().split()[1] == b"200"
+    assert backend.seen[-1]["body"] == body
