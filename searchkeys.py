@@ -37,22 +37,23 @@ import argparse
 import base64
 import binascii
 import calendar
+import collections
 import datetime
+import email.parser
 import functools
 import gc
 import hashlib
 import hmac
 import http.client
+import http.server
 import itertools
 import json
 import os
-import queue
 import re
 import secrets
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -323,7 +324,7 @@ def key_not_found(segment):
 
 
 # =============================================================================
-# Permission model (pure): expansion, index patterns, authorize
+# Permission model (pure): expansion, index patterns, Principal, authorize
 # =============================================================================
 
 
@@ -370,18 +371,9 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
     the `searchRules` of a tenant token signed by `key`, if any.
     """
     if index is not None:
-        if tenant_rules is not None and not search_rules_allow(tenant_rules, index):
-            return invalid_api_key(
-                "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(tenant_rules)))))
-        if not any(pattern_matches(p, index) for p in key.indexes):
-            if tenant_rules is not None:
-                return invalid_api_key(
-                    "The API key used to generate this tenant token cannot acces the "
-                    "index `%s`." % index)
-            return invalid_api_key(
-                "The API key cannot acces the index `%s`, authorized indexes are %s."
-                % (index, rust_debug_list(sorted(key.indexes))))
+        refusal = Principal(key, tenant_rules).index_refusal(index)
+        if refusal is not None:
+            return refusal
     if action not in key.grants or key.is_expired(now_ns):
         return invalid_api_key()
     if key.is_global or index is not None:
@@ -391,6 +383,48 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
     if action in HANDLER_CHECKED_ACTIONS and key.indexes:
         return None
     return invalid_api_key()
+
+
+class Principal:
+    """Who an authorized request acts for: a key (None for the master key or
+    an instance without one) and the searchRules of a tenant token, if any.
+    The one owner of "may this credential touch this index" (upstream's
+    AuthFilter::is_index_authorized): `authorize`, the handler rules and the
+    listing filters all ask it."""
+
+    __slots__ = ("key", "rules")
+
+    def __init__(self, key=None, rules=None):
+        self.key = key
+        self.rules = rules
+
+    @property
+    def unrestricted(self):
+        return self.key is None or (self.key.is_global and self.rules is None)
+
+    def index_refusal(self, index):
+        """None when the credential covers `index`, else upstream's refusal
+        (the token's rules are checked before its parent key's patterns)."""
+        key, rules = self.key, self.rules
+        if key is None:
+            return None
+        if rules is not None and not search_rules_allow(rules, index):
+            return invalid_api_key(
+                "The provided tenant token cannot acces the index `%s`, allowed indexes "
+                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(rules)))))
+        if any(pattern_matches(p, index) for p in key.indexes):
+            return None
+        if rules is not None:
+            return invalid_api_key("The API key used to generate this tenant token cannot "
+                                   "acces the index `%s`." % index)
+        return invalid_api_key("The API key cannot acces the index `%s`, authorized indexes "
+                               "are %s." % (index, rust_debug_list(sorted(key.indexes))))
+
+    def may_use_index(self, index):
+        return self.index_refusal(index) is None
+
+
+OPEN = Principal()
 
 
 def search_rule_patterns(rules):
@@ -1659,32 +1693,6 @@ def _visible_ascii(value):
     return ""
 
 
-class Principal:
-    """Who an authorized request acts for: a key (None for the master key or
-    an instance without one) and the searchRules of a tenant token, if any."""
-
-    __slots__ = ("key", "rules")
-
-    def __init__(self, key=None, rules=None):
-        self.key = key
-        self.rules = rules
-
-    @property
-    def unrestricted(self):
-        return self.key is None or (self.key.is_global and self.rules is None)
-
-    def allows_index(self, index):
-        """Upstream's AuthFilter::is_index_authorized."""
-        if self.key is None:
-            return True
-        if self.rules is not None and not search_rules_allow(self.rules, index):
-            return False
-        return any(pattern_matches(p, index) for p in self.key.indexes)
-
-
-OPEN = Principal()
-
-
 class Guard:
     """Decides whether a bearer credential may perform a route's actions."""
 
@@ -1768,29 +1776,37 @@ def tenant_filter(rules, index):
     return rule.get("filter") if isinstance(rule, dict) else None
 
 
+def fuse_filters(left, right):
+    """Upstream's fuse_filters (None: no filter): both sides as one AND-list,
+    an array side spliced in, so an inner array keeps meaning OR."""
+    if left is None:
+        return right
+    if right is None:
+        return left
+    return (left if isinstance(left, list) else [left]) + \
+        (right if isinstance(right, list) else [right])
+
+
 def with_tenant_filter(query, rules, index):
-    """A search query (JSON object) with the token's filter ANDed in, the
+    """A search query (JSON object) with the token's filter fused in, the
     way upstream's add_search_rules does it."""
     rule = tenant_filter(rules, index)
     if rule is None or not isinstance(query, dict):
         return query
-    query = dict(query)
-    current = query.get("filter")
-    query["filter"] = rule if current is None else [current, rule]
-    return query
+    return dict(query, filter=fuse_filters(query.get("filter"), rule))
 
 
 def check_index_creation(principal, index, body):
     """POST /indexes: the new index's uid must be one the key covers."""
     uid = body.get("uid") if isinstance(body, dict) else None
-    if isinstance(uid, str) and not principal.allows_index(uid):
+    if isinstance(uid, str) and not principal.may_use_index(uid):
         raise invalid_api_key()
     return body
 
 
 def restrict_multi_search(principal, index, body):
-    """POST /multi-search: every query's indexUid must be covered; a tenant
-    token's filters are added to each query."""
+    """POST /multi-search (federated or not): every query's indexUid must be
+    covered; a tenant token's filters are fused into each query."""
     queries = body.get("queries") if isinstance(body, dict) else None
     if not isinstance(queries, list):
         return body
@@ -1798,7 +1814,7 @@ def restrict_multi_search(principal, index, body):
     for position, query in enumerate(queries):
         uid = query.get("indexUid") if isinstance(query, dict) else None
         if isinstance(uid, str):
-            if not principal.allows_index(uid):
+            if not principal.may_use_index(uid):
                 raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
                                       % position)
             query = with_tenant_filter(query, principal.rules, uid)
@@ -1811,19 +1827,20 @@ def check_index_swap(principal, index, body):
     for swap in body if isinstance(body, list) else ():
         indexes = swap.get("indexes") if isinstance(swap, dict) else None
         for uid in indexes if isinstance(indexes, list) else ():
-            if isinstance(uid, str) and not principal.allows_index(uid):
+            if isinstance(uid, str) and not principal.may_use_index(uid):
                 raise invalid_api_key()
     return body
 
 
 def restrict_search_body(principal, index, body):
-    """POST search, facet-search, similar on one index: add the token's filter."""
+    """POST search, facet-search, similar on one index: fuse the token's filter."""
     return with_tenant_filter(body, principal.rules, index)
 
 
 def restrict_search_query(principal, index, query):
-    """GET search/similar: the token's filter joins the `filter` parameter
-    (upstream reads that parameter as JSON when it parses as JSON)."""
+    """GET search/similar: the token's filter fused with the `filter`
+    parameter, which upstream reads as JSON when it parses as JSON (a JSON
+    `null` included) and as a string otherwise."""
     rule = tenant_filter(principal.rules, index)
     if rule is None:
         return query
@@ -1835,8 +1852,10 @@ def restrict_search_query(principal, index, query):
                 current = strict_json(value)
             except (ValueError, RecursionError):
                 current = value
-    combined = rule if current is None else [current, rule]
-    pairs = [(n, v) for n, v in pairs if n != "filter"] + [("filter", compact_json(combined))]
+            if current is None:
+                current = [None]  # upstream's Some(Null): fused as one element
+    pairs = [(n, v) for n, v in pairs if n != "filter"]
+    pairs.append(("filter", compact_json(fuse_filters(current, rule))))
     return urllib.parse.urlencode(pairs)
 
 
@@ -1863,7 +1882,7 @@ def filter_index_list(principal, answer, offset, limit):
     if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
         return answer
     allowed = [i for i in answer["results"]
-               if isinstance(i, dict) and principal.allows_index(str(i.get("uid")))]
+               if isinstance(i, dict) and principal.may_use_index(str(i.get("uid")))]
     return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
                 total=len(allowed))
 
@@ -1873,7 +1892,7 @@ def filter_stats(principal, answer):
     if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
         return answer
     return dict(answer, indexes={uid: stats for uid, stats in answer["indexes"].items()
-                                 if principal.allows_index(uid)})
+                                 if principal.may_use_index(uid)})
 
 
 def restrict_task_query(query, allowed_uids):
@@ -1897,7 +1916,7 @@ def check_task_answer(principal, task_id, answer):
     """GET /tasks/{id} for a restricted key: a task on another index (or on
     none) does not exist for it."""
     uid = answer.get("indexUid") if isinstance(answer, dict) else None
-    if not isinstance(uid, str) or not principal.allows_index(uid):
+    if not isinstance(uid, str) or not principal.may_use_index(uid):
         raise ApiError(404, "task_not_found", "Task `%s` not found." % task_id)
     return answer
 
@@ -1908,47 +1927,122 @@ def check_batch_answer(principal, batch_id, answer):
     stats = answer.get("stats") if isinstance(answer, dict) else None
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
     if not isinstance(uids, dict) or not uids or \
-            not all(principal.allows_index(uid) for uid in uids):
+            not all(principal.may_use_index(uid) for uid in uids):
         raise ApiError(404, "batch_not_found", "Batch `%s` not found." % batch_id)
     return answer
 
 
-# (method, route pattern) -> rule on the JSON body: returns the body to
-# forward, or raises the refusal.
-BODY_RULES = {
-    ("POST", "/indexes"): check_index_creation,
-    ("POST", "/multi-search"): restrict_multi_search,
-    ("POST", "/swap-indexes"): check_index_swap,
+class Restriction:
+    """What a handler rule sees of one request: the principal, the route's
+    parameters and query string, and the backend (some rules ask it which
+    indexes exist)."""
+
+    __slots__ = ("principal", "params", "query", "upstream")
+
+    def __init__(self, principal, params, query, upstream):
+        self.principal, self.params, self.query = principal, params, query
+        self.upstream = upstream
+
+    @property
+    def index(self):
+        return self.params.get("index_uid")
+
+    def allowed_indexes(self):
+        """The uids of the backend's indexes the principal covers."""
+        status, answer = self.upstream.fetch_json(
+            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
+        return [i["uid"] for i in answer.get("results", ())
+                if isinstance(i, dict) and isinstance(i.get("uid"), str)
+                and self.principal.may_use_index(i["uid"])]
+
+
+# When a rule applies: to any restricted principal, only to a tenant token
+# whose rules filter the route's index, or never forwarded for such principals.
+RESTRICTED, TOKEN_FILTER, UNENFORCEABLE = "restricted", "token filter", "unenforceable"
+
+
+class Rule(collections.namedtuple("Rule", "when body query answer")):
+    """A handler rule: `body(principal, index, json)` checks or rewrites the
+    JSON body; `query(restriction)` returns the query string to forward;
+    `answer(restriction, json)` checks or filters a 200 answer."""
+
+    def __new__(cls, when, body=None, query=None, answer=None):
+        return super().__new__(cls, when, body, query, answer)
+
+    def applies(self, principal, index):
+        if principal.unrestricted:
+            return False
+        if self.when == TOKEN_FILTER:
+            return index is not None and tenant_filter(principal.rules, index) is not None
+        return True
+
+
+def _index_page_query(restriction):
+    paging = all_indexes_query(restriction.query)
+    return restriction.query if paging is None else paging[0]  # else the backend explains
+
+
+def _index_page_answer(restriction, answer):
+    paging = all_indexes_query(restriction.query)
+    if paging is None:
+        return answer
+    return filter_index_list(restriction.principal, answer, paging[1], paging[2])
+
+
+def _task_listing_query(restriction):
+    return restrict_task_query(restriction.query, restriction.allowed_indexes())
+
+
+def _task_documents_query(restriction):
+    """A task's documents, only if the principal covers the task's index."""
+    task_id = restriction.params["task_id"]
+    status, task = restriction.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
+    if status == 200:
+        check_task_answer(restriction.principal, task_id, task)
+    return restriction.query
+
+
+_SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=restrict_search_body)
+_SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda r: restrict_search_query(
+    r.principal, r.index, r.query))
+_TASK_LISTING_RULE = Rule(RESTRICTED, query=_task_listing_query)
+
+# (method, route pattern) -> Rule: every request the guard must read, rewrite
+# or filter to hold a restricted principal to its indexes and filters.
+HANDLER_RULES = {
+    ("POST", "/indexes"): Rule(RESTRICTED, body=check_index_creation),
+    ("POST", "/multi-search"): Rule(RESTRICTED, body=restrict_multi_search),
+    ("POST", "/swap-indexes"): Rule(RESTRICTED, body=check_index_swap),
+    ("POST", "/indexes/{index_uid}/search"): _SEARCH_BODY_RULE,
+    ("POST", "/indexes/{index_uid}/facet-search"): _SEARCH_BODY_RULE,
+    ("POST", "/indexes/{index_uid}/similar"): _SEARCH_BODY_RULE,
+    ("GET", "/indexes/{index_uid}/search"): _SEARCH_QUERY_RULE,
+    ("GET", "/indexes/{index_uid}/similar"): _SEARCH_QUERY_RULE,
+    ("GET", "/indexes"): Rule(RESTRICTED, query=_index_page_query, answer=_index_page_answer),
+    ("GET", "/stats"): Rule(RESTRICTED, answer=lambda r, a: filter_stats(r.principal, a)),
+    ("GET", "/tasks"): _TASK_LISTING_RULE,
+    ("GET", "/batches"): _TASK_LISTING_RULE,
+    ("DELETE", "/tasks"): _TASK_LISTING_RULE,
+    ("POST", "/tasks/cancel"): _TASK_LISTING_RULE,
+    ("GET", "/tasks/{task_id}"): Rule(RESTRICTED, answer=lambda r, a: check_task_answer(
+        r.principal, r.params["task_id"], a)),
+    ("GET", "/batches/{batch_id}"): Rule(RESTRICTED, answer=lambda r, a: check_batch_answer(
+        r.principal, r.params["batch_id"], a)),
+    ("GET", "/tasks/{task_id}/documents"): Rule(RESTRICTED, query=_task_documents_query),
+    # The chat's search tool and the document a template renders are
+    # restricted by handlers the guard does not reproduce: refused instead.
+    ("POST", "/chats/{workspace}/chat/completions"): Rule(UNENFORCEABLE),
+    ("POST", "/render-template"): Rule(UNENFORCEABLE),
 }
-# ... and for a tenant token with a filter on the route's index:
-TOKEN_BODY_RULES = {
-    ("POST", "/indexes/{index_uid}/search"): restrict_search_body,
-    ("POST", "/indexes/{index_uid}/facet-search"): restrict_search_body,
-    ("POST", "/indexes/{index_uid}/similar"): restrict_search_body,
-}
-TOKEN_QUERY_RULES = frozenset((("GET", "/indexes/{index_uid}/search"),
-                               ("GET", "/indexes/{index_uid}/similar")))
-TASK_QUERY_ROUTES = frozenset((("GET", "/tasks"), ("GET", "/batches"), ("DELETE", "/tasks"),
-                               ("POST", "/tasks/cancel")))
-ANSWER_RULE_ROUTES = TASK_QUERY_ROUTES | {
-    ("GET", "/indexes"), ("GET", "/stats"), ("GET", "/tasks/{task_id}"),
-    ("GET", "/batches/{batch_id}"), ("GET", "/tasks/{task_id}/documents")}
-# Routes whose handler restricts a key in ways the guard does not reproduce
-# (the chat's search tool, the document a template renders): refused to a
-# restricted principal rather than forwarded without the restriction.
-UNGUARDED_ROUTES = frozenset((("POST", "/chats/{workspace}/chat/completions"),
-                              ("POST", "/render-template")))
 
 
 def handler_rules_apply(principal, route, index):
     """Must the guard read or rewrite this request (or its answer) to hold
     `principal` to its indexes and filters?"""
-    if principal.unrestricted:
-        return False
-    if route in BODY_RULES or route in ANSWER_RULE_ROUTES or route in UNGUARDED_ROUTES:
-        return True
-    return (route in TOKEN_BODY_RULES or route in TOKEN_QUERY_RULES) and index is not None \
-        and tenant_filter(principal.rules, index) is not None
+    rule = HANDLER_RULES.get(route)
+    return rule is not None and rule.applies(principal, index)
 
 
 def restriction_not_enforceable(route, where):
@@ -2000,219 +2094,130 @@ class KeysApi:
 
 
 # =============================================================================
-# HTTP/1.1 framing, shared by the server and the upstream client
+# Requests and responses: what the service reads and answers, pure of sockets
 # =============================================================================
 
-SMALL_BODY = 64 * 1024  # bodies up to this size are sent/answered in one write
+SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
+MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
+MAX_HEADERS = 100       # header lines in a request head
+CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
+LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+_ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
+_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
+# Header lines as every party reads them alike: a token, a colon, a value
+# without CR or NUL (a bare CR may read as a line break to a backend, which
+# would then see headers, Transfer-Encoding..., the guard never saw); no
+# continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r?\n)*")
 
 
 class BrokenBody(Exception):
-    """A message body ended early or is not valid chunked coding."""
+    """A request body ended early or is not valid chunked coding."""
 
 
-class HeaderError(Exception):
-    """A header block that is too big or not HTTP; `status` says which."""
-
-    def __init__(self, status, message):
-        super().__init__(message)
-        self.status = status
+def payload_too_large(limit):
+    return ApiError(413, "payload_too_large",
+                    "The provided payload reached the size limit. The maximum accepted payload "
+                    "size is %s." % ("%.2f MiB" % (limit / 1048576.0)))
 
 
-MAX_LINE = 65536    # bytes in a request line or header line
-MAX_HEADERS = 100   # header lines in one message
-MAX_HEAD = 128 * 1024  # bytes in a request head, as actix-http
-RECV_SIZE = 65536
-_TOKEN_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
-
-
-def head_size(buf):
-    """The length of the head at the start of `buf`, through the blank line
-    that ends it; -1 while that line has not arrived."""
-    ends = [at + skip for at, skip in ((buf.find(b"\n\r\n"), 3), (buf.find(b"\n\n"), 2))
-            if at >= 0]
-    return min(ends) if ends else -1
-
-
-def set_socket_timeouts(sock, seconds):
-    """Blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO): each recv
-    or send is then one system call, where a Python socket timeout adds a
-    poll() before each; a timeout raises BlockingIOError."""
-    sock.settimeout(None)
-    whole = int(seconds)
-    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        sock.setsockopt(socket.SOL_SOCKET, option, value)
-
-
-class SocketReader:
-    """A socket's incoming bytes, buffered, with the reads the head and body
-    parsers need (read_head, readline, read1); each refill is one recv. The
-    connection loop adds what has arrived without waiting (fill_nowait)."""
-
-    __slots__ = ("sock", "buf")
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.buf = bytearray()
-
-    def fill(self):
-        """One recv into the buffer; False at the end of the stream."""
-        data = self.sock.recv(RECV_SIZE)
-        self.buf += data
-        return bool(data)
-
-    def fill_nowait(self):
-        """Like fill, but BlockingIOError when nothing has arrived."""
-        data = self.sock.recv(RECV_SIZE, socket.MSG_DONTWAIT)
-        self.buf += data
-        return bool(data)
-
-    def read_head(self):
-        """The next message head, through its blank line, as text (what
-        there is when the stream ends first); HeaderError over MAX_HEAD."""
-        while True:
-            size = head_size(self.buf)
-            if size > MAX_HEAD or (size < 0 and len(self.buf) > MAX_HEAD):
-                raise HeaderError(431, "Header fields too large")
-            if size >= 0 or not self.fill():
-                return self._take(size if size >= 0 else len(self.buf)).decode("latin-1")
-
-    def readline(self, limit):
-        while True:
-            end = self.buf.find(b"\n", 0, limit)
-            if end >= 0:
-                return self._take(end + 1)
-            if len(self.buf) >= limit or not self.fill():
-                return self._take(limit)
-
-    def read1(self, size):
-        if not self.buf:
-            self.fill()
-        return self._take(size)
-
-    def _take(self, size):
-        data = bytes(self.buf[:size])
-        del self.buf[:size]
-        return data
-
-
-class Headers:
-    """Header fields in arrival order, looked up case-insensitively: the
-    part of email.message.Message this program uses, about ten times faster
-    to build (it is built twice for every proxied request)."""
-
-    __slots__ = ("_fields", "_by_name")
-
-    def __init__(self, fields=()):
-        self._fields = list(fields)
-        self._by_name = {}
-        for name, value in self._fields:
-            self._by_name.setdefault(name.lower(), []).append(value)
-
-    def get(self, name, default=None):
-        values = self._by_name.get(name.lower())
-        return values[0] if values else default
-
-    def get_all(self, name):
-        return self._by_name.get(name.lower(), [])
-
-    def items(self):
-        return list(self._fields)
-
-
-def parse_head(text):
-    """(start line, Headers) of a message head; HeaderError if it is bad."""
-    lines = text.split("\n")
-    fields = []
-    for line in itertools.islice(lines, 1, None):
-        line = line.rstrip("\r")
-        if not line:
-            break
-        if len(line) > MAX_LINE:
-            raise HeaderError(431, "Header line too long")
-        if len(fields) >= MAX_HEADERS:
-            raise HeaderError(431, "Too many headers")
-        name, colon, value = line.partition(":")
-        # A bare CR or a NUL in a value: a backend may read it as a line
-        # break, and see headers (Transfer-Encoding...) the guard never saw.
-        if not colon or not _TOKEN_RE.match(name) or "\r" in value or "\0" in value:
-            raise HeaderError(400, "Bad header line")
-        fields.append((name, value.strip(" \t")))
-    return lines[0].rstrip("\r"), Headers(fields)
+def origin_form(target):
+    """The request target if it is in origin form (`/path?query`), else a
+    400: an absolute or bare target (`http://indexes/keys`, `x/keys`) is
+    routed by the backend on a path the guard would not have authorized."""
+    if not _ORIGIN_FORM_RE.match(target):
+        raise bad_request("The request target `%s` is not supported: it must be a path "
+                          "starting with `/`." % printable(target[:200]))
+    return target
 
 
 class Body:
-    """A message body framed by its length, by chunked coding, or (answers
-    only, length None) by the end of the connection."""
+    """A request body, framed by its Content-Length or by chunked coding,
+    read from the caller's buffered stream as the service asks for it.
+    `before_read` runs once before the first read (the deferred 100 Continue)."""
 
-    def __init__(self, reader, length=None, chunked=False):
-        self.reader = reader
+    def __init__(self, stream, length=0, chunked=False, before_read=None):
+        self.stream = stream
         self.chunked = chunked
-        self.until_close = length is None and not chunked
-        self.remaining = length or 0
-        self.finished = not chunked and not self.until_close and self.remaining == 0
-        self.size_known = not chunked and not self.until_close
+        self.remaining = length
+        self.size_known = not chunked
+        self.finished = not chunked and length == 0
+        self.started = self.broken = False
+        self.before_read = before_read
 
     @classmethod
-    def of_request(cls, reader, headers):
+    def of_request(cls, stream, headers, before_read=None):
         """The body a request announces; 400 ApiError for framing that two
-        parties could read differently (the stuff of request smuggling):
-        the caller then closes the connection."""
-        lengths = {value.strip() for value in headers.get_all("Content-Length")}
-        encodings = headers.get_all("Transfer-Encoding")
+        parties could read differently (the stuff of request smuggling)."""
+        lengths = {value.strip() for value in headers.get_all("Content-Length", ())}
+        encodings = headers.get_all("Transfer-Encoding", ())
         if encodings:
             if lengths or len(encodings) > 1 or encodings[0].strip().lower() != "chunked":
                 raise bad_request("Unsupported request framing: use either Content-Length or "
-                                    "Transfer-Encoding: chunked.")
-            return cls(reader, chunked=True)
+                                  "Transfer-Encoding: chunked.")
+            return cls(stream, chunked=True, before_read=before_read)
         if len(lengths) > 1:
             raise bad_request("Conflicting Content-Length headers.")
         length = lengths.pop() if lengths else "0"
         if not is_decimal(length):
             raise bad_request("The Content-Length header `%s` is invalid." % length)
-        return cls(reader, int(length))
+        return cls(stream, int(length), before_read=before_read)
 
     def chunks(self, piece=SMALL_BODY):
         """Yield the body in pieces as it arrives."""
+        if not self.started:
+            self.started = True
+            if self.before_read is not None and not self.finished:
+                self.before_read()
+        stream = self.stream
         try:
-            while self.until_close and not self.finished:
-                data = self.reader.read1(piece)
-                if not data:
-                    break
-                yield data
             while self.remaining:
-                data = self.reader.read1(min(piece, self.remaining))
+                data = stream.read1(min(piece, self.remaining))
                 if not data:
                     raise BrokenBody("body cut short")
                 self.remaining -= len(data)
                 yield data
             while self.chunked and not self.finished:
-                size_line = self.reader.readline(1024)
+                size_line = stream.readline(1024)
                 size_text = size_line.split(b";", 1)[0].strip()
                 if not size_line.endswith(b"\n") or not size_text \
                         or size_text.strip(b"0123456789abcdefABCDEF"):
                     raise BrokenBody("bad chunk size")
                 size = int(size_text, 16)
                 if size == 0:
-                    while self.reader.readline(MAX_LINE) not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
+                    self._skip_trailers()
                     break
                 while size:
-                    data = self.reader.read1(min(piece, size))
+                    data = stream.read1(min(piece, size))
                     if not data:
                         raise BrokenBody("body cut short")
                     size -= len(data)
                     yield data
-                if self.reader.readline(3) not in (b"\r\n", b"\n"):
+                if stream.readline(3) not in (b"\r\n", b"\n"):
                     raise BrokenBody("chunk not followed by CRLF")
-        except (OSError, ValueError) as exc:
+        except BrokenBody:
+            self.broken = True
+            raise
+        except (OSError, ValueError) as exc:  # a timeout, a reset, a chunk size past all
+            self.broken = True
             raise BrokenBody(str(exc))
         self.finished = True
+
+    def _skip_trailers(self):
+        budget = MAX_HEAD
+        while budget > 0:
+            line = self.stream.readline(budget)
+            if line in (b"\r\n", b"\n", b""):
+                return
+            budget -= len(line)
+        raise BrokenBody("trailers too large")
 
     def read(self, limit):
         """The whole body, or a 413 ApiError when it is over `limit` bytes."""
         if self.size_known and self.remaining > limit:
             raise payload_too_large(limit)
+        if self.size_known and self.remaining <= SMALL_BODY:  # the common case, in one read
+            return b"".join(self.chunks(self.remaining))
         data, size = [], 0
         for chunk in self.chunks():
             size += len(chunk)
@@ -2222,11 +2227,12 @@ class Body:
         return b"".join(data)
 
     def discard(self, limit=MAX_KEYS_BODY):
-        """Skip an unread body so the connection can be reused; False when it
-        is too big (the connection must then be closed)."""
+        """Skip an unread body so the connection can serve on; False when that
+        is unwise (too big, broken, or a caller still waiting for 100 Continue)."""
         if self.finished:
             return True
-        if self.until_close or (self.size_known and self.remaining > limit):
+        if self.broken or (self.before_read is not None and not self.started) or \
+                (self.size_known and self.remaining > limit):
             return False
         try:
             size = 0
@@ -2239,14 +2245,55 @@ class Body:
         return True
 
 
-def payload_too_large(limit):
-    return ApiError(413, "payload_too_large",
-                    "The provided payload reached the size limit. The maximum accepted payload "
-                    "size is %s." % ("%.2f MiB" % (limit / 1048576.0)))
+class Request:
+    """One request as the service sees it: method, target (origin form is
+    checked by the service), headers (`get`, `get_all`), body."""
+
+    __slots__ = ("method", "target", "headers", "body", "version")
+
+    def __init__(self, method, target, headers, body, version="HTTP/1.1"):
+        self.method, self.target, self.headers = method, target, headers
+        self.body, self.version = body, version
+
+    @property
+    def path(self):
+        return self.target.partition("?")[0]
+
+    @property
+    def query(self):
+        return self.target.partition("?")[2]
+
+    def read_json_body(self):
+        """Content type, size cap, then JSON: upstream's order."""
+        check_content_type(self.headers.get("Content-Type"))
+        return parse_json_body(self.body.read(MAX_KEYS_BODY))
+
+
+class Response:
+    """An answer: status, headers, and a body as bytes, or as `stream`, an
+    iterable of byte chunks of `length` bytes (None: unknown) that is closed
+    once written or abandoned."""
+
+    __slots__ = ("status", "headers", "body", "stream", "length")
+
+    def __init__(self, status, headers=(), body=b"", stream=None, length=None):
+        self.status, self.headers, self.body = status, list(headers), body
+        self.stream, self.length = stream, length
+
+    @classmethod
+    def json(cls, status, value, headers=()):
+        if value is None:
+            return cls(status, headers)
+        return cls(status, list(headers) + [("Content-Type", "application/json")],
+                   compact_json(value).encode())
+
+    @classmethod
+    def error(cls, error, headers=()):
+        return cls.json(error.status, error.to_json(), headers)
 
 
 # =============================================================================
-# Upstream: forward authorized requests to the search backend
+# Forwarding: one Upstream on http.client, with a shared connection pool
 # =============================================================================
 
 HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-authenticate",
@@ -2259,213 +2306,27 @@ NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+# Read-only POST routes: like GET and HEAD, safe to send a second time.
+REPEATABLE_POSTS = frozenset((
+    "/indexes/{index_uid}/search", "/multi-search", "/indexes/{index_uid}/facet-search",
+    "/indexes/{index_uid}/similar", "/indexes/{index_uid}/documents/fetch"))
+
+
+def is_repeatable(method, pattern):
+    return method in ("GET", "HEAD") or (method == "POST" and pattern in REPEATABLE_POSTS)
 
 
 def _kept_headers(headers, dropped):
     """`headers` as (name, value) pairs, without the names in `dropped` and
     those the Connection header lists (hop-by-hop too)."""
-    for value in headers.get_all("Connection"):
-        dropped = dropped | {token.strip().lower() for token in value.split(",")}
-    return [(name, value) for name, value in headers.items() if name.lower() not in dropped]
+    for name, value in headers:
+        if name.lower() == "connection":
+            dropped = dropped | {token.strip().lower() for token in value.split(",")}
+    return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
 class UpstreamError(Exception):
     """The backend could not be reached, or answered something that is not HTTP."""
-
-
-class UpstreamResponse:
-    """One backend answer head (status line and headers), body still to read."""
-
-    def __init__(self, reader, method):
-        try:
-            line, self.headers = parse_head(reader.read_head())
-        except HeaderError as exc:
-            raise UpstreamError("bad answer head: %s" % exc)
-        if not line:
-            raise UpstreamError("the connection was closed before an answer")
-        version, _, rest = line.partition(" ")
-        status = rest.partition(" ")[0]  # the reason phrase is not relayed
-        if not version.startswith("HTTP/1.") or len(status) != 3 or not is_decimal(status):
-            raise UpstreamError("not an HTTP answer: %r" % line[:80])
-        self.status = int(status)
-        self.interim = 100 <= self.status < 200 and self.status != 101  # 100 Continue...
-        self.has_body = not (method == "HEAD" or self.status in (204, 304) or self.status < 200)
-        encoding = self.headers.get("Transfer-Encoding")
-        length = self.headers.get("Content-Length")
-        self.length = None
-        if not self.has_body:
-            self.body = Body(reader, 0)
-        elif encoding is not None and "chunked" in encoding.lower():
-            self.body = Body(reader, chunked=True)
-        elif length is not None and is_decimal(length.strip()):
-            self.length = int(length)
-            self.body = Body(reader, self.length)
-        else:
-            self.body = Body(reader, None)  # until the backend closes
-        self.will_close = version == "HTTP/1.0" or self.body.until_close or "close" in (
-            self.headers.get("Connection") or "").lower()
-
-    @classmethod
-    def read(cls, reader, method):
-        """The final answer, after any interim ones."""
-        while True:
-            response = cls(reader, method)
-            if not response.interim:
-                return response
-
-    def fully_buffered(self):
-        """Is the whole answer in the reader's buffer, and small?"""
-        return not self.has_body or (
-            self.length is not None and len(self.body.reader.buf) >= self.length
-            and self.length <= SMALL_BODY)
-
-
-class UpstreamConnection:
-    """A socket to the backend and its buffered reader."""
-
-    __slots__ = ("sock", "reader")
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.reader = SocketReader(sock)
-
-    def close(self):
-        self.sock.close()
-
-
-class Upstream:
-    """A pool of keep-alive connections to the search backend."""
-
-    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64):
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
-        self.host_header = parts.netloc.rpartition("@")[2]  # without any user:password@
-        self.display_url = "%s://%s" % (parts.scheme, self.host_header)
-        self.prefix = parts.path.rstrip("/")
-        self.api_key = api_key
-        self.timeout = timeout
-        self.pool_size = pool_size
-        self.tls = parts.scheme == "https"
-        self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
-        self._idle = []
-        self._lock = threading.Lock()
-
-    def _connect(self):
-        sock = socket.create_connection(self.address, timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls:
-            import ssl  # only for https backends
-            sock = ssl.create_default_context().wrap_socket(sock,
-                                                            server_hostname=self.address[0])
-        else:
-            set_socket_timeouts(sock, self.timeout)
-        return UpstreamConnection(sock)
-
-    def idle_connection(self):
-        """A pooled connection, or None (the connection loop never waits for a connect)."""
-        with self._lock:
-            return self._idle.pop() if self._idle else None
-
-    def _acquire(self, check):
-        """A pooled connection (True) or a new one (False). With `check`, a
-        pooled socket that is readable while idle (the backend closed it)
-        is dropped first: for requests that cannot be retried. Others skip
-        that syscall and are retried once instead."""
-        while True:
-            connection = self.idle_connection()
-            if connection is None:
-                return self._connect(), False
-            if not check or not _readable(connection.sock):
-                return connection, True
-            connection.close()
-
-    def release(self, connection):
-        with self._lock:
-            if len(self._idle) < self.pool_size:
-                self._idle.append(connection)
-                return
-        connection.close()
-
-    def headers_for(self, incoming):
-        """The caller's headers minus hop-by-hop ones and its credential."""
-        return _kept_headers(incoming, NOT_FORWARDED)
-
-    def fetch_json(self, target):
-        """GET `target` with the upstream key: (status, JSON value or None).
-        Used by the handler rules, e.g. to learn which indexes exist."""
-        try:
-            connection, response = self.send("GET", target, [("Accept", "application/json")],
-                                             b"")
-            data = response.body.read(MAX_UPSTREAM_JSON)
-        except (UpstreamError, OSError, BrokenBody) as exc:
-            raise upstream_unreachable(self, exc)
-        self.finish(connection, response)
-        try:
-            return response.status, json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return response.status, None
-
-    def finish(self, connection, response):
-        """After a fully read answer: keep the connection for the next request."""
-        if response.will_close:
-            connection.close()
-        else:
-            self.release(connection)
-
-    def request_head(self, method, target, headers, body):
-        """Request line and headers for `body` (bytes, or chunks to stream)."""
-        lines = ["%s %s%s HTTP/1.1" % (method, self.prefix, target), "Host: " + self.host_header]
-        lines += ["%s: %s" % header for header in headers]
-        if self.api_key:
-            lines.append("Authorization: Bearer " + self.api_key)
-        if not isinstance(body, bytes):
-            lines.append("Transfer-Encoding: chunked")
-        elif body or method in ("POST", "PUT", "PATCH"):
-            lines.append("Content-Length: %d" % len(body))
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
-
-    def send(self, method, target, headers, body):
-        """Send one request and read the answer's head: (connection, UpstreamResponse).
-
-        `body` is bytes, sent with the head in one write (and retried once
-        on a pooled connection the backend had closed), or an iterable of
-        byte chunks (streamed with chunked coding, never retried).
-        """
-        head = self.request_head(method, target, headers, body)
-        for attempt in (1, 2):
-            try:
-                connection, reused = self._acquire(check=not isinstance(body, bytes))
-            except OSError as exc:
-                raise UpstreamError("%s: %s" % (type(exc).__name__, exc))
-            try:
-                if isinstance(body, bytes):
-                    connection.sock.sendall(head + body)
-                else:
-                    connection.sock.sendall(head)
-                    for chunk in body:
-                        if chunk:
-                            connection.sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    connection.sock.sendall(b"0\r\n\r\n")
-                return connection, UpstreamResponse.read(connection.reader, method)
-            except BrokenBody:  # the caller's body broke off: the backend got half a request
-                connection.close()
-                raise
-            except (OSError, UpstreamError) as exc:
-                connection.close()
-                if not (reused and attempt == 1 and isinstance(body, bytes)):
-                    raise UpstreamError("%s: %s" % (type(exc).__name__, exc))
-        raise AssertionError("unreachable")
-
-
-def _readable(sock):
-    """Has `sock` data or an EOF waiting? poll() where there is one: select()
-    fails on descriptors past 1023, which a busy server reaches."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([sock], [], [], 0)[0])
 
 
 def upstream_unreachable(upstream, reason):
@@ -2480,166 +2341,194 @@ def no_upstream():
                     "is no search backend to forward it to.", "system")
 
 
-# =============================================================================
-# Requests: one parsed request on a client connection, and its answer
-# =============================================================================
-
-REASONS = {status.value: status.phrase for status in http.HTTPStatus}
-CLIENT_TIMEOUT = 30.0  # seconds a connection may stay silent, or take to send a request head
-_DATE_CACHE = [0, ""]
-
-
-def http_date():
-    """The Date header value, formatted once a second (formatting is slow)."""
-    now = int(time.time())
-    if _DATE_CACHE[0] != now:
-        _DATE_CACHE[:] = [now, time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now))]
-    return _DATE_CACHE[1]
+def _readable(sock):
+    """Has an idle `sock` data or an EOF waiting (the backend closed it)?
+    poll() where there is one: select() fails on descriptors past 1023."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
 
 
-class ClientConnection:
-    """A caller's connection: its socket, its unread bytes, where answers go.
+class Upstream:
+    """The search backend: keep-alive http.client connections shared by all
+    callers. A request is sent at most once, unless it is safe to repeat
+    and its body is at hand (then a pooled connection the backend had
+    closed is retried once on a new one)."""
 
-    While the connection loop serves it, answers collect in `outbox` and are
-    sent without waiting; in a worker thread they are sent at once."""
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
+        self.host_header = parts.netloc.rpartition("@")[2]  # without any user:password@
+        self.display_url = "%s://%s" % (parts.scheme, self.host_header)
+        self.prefix = parts.path.rstrip("/")
+        self.authorization = "Bearer " + api_key if api_key else None
+        self.timeout = timeout
+        self.pool_size = pool_size
+        self.tls = parts.scheme == "https"
+        self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
+        self._idle = []
+        self._lock = threading.Lock()
 
-    __slots__ = ("sock", "reader", "outbox", "deadline", "closed")
+    def _connection(self, check):
+        """(connection, reused): a pooled connection or a new one. With
+        `check` (a request that may not be repeated), a pooled connection
+        the backend closed while idle is dropped before anything is sent."""
+        while True:
+            with self._lock:
+                connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                if self.tls:
+                    import ssl  # only for https backends
+                    return http.client.HTTPSConnection(
+                        *self.address, timeout=self.timeout,
+                        context=ssl.create_default_context()), False
+                return http.client.HTTPConnection(*self.address, timeout=self.timeout), False
+            if not check or not _readable(connection.sock):
+                return connection, True
+            connection.close()
 
-    def __init__(self, sock):
-        self.sock = sock
-        self.reader = SocketReader(sock)
-        self.outbox = None
-        self.deadline = 0.0
-        self.closed = False
+    def _release(self, connection):
+        with self._lock:
+            if len(self._idle) < self.pool_size:
+                self._idle.append(connection)
+                return
+        connection.close()
 
-    def write(self, data):
-        if self.outbox is not None:
-            self.outbox.append(data)
+    def headers_for(self, incoming, keep_encoding=True):
+        """The caller's headers minus hop-by-hop ones and its credential, plus ours."""
+        dropped = NOT_FORWARDED if keep_encoding else NOT_FORWARDED | {"accept-encoding"}
+        headers = _kept_headers(incoming, dropped)
+        headers.append(("Host", self.host_header))
+        if self.authorization:
+            headers.append(("Authorization", self.authorization))
+        return headers
+
+    def send(self, method, target, headers, body, repeatable):
+        """Send one request: (connection, http.client.HTTPResponse), head read.
+        `headers` go as they are, repeated ones included; `body` is bytes,
+        or an iterable of chunks sent as they come (with the Content-Length
+        in `headers`, or chunked)."""
+        at_hand = isinstance(body, bytes)
+        chunked = not at_hand and not any(n.lower() == "content-length" for n, _ in headers)
+        if at_hand and (body or method in ("POST", "PUT", "PATCH")):
+            headers = headers + [("Content-Length", str(len(body)))]
+        elif chunked:
+            headers = headers + [("Transfer-Encoding", "chunked")]
+        for attempt in (1, 2):
+            connection, reused = self._connection(check=not (repeatable and at_hand))
+            try:
+                connection.putrequest(method, self.prefix + target, skip_host=True,
+                                      skip_accept_encoding=True)
+                for name, value in headers:
+                    connection.putheader(name, value)
+                connection.endheaders(body or None, encode_chunked=chunked)
+                return connection, connection.getresponse()
+            except BrokenBody:  # the caller's body broke off: the backend got half a request
+                connection.close()
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                if not (repeatable and at_hand and reused and attempt == 1):
+                    raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
+                                        else type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    def finish(self, connection, response):
+        """After a fully read answer: keep the connection for the next request."""
+        if response.will_close or connection.sock is None:
+            connection.close()
         else:
-            self.sock.sendall(data)
+            self._release(connection)
 
-    def close(self):
-        """Close once; False if it was closed already."""
-        if self.closed:
-            return False
-        self.closed = True
+    def fetch_json(self, target):
+        """GET `target` with the upstream key: (status, JSON value or None).
+        Used by the handler rules, e.g. to learn which indexes exist."""
+        headers = [("Accept", "application/json"), ("Host", self.host_header)]
+        if self.authorization:
+            headers.append(("Authorization", self.authorization))
         try:
-            self.sock.close()
-        except OSError:
-            pass
-        return True
+            connection, response = self.send("GET", target, headers, b"", True)
+            data = response.read(MAX_UPSTREAM_JSON)
+        except (UpstreamError, OSError, http.client.HTTPException) as exc:
+            raise upstream_unreachable(self, exc)
+        self.finish(connection, response)
+        try:
+            return response.status, json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return response.status, None
 
+    def forward(self, method, target, headers, body, repeatable, answer_filter=None):
+        """The backend's answer to one request, as a Response: whole when it
+        is small or filtered (`answer_filter` rewrites a 200 JSON answer),
+        else streamed through as it arrives."""
+        try:
+            connection, response = self.send(method, target, headers, body, repeatable)
+        except UpstreamError as exc:
+            raise upstream_unreachable(self, exc)
+        try:
+            headers = list(response.getheaders())
+            if answer_filter is not None and response.status == 200:
+                data = self._filtered(response, answer_filter)
+                headers = _kept_headers(headers, NOT_RELAYED_FILTERED)
+                if not any(name.lower() == "content-type" for name, _ in headers):
+                    headers.append(("Content-Type", "application/json"))
+            elif response.length is not None and response.length <= SMALL_BODY \
+                    or method == "HEAD" or response.status in (204, 304):
+                data = response.read()
+                headers = _kept_headers(headers, NOT_RELAYED if method != "HEAD" else HOP_BY_HOP)
+            else:
+                return Response(response.status, _kept_headers(headers, NOT_RELAYED),
+                                stream=self._relay(connection, response),
+                                length=response.length)
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            raise upstream_unreachable(self, "its answer broke off: %s" % type(exc).__name__)
+        except BaseException:
+            connection.close()
+            raise
+        self.finish(connection, response)
+        return Response(response.status, headers, data)
 
-class Request:
-    """One request read from a client connection, and the means to answer it."""
+    @staticmethod
+    def _filtered(response, answer_filter):
+        data = response.read(MAX_UPSTREAM_JSON + 1)
+        try:
+            if len(data) > MAX_UPSTREAM_JSON:
+                raise ValueError("too large")
+            return compact_json(answer_filter(json.loads(data.decode("utf-8")))).encode()
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
+                           "JSON; it cannot be filtered for this key.", "system")
 
-    __slots__ = ("conn", "command", "path", "request_version", "headers", "body",
-                 "close_connection", "expects_continue", "status", "started")
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.command = self.path = self.body = None
-        self.request_version = "HTTP/0.9"
-        self.headers = Headers()
-        self.close_connection = True
-        self.expects_continue = False
-        self.status = 0
-        self.started = time.monotonic()
-
-    def read_head(self):
-        """Parse the request line and headers, which are in the buffer (or
-        over the size limit: HeaderError). False for an empty request line:
-        the connection just closes."""
-        reader = self.conn.reader
-        if reader.buf.find(b"\n", 0, MAX_LINE + 2) < 0 and len(reader.buf) > MAX_LINE:
-            raise HeaderError(414, "Request line too long")
-        text = reader.read_head()
-        if text.startswith(("\r\n", "\n")):
-            return False
-        line, headers = parse_head(text)
-        if len(line) > MAX_LINE:
-            raise HeaderError(414, "Request line too long")
-        words = line.split()
-        if len(words) != 3:
-            raise HeaderError(400, "Bad request line")
-        command, path, version = words
-        if version not in ("HTTP/1.0", "HTTP/1.1"):
-            raise HeaderError(505 if re.match(r"HTTP/[2-9]", version) else 400,
-                              "Unsupported HTTP version")
-        self.command, self.request_version = command, version
-        self.path = "/" + path.lstrip("/") if path.startswith("//") else path
-        self.headers = headers
-        connection = (self.headers.get("Connection") or "").lower()
-        self.close_connection = version != "HTTP/1.1" or connection == "close"
-        self.expects_continue = version == "HTTP/1.1" and \
-            (self.headers.get("Expect") or "").lower() == "100-continue"
-        return True
-
-    def fits_in_loop(self):
-        """Can it be answered without waiting: the whole (small) body is
-        already read and no 100 Continue is due?"""
-        body = self.body
-        return not self.expects_continue and (body.finished or (
-            body.size_known and body.remaining <= min(SMALL_BODY, len(self.conn.reader.buf))))
-
-    def read_json_body(self):
-        """Content type, size cap, then JSON: upstream's order."""
-        check_content_type(self.headers.get("Content-Type"))
-        return parse_json_body(self.body.read(MAX_KEYS_BODY))
-
-    def head_lines(self, status, headers, dated=False):
-        """Status line and headers; `dated` when `headers` carry a Date."""
-        lines = ["HTTP/1.1 %d %s" % (status, REASONS.get(status, ""))]
-        lines += ["%s: %s" % header for header in headers]
-        if not dated:
-            lines.append("Date: " + http_date())
-        if self.close_connection:
-            lines.append("Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
-
-    def respond(self, status, body=b"", content_type=None, headers=()):
-        """A complete response in one write."""
-        if self.body is not None and not self.body.discard():
-            self.close_connection = True
-        headers = list(headers)
-        if content_type:
-            headers.append(("Content-Type", content_type))
-        if status != 204 and status >= 200:
-            headers.append(("Content-Length", str(len(body))))
-        if self.command == "HEAD" or status == 204:
-            body = b""
-        self.status = status
-        self.write(self.head_lines(status, headers) + body)
-
-    def write(self, data):
-        self.conn.write(data)
-
-
-class Forward:
-    """An authorized request on its way to the backend: where to send it,
-    the body to send instead of the caller's (None: the caller's), a filter
-    for a successful JSON answer, and `prepare`, a backend call that must
-    come first (it waits on the network) and returns the target."""
-
-    __slots__ = ("target", "payload", "answer_filter", "prepare")
-
-    def __init__(self, target):
-        self.target = target
-        self.payload = self.answer_filter = self.prepare = None
+    def _relay(self, connection, response):
+        """The answer's body, piece by piece as the backend sends it; the
+        connection is kept only if the whole answer went through."""
+        done = False
+        try:
+            while True:
+                data = response.read1(SMALL_BODY)
+                if not data:
+                    break
+                yield data
+            done = True
+        finally:
+            if done:
+                self.finish(connection, response)
+            else:
+                connection.close()
 
 
 # =============================================================================
-# Service: request -> authenticate -> authorize -> dispatch -> respond
+# Service: request -> authenticate -> authorize -> validate -> store or forward
 # =============================================================================
 
 
 class Service:
-    """The server's request pipeline, shared by all connections.
-
-    `begin` runs the part that never waits (route, authenticate, authorize,
-    plan) and returns the step left, if any: a Forward, or a call of the
-    /keys API. `finish` runs a whole request, or the step left of it, in a
-    thread that may wait (a worker)."""
+    """The server's request pipeline, pure of sockets: `handle(request)`
+    returns the Response; every refusal is upstream's JSON error."""
 
     def __init__(self, store, master_key, upstream=None, log=None):
         self.store = store
@@ -2648,186 +2537,85 @@ class Service:
         self.upstream = upstream
         self.log = log or (lambda message: None)
 
-    def read_request(self, conn):
-        """The next request on `conn`, its head in the buffer; None when the
-        connection must close (a bad head was answered with its error)."""
-        request = Request(conn)
+    def handle(self, request):
         try:
-            if not request.read_head():
-                return None
-            request.body = Body.of_request(conn.reader, request.headers)
-            return request
-        except HeaderError as exc:
-            error = ApiError(exc.status, "bad_request", str(exc))
-        except ApiError as exc:  # framing two parties could read differently
-            error = exc
-        request.close_connection = True
-        self._try_send_error(request, error)
-        self.log_request(request)
-        return None
-
-    def begin(self, request):
-        return self._safely(request, self.decide)
-
-    def finish(self, request, step=None):
-        if request.expects_continue:  # the caller waits for this before sending the body
-            request.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if step is None:
-            step = self._safely(request, self.decide)
-        if step is not None:
-            self._safely(request, self.run_step, step)
-        self.log_request(request)
-
-    def finish_forward(self, request, connection, response):
-        """Relay a forwarded request's answer, its head read already."""
-        self._safely(request, self.relay_answer, connection, response, None)
-        self.log_request(request)
-
-    def forward_failed(self, request, reason):
-        self._try_send_error(request, upstream_unreachable(self.upstream, reason))
-        self.log_request(request)
-
-    def _safely(self, request, work, *args):
-        """Run a part of the pipeline: every failure ends as a JSON answer
-        (or, when the stream cannot be trusted, a closed connection)."""
-        try:
-            try:
-                return work(request, *args)
-            except ApiError as error:
-                if request.status:  # already answering: too late for an error
-                    raise BrokenBody(error.message)
-                self.send_error(request, error)
-        except BrokenBody as exc:  # the rest of the stream cannot be trusted
-            request.close_connection = True
-            if not request.status:
-                self._try_send_error(request, bad_request(
-                    "The request body is malformed: %s." % exc))
-        except OSError:
-            request.close_connection = True
+            response = self.dispatch(request)
+        except ApiError as error:
+            response = Response.error(error)
+        except BrokenBody as exc:
+            response = Response.error(bad_request("The request body is malformed: %s." % exc))
         except Exception as exc:  # a bug: answer 500, never a traceback
             self.log("searchkeys: internal error on %s %s: %s: %s" % (
-                request.command, safe_path(request.path or "-"), type(exc).__name__, exc))
-            request.close_connection = True
-            if not request.status:
-                self._try_send_error(request, internal_error("An internal error occurred."))
-        return None
+                printable(request.method), safe_path(request.target), type(exc).__name__, exc))
+            response = Response.error(internal_error("An internal error occurred."))
+        if request.headers.get("Origin") and not any(
+                name.lower() == "access-control-allow-origin" for name, _ in response.headers):
+            response.headers.append(("Access-Control-Allow-Origin", "*"))
+        return response
 
-    def log_request(self, request):
-        self.log("%s %s %s %.2fms" % (
-            request.command or "-", safe_path(request.path or "-"), request.status or "-",
-            (time.monotonic() - request.started) * 1000))
-
-    def _try_send_error(self, request, error):
-        try:
-            self.send_error(request, error)
-        except Exception:  # the caller may be gone; nothing more to do
-            pass
-
-    @staticmethod
-    def send_error(request, error):
-        request.respond(error.status, compact_json(error.to_json()).encode(), "application/json",
-                        _cors_headers(request))
-
-    @staticmethod
-    def send_json(request, status, value):
-        body = compact_json(value).encode() if value is not None else b""
-        request.respond(status, body, "application/json" if value is not None else None,
-                        _cors_headers(request))
-
-    def decide(self, request):
-        """Route, authenticate, authorize and plan; answer what needs no
-        more. Returns the step left (None when answered)."""
-        method = request.command
-        raw_path, _, query = request.path.partition("?")
-        segments = path_segments(raw_path)
+    def dispatch(self, request):
+        """Route, authenticate, authorize, then answer, store or forward."""
+        method = request.method
         if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            return request.respond(200, headers=_preflight_headers(request))
+            return Response(200, _preflight_headers(request.headers))
+        segments = path_segments(origin_form(request.target))
         if segments == ("authorize",) and method == "GET":
             return self.answer_authorize(request)
         if segments == ("health",) and method == "GET":
-            return self.send_json(request, 200, {"status": "available"})
+            return Response.json(200, {"status": "available"})
         route = match_route(method, segments)
         if route is None:
-            return request.respond(404)
+            return Response(404)
         if route == "method":
-            return request.respond(405)
+            return Response(405)
         pattern, actions, index, params = route
         principal = self.guard.check(request.headers.get("Authorization"), actions, index)
         if pattern in ("/keys", "/keys/{key}"):
-            return functools.partial(self.answer_keys, method, params, query)
-        forward = self.plan(request, principal, (method, pattern), params, raw_path, query)
-        if self.upstream is None:
-            raise no_upstream()
-        return forward
+            status, value = self.keys_api.handle(request, method, params, request.query)
+            return Response.json(status, value)
+        return self.forward(request, principal, pattern, params)
 
-    def run_step(self, request, step):
-        if isinstance(step, Forward):
-            return self.forward(request, step)
-        return step(request)
-
-    def answer_keys(self, method, params, query, request):
-        status, value = self.keys_api.handle(request, method, params, query)
-        self.send_json(request, status, value)
-
-    def plan(self, request, principal, route, params, raw_path, query):
-        """The Forward, after the handler rules for a restricted principal.
-        Without --upstream the request ends in 501 after this; only a refusal
-        by the body checks (upstream's 403) comes first."""
-        index = params.get("index_uid")
-        forward = Forward(request.path)
-        if not handler_rules_apply(principal, route, index):
-            return forward
-        if route in UNGUARDED_ROUTES and self.upstream is not None:
-            raise restriction_not_enforceable(route, "")
-        if route in BODY_RULES or route in TOKEN_BODY_RULES:
-            rule = BODY_RULES.get(route) or TOKEN_BODY_RULES[route]
+    def forward(self, request, principal, pattern, params):
+        """Apply the handler rules for a restricted principal, then send the
+        request upstream. Without --upstream the answer is 501, once the
+        body checks (upstream's 403) have had their say."""
+        method, index = request.method, params.get("index_uid")
+        rule = HANDLER_RULES.get((method, pattern))
+        if rule is not None and not rule.applies(principal, index):
+            rule = None
+        body = None
+        if rule is not None and rule.body is not None:
             value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-            forward.payload = compact_json(rule(principal, index, value)).encode()
-        elif route in TOKEN_QUERY_RULES:
-            forward.target = raw_path + "?" + restrict_search_query(principal, index, query)
-        elif route == ("GET", "/indexes"):
-            paging = all_indexes_query(query)
-            if paging is not None:  # else the backend explains the bad offset/limit
-                all_query, offset, limit = paging
-                forward.target = raw_path + "?" + all_query
-                forward.answer_filter = functools.partial(filter_index_list, principal,
-                                                          offset=offset, limit=limit)
-        elif route == ("GET", "/stats"):
-            forward.answer_filter = functools.partial(filter_stats, principal)
-        elif route in TASK_QUERY_ROUTES:
-            forward.prepare = functools.partial(self.task_query_target, principal, raw_path,
-                                                query)
-        elif route == ("GET", "/tasks/{task_id}"):
-            forward.answer_filter = functools.partial(check_task_answer, principal,
-                                                      params["task_id"])
-        elif route == ("GET", "/batches/{batch_id}"):
-            forward.answer_filter = functools.partial(check_batch_answer, principal,
-                                                      params["batch_id"])
-        elif route == ("GET", "/tasks/{task_id}/documents"):
-            forward.prepare = functools.partial(self.task_documents_target, principal,
-                                                params["task_id"], request.path)
-        return forward
+            body = compact_json(rule.body(principal, index, value)).encode()
+        upstream = self.upstream
+        if upstream is None:
+            raise no_upstream()
+        if rule is not None and rule.when == UNENFORCEABLE:
+            raise restriction_not_enforceable((method, pattern), "")
+        target, answer_filter = request.target, None
+        if rule is not None:
+            restriction = Restriction(principal, params, request.query, upstream)
+            if rule.query is not None:
+                target = request.path + "?" + rule.query(restriction)
+            if rule.answer is not None:
+                answer_filter = functools.partial(rule.answer, restriction)
+        headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+        if body is None:
+            body = self.caller_body(request.body, headers)
+        return upstream.forward(method, target, headers, body, is_repeatable(method, pattern),
+                                answer_filter)
 
-    def task_query_target(self, principal, raw_path, query):
-        """A task listing or task change limited to the principal's indexes."""
-        return raw_path + "?" + restrict_task_query(query, self.allowed_indexes(principal))
-
-    def task_documents_target(self, principal, task_id, target):
-        """A task's documents, if the principal covers the task's indexes."""
-        status, task = self.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
-        if status == 200:
-            check_task_answer(principal, task_id, task)
-        return target
-
-    def allowed_indexes(self, principal):
-        """The uids of the backend's indexes that `principal` covers."""
-        status, answer = self.upstream.fetch_json(
-            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
-        if status != 200 or not isinstance(answer, dict):
-            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
-        return [i["uid"] for i in answer.get("results", ())
-                if isinstance(i, dict) and isinstance(i.get("uid"), str)
-                and principal.allows_index(i["uid"])]
+    @staticmethod
+    def caller_body(body, headers):
+        """The caller's body to send on: bytes when small, else its chunks
+        as they arrive (with its length when it announced one)."""
+        if body.finished:
+            return b""
+        if body.size_known and body.remaining <= SMALL_BODY:
+            return body.read(SMALL_BODY)
+        if body.size_known:
+            headers.append(("Content-Length", str(body.remaining)))
+        return body.chunks()
 
     def answer_authorize(self, request):
         """nginx auth_request: 204 when the original request is allowed."""
@@ -2836,466 +2624,277 @@ class Service:
             raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
                               "`X-Original-Method`) of the request to authorize.")
         method = (request.headers.get("X-Original-Method") or "GET").strip().upper()
-        route = match_route(method, path_segments(uri))
+        route = match_route(method, path_segments(origin_form(uri)))
         if route is None or route == "method":
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
-                           % (method, safe_path(uri)), "auth")
+                           % (printable(method), safe_path(uri)), "auth")
         pattern, actions, index, _params = route
         principal = self.guard.check(request.headers.get("Authorization"), actions, index)
         if handler_rules_apply(principal, (method, pattern), index):
             raise restriction_not_enforceable(
                 (method, pattern), "through `GET /authorize`, which never sees the body nor "
                 "the answer (use `searchkeys.py serve --upstream` for such keys)")
-        request.respond(204)
-
-    def headers_to_send(self, request, forward):
-        headers = self.upstream.headers_for(request.headers)
-        if forward.answer_filter is not None:  # it must read the answer: no compression
-            headers = [(n, v) for n, v in headers if n.lower() != "accept-encoding"]
-        return headers
-
-    @staticmethod
-    def payload_of(request, forward):
-        """The body to send: the rewritten one, the caller's (whole when it
-        is small), or the caller's chunks to stream."""
-        if forward.payload is not None:
-            return forward.payload
-        body = request.body
-        if body.finished:
-            return b""
-        if body.size_known and body.remaining <= SMALL_BODY:
-            return body.read(SMALL_BODY)
-        return body.chunks()
-
-    def forward(self, request, forward):
-        """Send the authorized request upstream and stream the answer back."""
-        upstream = self.upstream
-        if forward.prepare is not None:
-            forward.target = forward.prepare()
-        payload = self.payload_of(request, forward)
-        try:
-            connection, response = upstream.send(request.command, forward.target,
-                                                 self.headers_to_send(request, forward), payload)
-        except UpstreamError as exc:
-            if not request.body.finished:
-                request.close_connection = True
-            raise upstream_unreachable(upstream, exc)
-        self.relay_answer(request, connection, response, forward.answer_filter)
-
-    def relay_answer(self, request, connection, response, answer_filter):
-        """The backend's answer to the caller (through `answer_filter`
-        when it is a success); the backend connection is kept if it can serve again."""
-        try:
-            if answer_filter is not None and response.status == 200:
-                self.relay_filtered(request, response, answer_filter)
-            else:
-                self.relay(request, response)
-        except (OSError, BrokenBody):
-            connection.close()
-            request.close_connection = True
-            return
-        except ApiError:
-            connection.close()
-            raise
-        self.upstream.finish(connection, response)
-
-    @staticmethod
-    def relay_filtered(request, response, answer_filter):
-        """Send back a JSON answer after `answer_filter` rewrote it."""
-        data = response.body.read(MAX_UPSTREAM_JSON)
-        try:
-            data = compact_json(answer_filter(json.loads(data.decode("utf-8")))).encode()
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
-                           "JSON; it cannot be filtered for this key.", "system")
-        headers = _kept_headers(response.headers, NOT_RELAYED_FILTERED)
-        headers.append(("Content-Length", str(len(data))))
-        request.status = response.status
-        dated = response.headers.get("Date") is not None
-        request.write(request.head_lines(response.status, headers, dated) + data)
-
-    @staticmethod
-    def relay(request, response):
-        """Stream the backend's answer to the caller, re-framed for this hop."""
-        headers = _kept_headers(response.headers, NOT_RELAYED)
-        status = response.status
-        request.status = status
-        dated = response.headers.get("Date") is not None
-        if not response.has_body:
-            length = response.headers.get("Content-Length")
-            if length is not None:
-                headers.append(("Content-Length", length))
-            request.write(request.head_lines(status, headers, dated))
-            return
-        if response.length is not None and response.length <= SMALL_BODY:
-            data = response.body.read(SMALL_BODY)
-            headers.append(("Content-Length", str(len(data))))
-            request.write(request.head_lines(status, headers, dated) + data)
-            return
-        chunked = response.length is None and request.request_version == "HTTP/1.1"
-        if response.length is not None:
-            headers.append(("Content-Length", str(response.length)))
-        elif chunked:
-            headers.append(("Transfer-Encoding", "chunked"))
-        else:
-            request.close_connection = True  # an HTTP/1.0 caller: the end is the close
-        request.write(request.head_lines(status, headers, dated))
-        for data in response.body.chunks():
-            request.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
-        if chunked:
-            request.write(b"0\r\n\r\n")
+        return Response(204)
 
 
-def _cors_headers(request):
-    return [("Access-Control-Allow-Origin", "*")] if request.headers.get("Origin") else []
-
-
-def _preflight_headers(request):
+def _preflight_headers(headers):
     """CORS preflight, as upstream's permissive actix-cors answers it."""
-    headers = [("Access-Control-Allow-Origin", "*"),
-               ("Access-Control-Allow-Methods",
-                request.headers.get("Access-Control-Request-Method", "")),
-               ("Access-Control-Max-Age", "86400")]
-    wanted = request.headers.get("Access-Control-Request-Headers")
+    answer = [("Access-Control-Allow-Origin", "*"),
+              ("Access-Control-Allow-Methods", headers.get("Access-Control-Request-Method", "")),
+              ("Access-Control-Max-Age", "86400")]
+    wanted = headers.get("Access-Control-Request-Headers")
     if wanted:
-        headers.append(("Access-Control-Allow-Headers", wanted))
-    return headers
+        answer.append(("Access-Control-Allow-Headers", wanted))
+    return answer
+
+
+def printable(text):
+    """`text` safe to print on one log line: controls and non-ASCII escaped."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def safe_path(raw):
-    """The path for logs: normalized, no query string, and no segment that
-    may be a secret (a key value after /keys/, or any long token)."""
+    """The path for logs: normalized, no query string, no segment that may
+    be a secret (a key value after /keys/, or any long token), and escaped
+    (a decoded `%0A` must not start a forged log line)."""
     segments = list(path_segments(raw))
     for i, segment in enumerate(segments):
         after_keys = i > 0 and segments[i - 1] == "keys"
         if (after_keys or len(segment) >= 32) and not _CANONICAL_UUID_RE.match(segment.lower()):
             segments[i] = "<hidden>"
-    return "/" + "/".join(segments)
+    return printable("/" + "/".join(segments))
 
 
 # =============================================================================
-# Server: one connection loop for what never waits, workers for the rest
+# HTTP: http.server glue (KeysServer + KeysHandler)
 # =============================================================================
 
 
-class WorkerPool:
-    """Daemon threads for work that may wait, started as needed up to
-    `size`; jobs beyond that wait their turn."""
+class KeysHandler(http.server.BaseHTTPRequestHandler):
+    """Reads a request, asks `server.service` for the answer, writes it."""
 
-    def __init__(self, size):
-        self.size = size
-        self.jobs = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.threads = 0
-        self.idle = 0
+    protocol_version = "HTTP/1.1"
+    server_version = "searchkeys/" + __version__
+    sys_version = ""
+    timeout = CLIENT_TIMEOUT
+    disable_nagle_algorithm = True
+    wbufsize = SMALL_BODY  # a head and a small body leave in one send
+    default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
+    body = None
 
-    def submit(self, job, *args):
-        with self.lock:
-            self.jobs.put((job, args))
-            if self.idle:
-                self.idle -= 1  # that thread takes it
-                return
-            if self.threads >= self.size:
-                return
-            self.threads += 1
-        threading.Thread(target=self._work, daemon=True).start()
-
-    def _work(self):
-        while True:
-            job, args = self.jobs.get()
-            try:
-                job(*args)
-            except Exception as exc:  # a bug in one job must not cost a thread
-                sys.stderr.write("searchkeys: internal error: %s: %s\n"
-                                 % (type(exc).__name__, exc))
-            with self.lock:
-                self.idle += 1
-
-
-class Exchange:
-    """A forward the loop waits on: the caller's connection and request,
-    the Forward, the backend connection, and its answer once read."""
-
-    __slots__ = ("conn", "request", "forward", "connection", "response", "deadline")
-
-    def __init__(self, conn, request, forward, connection, deadline):
-        self.conn, self.request, self.forward = conn, request, forward
-        self.connection, self.deadline = connection, deadline
-        self.response = None
-
-
-class Server:
-    """Accepts connections and serves them.
-
-    One thread (the caller of serve_forever) waits on every connection and
-    does all that never waits: reading requests, authenticating,
-    authorizing, answering /health, /authorize and refusals, and forwarding
-    small requests on pooled backend connections (the answer is awaited in
-    the same loop). Work that may wait (the store's fsync'd writes, bodies
-    still arriving, large or streamed answers, connecting to the backend)
-    goes to worker threads, which give the connection back afterwards.
-    Handing every request from thread to thread costs more under the GIL
-    than a search request itself."""
-
-    def __init__(self, address, service, max_connections=512):
-        self.service = service
-        self.upstream = service.upstream
-        self.max_connections = max(1, max_connections)
-        self.listener = socket.create_server(address, backlog=1024)
-        self.listener.setblocking(False)
-        self.server_address = self.listener.getsockname()
-        self.epoll = select.epoll()
-        self.epoll.register(self.listener.fileno(), select.EPOLLIN)
-        self.waiting = {}  # fd -> (callback, connection or Exchange) the loop waits on
-        self.workers = WorkerPool(self.max_connections)
-        self.lock = threading.Lock()
-        self.open_connections = 0
-        self.accepting = True
-
-    def serve_forever(self):
-        next_sweep = time.monotonic() + 1.0
-        listener_fd = self.listener.fileno()
-        while True:
-            for fd, _ in self.epoll.poll(1.0):
-                if fd == listener_fd:
-                    self._accept()
-                    continue
-                entry = self.waiting.pop(fd, None)
-                if entry is not None:
-                    try:
-                        entry[0](entry[1])
-                    except Exception as exc:  # a bug: lose this connection, not the server
-                        self._drop(entry[1], exc)
-            now = time.monotonic()
-            if now >= next_sweep:
-                next_sweep = now + 1.0
-                self._sweep(now)
-
-    def server_close(self):
-        self.listener.close()
-        self.epoll.close()
-
-    def _drop(self, item, exc):
-        self.service.log("searchkeys: internal error: %s: %s" % (type(exc).__name__, exc))
-        if isinstance(item, Exchange):
-            item.connection.close()
-            item = item.conn
-        self.close(item)
-
-    # -- connections -----------------------------------------------------------------
-
-    def _accept(self):
-        while self.accepting:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # out of descriptors...: retried by the sweep
-                self.service.log("searchkeys: cannot accept a connection: %s" % exc)
-                self._set_accepting(False)
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_socket_timeouts(sock, CLIENT_TIMEOUT)
-            with self.lock:
-                self.open_connections += 1
-                if self.open_connections >= self.max_connections:
-                    self._set_accepting(False)  # the rest wait in the backlog
-            self.park(ClientConnection(sock))
-
-    def _set_accepting(self, on):
-        self.accepting = on
-        self.epoll.modify(self.listener.fileno(), select.EPOLLIN if on else 0)
-
-    def close(self, conn):
-        if conn.close():
-            with self.lock:
-                self.open_connections -= 1
-                if not self.accepting and self.open_connections < self.max_connections:
-                    self._set_accepting(True)
-
-    def _wait_readable(self, sock, callback, item):
-        """Have the loop call callback(item) once `sock` is readable (from any thread)."""
-        fd = sock.fileno()
-        self.waiting[fd] = (callback, item)
+    def handle_one_request(self):
+        """Like http.server's, with the whole head (not each line) bounded
+        at MAX_HEAD, and one pipeline instead of do_* methods."""
+        self.status, self.body, self.command = None, None, None
+        self.path, self.request_version = None, self.default_request_version
         try:
-            self.epoll.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
-        except FileNotFoundError:  # new socket (a closed one leaves the epoll set)
-            self.epoll.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
-
-    def park(self, conn):
-        """Wait for more of conn's next request."""
-        if not conn.reader.buf:
-            conn.deadline = time.monotonic() + CLIENT_TIMEOUT
-        try:
-            self._wait_readable(conn.sock, self._client_readable, conn)
-        except (OSError, ValueError):  # closed meanwhile
-            self.waiting.pop(conn.sock.fileno(), None)
-            self.close(conn)
-
-    def _client_readable(self, conn):
-        was_empty = not conn.reader.buf
-        try:
-            more = conn.reader.fill_nowait()
-        except BlockingIOError:
-            return self.park(conn)
-        except OSError:
-            more = False
-        if not more:
-            return self.close(conn)
-        if was_empty:  # a new request starts: its head must come within the timeout
-            conn.deadline = time.monotonic() + CLIENT_TIMEOUT
-        self.serve(conn)
-
-    def _sweep(self, now):
-        """Close idle connections; give up on a backend that does not answer;
-        accept again after running out of descriptors."""
-        for fd, entry in list(self.waiting.items()):
-            if entry[1].deadline <= now and self.waiting.pop(fd, None) is entry:
-                if isinstance(entry[1], Exchange):
-                    self._forward_failed(entry[1], "timed out")
-                else:
-                    self.close(entry[1])
-        if not self.accepting:
-            with self.lock:
-                if self.open_connections < self.max_connections:
-                    self._set_accepting(True)
-
-    # -- requests --------------------------------------------------------------------
-
-    def serve(self, conn):
-        """Answer the requests in conn's buffer, in order, as far as that
-        needs no waiting; hand the first that does to a worker; then wait
-        for more. Runs in the loop, or in a worker once it is done."""
-        service = self.service
-        while True:
-            buf = conn.reader.buf
-            if head_size(buf) < 0 and len(buf) <= MAX_HEAD:
-                return self.park(conn)
-            conn.outbox = []
-            request = service.read_request(conn)
-            if request is None:
-                return self._flush(conn, close=True)
-            if not request.fits_in_loop():
-                return self.workers.submit(self._finish, conn, request, None)
-            step = service.begin(request)
-            if isinstance(step, Forward) and step.prepare is None and \
-                    step.answer_filter is None and not self.upstream.tls:
-                return self._send_upstream(conn, request, step)
-            if step is not None:
-                return self.workers.submit(self._finish, conn, request, step)
-            service.log_request(request)
-            if not self._flush(conn, request.close_connection):
+            self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
+            started = time.monotonic()  # not before: a keep-alive connection waits idle
+            if not self.raw_requestline:
+                self.close_connection = True
                 return
+            if len(self.raw_requestline) > MAX_HEAD:
+                self.send_error(414, "Request line too long")
+            elif self.parse_request():
+                request = Request(self.command, self.path, self.headers, self.body,
+                                  self.request_version)
+                self.send_answer(self.server.service.handle(request))
+            self.wfile.flush()
+        except (TimeoutError, socket.timeout, ConnectionError):
+            self.close_connection = True
+        finally:
+            if self.status is not None or self.command:
+                self.server.service.log("%s %s %s %.2fms" % (
+                    printable(self.command or "-"), safe_path(self.path or "-")
+                    if self.command else "-", self.status or "-",
+                    (time.monotonic() - started) * 1000))
 
-    def _flush(self, conn, close):
-        """Send what was answered without waiting; a slow reader gets the
-        rest from a worker. True when the connection can serve on."""
-        data = b"".join(conn.outbox)
-        conn.outbox = None
-        try:
-            sent = conn.sock.send(data, socket.MSG_DONTWAIT) if data else 0
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self.close(conn)
+    def parse_request(self):
+        """Replaces http.server's: a request line of three words and HTTP/1.x
+        (no HTTP/0.9, whose answers have no head), the whole head within
+        MAX_HEAD but no cap per line, header lines every party reads alike,
+        one unambiguous body framing; 100 Continue waits until the body is read."""
+        self.close_connection = True
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        words = self.requestline.split()
+        if not words:
             return False
-        if sent < len(data):
-            self.workers.submit(self._send_rest, conn, data[sent:], close)
+        version = _HTTP_VERSION_RE.match(words[-1])
+        if len(words) != 3 or not version:
+            self.send_error(400, "Bad request line")
             return False
-        if close:
-            self.close(conn)
+        if version.group(1) != "1":
+            self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported")
+            return False
+        self.command, self.path = words[0], words[1]  # the target as sent: the service checks it
+        self.request_version = "HTTP/1.1" if int(version.group(2)) else "HTTP/1.0"
+        head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
+        if head is None:
+            return False
+        self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
+        connection = self.headers.get("Connection", "").lower()
+        self.close_connection = connection == "close" or (
+            self.request_version == "HTTP/1.0" and connection != "keep-alive")
+        expecting = self.request_version == "HTTP/1.1" and \
+            self.headers.get("Expect", "").lower() == "100-continue"
+        if expecting and not self.handle_expect_100():
+            return False
+        try:
+            self.body = Body.of_request(self.rfile, self.headers,
+                                        self.send_continue if expecting else None)
+        except ApiError as error:
+            self.close_connection = True
+            self.send_answer(Response.error(error))
             return False
         return True
 
-    def _send_rest(self, conn, data, close):
-        try:
-            conn.sock.sendall(data)
-        except OSError:
-            close = True
-        self._next(conn, close)
+    def read_header_block(self, budget):
+        """The header lines within `budget` bytes as text, or None once refused."""
+        lines = []
+        while True:
+            line = self.rfile.readline(budget + 1)
+            budget -= len(line)
+            if budget < 0 or len(lines) > MAX_HEADERS:
+                self.send_error(431, "Header fields too large")
+                return None
+            if line in (b"\r\n", b"\n", b""):
+                break
+            lines.append(line)
+        block = b"".join(lines)
+        if not _HEADER_BLOCK_RE.fullmatch(block):
+            self.send_error(400, "Bad header line")
+            return None
+        return block.decode("iso-8859-1")
 
-    def _finish(self, conn, request, step):
-        """In a worker: the request, or the step left of it."""
-        conn.outbox = None
-        self.service.finish(request, step)
-        self._next(conn, request.close_connection)
+    def handle_expect_100(self):
+        """Deferred: 100 Continue goes out when the body is first read (by
+        send_continue), so a refused request never invites its body."""
+        return True
 
-    def _next(self, conn, close):
-        if close:
-            self.close(conn)
+    def send_continue(self):
+        self.send_response_only(100)
+        self.end_headers()
+        self.wfile.flush()
+
+    def send_error(self, code, message=None, explain=None):
+        """Refusals of http.server's own checks, as upstream's JSON error."""
+        self.close_connection = True
+        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
+        self.send_answer(Response.error(error))
+
+    def send_answer(self, response):
+        """Write a Response, framed for this hop."""
+        body = self.body
+        if body is not None and not body.discard():
+            self.close_connection = True
+        status, head_only = response.status, self.command == "HEAD"
+        self.status = status
+        self.send_response_only(status)
+        names = set()
+        for name, value in response.headers:
+            names.add(name.lower())
+            self.send_header(name, value)
+        if "date" not in names:
+            self.send_header("Date", self.date_time_string())
+        chunked = False
+        if response.stream is None:
+            if status >= 200 and status not in (204, 304) and not (
+                    head_only and "content-length" in names):
+                self.send_header("Content-Length", str(len(response.body)))
+        elif response.length is not None:
+            self.send_header("Content-Length", str(response.length))
+        elif self.request_version == "HTTP/1.1":
+            chunked = True
+            self.send_header("Transfer-Encoding", "chunked")
         else:
-            self.serve(conn)
+            self.close_connection = True  # an HTTP/1.0 caller: the end is the close
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if response.stream is None:
+            if not head_only:
+                self.wfile.write(response.body)
+            return
+        self.write_stream(response.stream, chunked)
 
-    # -- forwards awaited in the loop --------------------------------------------------
-
-    def _send_upstream(self, conn, request, forward):
-        """Send the request on an idle backend connection and await the
-        answer in the loop. Without an idle connection, or if the send would
-        wait, a worker forwards it instead."""
-        service = self.service
-        connection = self.upstream.idle_connection()
-        if connection is None:
-            return self.workers.submit(self._finish, conn, request, forward)
-        forward.payload = payload = service.payload_of(request, forward)  # kept for a retry
-        data = self.upstream.request_head(request.command, forward.target,
-                                          service.headers_to_send(request, forward), payload)
+    def write_stream(self, stream, chunked):
+        """A streamed body, each piece sent as it comes; a backend or caller
+        that breaks off ends the connection (its framing cannot be finished)."""
         try:
-            sent = connection.sock.send(data + payload, socket.MSG_DONTWAIT)
+            for data in stream:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except (OSError, http.client.HTTPException):
+            self.close_connection = True
+        finally:
+            stream.close()
+
+    _date = (0, "")
+
+    def date_time_string(self, timestamp=None):
+        """http.server's, formatted once a second (formatting is slow)."""
+        if timestamp is not None:
+            return super().date_time_string(timestamp)
+        now = int(time.time())
+        if KeysHandler._date[0] != now:
+            KeysHandler._date = (now, super().date_time_string(now))
+        return KeysHandler._date[1]
+
+    def log_message(self, format, *args):
+        self.server.service.log("searchkeys: %s" % printable(format % args))
+
+
+class KeysServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once: past the
+    bound, new callers wait in the listen backlog."""
+
+    request_queue_size = 1024
+
+    def __init__(self, address, service, max_connections=512):
+        self.service = service
+        self.slots = threading.BoundedSemaphore(max(1, max_connections))
+        super().__init__(address, KeysHandler)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def shutdown_request(self, request):
+        """socketserver's, plus a lingering close: what the caller still sends
+        is read and dropped for a moment, or closing with unread bytes would
+        reset the connection and lose an answer sent before the request was
+        read to its end (a refused head, an oversized body)."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(LINGER_SECONDS)
+            budget = MAX_KEYS_BODY
+            while budget > 0:
+                data = request.recv(SMALL_BODY)
+                if not data:
+                    break
+                budget -= len(data)
         except OSError:
-            sent = -1
-        if sent != len(data) + len(payload):
-            connection.close()
-            return self.workers.submit(self._finish, conn, request, forward)
-        exchange = Exchange(conn, request, forward, connection,
-                            time.monotonic() + self.upstream.timeout)
-        self._wait_readable(connection.sock, self._upstream_readable, exchange)
+            pass
+        self.close_request(request)
 
-    def _upstream_readable(self, exchange):
-        connection = exchange.connection
-        reader = connection.reader
-        try:
-            more = reader.fill_nowait()
-        except BlockingIOError:
-            more = True
-        except OSError:
-            more = False
-        try:
-            while exchange.response is None and head_size(reader.buf) >= 0:
-                response = UpstreamResponse(reader, exchange.request.command)
-                if not response.interim:
-                    exchange.response = response
-        except UpstreamError:
-            more = False
-        response = exchange.response
-        if response is None and more and len(reader.buf) <= MAX_HEAD:
-            return self._wait_readable(connection.sock, self._upstream_readable, exchange)
-        if response is None:
-            # A pooled connection the backend had closed, or not HTTP: the
-            # worker's forward retries once on a fresh connection.
-            connection.close()
-            return self.workers.submit(self._finish, exchange.conn, exchange.request,
-                                       exchange.forward)
-        if response.fully_buffered():
-            exchange.conn.outbox = []
-            self.service.finish_forward(exchange.request, connection, response)
-            if self._flush(exchange.conn, exchange.request.close_connection):
-                self.serve(exchange.conn)
-        elif more and response.length is not None and response.length <= SMALL_BODY:
-            self._wait_readable(connection.sock, self._upstream_readable, exchange)
-        else:  # large or streamed: relayed by a worker
-            self.workers.submit(self._relay, exchange)
-
-    def _relay(self, exchange):
-        exchange.conn.outbox = None
-        self.service.finish_forward(exchange.request, exchange.connection, exchange.response)
-        self._next(exchange.conn, exchange.request.close_connection)
-
-    def _forward_failed(self, exchange, reason):
-        exchange.connection.close()
-        exchange.conn.outbox = []
-        self.service.forward_failed(exchange.request, reason)
-        if self._flush(exchange.conn, exchange.request.close_connection):
-            self.serve(exchange.conn)
+    def handle_error(self, request, client_address):
+        self.service.log("searchkeys: internal error: %s" % printable(
+            repr(sys.exc_info()[1])))
 
 
 # =============================================================================
@@ -3516,8 +3115,9 @@ def run_serve(args):
         store = KeyStore(master_key, args.store, _log_to_stderr)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
-        server = Server((args.host, args.port), Service(store, master_key, upstream,
-                                                         _log_to_stderr), args.max_connections)
+        server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
+                                                             _log_to_stderr),
+                            args.max_connections)
     except (StoreError, StoreWriteError, ValueError, OSError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1

@@ -13,8 +13,11 @@ Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measu
 - startup time (spawn → first answer on ``/health``) with an empty store and with 100,000 keys,
   and idle RSS for both (→ memory per 100,000 keys);
 - the guard's cost: a search request (``POST /indexes/blog/search`` with a search key) through
-  ``serve --upstream`` to ``stub_server.py search`` vs the same request sent to the stub directly,
-  interleaved in the same run.
+  ``serve --upstream`` to ``stub_server.py search`` vs the same request through the card's floor
+  (``stub_server.py proxy``: bare http.server + http.client, no authorization) and sent to the
+  stub directly, interleaved in the same run;
+- where nginx is installed: the same search through nginx with ``auth_request`` to searchkeys
+  (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone.
 
 The store is filled through the API (``POST /keys`` from a concurrent keep-alive client), the way
 a user would; the fill rate is reported too. Prints ONE JSON object with the figures, the ratios
@@ -33,6 +36,8 @@ from common import log, ratio
 
 SEARCHKEYS = common.ROOT / "searchkeys.py"
 STUB = common.BENCH_DIR / "stub_server.py"
+NGINX = shutil.which("nginx") or next(
+    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None)
 MASTER_KEY = "bench-master-key-0123456789abcdef"
 UPSTREAM_KEY = "bench-upstream-key-0123456789"
 INDEX = "blog"
@@ -47,7 +52,9 @@ TARGETS_DOC = {
     "create_scaling": "POST /keys per-create cost does not grow: rate at 100k / rate at 100 >= 0.8",
     "startup_100k": "startup with 100,000 keys < 2 s",
     "guard_p50": "guard adds < 1 ms to the p50 of a search at c=1",
-    "guard_rps": "guarded search throughput >= 0.5x direct at c=8",
+    "guard_rps": "guarded search throughput >= 0.9x the floor (bare http.server + http.client "
+                 "proxy) at c=8",
+    "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
 }
 
 
@@ -245,28 +252,87 @@ def measure_creates(args, small, big, level):
     return table
 
 
+def start_floor_proxy(args, workdir, upstream):
+    port = common.free_port()
+    return common.Server("floor-proxy", [args.python, STUB, "proxy", "--port", port,
+                                         "--upstream", upstream], port, ready_path="/",
+                         log_dir=workdir)
+
+
 def measure_guard(args, workdir):
-    """The same search request through the guard and directly to the stub, interleaved."""
+    """The same search request through the guard, through the card's floor (a bare
+    http.server + http.client proxy, no authorization) and directly to the stub, interleaved."""
     stub = start_stub(args, "search", workdir)
-    guard = start_searchkeys(args, workdir, upstream=f"http://{common.HOST}:{stub.port}")
+    upstream = f"http://{common.HOST}:{stub.port}"
+    floor = start_floor_proxy(args, workdir, upstream)
+    guard = start_searchkeys(args, workdir, upstream=upstream)
     try:
         key = new_search_key(guard.port)
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         request = Req("POST", SEARCH_PATH, headers, SEARCH_BODY)
         status, body = call(guard.port, "POST", SEARCH_PATH, headers, SEARCH_BODY)
         log(f"guarded search answered {status}: {str(body)[:100]}")
-        targets = {"direct": (stub, request), "guarded": (guard, request)}
+        targets = {"direct": (stub, request), "floor": (floor, request),
+                   "guarded": (guard, request)}
         table = interleaved(args, targets, "search", client_labels(args),
-                            {"direct": {200}, "guarded": {200}})
+                            {"direct": {200}, "floor": {200}, "guarded": {200}})
         for row in table.values():
+            row["guarded/floor"] = common.compare(row["guarded"], row["floor"])
             row["guarded/direct"] = common.compare(row["guarded"], row["direct"])
             row["added_p50_ms"] = round(row["guarded"]["p50_ms"] - row["direct"]["p50_ms"], 3)
+            row["added_p50_vs_floor_ms"] = round(
+                row["guarded"]["p50_ms"] - row["floor"]["p50_ms"], 3)
         table["guarded_status"] = status
         table["guard_rss_mib"] = round((guard.status() or {}).get("rss_kib", 0) / 1024, 1)
         return table
     finally:
         guard.stop()
+        floor.stop()
         stub.stop()
+
+
+def start_nginx(workdir, name, listen, searchkeys, backend):
+    """nginx from the README's recipe (searchkeys-nginx.conf.example), in its own prefix;
+    with ``searchkeys`` None, the same proxy without the auth_request lines (nginx direct)."""
+    prefix = workdir / name
+    prefix.mkdir()
+    for folder in (workdir, prefix):
+        folder.chmod(0o755)  # nginx's workers may run as another user
+    text = (common.ROOT / "searchkeys-nginx.conf.example").read_text()
+    if searchkeys is None:
+        text = "\n".join(line for line in text.splitlines() if "auth_request" not in line)
+    for placeholder, value in (("listen", f"{common.HOST}:{listen}"),
+                               ("searchkeys", searchkeys or f"{common.HOST}:9"),
+                               ("backend", backend), ("backend_key", UPSTREAM_KEY)):
+        text = text.replace("{{%s}}" % placeholder, value)
+    (prefix / "nginx.conf").write_text("daemon off;\n" + text)
+    return common.Server(name, [NGINX, "-p", prefix, "-c", prefix / "nginx.conf", "-e", "stderr"],
+                         listen, ready_path="/health", log_dir=workdir)
+
+
+def measure_nginx(args, workdir):
+    """A search through nginx + auth_request to searchkeys vs through nginx alone."""
+    stub = start_stub(args, "search", workdir)
+    guard = start_searchkeys(args, workdir)
+    backend = f"{common.HOST}:{stub.port}"
+    servers = [stub, guard]
+    try:
+        servers.append(start_nginx(workdir, "nginx-direct", common.free_port(), None, backend))
+        servers.append(start_nginx(workdir, "nginx-searchkeys", common.free_port(),
+                                   f"{common.HOST}:{guard.port}", backend))
+        key = new_search_key(guard.port)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        request = Req("POST", SEARCH_PATH, headers, SEARCH_BODY)
+        targets = {"nginx direct": (servers[2], request),
+                   "nginx+searchkeys": (servers[3], request)}
+        table = interleaved(args, targets, "search via nginx", client_labels(args),
+                            {"nginx direct": {200}, "nginx+searchkeys": {200}})
+        for row in table.values():
+            row["guarded/direct"] = common.compare(row["nginx+searchkeys"], row["nginx direct"])
+        return table
+    finally:
+        for server in reversed(servers):
+            server.stop()
 
 
 def idle_rss_mib(server):
@@ -303,8 +369,13 @@ def evaluate_targets(args, result):
         add("guard_p50", "added p50 ms at c=1 (guarded - direct)", added, "< 1", added < 1)
     for label in ("python c=8", "wrk c=8"):
         if label in guard:
-            r = guard[label]["guarded/direct"]["rps"]
-            add("guard_rps", f"{label} rps guarded/direct", r, ">= 0.5", r >= 0.5)
+            r = guard[label]["guarded/floor"]["rps"]
+            add("guard_rps", f"{label} rps guarded/floor", r, ">= 0.9", r >= 0.9)
+        row = result.get("nginx", {}).get(label)
+        if row:
+            r = row["guarded/direct"]["rps"]
+            add("nginx_rps", f"{label} rps nginx+searchkeys / nginx direct", r, ">= 0.8",
+                r >= 0.8)
     return targets
 
 
@@ -330,6 +401,8 @@ def main():
     try:
         if args.guard_only:
             result["guard"] = measure_guard(args, workdir)
+            if NGINX:
+                result["nginx"] = measure_nginx(args, workdir)
             return common.finish_result("searchkeys-guard", result,
                                         evaluate_targets(args, result))
         result["startup_ms"] = {"empty store": common.measure_startup(
@@ -369,6 +442,8 @@ def main():
         for server in (restarted, small, floor):
             server.stop()
         result["guard"] = measure_guard(args, workdir)
+        if NGINX:
+            result["nginx"] = measure_nginx(args, workdir)
     finally:
         for server in servers:
             server.stop()

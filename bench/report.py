@@ -67,9 +67,32 @@ def table_rows(table, names, ratios):
     return lines
 
 
+def guard_lines(result):
+    lines = []
+    lines += ["", "Guard (POST /indexes/blog/search with a search key), through "
+              "`serve --upstream` vs the floor (bare http.server + http.client proxy) vs direct "
+              "to the stub:", "",
+              "| client | direct rps / p50 / p99 ms | floor rps / p50 / p99 ms "
+              "| guarded rps / p50 / p99 ms | rps guarded/floor | rps guarded/direct "
+              "| server CPU µs/req (stub / floor / guard) |", "|---|---|---|---|---|---|---|"]
+    lines += table_rows(result["guard"], ["direct", "floor", "guarded"],
+                        ["guarded/floor", "guarded/direct"])
+    lines += ["", "added p50 (guarded - direct): " + ", ".join(
+        f"{label} {row['added_p50_ms']} ms" for label, row in result["guard"].items()
+        if isinstance(row, dict) and "added_p50_ms" in row)]
+    if "nginx" in result:
+        lines += ["", "nginx (the README's recipe: auth_request to searchkeys, decisions cached "
+                  "5 s) vs nginx alone, both proxying to the stub:", "",
+                  "| client | nginx direct rps / p50 / p99 ms | nginx+searchkeys rps / p50 / p99 ms"
+                  " | rps ratio | server CPU µs/req |", "|---|---|---|---|---|"]
+        lines += table_rows(result["nginx"], ["nginx direct", "nginx+searchkeys"],
+                            ["guarded/direct"])
+    return lines
+
+
 def searchkeys(result):
     lines = []
-    for level, table in result["authorize"].items():
+    for level, table in result.get("authorize", {}).items():
         big = f"{level} keys"
         names = ["10 keys", big, "floor"]
         lines += ["", f"Authorization (GET /authorize, valid key), {level} vs 10 stored keys:", "",
@@ -77,21 +100,16 @@ def searchkeys(result):
                   "| floor rps / p50 / p99 ms | rps big/10 | rps big/floor "
                   "| server CPU µs/req (10 / big / floor) |", "|---|---|---|---|---|---|---|"]
         lines += table_rows(table, names, ["big/10", "big/floor"])
-    creates = result["creates"]
+    creates = result.get("creates")
+    if creates is None:  # a --guard-only run
+        return lines + guard_lines(result)
     names = [n for n in creates["stored_after"]]
     lines += ["", "POST /keys on a durable store (stored keys before; the small store grows "
               f"during the measurement, to {creates['stored_after'][names[0]]}):", "",
               f"| client | {names[0]} creates/s / p50 / p99 ms | {names[1]} creates/s / p50 / p99 ms"
               " | rate big/small | server CPU µs/req |", "|---|---|---|---|---|"]
     lines += table_rows(creates, names, ["big/small"])
-    lines += ["", "Guard (POST /indexes/blog/search with a search key), through "
-              "`serve --upstream` vs direct to the stub:", "",
-              "| client | direct rps / p50 / p99 ms | guarded rps / p50 / p99 ms | rps guarded/direct "
-              "| server CPU µs/req (stub / guard) |", "|---|---|---|---|---|"]
-    lines += table_rows(result["guard"], ["direct", "guarded"], ["guarded/direct"])
-    lines += ["", "added p50 (guarded - direct): " + ", ".join(
-        f"{label} {row['added_p50_ms']} ms" for label, row in result["guard"].items()
-        if isinstance(row, dict) and "added_p50_ms" in row)]
+    lines += guard_lines(result)
     lines += ["", "startup (spawn → first answer), median wall ms / CPU ms: " + "; ".join(
         f"{k}: {v['median_ms']} / {v['cpu_median_ms']} (wall samples {v['samples_ms']})"
         for k, v in result["startup_ms"].items()),

@@ -2,6 +2,7 @@
 
     python3 bench/stub_server.py floor  --port N   # the Python floor for webhookd's cheap paths
     python3 bench/stub_server.py search --port N   # a stand-in search backend for searchkeys
+    python3 bench/stub_server.py proxy --port N --upstream URL  # searchkeys' floor
 
 ``floor``: a bare ``http.server`` handler that does nothing but answer — every GET gets
 404 ``Hook not found.`` — with HTTP/1.1 keep-alive, the threading server and TCP_NODELAY. It is the
@@ -10,9 +11,16 @@ fastest a webhook runner built on ``http.server`` can be on this machine.
 ``search``: answers every GET/POST with a small fixed Meilisearch-shaped search result, so that a
 request through ``searchkeys.py serve --upstream`` can be compared with the same request sent to
 this backend directly.
+
+``proxy``: the design card's floor for ``searchkeys.py serve --upstream``: a bare ``http.server``
++ ``http.client`` pass-through proxy without any authorization (one keep-alive backend connection
+per thread), so the guard's cost can be told from the cost of the standard library it stands on.
 """
 import argparse
+import http.client
 import json
+import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -56,7 +64,38 @@ class SearchStubHandler(QuietKeepAliveHandler):
     response = canned_response(200, "OK", "application/json", SEARCH_RESULT)
 
 
-HANDLERS = {"floor": FloorHandler, "search": SearchStubHandler}
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+              "proxy-connection", "content-length", "host"}
+
+
+class ProxyHandler(QuietKeepAliveHandler):
+    """Relays each request to ``upstream`` (set by main) and its answer back, nothing else."""
+
+    upstream = None
+    local = threading.local()
+
+    def _respond(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPConnection(*self.upstream)
+        conn.request(self.command, self.path, body=body, headers=headers)
+        answer = conn.getresponse()
+        data = answer.read()
+        self.send_response_only(answer.status)
+        for name, value in answer.getheaders():
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _respond
+
+
+HANDLERS = {"floor": FloorHandler, "search": SearchStubHandler, "proxy": ProxyHandler}
 
 
 class QuietServer(ThreadingHTTPServer):
@@ -71,7 +110,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(HANDLERS))
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", help="backend URL (proxy only)")
     args = parser.parse_args()
+    if args.kind == "proxy":
+        parts = urllib.parse.urlsplit(args.upstream)
+        ProxyHandler.upstream = (parts.hostname, parts.port)
     server = QuietServer(("127.0.0.1", args.port), HANDLERS[args.kind])
     try:
         server.serve_forever()

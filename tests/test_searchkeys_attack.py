@@ -1098,9 +1098,10 @@ def run_transport(workdir, seed=SEED):
             ("Content-Length not a number", post + b"Content-Length: 1e3\r\n\r\n{}", {400}),
             ("200 headers", b"GET /keys HTTP/1.1\r\nHost: x\r\n" + auth
              + b"".join(b"X-H%d: v\r\n" % i for i in range(200)) + b"\r\n", {400, 431}),
-            ("70 KB header", b"GET /keys HTTP/1.1\r\nHost: x\r\n" + auth + b"X-Big: " + b"y" * 70000 + b"\r\n\r\n",
+            # actix-http bounds the whole head at 128 KiB, not each line
+            ("140 KB header", b"GET /keys HTTP/1.1\r\nHost: x\r\n" + auth + b"X-Big: " + b"y" * 140000 + b"\r\n\r\n",
              {400, 431}),
-            ("70 KB target", b"GET /keys?" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", {400, 414}),
+            ("140 KB target", b"GET /keys?" + b"a" * 140000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", {400, 414}),
             ("garbage request line", b"GARBAGE\r\n\r\n", {400}),
             ("unknown HTTP version", b"GET /keys HTTP/9.9\r\nHost: x\r\n\r\n", {400, 505}),
         ]

@@ -1,10 +1,9 @@
-"""searchkeys.py serve: the connection loop under load shapes a real deployment meets.
+"""searchkeys.py serve: the server under load shapes a real deployment meets.
 
-One thread answers what never waits (reading requests, authorization, /health, /authorize,
-forwards on pooled backend connections); workers take what may wait (the store's writes, large
-or streamed answers, connecting to the backend). These tests check, through real sockets, that
-answers keep their order on a keep-alive connection whichever thread makes them, and that one
-slow party (a backend, a client that does not read) never holds up the others.
+These tests check, through real sockets, that answers keep their order on a keep-alive
+connection (pipelined), that one slow party (a backend, a client that does not read) never holds
+up the others, that dead pooled backend connections are handled, and that --max-connections
+bounds the connections served at once.
 """
 import http.server
 import json

@@ -712,7 +712,7 @@ def test_handler_checks():
     assert refusal(sk.check_index_swap, scoped, [{"indexes": ["movies", "books"]}]) == INVALID
     assert sk.check_index_swap(scoped, None, [{"indexes": ["movies", "movies2"]}])
     token = sk.Principal(FakeKey(["search"], ["*"]), rules=["movies"])
-    assert not token.unrestricted and not token.allows_index("books")
+    assert not token.unrestricted and not token.may_use_index("books")
     assert sk.Principal().unrestricted and sk.Principal(FakeKey(["search"], ["*"])).unrestricted
 
 
@@ -932,3 +932,32 @@ def test_logged_paths_hide_key_values():
         assert value not in sk.safe_path(raw) and "<hidden>" in sk.safe_path(raw)
     assert sk.safe_path("/keys/" + PARENT_UID) == "/keys/" + PARENT_UID
     assert sk.safe_path("/indexes/movies/search?q=secret") == "/indexes/movies/search"
+
+
+def test_filters_are_fused_as_meilisearch_fuses_them():
+    """meilisearch search/mod.rs fuse_filters: arrays spliced into one AND-list; an inner
+    array (an OR) stays one element; None is no filter."""
+    fuse = sk.fuse_filters
+    assert fuse(None, None) is None
+    assert fuse("a = 1", None) == "a = 1" and fuse(None, ["b = 2"]) == ["b = 2"]
+    assert fuse("tenant = 2", ["tenant = 1", "deleted = false"]) == \
+        ["tenant = 2", "tenant = 1", "deleted = false"]
+    assert fuse(["a", ["b", "c"]], "d") == ["a", ["b", "c"], "d"]
+    token = sk.Principal(FakeKey(["search"], ["*"]), rules={"m": {"filter": ["t = 1", "x"]}})
+    assert sk.restrict_search_body(token, "m", {"filter": "t = 2"}) == {
+        "filter": ["t = 2", "t = 1", "x"]}
+    query = sk.restrict_search_query(token, "m", "filter=null")
+    assert sk.urllib.parse.parse_qsl(query) == [("filter", '[null,"t = 1","x"]')]
+
+
+def test_only_origin_form_targets_pass():
+    assert sk.origin_form("/indexes/a/search?q=1") == "/indexes/a/search?q=1"
+    for target in ("http://indexes/keys", "x/indexes", "*", "/a#/keys", "/a b", "/\u00e9", ""):
+        with pytest.raises(sk.ApiError) as info:
+            sk.origin_form(target)
+        assert info.value.status == 400
+
+
+def test_log_text_is_one_line():
+    assert sk.printable("/a\nb\r\x1b\u2028") == "/a\\nb\\r\\x1b\\u2028"
+    assert "\n" not in sk.safe_path("/indexes/a%0Aforged/search")

@@ -1,0 +1,356 @@
+"""The guard (`searchkeys.py serve --upstream`) against a stand-in backend on 127.0.0.1.
+
+Each test sends real HTTP to the guard and checks what the backend received: the guard must
+forward exactly what it authorized (request targets, tenant-token filters fused as Meilisearch's
+`fuse_filters` fuses them), send a request at most once unless it is safe to repeat, stream large
+and chunked bodies both ways, and log nothing a caller can use to forge a log line.
+"""
+import base64
+import hashlib
+import hmac
+import json
+import socket
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
+
+MASTER = "guard-test-master-key-0123456789"
+UPSTREAM_KEY = "UPSTREAM-ADMIN-KEY"
+
+
+def b64url(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def mint(parent_key, parent_uid, rules):
+    """A tenant token (HS256, signed with the parent key's text), minted by hand."""
+    signing_input = (b64url(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "." +
+                     b64url(json.dumps({"searchRules": rules, "apiKeyUid": parent_uid}).encode()))
+    sig = hmac.new(parent_key.encode(), signing_input.encode(), hashlib.sha256).digest()
+    return signing_input + "." + b64url(sig)
+
+
+class Recorder:
+    """A backend speaking HTTP/1.1 on a raw socket, so that it can misbehave on purpose.
+
+    It records every request (method, target, headers, body; chunked bodies decoded) and
+    answers 200 JSON, except: a target containing `drop` is read, recorded, and the connection
+    closed without an answer; a target containing `chunked` is answered with chunked coding
+    (`size` bytes of it, from the query)."""
+
+    def __init__(self):
+        self.seen = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        stream = conn.makefile("rb")
+        with conn:
+            while True:
+                line = stream.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode("latin-1").split(" ", 2)
+                headers, fields = {}, []
+                while True:
+                    header = stream.readline().decode("latin-1").rstrip("\r\n")
+                    if not header:
+                        break
+                    name, _, value = header.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                    fields.append((name.strip().lower(), value.strip()))
+                if headers.get("transfer-encoding") == "chunked":
+                    body = b""
+                    while True:
+                        size = int(stream.readline().split(b";")[0], 16)
+                        body += stream.read(size)
+                        stream.readline()
+                        if size == 0:
+                            break
+                else:
+                    body = stream.read(int(headers.get("content-length", "0")))
+                self.seen.append({"method": method, "target": target, "headers": headers,
+                                  "fields": fields, "body": body})
+                if "drop" in target:
+                    return
+                if "chunked" in target:
+                    size = int(dict(urllib.parse.parse_qsl(target.partition("?")[2]))["size"])
+                    piece = b"0123456789abcdef" * 1024
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n")
+                    sent = 0
+                    while sent < size:
+                        data = piece[:size - sent]
+                        conn.sendall(b"%x\r\n%s\r\n" % (len(data), data))
+                        sent += len(data)
+                    conn.sendall(b"0\r\n\r\n")
+                    continue
+                payload = json.dumps({"target": target}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    recorder = Recorder()
+    yield recorder
+    recorder.close()
+
+
+@pytest.fixture(scope="module")
+def guard(backend):
+    port = free_port()
+    argv = python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER, "--upstream", backend.url,
+                      "--upstream-key", UPSTREAM_KEY)
+    with Daemon(argv, port, timeout=30.0) as daemon:
+        yield daemon
+
+
+def create_key(guard, actions, indexes):
+    status, _, data = request(guard.port, "POST", "/keys", json.dumps(
+        {"actions": actions, "indexes": indexes, "expiresAt": None}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 201, data
+    return json.loads(data)
+
+
+def raw(port, data, timeout=15):
+    """Raw bytes in, the first answer's status line and body out."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        stream = sock.makefile("rb")
+        status = stream.readline().split()[1]
+        length = 0
+        while True:
+            line = stream.readline().rstrip(b"\r\n")
+            if not line:
+                break
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return int(status), stream.read(length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request targets: only origin form, in forwarding and in /authorize
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,target", [
+    ("GET", "http://indexes/keys"),
+    ("GET", "http://tasks/keys"),
+    ("PATCH", "http://indexes/network"),
+    ("DELETE", "http://indexes/tasks"),
+    ("GET", "x/indexes/movies/search"),
+    ("GET", "HTTP://indexes/keys"),
+    ("GET", "*"),
+])
+def test_targets_not_in_origin_form_are_refused_and_never_forwarded(guard, backend, method,
+                                                                   target):
+    """A key holding only indexes.get must not reach the backend's /keys, /network or /tasks
+    (which the backend would serve with the admin --upstream-key)."""
+    key = create_key(guard, ["indexes.get", "indexes.update", "indexes.delete"], ["*"])["key"]
+    backend.seen.clear()
+    body = b"{}" if method == "PATCH" else b""
+    status, answer = raw(guard.port, (
+        "%s %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: "
+        "application/json\r\nContent-Length: %d\r\n\r\n" % (method, target, key, len(body))
+    ).encode() + body)
+    assert status == 400, (status, answer)
+    assert json.loads(answer)["code"] == "bad_request"
+    assert backend.seen == []
+
+
+@pytest.mark.parametrize("uri", ["http://indexes/keys", "http://tasks/keys", "x/indexes/a/search"])
+def test_authorize_refuses_targets_not_in_origin_form(guard, uri):
+    key = create_key(guard, ["indexes.get", "search"], ["*"])["key"]
+    status, _, data = request(guard.port, "GET", "/authorize", headers={
+        "Authorization": "Bearer " + key, "X-Original-URI": uri, "X-Original-Method": "GET"})
+    assert status in (400, 403), (status, data)
+    assert json.loads(data)["code"] in ("bad_request", "invalid_api_key")
+
+
+def test_a_long_header_within_the_head_limit_is_served(guard):
+    """actix-http bounds the whole head (128 KiB), not each line: a 70 KB header is fine."""
+    status, _, data = request(guard.port, "GET", "/keys?limit=1", headers={
+        "Authorization": "Bearer " + MASTER, "X-Big": "y" * 70000})
+    assert status == 200, data
+
+
+# ---------------------------------------------------------------------------------------------
+# Tenant-token filters: fused as Meilisearch's fuse_filters, on every route that adds them
+# ---------------------------------------------------------------------------------------------
+
+RULE = ["tenant = 1", "deleted = false"]
+
+
+@pytest.fixture(scope="module")
+def token(guard):
+    parent = create_key(guard, ["search"], ["*"])
+    return mint(parent["key"], parent["uid"], {"movies": {"filter": RULE}})
+
+
+def sent_filter(seen):
+    """The filter the backend received, from the JSON body or the `filter` parameter."""
+    if seen["body"]:
+        return json.loads(seen["body"])
+    query = dict(urllib.parse.parse_qsl(seen["target"].partition("?")[2]))
+    return json.loads(query["filter"])
+
+
+@pytest.mark.parametrize("user_filter,fused", [
+    ("tenant = 2", ["tenant = 2", "tenant = 1", "deleted = false"]),
+    (["a = 1", "b = 2"], ["a = 1", "b = 2", "tenant = 1", "deleted = false"]),
+    ([["a = 1", "b = 2"]], [["a = 1", "b = 2"], "tenant = 1", "deleted = false"]),
+    (None, RULE),
+])
+def test_tenant_filters_are_fused_on_every_search_route(guard, backend, token, user_filter,
+                                                        fused):
+    def with_filter(query):
+        return dict(query, filter=user_filter) if user_filter is not None else query
+
+    posts = [
+        ("/indexes/movies/search", with_filter({"q": "a"}), lambda body: body["filter"]),
+        ("/indexes/movies/facet-search", with_filter({"facetName": "genre"}),
+         lambda body: body["filter"]),
+        ("/indexes/movies/similar", with_filter({"id": 1}), lambda body: body["filter"]),
+        ("/multi-search", {"queries": [with_filter({"indexUid": "movies", "q": "a"})]},
+         lambda body: body["queries"][0]["filter"]),
+        ("/multi-search", {"federation": {}, "queries": [
+            with_filter({"indexUid": "movies", "q": "a"})]},
+         lambda body: body["queries"][0]["filter"]),
+    ]
+    for path, body, pick in posts:
+        backend.seen.clear()
+        status, _, data = request(guard.port, "POST", path, json.dumps(body), {
+            "Authorization": "Bearer " + token, "Content-Type": "application/json"})
+        assert status == 200, (path, data)
+        assert pick(sent_filter(backend.seen[-1])) == fused, (path, backend.seen[-1])
+    for path in ("/indexes/movies/search?q=a", "/indexes/movies/similar?id=1"):
+        if user_filter is not None:
+            text = user_filter if isinstance(user_filter, str) else json.dumps(user_filter)
+            path += "&" + urllib.parse.urlencode({"filter": text})
+        backend.seen.clear()
+        status, _, data = request(guard.port, "GET", path,
+                                  headers={"Authorization": "Bearer " + token})
+        assert status == 200, (path, data)
+        assert sent_filter(backend.seen[-1]) == fused, (path, backend.seen[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# At most once, unless safe to repeat
+# ---------------------------------------------------------------------------------------------
+
+def test_a_write_is_sent_once_even_when_the_backend_drops_the_connection(guard, backend):
+    """The backend reads the documents, then closes its (pooled, keep-alive) connection
+    without answering: the guard answers 502 and does not send them a second time."""
+    key = create_key(guard, ["documents.add", "version"], ["*"])["key"]
+    auth = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+    assert request(guard.port, "GET", "/version", headers=auth)[0] == 200  # pools a connection
+    backend.seen.clear()
+    status, _, data = request(guard.port, "POST", "/indexes/blog/documents?drop=1",
+                              b'[{"id": 1}]', auth)
+    assert status == 502, data
+    assert json.loads(data)["code"] == "upstream_unavailable"
+    sent = [s for s in backend.seen if s["target"].startswith("/indexes/blog/documents")]
+    assert len(sent) == 1, sent
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies both ways
+# ---------------------------------------------------------------------------------------------
+
+def test_chunked_and_large_bodies_are_streamed_both_ways(guard, backend):
+    key = create_key(guard, ["documents.add", "search"], ["*"])["key"]
+    documents = json.dumps([{"id": i, "text": "x" * 100} for i in range(3000)]).encode()
+    pieces = [documents[i:i + 50000] for i in range(0, len(documents), 50000)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    backend.seen.clear()
+    status, answer = raw(guard.port, (
+        "POST /indexes/blog/documents HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" % key
+    ).encode() + chunked)
+    assert status == 200, answer
+    assert backend.seen[-1]["body"] == documents
+    backend.seen.clear()
+    status, _, data = request(guard.port, "POST", "/indexes/blog/documents", documents, {
+        "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    assert status == 200 and backend.seen[-1]["body"] == documents
+    size = 300000
+    status, headers, data = request(guard.port, "GET",
+                                    "/indexes/blog/search?chunked=1&size=%d" % size,
+                                    headers={"Authorization": "Bearer " + key})
+    assert status == 200 and len(data) == size
+    assert data == (b"0123456789abcdef" * 1024 * 20)[:size]
+
+
+def test_headers_reach_the_backend_as_sent_but_the_credential(guard, backend):
+    key = create_key(guard, ["search"], ["*"])["key"]
+    backend.seen.clear()
+    status, _ = raw(guard.port, (
+        "GET /indexes/blog/search?q=a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        "X-Tag: one\r\nX-Tag: two\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\n"
+        "Content-Length: 0\r\n\r\n" % key).encode())
+    assert status == 200
+    fields = backend.seen[-1]["fields"]
+    assert [v for n, v in fields if n == "x-tag"] == ["one", "two"]
+    assert ("authorization", "Bearer " + UPSTREAM_KEY) in fields
+    assert not [n for n, _ in fields if n in ("x-hop", "connection", "accept-encoding")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs
+# ---------------------------------------------------------------------------------------------
+
+def test_the_access_log_cannot_be_forged(guard):
+    forged = "FORGED-LINE GET /keys 200 0.10ms"
+    path = "/indexes/movies%0A" + urllib.parse.quote(forged) + "%0D/search"
+    request(guard.port, "GET", path, headers={"Authorization": "Bearer " + MASTER})
+    deadline = time.monotonic() + 10
+    while "FORGED" not in guard.log() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the log line may trail the answer
+    lines = guard.log().splitlines()
+    assert not [line for line in lines if line.startswith("FORGED")], lines[-5:]
+    assert any("FORGED" in line and "\\n" in line for line in lines), lines[-5:]
+
+
+def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(guard, backend):
+    """A refused request gets its refusal without `100 Continue` (its body is never invited);
+    an authorized one gets `100 Continue`, then its body reaches the backend."""
+    key = create_key(guard, ["documents.add"], ["blog"])["key"]
+    body = b'[{"id": 7}]'
+
+    def send(path):
+        sock = socket.create_connection(("127.0.0.1", guard.port), timeout=15)
+        sock.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                      "Content-Type: application/json\r\nContent-Length: %d\r\n"
+                      "Expect: 100-continue\r\n\r\n" % (path, key, len(body))).encode())
+        return sock, sock.makefile("rb")
+
+    sock, stream = send("/indexes/other/documents")
+    with sock:
+        assert stream.readline().split()[1] == b"403"
+    backend.seen.clear()
+    sock, stream = send("/indexes/blog/documents")
+    with sock:
+        assert stream.readline().split()[1] == b"100"
+        assert stream.readline() == b"\r\n"
+        sock.sendall(body)
+        assert stream.readline().split()[1] == b"200"
+    assert backend.seen[-1]["body"] == body

@@ -1,0 +1,130 @@
+"""The nginx recipe (searchkeys-nginx.conf.example): nginx asks `GET /authorize` with
+`auth_request` and proxies allowed requests to a stand-in backend.
+
+Skipped where nginx is not installed. nginx runs with its own -p prefix and -c config in a
+temporary folder, on loopback ports; the system's nginx configuration is never read.
+"""
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+
+import pytest
+
+from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
+    wait_for_port
+
+NGINX = shutil.which("nginx") or next(
+    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed")
+
+MASTER = "nginx-test-master-key-0123456789"
+BACKEND_KEY = "BACKEND-ADMIN-KEY"
+
+
+def nginx_config(listen, searchkeys, backend):
+    """The README's recipe with its placeholders filled, run in the foreground."""
+    text = (ROOT / "searchkeys-nginx.conf.example").read_text()
+    for name, value in (("listen", listen), ("searchkeys", searchkeys), ("backend", backend),
+                        ("backend_key", BACKEND_KEY)):
+        text = text.replace("{{%s}}" % name, value)
+    assert "{{" not in text
+    return "daemon off;\n" + text
+
+
+class Backend:
+    """A stand-in search backend that records what reaches it."""
+
+    def __init__(self):
+        self.seen = []
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                seen.append({"method": self.command, "path": self.path, "body": body,
+                             "authorization": self.headers.get("Authorization")})
+                payload = json.dumps({"hits": [], "path": self.path}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_POST = do_DELETE = do_GET
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = "127.0.0.1:%d" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    backend = Backend()
+    port = free_port()
+    guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
+                              "--master-key", MASTER), port, timeout=30.0)
+    with scratch_dir("searchkeys-nginx-") as prefix:
+        os.chmod(prefix, 0o755)  # nginx's workers may run as another user
+        listen = free_port()
+        (prefix / "nginx.conf").write_text(nginx_config(
+            "127.0.0.1:%d" % listen, "127.0.0.1:%d" % port, backend.address))
+        nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"),
+                                  "-e", "stderr"], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            wait_for_port(listen, nginx, timeout=15)
+            yield guard, listen, backend
+        finally:
+            nginx.send_signal(signal.SIGQUIT)
+            try:
+                nginx.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(nginx.pid, signal.SIGKILL)
+                nginx.wait()
+            guard.__exit__(None, None, None)
+            backend.close()
+
+
+def create_key(port, actions, indexes):
+    status, _, data = request(port, "POST", "/keys", json.dumps(
+        {"actions": actions, "indexes": indexes, "expiresAt": None}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 201, data
+    return json.loads(data)["key"]
+
+
+def test_nginx_passes_what_searchkeys_allows_and_nothing_else(stack):
+    guard, listen, backend = stack
+    key = create_key(guard.port, ["search"], ["movies"])
+    auth = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+    backend.seen.clear()
+    for _ in range(3):  # the later ones may be answered from nginx's decision cache
+        status, _, data = request(listen, "POST", "/indexes/movies/search", b'{"q":"a"}', auth)
+        assert status == 200, data
+        assert json.loads(data)["path"] == "/indexes/movies/search"
+    assert len(backend.seen) == 3
+    assert {s["authorization"] for s in backend.seen} == {"Bearer " + BACKEND_KEY}
+    assert backend.seen[0]["body"] == b'{"q":"a"}'
+    backend.seen.clear()
+    assert request(listen, "POST", "/indexes/other/search", b"{}", auth)[0] == 403
+    assert request(listen, "DELETE", "/indexes/movies", headers=auth)[0] == 403
+    assert request(listen, "GET", "/keys", headers=auth)[0] == 403
+    assert request(listen, "POST", "/indexes/movies/search", b"{}")[0] == 401
+    assert backend.seen == []
+    assert request(listen, "GET", "/health")[0] == 200  # public: allowed without a key
