@@ -38,6 +38,7 @@ import base64
 import binascii
 import calendar
 import datetime
+import fcntl
 import functools
 import gc
 import hashlib
@@ -51,6 +52,7 @@ import re
 import secrets
 import select
 import signal
+import stat
 import socket
 import struct
 import sys
@@ -1245,9 +1247,9 @@ _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", 
 
 class KeyStore:
     """All keys in memory, indexed by uid and by derived value, optionally
-    made durable in a Journal. Writers serialize on one lock; readers (the
-    per-request key lookup) never wait: keys are immutable and dict reads are
-    atomic.
+    made durable in a StoreFile. Writers serialize on one lock and write the
+    file before the change goes live; readers (the per-request key lookup)
+    never wait: keys are immutable and dict reads are atomic.
     """
 
     def __init__(self, master_key=None, path=None, log=None):
@@ -1258,43 +1260,44 @@ class KeyStore:
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
         self._lock = threading.Lock()
-        self._journal = Journal(path, self.log) if path else None
+        self._file = StoreFile(path, self.log) if path else None
+        try:
+            self._load()
+            if not self._keys:
+                for name, description, actions in DEFAULT_KEYS:
+                    self._commit(self._new_key(new_uid(), name, description, actions, ["*"],
+                                               None))
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self):
+        """Read the store file (and fold in a journal an older version left)."""
+        if not self._file:
+            return
         collecting = gc.isenabled()
         gc.disable()  # loading makes ~6 objects a key, none of them garbage
         try:
-            self._load(path)
-        finally:
-            if collecting:
-                gc.enable()
-        if not self._keys:
-            for name, description, actions in DEFAULT_KEYS:
-                self._commit_put(self._new_key(new_uid(), name, description, actions, ["*"],
-                                               None))
-        # A journal left by a crash is folded in only past the usual
-        # threshold: its changes are durable already, and rewriting 100,000
-        # keys would delay the start.
-        if self._journal and (self._journal.needs_compaction or self._compaction_due()):
-            self._journal.compact(self._records())
-
-    def _load(self, path):
-        """Read the store file, if any: the snapshot, then the journal."""
-        if not self._journal:
-            return
-        try:
-            keys, changes = self._journal.load(
+            keys, changes = self._file.open(
                 lambda record, text: ApiKey.from_record(record, self.derive, text))
             for key in keys:
                 self._put(key)
-            for change in changes:
+            for change in changes or ():
                 self._replay(change)
         except ValueError as exc:
-            raise StoreError("store %s holds a bad key: %s" % (path, exc))
+            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
+        finally:
+            if collecting:
+                gc.enable()
         # Newest-first listing relies on dict order == createdAt order.
         ordered = list(self._keys.values())
         if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
             self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
         if ordered:
             self.clock.advance_past(max(key.created_ns for key in ordered))
+        if changes is not None:
+            self._file.write(self._records())
+            self._file.retire_journal()
 
     # -- reads ---------------------------------------------------------------
 
@@ -1354,51 +1357,48 @@ class KeyStore:
                                "`uid` field value `%s` is already an existing API key." % uid)
             key = self._new_key(uid, fields.get("name"), fields.get("description"),
                                 fields["actions"], fields["indexes"], fields.get("expiresAt"))
-            self._commit_put(key)
+            self._commit(key)
             return key
 
     def update(self, key_or_uid, changes):
         with self._lock:
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
-            self._commit_put(key)
+            self._commit(key)
             return key
 
     def delete(self, key_or_uid):
         with self._lock:
             key = self.find(key_or_uid)
-            if self._journal:
-                self._journal.append(compact_json({"op": "delete", "uid": key.uid}))
-            self._remove(key.uid)
-            self._compact_if_due()
+            self._commit(None, removed=key.uid)
 
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
         value = self.derive(uid) if self.derive is not None else None
         return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
 
-    def _commit_put(self, key):
-        """Make a new or changed key durable, then live (the caller holds
-        the lock or is the constructor)."""
-        if self._journal:
-            self._journal.append('{"op":"put","key":%s}' % key.stored_json())
-        self._put(key)
-        self._compact_if_due()
+    def _commit(self, key, removed=None):
+        """Write the store with `key` put (or uid `removed` deleted), then
+        make the change live; StoreWriteError leaves everything as it was.
+        The caller holds the lock or is the constructor."""
+        if self._file:
+            changed = key.uid if key is not None else removed
+            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
+            if key is not None:
+                # an update keeps its place: the file stays in createdAt order
+                records.insert(self._position(key.uid), key.stored_json())
+            self._file.write(records)
+        if key is not None:
+            self._put(key)
+        else:
+            self._remove(removed)
 
-    def _compaction_due(self):
-        # Compacting costs O(keys); doing it every keys/4 changes keeps the
-        # cost per change constant however big the store grows, and bounds
-        # what a restart after a crash must replay.
-        return self._journal.entries > max(1000, len(self._keys) // 4)
-
-    def _compact_if_due(self):
-        if self._journal and self._compaction_due():
-            try:
-                self._journal.compact(self._records())
-            except StoreWriteError as exc:  # the change itself is safe in the journal
-                self.log("searchkeys: store compaction failed, will retry: %s" % exc)
+    def _position(self, uid):
+        if uid not in self._keys:
+            return len(self._keys)
+        return next(i for i, other in enumerate(self._keys) if other == uid)
 
     def _replay(self, change):
-        """Apply one journal line read at startup."""
+        """Apply one line of an older version's journal."""
         if change.get("op") == "put":
             self._put(ApiKey.from_record(change.get("key"), self.derive))
         elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
@@ -1422,17 +1422,10 @@ class KeyStore:
     def _records(self):
         return [key.stored_json() for key in self._keys.values()]
 
-    def checkpoint(self):
-        """Fold the journal into the snapshot now (at a clean shutdown, so
-        the next start reads one file); StoreWriteError if that fails."""
-        with self._lock:
-            if self._journal and self._journal.entries:
-                self._journal.compact(self._records())
-
     def close(self):
         """Release the store file (its lock) so another KeyStore may open it."""
-        if self._journal:
-            self._journal.close()
+        if self._file:
+            self._file.close()
 
 
 def new_uid():
@@ -1440,17 +1433,17 @@ def new_uid():
     return str(uuid.uuid4())
 
 
-class Journal:
-    """Durable storage of the keys: FILE holds a JSON snapshot, FILE.journal
-    one JSON line per change since that snapshot.
+class StoreFile:
+    """The keys on disk: one JSON document, rewritten whole on each change.
 
-    A change is appended and fsync'd before it is applied and acknowledged.
-    Compaction (past a threshold, and at a clean shutdown) writes a new
-    snapshot atomically (temp file in the same folder, fsync, rename, fsync
-    of the folder) and then empties the journal.
-    A torn last journal line (a crash mid-append: no trailing newline) was
-    never acknowledged and is dropped; any other damage stops the start.
-    Files are created 0600 and hold uids and metadata, never key values.
+    A write goes to a temp file in the same folder, is fsync'd, renamed over
+    the store and the folder fsync'd, so the store is always either the old
+    or the new document, and an acknowledged change survives kill -9 and
+    power loss. A symlinked store is written through to its target (the
+    link stays). FILE.lock, held with flock, keeps a second server away.
+    Files are 0600 and hold uids and metadata, never key values.
+    Older versions kept changes in FILE.journal (one JSON line each): such
+    a journal is folded into the document at the first start, then removed.
     """
 
     FORMAT = "searchkeys-store"
@@ -1458,54 +1451,69 @@ class Journal:
     _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
 
     def __init__(self, path, log):
-        self.path = os.path.abspath(path)
-        self.journal_path = self.path + ".journal"
+        self.shown = path
+        self.path = os.path.realpath(path)  # write through a symlink to its target
+        self.folder = os.path.dirname(self.path)
+        self.journal_path = os.path.abspath(path) + ".journal"
         self.log = log
-        self.entries = 0
-        self.needs_compaction = False
-        self._fd = None
-        self._size = 0
-        self._broken = None
+        self._lock_fd = None
 
-    def load(self, build):
-        """(snapshot keys, journal changes); StoreError if unusable.
+    def open(self, build):
+        """(keys, journal changes or None); StoreError if unusable.
 
-        `build(record, text)` turns a snapshot record (and its JSON text,
-        when known) into a key."""
-        try:
-            self._fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        except OSError as exc:
-            raise StoreError("cannot open store journal %s: %s"
-                             % (self.journal_path, exc.strerror or exc))
-        try:
-            os.fchmod(self._fd, 0o600)  # an older or hand-made journal may be wider
-        except OSError:
-            pass
-        try:
-            import fcntl
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:
-            pass
-        except OSError:
-            raise StoreError("store %s is in use by another searchkeys process" % self.path)
-        keys = self._read_snapshot(build)
-        changes = self._read_journal()
+        `build(record, text)` turns a record (and its JSON text, when
+        known) into a key."""
+        self._lock()
+        data = self._read(self.path, missing=None)
+        keys = [] if data is None else self._parse(data, build)
+        journal = self._read(self.journal_path, missing=None)
+        changes = None if journal is None else self._parse_journal(journal)
+        self._remove_stale_temp_files()
         return keys, changes
 
-    def close(self):
-        if self._fd is not None:
-            os.close(self._fd)  # also drops the flock
-            self._fd = None
-
-    def _read_snapshot(self, build):
+    def _lock(self):
+        lock_path = self.path + ".lock"
         try:
-            with open(self.path, "rb") as snapshot:
-                data = snapshot.read()
-        except FileNotFoundError:
-            self.needs_compaction = True
-            return []
+            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise StoreError("cannot read store %s: %s" % (self.path, exc.strerror or exc))
+            raise StoreError("cannot open the lock file %s of store %s: %s"
+                             % (lock_path, self.shown, exc.strerror or exc))
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
+                             % (self.shown, lock_path))
+
+    def _read(self, path, missing):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return missing
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise StoreError("store %s is a folder, not a file" % path)
+            if mode & 0o077:
+                self._tighten(fd, path, mode)
+            with open(fd, "rb", closefd=False) as file:
+                return file.read()
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        finally:
+            os.close(fd)
+
+    def _tighten(self, fd, path, mode):
+        try:
+            os.fchmod(fd, 0o600)
+            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
+        except OSError as exc:
+            self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
+                     "0600: %s" % (path, mode, exc.strerror or exc))
+
+    def _parse(self, data, build):
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -1517,8 +1525,8 @@ class Journal:
             raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
                              "refusing to start" % (self.path, self.FORMAT, self.VERSION))
         records = document.pop("keys")
-        # In the layout compact() writes (one record a line) each record's
-        # text is kept for the next compaction, which then need not re-encode.
+        # In the layout write() makes (one record a line) each record's text
+        # is kept for the next write, which then need not re-encode it.
         lines = data.split(b"\n")
         del data
         texts = itertools.repeat(None)
@@ -1531,22 +1539,11 @@ class Journal:
             records[position] = None  # free the parsed record early
         return keys
 
-    def _read_journal(self):
-        try:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            chunks = []
-            while True:
-                chunk = os.read(self._fd, 1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        except OSError as exc:
-            raise StoreError("cannot read store journal %s: %s"
-                             % (self.journal_path, exc.strerror or exc))
-        data = b"".join(chunks)
-        self._size = len(data)
+    def _parse_journal(self, data):
+        """The changes of an older version's journal. Its torn last line (no
+        newline: a crash mid-append) was never acknowledged and is dropped."""
         lines = data.split(b"\n")
-        torn = lines.pop()  # after the last newline: empty unless a write was torn
+        torn = lines.pop()
         changes = []
         for number, line in enumerate(lines, 1):
             try:
@@ -1558,53 +1555,34 @@ class Journal:
                                  "start, the file is left untouched"
                                  % (self.journal_path, number, exc))
             changes.append(change)
-        if torn:  # cut off only once the rest is known to be good
+        if torn:
             self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
                      "was never acknowledged" % (self.journal_path, len(torn)))
-            try:
-                os.ftruncate(self._fd, self._size - len(torn))
-                os.fsync(self._fd)
-            except OSError as exc:
-                raise StoreError("cannot repair store journal %s: %s"
-                                 % (self.journal_path, exc.strerror or exc))
-            self._size -= len(torn)
-        self.entries = len(changes)
         return changes
 
-    def append(self, change):
-        """Write one change (a JSON text) durably, or raise StoreWriteError
-        leaving the journal as it was."""
-        if self._broken is not None:
-            self._take_back()
-        line = (change + "\n").encode("utf-8")
+    def retire_journal(self):
+        """Remove an older version's journal once write() holds its changes."""
         try:
-            _write_all(self._fd, line)
-            os.fsync(self._fd)
+            os.unlink(self.journal_path)
+            _fsync_folder(os.path.dirname(self.journal_path))
         except OSError as exc:
-            self._broken = exc
-            try:
-                self._take_back()
-            except StoreWriteError:
-                pass
-            raise StoreWriteError("cannot write store journal %s: %s"
-                                  % (self.journal_path, exc.strerror or exc))
-        self._size += len(line)
-        self.entries += 1
+            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
+                             % (self.journal_path, self.path, exc.strerror or exc))
+        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
 
-    def _take_back(self):
-        """Cut a partly written line off the journal, so later appends stay
-        readable; until that succeeds, no change is accepted."""
+    def _remove_stale_temp_files(self):
+        # temp files of a process killed mid-write; ours, as we hold the lock
+        prefix = os.path.basename(self.path) + ".tmp-"
         try:
-            os.ftruncate(self._fd, self._size)
-        except OSError as exc:
-            raise StoreWriteError("the store journal %s cannot be repaired after a failed "
-                                  "write: %s" % (self.journal_path, exc.strerror or exc))
-        self._broken = None
+            names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
+            for name in names:
+                os.unlink(os.path.join(self.folder, name))
+        except OSError:
+            pass  # harmless leftovers; the next start tries again
 
-    def compact(self, records):
-        """Replace the snapshot with `records` (JSON texts) atomically, then
-        empty the journal."""
-        folder = os.path.dirname(self.path)
+    def write(self, records):
+        """Replace the document with `records` (JSON texts) atomically, or
+        raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         body = ",\n".join(records).encode("utf-8")
         data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
@@ -1616,18 +1594,22 @@ class Journal:
             finally:
                 os.close(fd)
             os.replace(temp, self.path)
-            _fsync_folder(folder)
-            os.ftruncate(self._fd, 0)
-            os.fsync(self._fd)
         except OSError as exc:
             try:
                 os.unlink(temp)
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
-        self._size = 0
-        self.entries = 0
-        self.needs_compaction = False
+        try:
+            _fsync_folder(self.folder)
+        except OSError as exc:
+            raise StoreWriteError("cannot sync the folder of store %s: %s"
+                                  % (self.path, exc.strerror or exc))
+
+    def close(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # also drops the flock
+            self._lock_fd = None
 
 
 def _write_all(fd, data):
@@ -3523,7 +3505,7 @@ def run_serve(args):
         return 1
 
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the checkpoint finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
@@ -3535,10 +3517,7 @@ def run_serve(args):
         pass
     finally:
         server.server_close()
-    try:
-        store.checkpoint()
-    except StoreWriteError as exc:  # every change is in the journal anyway
-        _log_to_stderr("searchkeys: could not fold the journal into the snapshot: %s" % exc)
+        store.close()
     return 0
 
 
