@@ -265,7 +265,10 @@ DEFAULT_KEYS = (
 # Presets of the client's `keys create --preset`.
 PRESETS = {
     "search": ["search"],
-    "backend": ["search", "indexes.*", "documents.*", "settings.get", "stats.get"],
+    # what a server that adds data needs: documents, an index created on the first add,
+    # task polling; not index deletion or settings changes
+    "backend": ["search", "documents.*", "indexes.create", "indexes.get", "tasks.get",
+                "settings.get", "stats.get"],
 }
 
 ERROR_LINK = "https://docs.meilisearch.com/errors#"
@@ -3405,6 +3408,45 @@ def check_indexes(text):
     return indexes
 
 
+def port_number(text):
+    """--port value -> int; ValueError outside 0-65535 (0: any free port)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError("%s is not a TCP port (0 to 65535)" % text)
+    return port
+
+
+def positive_int(text):
+    number = int(text)
+    if number < 1:
+        raise ValueError("%s is not 1 or more" % text)
+    return number
+
+
+def http_url(text):
+    """An http:// or https:// URL with a host and a valid port; ValueError otherwise."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # raises on a port out of range
+    except ValueError as exc:
+        raise ValueError("%r is not a URL (%s)" % (text, exc))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("%r is not an http:// or https:// URL" % text)
+    return text
+
+
+def _argument_type(check, name):
+    """`check` as an argparse type: its ValueError's message becomes the usage error."""
+    def convert(text):
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("invalid literal for int() with "
+                                                              "base 10: ", "not a number: "))
+    convert.__name__ = name
+    return convert
+
+
 def check_expires_at(text):
     """--expires-at value -> what to send: None for `never`, else the text."""
     if text == "never":
@@ -3435,15 +3477,21 @@ def build_parser():
 
     serve = commands.add_parser("serve", help="run the key service / guard")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=7700, help="listen port (7700)")
-    serve.add_argument("--master-key", default=os.environ.get("MEILI_MASTER_KEY"),
-                       help="master key (env MEILI_MASTER_KEY)")
+    serve.add_argument("--port", type=_argument_type(port_number, "port"), default=7700,
+                       help="listen port, 0 to 65535 (7700)")
+    serve.add_argument("--master-key", help="master key (env MEILI_MASTER_KEY); required "
+                                            "unless --open")
+    serve.add_argument("--open", action="store_true",
+                       help="run without a master key, as Meilisearch's development mode: /keys "
+                            "answers 401 and every other route is open to anyone")
     serve.add_argument("--store", help="JSON file of keys (default: in memory)")
-    serve.add_argument("--upstream", help="search backend to forward authorized requests to")
-    serve.add_argument("--upstream-key", default=os.environ.get("SEARCHKEYS_UPSTREAM_KEY"),
-                       help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY)")
-    serve.add_argument("--max-connections", type=int, default=512,
-                       help="simultaneous connections served (512)")
+    serve.add_argument("--upstream", type=_argument_type(http_url, "URL"),
+                       help="search backend to forward authorized requests to")
+    serve.add_argument("--upstream-key",
+                       help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY); must not "
+                            "be empty")
+    serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
+                       default=512, help="simultaneous connections served (512)")
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")
@@ -3451,24 +3499,32 @@ def build_parser():
     create = key_commands.add_parser("create", parents=[common], help="create a key")
     shape = create.add_mutually_exclusive_group(required=True)
     shape.add_argument("--preset", choices=sorted(PRESETS),
-                       help="search: search only; backend: search + manage documents")
-    shape.add_argument("--actions", help="comma-separated actions")
-    create.add_argument("--indexes", required=True, help="comma-separated index patterns")
-    create.add_argument("--expires-at", default="never", help="ISO 8601 date or `never`")
-    create.add_argument("--description")
-    create.add_argument("--name")
-    create.add_argument("--uid")
+                       help="search: %s (for a frontend); backend: %s (add and delete "
+                            "documents, create indexes, follow tasks; no index deletion, no "
+                            "settings changes)" % tuple(", ".join(PRESETS[name])
+                                                        for name in ("search", "backend")))
+    shape.add_argument("--actions", metavar="A,B",
+                       help="comma-separated actions, from: %s" % ", ".join(ACTIONS))
+    create.add_argument("--indexes", required=True, metavar="I,J",
+                        help="comma-separated index uids or patterns (`blog`, `blog_*`, `*`)")
+    create.add_argument("--expires-at", default="never",
+                        help="RFC 3339 date (2030-01-31T00:00:00Z), 'YYYY-MM-DD', or `never` "
+                             "(default)")
+    create.add_argument("--description", help="free text shown with the key")
+    create.add_argument("--name", help="a name shown with the key")
+    create.add_argument("--uid", help="the key's UUID (default: a random one)")
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
-    listing.add_argument("--offset", type=int)
-    listing.add_argument("--limit", type=int)
+    listing.add_argument("--offset", type=int, help="keys to skip (0)")
+    listing.add_argument("--limit", type=int, help="keys to list at most (20)")
     get = key_commands.add_parser("get", parents=[common], help="show one key")
-    get.add_argument("key_or_uid")
-    update = key_commands.add_parser("update", parents=[common], help="rename a key")
-    update.add_argument("key_or_uid")
-    update.add_argument("--name")
-    update.add_argument("--description")
+    get.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    update = key_commands.add_parser("update", parents=[common],
+                                     help="change a key's name or description")
+    update.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    update.add_argument("--name", help="the new name")
+    update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
-    delete.add_argument("key_or_uid")
+    delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
 
     token = commands.add_parser("token", parents=[common],
                                 help="mint a tenant token offline")
@@ -3486,11 +3542,36 @@ def _log_to_stderr(message):
     sys.stderr.write(message + "\n")
 
 
+def check_serve_args(parser, args):
+    """Fail closed: no master key only with --open; no empty secrets."""
+    if args.master_key == "":
+        parser.error("--master-key is empty")
+    if args.master_key is None:
+        args.master_key = os.environ.get("MEILI_MASTER_KEY") or None
+    if args.open and args.master_key is not None:
+        parser.error("--open runs without a master key, but one is set (--master-key or "
+                     "MEILI_MASTER_KEY)")
+    if not args.open and args.master_key is None:
+        parser.error("no master key: give --master-key or set MEILI_MASTER_KEY (add --open to "
+                     "run without one, with every route but /keys open to anyone)")
+    if args.store == "":
+        parser.error("--store is empty: name a file, or leave the option out to keep keys in "
+                     "memory")
+    if args.upstream_key is None:
+        args.upstream_key = os.environ.get("SEARCHKEYS_UPSTREAM_KEY")
+        if args.upstream_key == "":
+            parser.error("SEARCHKEYS_UPSTREAM_KEY is set but empty: set it to the backend's "
+                         "key, or unset it to forward without a key")
+    elif not args.upstream_key:
+        parser.error("--upstream-key is empty (an unset shell variable?): give the backend's "
+                     "key, or leave the option out to forward without a key")
+
+
 def run_serve(args):
-    master_key = args.master_key or None
+    master_key = args.master_key
     if master_key is None:
-        _log_to_stderr("searchkeys: warning: no master key: /keys answers 401 and every other "
-                       "route is open")
+        _log_to_stderr("searchkeys: warning: --open: no master key: /keys answers 401 and every "
+                       "other route is open to anyone")
     elif len(master_key.encode()) < 16:
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
@@ -3500,8 +3581,12 @@ def run_serve(args):
         upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
         server = Server((args.host, args.port), Service(store, master_key, upstream,
                                                          _log_to_stderr), args.max_connections)
-    except (StoreError, StoreWriteError, ValueError, OSError) as exc:
+    except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
+        return 1
+    except OSError as exc:  # the listening socket: a busy port, an unknown host
+        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                       % (args.host, args.port, exc.strerror or exc))
         return 1
 
     def stop(signum, frame):
@@ -3563,18 +3648,20 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
+        if args.command == "keys":
+            check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
             args.actions = PRESETS[args.preset] if args.preset else check_actions(args.actions)
             args.indexes = check_indexes(args.indexes)
             args.expires_at = check_expires_at(args.expires_at)
             if args.uid is not None:
-                args.uid = parse_uuid(args.uid)
+                args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
         elif args.command == "token":
-            args.uid = parse_uuid(args.uid)
+            args.uid = check_uid(args.uid)
             try:
                 args.rules = json.loads(args.rules)
             except ValueError as exc:
@@ -3589,10 +3676,27 @@ def check_client_args(parser, args):
         parser.error(str(exc))
 
 
+def check_connection_args(args):
+    try:
+        http_url(args.url)
+    except ValueError as exc:
+        raise ValueError("--url %s" % exc)
+    if args.key is not None and not (args.key.isascii() and args.key.isprintable()):
+        raise ValueError("--key holds a character that cannot be sent in an HTTP header")
+
+
+def check_uid(text):
+    try:
+        return parse_uuid(text)
+    except ValueError as exc:
+        raise ValueError("--uid `%s` is not a UUID: %s" % (text, exc))
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        check_serve_args(parser, args)
         return run_serve(args)
     check_client_args(parser, args)
     try:

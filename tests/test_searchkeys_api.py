@@ -984,7 +984,7 @@ def test_unknown_route_and_method(srv):
 
 def test_no_master_key(fresh, monkeypatch):
     monkeypatch.delenv("MEILI_MASTER_KEY", raising=False)
-    s = fresh(master=None)
+    s = fresh(master=None, extra=("--open",))
     for method, path in (("GET", "/keys"), ("POST", "/keys"), ("GET", "/keys/doggo"),
                          ("PATCH", "/keys/doggo"), ("DELETE", "/keys/doggo")):
         body = VALID if method in ("POST", "PATCH") else None
