@@ -758,23 +758,42 @@ def validate_patch(body):
     return changes
 
 
-_USIZE_MAX = 2 ** 64 - 1
+USIZE_MAX = 2 ** 64 - 1
+U32_MAX = 2 ** 32 - 1  # task and batch uids
 
 
-def validate_list_query(query):
-    """GET /keys query string -> (offset, limit)."""
+def parse_rust_uint(text, maximum=USIZE_MAX):
+    """`text` read as Rust's `usize::from_str` (u32 with `maximum`) reads a
+    query parameter: ASCII digits, one optional leading `+`, leading zeros
+    allowed, no `-` (not even `-0`), no whitespace, no overflow. None when
+    Rust would refuse it."""
+    digits = text[1:] if text.startswith("+") else text
+    if not is_decimal(digits):
+        return None
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(maximum)):  # also keeps int() off huge strings
+        return None
+    value = int(digits)
+    return value if value <= maximum else None
+
+
+def validate_list_query(query, resource="api_key"):
+    """GET /keys (or, with resource "index", GET /indexes) query string ->
+    (offset, limit). Parameters are taken as upstream's query extractor
+    takes them: the last of repeated ones wins, in the place of the first."""
     values = {"offset": 0, "limit": 20}
-    for name, raw in urllib.parse.parse_qsl(query, keep_blank_values=True):
+    asked = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    for name, raw in asked.items():
         if name not in LIST_PARAMETERS:
             raise bad_request("Unknown parameter `%s`: %sexpected one of %s"
                               % (name, did_you_mean(name, LIST_PARAMETERS),
                                  backticked(LIST_PARAMETERS)))
-        digits = raw[1:] if raw.startswith("+") else raw
-        if not is_decimal(digits) or int(digits) > _USIZE_MAX:
-            raise ApiError(400, "invalid_api_key_" + name,
+        number = parse_rust_uint(raw)
+        if number is None:
+            raise ApiError(400, "invalid_%s_%s" % (resource, name),
                            "Invalid value in parameter `%s`: could not parse `%s` as a "
                            "positive integer" % (name, raw))
-        values[name] = int(digits)
+        values[name] = number
     return values["offset"], values["limit"]
 
 
@@ -1830,16 +1849,10 @@ ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, th
 
 def all_indexes_query(query):
     """GET /indexes for a restricted key: (the query that asks the backend
-    for every index, offset, limit to apply after filtering), or None when
-    offset/limit are not plain numbers."""
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = dict(pairs)
-    offset, limit = asked.get("offset", "0"), asked.get("limit", "20")
-    if not (is_decimal(offset) and is_decimal(limit)):
-        return None
-    pairs = [(n, v) for n, v in pairs if n not in ("offset", "limit")]
-    pairs += [("offset", "0"), ("limit", str(ALL_INDEXES_LIMIT))]
-    return urllib.parse.urlencode(pairs), int(offset), int(limit)
+    for every index, offset, limit to apply after filtering); upstream's 400
+    ApiError for parameters it refuses, so none goes unfiltered."""
+    offset, limit = validate_list_query(query, "index")
+    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
 
 
 def filter_index_list(principal, answer, offset, limit):
@@ -1883,7 +1896,7 @@ def check_task_answer(principal, task_id, answer):
     none) does not exist for it."""
     uid = answer.get("indexUid") if isinstance(answer, dict) else None
     if not isinstance(uid, str) or not principal.allows_index(uid):
-        raise ApiError(404, "task_not_found", "Task `%s` not found." % task_id)
+        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
     return answer
 
 
@@ -1894,8 +1907,14 @@ def check_batch_answer(principal, batch_id, answer):
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
     if not isinstance(uids, dict) or not uids or \
             not all(principal.allows_index(uid) for uid in uids):
-        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % batch_id)
+        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
     return answer
+
+
+def _uid_shown(text):
+    """A task or batch uid as upstream's message shows it: the parsed u32."""
+    number = parse_rust_uint(text, U32_MAX)
+    return text if number is None else number
 
 
 # (method, route pattern) -> rule on the JSON body: returns the body to

@@ -1554,6 +1554,27 @@ def test_restricted_callers_see_only_their_indexes(proxied, stub):
     assert status == 200 and b"other" in body  # the master key sees everything
 
 
+def test_index_list_numbers_parsed_as_upstream_parses_them(proxied, stub):
+    """Issue 12 hole 3: Rust's usize::from_str takes `+20`; such a limit must not skip the
+    filtering, and a number upstream refuses gets upstream's 400 from the guard itself."""
+    key = proxied.create(actions=["indexes.get"], indexes=["movies"])["key"]
+    for query in ("limit=%2B20", "offset=%2B0", "limit=%2B20&offset=%2B0", "limit=x&limit=%2B5",
+                  "limit=0020"):
+        stub.seen.clear()
+        status, data = proxied.call("GET", "/indexes?" + query, key=key)
+        assert status == 200 and [i["uid"] for i in data["results"]] == ["movies"], (query, data)
+        assert data["total"] == 1
+        assert stub.seen[-1]["path"] == "/indexes?offset=0&limit=1000000"
+    status, data = proxied.call("GET", "/indexes?offset=%2B1", key=key)
+    assert status == 200 and data["results"] == [] and data["offset"] == 1
+    stub.seen.clear()
+    for query, code in (("limit=-1", "invalid_index_limit"), ("offset=1.5", "invalid_index_offset"),
+                        ("limit=18446744073709551616", "invalid_index_limit")):
+        status, data = proxied.call("GET", "/indexes?" + query, key=key)
+        assert status == 400 and data["code"] == code, (query, data)
+    assert stub.seen == []
+
+
 def test_tenant_token_filter_reaches_upstream(proxied, stub):
     """MK §9: the matching rule's filter is ANDed into searches; with Authorization replaced
     by the upstream key only the guard can add it."""

@@ -478,6 +478,7 @@ def test_list_query():
     assert sk.validate_list_query("") == (0, 20)
     assert sk.validate_list_query("offset=2&limit=0") == (2, 0)
     assert sk.validate_list_query("limit=%2B5") == (0, 5)
+    assert sk.validate_list_query("limit=oops&offset=1&limit=7") == (1, 7)
     for query, code, raw in (("offset=-1", "invalid_api_key_offset", "-1"),
                              ("limit=", "invalid_api_key_limit", ""),
                              ("limit=1.0", "invalid_api_key_limit", "1.0"),
@@ -492,6 +493,38 @@ def test_list_query():
     with pytest.raises(sk.ApiError) as info:
         sk.validate_list_query("fields=uid")
     assert info.value.message == "Unknown parameter `fields`: expected one of `offset`, `limit`"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("0", 0), ("20", 20), ("+20", 20), ("+0", 0), ("007", 7), ("+007", 7),
+    ("18446744073709551615", 2 ** 64 - 1), ("0" * 5000 + "1", 1),
+    ("", None), ("+", None), ("-0", None), ("-1", None), ("++1", None), (" 1", None),
+    ("1 ", None), ("1.0", None), ("1e3", None), ("0x10", None), ("\u0661", None), ("²", None),
+    ("1_000", None), ("18446744073709551616", None), ("9" * 5000, None),
+])
+def test_query_numbers_are_read_as_rust_usize_from_str(text, value):
+    assert sk.parse_rust_uint(text) == value
+
+
+def test_u32_numbers_overflow_at_u32():
+    assert sk.parse_rust_uint("4294967295", sk.U32_MAX) == 2 ** 32 - 1
+    assert sk.parse_rust_uint("4294967296", sk.U32_MAX) is None
+
+
+def test_index_list_query_is_parsed_as_upstream_parses_it():
+    assert sk.all_indexes_query("limit=%2B20&offset=%2B0") == ("offset=0&limit=1000000", 0, 20)
+    assert sk.all_indexes_query("offset=%2B1&limit=1") == ("offset=0&limit=1000000", 1, 1)
+    assert sk.all_indexes_query("limit=x&limit=3")[1:] == (0, 3)  # the last one wins
+    for query, code, message in (
+            ("limit=-1", "invalid_index_limit",
+             "Invalid value in parameter `limit`: could not parse `-1` as a positive integer"),
+            ("offset=%201&limit=x", "invalid_index_offset",
+             "Invalid value in parameter `offset`: could not parse ` 1` as a positive integer"),
+            ("limit=1&uid=x", "bad_request",
+             "Unknown parameter `uid`: expected one of `offset`, `limit`")):
+        with pytest.raises(sk.ApiError) as info:
+            sk.all_indexes_query(query)
+        assert (info.value.status, info.value.code, info.value.message) == (400, code, message)
 
 
 def test_content_type_and_payload():
@@ -788,6 +821,9 @@ def test_task_routes_are_limited_to_the_keys_indexes():
         with pytest.raises(sk.ApiError) as info:
             sk.check_task_answer(scoped, "1", task)
         assert (info.value.status, info.value.message) == (404, "Task `1` not found.")
+    with pytest.raises(sk.ApiError) as info:  # upstream shows the task uid it parsed
+        sk.check_task_answer(scoped, "+007", {"indexUid": "books"})
+    assert info.value.message == "Task `7` not found."
     assert sk.check_batch_answer(scoped, "3", {"stats": {"indexUids": {"movies": 1}}})
     for batch in ({"stats": {"indexUids": {"movies": 1, "books": 1}}}, {"stats": {}}):
         with pytest.raises(sk.ApiError) as info:
