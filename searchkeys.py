@@ -870,10 +870,14 @@ class Instant:
         return "Instant(%r)" % format_rfc3339(self)
 
 
+# As the `time` crate (0.3.47) parses them: ASCII digits only; RFC 3339 takes
+# any one byte between date and time and a leap second; the other forms take
+# a sign before the year.
 _RFC3339_RE = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
-    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))\Z")
-_NAIVE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})(?:([T ])(\d{2}):(\d{2}):(\d{2}))?\Z")
+    r"(\d{4})-(\d{2})-(\d{2})[\x00-\x7f](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))\Z", re.ASCII | re.DOTALL)
+_NAIVE_RE = re.compile(r"([+-]?)(\d{4})-(\d{2})-(\d{2})(?:([T ])(\d{2}):(\d{2}):(\d{2}))?\Z",
+                       re.ASCII)
 
 
 def _epoch_seconds(year, month, day, hour, minute, second):
@@ -895,18 +899,31 @@ def parse_expires_at(text):
             if int(oh or 0) > 23 or int(om or 0) > 59:
                 return None
             offset = 0 if zulu else (int(oh) * 60 + int(om)) * (1 if sign == "+" else -1)
-            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h), int(mi), int(s))
-            nanos = int((fraction or "0")[:9].ljust(9, "0"))
-            return Instant((seconds - offset * 60) * 10 ** 9 + nanos, offset)
+            leap = s == "60"  # read as the last nanosecond before it, as `time` does
+            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h), int(mi),
+                                     59 if leap else int(s))
+            nanos = 999999999 if leap else int((fraction or "0")[:9].ljust(9, "0"))
+            instant = Instant((seconds - offset * 60) * 10 ** 9 + nanos, offset)
+            return instant if not leap or _ends_a_utc_month(seconds - offset * 60) else None
         match = _NAIVE_RE.match(text)
         if match:
-            y, mo, d, _sep, h, mi, s = match.groups()
+            sign, y, mo, d, _sep, h, mi, s = match.groups()
+            if sign == "-":
+                return None  # a year before 0: in the past, refused as unparsable ones are
             seconds = _epoch_seconds(int(y), int(mo), int(d), int(h or 0), int(mi or 0),
                                      int(s or 0))
             return Instant(seconds * 10 ** 9)
     except (ValueError, OverflowError):
         return None
     return None
+
+
+def _ends_a_utc_month(epoch_seconds):
+    """Is this second 23:59:59 UTC on the last day of a month (where a leap
+    second may follow)?"""
+    moment = time.gmtime(epoch_seconds)
+    return moment.tm_hour == 23 and moment.tm_min == 59 and moment.tm_sec == 59 \
+        and moment.tm_mday == calendar.monthrange(moment.tm_year, moment.tm_mon)[1]
 
 
 def format_rfc3339(instant):

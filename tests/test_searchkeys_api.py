@@ -456,6 +456,11 @@ def test_uid_spellings_are_normalised(srv, form):
     ("2050-11-13T00:00:00", "2050-11-13T00:00:00Z"),
     ("2050-11-13 00:00:00", "2050-11-13T00:00:00Z"),
     ("2050-11-13", "2050-11-13T00:00:00Z"),
+    # Meilisearch 1.50 parses with the `time` crate 0.3.47: any one byte between date and time
+    # in RFC 3339, leap seconds at the end of a UTC month, a signed year in the other forms
+    ("2050-11-13 00:00:00+02:00", "2050-11-13T00:00:00+02:00"),
+    ("2050-11-30T23:59:60Z", "2050-11-30T23:59:59.999999999Z"),
+    ("+2050-11-13", "2050-11-13T00:00:00Z"),
 ])
 def test_expires_at_is_reserialized(srv, sent, expected):
     # MK §1.1 expiresAt: offset kept, Z for zero offsets, fraction trimmed; §1.2 accepted forms
@@ -597,6 +602,10 @@ def with_valid(**fields):
      "Invalid value at `.expiresAt`: `doggo` " + DATE_ERROR_TAIL),
     ("expiresAt", "13/11/2050", "invalid_api_key_expires_at",
      "Invalid value at `.expiresAt`: `13/11/2050` " + DATE_ERROR_TAIL),
+    ("expiresAt", "2050-11-29T23:59:60Z", "invalid_api_key_expires_at",
+     "Invalid value at `.expiresAt`: `2050-11-29T23:59:60Z` " + DATE_ERROR_TAIL),
+    ("expiresAt", "\u0662\u0660\u0665\u0660-11-13", "invalid_api_key_expires_at",
+     "Invalid value at `.expiresAt`: `\u0662\u0660\u0665\u0660-11-13` " + DATE_ERROR_TAIL),
 ])
 def test_field_errors(srv, field, value, code, message):
     check_error(srv.call("POST", "/keys", with_valid(**{field: value})), 400, code, message)

@@ -596,6 +596,16 @@ def test_uuid_errors(text, message):
     ("2050-11-13T10:30:00", "2050-11-13T10:30:00Z"),
     ("2050-11-13 10:30:00", "2050-11-13T10:30:00Z"),
     ("2050-11-13", "2050-11-13T00:00:00Z"),
+    # the `time` crate's RFC 3339 parser takes any one byte between date and time, any number
+    # of fraction digits, and a leap second where one may fall (the last second of a UTC month)
+    ("2050-11-13 10:30:00Z", "2050-11-13T10:30:00Z"),
+    ("2050-11-13_10:30:00+01:00", "2050-11-13T10:30:00+01:00"),
+    ("2050-11-13T00:00:00.1234567891234Z", "2050-11-13T00:00:00.123456789Z"),
+    ("2050-11-30T23:59:60Z", "2050-11-30T23:59:59.999999999Z"),
+    ("2050-12-01T00:59:60.25+01:00", "2050-12-01T00:59:59.999999999+01:00"),
+    # its `[year repr:full]` takes a sign
+    ("+2050-11-13", "2050-11-13T00:00:00Z"),
+    ("+2050-11-13 10:30:00", "2050-11-13T10:30:00Z"),
 ])
 def test_expires_at_accepted_forms(text, shown):
     assert sk.format_rfc3339(sk.parse_expires_at(text)) == shown
@@ -606,7 +616,9 @@ def test_expires_at_instant_and_rejects():
         sk.parse_expires_at("2050-11-13T00:00:00Z").ns
     for bad in ("2050-11-13T00:00:00.5", "2050-02-30", "2050-13-01", "2050-11-13T24:00:00Z",
                 "2050-11-13T00:00:00+24:00", "13/11/2050", "tomorrow", "2050-11-13T00:00Z",
-                "2050-11-13 10:30", ""):
+                "2050-11-13 10:30", "", "2050-11-29T23:59:60Z", "2050-11-30T23:59:60+01:00",
+                "\u0662\u0660\u0665\u0660-11-13", "2050-11-13\u00e910:30:00Z", "+12050-11-13",
+                "-2050-11-13", "2050-11-13T10:30:00.Z", "2050-11-13t10:30:00", "+2050-11-13T10:30:00Z"):
         assert sk.parse_expires_at(bad) is None, bad
     with pytest.raises(sk.ApiError):
         sk.validate_expires_at("2050-01-01", sk.parse_expires_at("2050-01-01").ns)
