@@ -361,9 +361,31 @@ def pattern_matches(pattern, index):
     return pattern == index
 
 
+_RUST_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\",
+                 '"': '\\"'}
+# What Rust's char::escape_debug writes as \u{...}: the categories its
+# is_printable leaves out (but the space), and grapheme extenders.
+_RUST_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs", "Mn", "Me"))
+
+
+def rust_debug_str(text):
+    """A string the way Rust's `{:?}` prints it: quoted, with \\n, \\" and
+    \\u{7f}-style escapes."""
+    import unicodedata  # local: only refusal messages naming odd index patterns need it
+    out = []
+    for char in text:
+        if char in _RUST_ESCAPES:
+            out.append(_RUST_ESCAPES[char])
+        elif char != " " and unicodedata.category(char) in _RUST_UNPRINTABLE:
+            out.append("\\u{%x}" % ord(char))
+        else:
+            out.append(char)
+    return '"%s"' % "".join(out)
+
+
 def rust_debug_list(strings):
     """A list of strings the way Rust's `{:?}` prints a Vec<String>: ["a", "b"]."""
-    return "[" + ", ".join(json.dumps(s, ensure_ascii=False) for s in strings) + "]"
+    return "[" + ", ".join(rust_debug_str(s) for s in strings) + "]"
 
 
 def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
@@ -378,7 +400,7 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
         if tenant_rules is not None and not search_rules_allow(tenant_rules, index):
             return invalid_api_key(
                 "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(search_rule_patterns(tenant_rules)))))
+                "are %s." % (index, rust_debug_list(sorted(set(search_rule_patterns(tenant_rules))))))
         if not any(pattern_matches(p, index) for p in key.indexes):
             if tenant_rules is not None:
                 return invalid_api_key(
@@ -386,7 +408,7 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
                     "index `%s`." % index)
             return invalid_api_key(
                 "The API key cannot acces the index `%s`, authorized indexes are %s."
-                % (index, rust_debug_list(sorted(key.indexes))))
+                % (index, rust_debug_list(sorted(set(key.indexes)))))
     if action not in key.grants or key.is_expired(now_ns):
         return invalid_api_key()
     if key.is_global or index is not None:
@@ -1009,7 +1031,9 @@ JWT_HASHES = {"HS256": hashlib.sha256, "HS384": hashlib.sha384, "HS512": hashlib
 # Every `alg` the JWT library knows; any other value is a header decoding error.
 JWT_KNOWN_ALGORITHMS = ("HS256", "HS384", "HS512", "ES256", "ES384", "RS256", "RS384",
                         "RS512", "PS256", "PS384", "PS512", "EdDSA")
-_B64URL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+_B64URL_VALUES = {symbol: value for value, symbol in enumerate(
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")}
+_PAD = ord("=")
 
 
 class NotATenantToken(Exception):
@@ -1024,23 +1048,65 @@ def b64url_encode(data):
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+def _base64_error(detail, *numbers):
+    return TenantTokenError("Base64 error: " + detail % numbers)
+
+
 def b64url_decode(text):
-    """Strict unpadded base64url, like the `base64` crate's URL_SAFE_NO_PAD."""
-    for i, char in enumerate(text):
-        if char not in _B64URL:
-            raise TenantTokenError("Base64 error: Invalid symbol %d, offset %d."
-                                   % (ord(char), i))
-    if len(text) % 4 == 1:
-        raise TenantTokenError("Base64 error: Invalid input length.")
-    try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
-        raise TenantTokenError("Base64 error: Invalid last symbol.")
+    """Strict unpadded base64url, checked in the order and with the messages
+    of the `base64` crate (0.22) URL_SAFE_NO_PAD engine jsonwebtoken uses."""
+    data = text.encode("utf-8", "surrogatepass")
+    rest = len(data) % 4
+    if rest == 1 and data[-1] != _PAD and data[-1] not in _B64URL_VALUES:
+        raise _base64_error("Invalid symbol %d, offset %d.", data[-1], len(data) - 1)
+    start = max(0, len(data) - rest - (4 if rest == 0 else 0))  # the last quad is checked apart
+    for offset in range(start):
+        if data[offset] not in _B64URL_VALUES:
+            raise _base64_error("Invalid symbol %d, offset %d.", data[offset], offset)
+    morsels, padding = [], None
+    for offset in range(start, len(data)):
+        byte = data[offset]
+        if byte == _PAD:
+            if offset - start < 2:
+                raise _base64_error("Invalid symbol %d, offset %d.", byte, offset)
+            padding = offset if padding is None else padding
+            continue
+        if padding is not None:
+            raise _base64_error("Invalid symbol %d, offset %d.", _PAD, padding)
+        if byte not in _B64URL_VALUES:
+            raise _base64_error("Invalid symbol %d, offset %d.", byte, offset)
+        morsels.append(_B64URL_VALUES[byte])
+    if data and len(morsels) < 2:
+        raise _base64_error("Invalid input length: %d", start + len(morsels))
+    if padding is not None:
+        raise _base64_error("Invalid padding")
+    leftover = 0
+    for position, morsel in enumerate(morsels):
+        leftover |= morsel << (26 - 6 * position)
+    if leftover & (0xFFFFFFFF >> (len(morsels) * 6 // 8 * 8)):
+        raise _base64_error("Invalid last symbol %d, offset %d.", data[start + len(morsels) - 1],
+                            start + len(morsels) - 1)
+    return base64.urlsafe_b64decode(data + b"=" * (-len(data) % 4))
+
+
+# Claims and header fields as jsonwebtoken 10.4 and Meilisearch's `Claims`
+# type them (serde checks fields in the order they come, then the missing ones).
+_CLAIM_FIELDS = ("searchRules", "exp", "apiKeyUid")
+_VALIDATED_CLAIMS = ("exp", "nbf", "sub", "iss", "aud")  # jsonwebtoken's own pass
+_HEADER_TEXT_FIELDS = ("typ", "cty", "jku", "kid", "x5u", "x5t", "x5t#S256")
+_HEADER_LIST_FIELDS = ("x5c", "crit")
+_HEADER_FIELDS = ("alg", "jwk", "enc") + _HEADER_TEXT_FIELDS + _HEADER_LIST_FIELDS
+_I64_MIN, _I64_MAX, _U64_MAX = -2 ** 63, 2 ** 63 - 1, 2 ** 64 - 1
+_PAIRS_JSON = json.JSONDecoder(object_pairs_hook=lambda pairs: pairs,
+                               parse_constant=_reject_constant)
 
 
 def _json_part(text, what):
+    """A token part -> its top-level members as (name, value) pairs, in
+    order, repeated names included."""
     try:
-        value = strict_json(b64url_decode(text).decode("utf-8"))
+        data = b64url_decode(text).decode("utf-8")
+        value = strict_json(data)
     except TenantTokenError:
         raise
     except UnicodeEncodeError:
@@ -1049,8 +1115,8 @@ def _json_part(text, what):
         raise TenantTokenError("JSON error: %s" % (getattr(exc, "msg", None) or exc))
     if not isinstance(value, dict):
         raise TenantTokenError("JSON error: invalid type: %s, expected %s"
-                               % (describe_json(value).split(":")[0], what))
-    return value
+                               % (serde_unexpected(value), what))
+    return [(name, value[name]) for name, _ in _PAIRS_JSON.decode(data)]
 
 
 def _missing(field, part):
@@ -1060,10 +1126,136 @@ def _missing(field, part):
                             % (field, len(text)))
 
 
+def serde_unexpected(value):
+    """How serde names an unexpected JSON value in `invalid type: ...`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean `%s`" % ("true" if value else "false")
+    if isinstance(value, int):
+        return "integer `%d`" % value
+    if isinstance(value, float):
+        import decimal  # local: only this rare message needs it
+        text = format(decimal.Decimal(repr(value)), "f")  # Rust prints no exponent
+        return "floating point `%s`" % (text if "." in text else text + ".0")
+    if isinstance(value, str):
+        return "string " + rust_debug_str(value)
+    return "sequence" if isinstance(value, list) else "map"
+
+
+def _invalid_type(value, expected):
+    return TenantTokenError("JSON error: invalid type: %s, expected %s"
+                            % (serde_unexpected(value), expected))
+
+
+def _once(members, fields):
+    """serde's `duplicate field` error for a known field given twice."""
+    seen = set()
+    for name, _ in members:
+        if name in fields:
+            if name in seen:
+                raise TenantTokenError("JSON error: duplicate field `%s`" % name)
+            seen.add(name)
+
+
+def _check_header(members, header_text):
+    """The header's `alg`, once its typed fields are as jsonwebtoken reads them."""
+    _once(members, _HEADER_FIELDS)
+    for name, value in members:
+        if name == "alg":
+            if not isinstance(value, str):
+                raise _invalid_type(value, "variant identifier")
+            if value not in JWT_KNOWN_ALGORITHMS:
+                raise TenantTokenError("JSON error: unknown variant `%s`, expected one of %s"
+                                       % (value, backticked(JWT_KNOWN_ALGORITHMS)))
+        elif value is None:
+            continue
+        elif name in _HEADER_TEXT_FIELDS and not isinstance(value, str):
+            raise _invalid_type(value, "a string")
+        elif name in _HEADER_LIST_FIELDS:
+            if not isinstance(value, list):
+                raise _invalid_type(value, "a sequence")
+            for item in value:
+                if not isinstance(item, str):
+                    raise _invalid_type(item, "a string")
+    header = dict(members)
+    if "alg" not in header:
+        raise _missing("alg", header_text)
+    return header["alg"]
+
+
+def read_search_rules(rules):
+    """`searchRules` as Meilisearch's untagged SearchRules reads them: a list
+    of patterns, or an object of pattern -> null | rules object | [filter]
+    (serde reads a one-field struct from a one-element array too); the
+    object form comes back with {"filter": ...} objects. TenantTokenError
+    otherwise."""
+    if isinstance(rules, list) and all(isinstance(p, str) for p in rules):
+        return rules
+    if isinstance(rules, dict):
+        read = {}
+        for pattern, rule in rules.items():
+            if isinstance(rule, list) and len(rule) == 1:
+                rule = {"filter": rule[0]}
+            if not (rule is None or isinstance(rule, dict)):
+                break
+            read[pattern] = rule
+        else:
+            return read
+    raise TenantTokenError(
+        "JSON error: data did not match any variant of untagged enum SearchRules")
+
+
+def _read_exp(value):
+    """`exp` as serde_json reads an Option<i64>."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid_type(value, "i64")
+    if isinstance(value, float) or value < _I64_MIN or value > _U64_MAX:
+        raise _invalid_type(float(value), "i64")  # serde_json holds these as floats
+    if value > _I64_MAX:
+        raise TenantTokenError("JSON error: invalid value: integer `%d`, expected i64" % value)
+    return value
+
+
+def _check_claims(members, payload_text):
+    _once(members, _CLAIM_FIELDS)
+    claims = {"exp": None}
+    for name, value in members:
+        if name == "searchRules":
+            claims[name] = read_search_rules(value)
+        elif name == "exp":
+            claims[name] = _read_exp(value)
+        elif name == "apiKeyUid":
+            if not isinstance(value, str):
+                raise _invalid_type(value, "a formatted UUID string")
+            try:
+                claims[name] = parse_uuid(value)
+            except ValueError as exc:
+                raise TenantTokenError("JSON error: UUID parsing failed: %s" % exc)
+    for field in ("searchRules", "apiKeyUid"):
+        if field not in claims:
+            raise _missing(field, payload_text)
+    return claims
+
+
+def _audience_error(members):
+    """jsonwebtoken's pass over the registered claims, as Meilisearch
+    configures it (no audience expected): any readable `aud` refuses."""
+    _once(members, _VALIDATED_CLAIMS)
+    aud = dict(members).get("aud")
+    if isinstance(aud, str) or (isinstance(aud, list) and all(isinstance(a, str) for a in aud)):
+        return "InvalidAudience"
+    return None
+
+
 def decode_tenant_token(token):
     """Read a tenant token without checking its signature.
 
-    Returns (algorithm, claims, signed_part, signature). Raises
+    Returns (algorithm, claims, signed_part, signature, refusal): claims
+    hold `searchRules`, `exp` and `apiKeyUid`; refusal is what jsonwebtoken
+    says of the registered claims once the signature is good, or None. Raises
     NotATenantToken when `token` does not have the three JWT parts, and
     TenantTokenError (the detail of "Could not decode tenant token, ...")
     when a part cannot be decoded or a required claim is missing or wrong.
@@ -1072,50 +1264,23 @@ def decode_tenant_token(token):
     header_text, dot2, payload_text = signed_part.rpartition(".")
     if not dot or not dot2:
         raise NotATenantToken()
-    header = _json_part(header_text, "struct Header")
-    algorithm = header.get("alg")
-    if "alg" not in header:
-        raise _missing("alg", header_text)
-    if algorithm not in JWT_KNOWN_ALGORITHMS:
-        raise TenantTokenError("JSON error: unknown variant `%s`, expected one of %s"
-                               % (algorithm, backticked(JWT_KNOWN_ALGORITHMS)))
-    claims = _json_part(payload_text, "struct Claims")
-    rules = claims.get("searchRules")
-    if "searchRules" not in claims:
-        raise _missing("searchRules", payload_text)
-    if not _valid_search_rules(rules):
-        raise TenantTokenError(
-            "JSON error: data did not match any variant of untagged enum SearchRules")
-    exp = claims.get("exp")
-    if exp is not None and (isinstance(exp, bool) or not isinstance(exp, int)):
-        raise TenantTokenError("JSON error: invalid type: %s, expected i64"
-                               % describe_json(exp).split(":")[0])
-    if "apiKeyUid" not in claims:
-        raise _missing("apiKeyUid", payload_text)
-    uid = claims["apiKeyUid"]
-    if not isinstance(uid, str):
-        raise TenantTokenError("JSON error: invalid type: %s, expected UUID"
-                               % describe_json(uid).split(":")[0])
+    algorithm = _check_header(_json_part(header_text, "struct Header"), header_text)
+    members = _json_part(payload_text, "struct Claims")
+    claims = _check_claims(members, payload_text)
     try:
-        uid = parse_uuid(uid)
-    except ValueError as exc:
-        raise TenantTokenError("JSON error: UUID parsing failed: %s" % exc)
-    return algorithm, {"searchRules": rules, "exp": exp, "apiKeyUid": uid}, signed_part, signature
+        refusal = _audience_error(members)
+    except TenantTokenError as exc:  # reported after the signature check, as upstream does
+        refusal = str(exc)
+    return algorithm, claims, signed_part, signature, refusal
 
 
-def _valid_search_rules(rules):
-    """An array of index patterns, or an object pattern -> null | {filter?}."""
-    if isinstance(rules, list):
-        return all(isinstance(p, str) for p in rules)
-    if isinstance(rules, dict):
-        return all(v is None or isinstance(v, dict) for v in rules.values())
-    return False
+def _jwt_digest(algorithm, secret, signed_part):
+    return hmac.new(secret.encode(), signed_part.encode("utf-8", "surrogatepass"),
+                    JWT_HASHES[algorithm]).digest()
 
 
 def _jwt_signature(algorithm, secret, signed_part):
-    digest = hmac.new(secret.encode(), signed_part.encode("ascii", "replace"),
-                      JWT_HASHES[algorithm]).digest()
-    return b64url_encode(digest)
+    return b64url_encode(_jwt_digest(algorithm, secret, signed_part))
 
 
 def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256"):
@@ -1141,13 +1306,16 @@ def verify_tenant_token(token, api_key, now=None):
     TenantTokenError carrying upstream's full message.
     """
     try:
-        algorithm, claims, signed_part, signature = decode_tenant_token(token)
+        algorithm, claims, signed_part, signature, refusal = decode_tenant_token(token)
         if algorithm not in JWT_HASHES:
             raise TenantTokenError("InvalidAlgorithm")
         secret = api_key(claims["apiKeyUid"]) if callable(api_key) else api_key
-        expected = _jwt_signature(algorithm, secret, signed_part)
-        if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
+        # the signature is base64-decoded first: a malformed one is a Base64 error
+        given = b64url_decode(signature)
+        if not hmac.compare_digest(_jwt_digest(algorithm, secret, signed_part), given):
             raise TenantTokenError("InvalidSignature")
+        if refusal is not None:
+            raise TenantTokenError(refusal)
     except TenantTokenError as exc:
         raise TenantTokenError("Could not decode tenant token, %s." % exc)
     now = int(time.time()) if now is None else now
@@ -3702,7 +3870,9 @@ def check_client_args(parser, args):
                 args.rules = json.loads(args.rules)
             except ValueError as exc:
                 raise ValueError("--rules is not JSON: %s" % exc)
-            if not _valid_search_rules(args.rules):
+            try:
+                read_search_rules(args.rules)
+            except TenantTokenError:
                 raise ValueError("--rules must be a JSON array of index patterns or an object "
                                  "of index pattern -> null or {\"filter\": ...}")
             if args.expires_at is not None:

@@ -1563,6 +1563,26 @@ def test_restricted_callers_see_only_their_indexes(proxied, stub):
     assert status == 200 and b"other" in body  # the master key sees everything
 
 
+def test_token_refusals_as_meilisearch_1_50_words_them(srv):
+    """jsonwebtoken 10.4 as Meilisearch configures it, and refusals listing a set of indexes."""
+    parent = srv.create(actions=["search"], indexes=["movies", "books", "movies"])
+    claims = {"searchRules": ["shows", "movies", "shows"], "apiKeyUid": parent["uid"]}
+    check_error(srv.call("GET", "/indexes/games/search", key=mint(parent["key"], claims)), 403,
+                "invalid_api_key", 'The provided tenant token cannot acces the index `games`, '
+                'allowed indexes are ["movies", "shows"].')
+    check_error(srv.call("GET", "/indexes/games/search", key=parent["key"]), 403,
+                "invalid_api_key", 'The API key cannot acces the index `games`, authorized '
+                'indexes are ["books", "movies"].')
+    check_error(srv.call("GET", "/indexes/movies/search",
+                         key=mint(parent["key"], dict(claims, aud="my-site"))), 403,
+                "invalid_api_key", "Could not decode tenant token, InvalidAudience.")
+    token = mint(parent["key"], claims)
+    check_error(srv.call("GET", "/indexes/movies/search", key=token[:-1] + "!"), 403,
+                "invalid_api_key", "Could not decode tenant token, Base64 error: Invalid symbol "
+                "33, offset %d.." % (len(token.rpartition(".")[2]) - 1))
+    assert srv.call("GET", "/indexes/movies/search", key=token)[0] == 501  # authorized
+
+
 def test_index_list_numbers_parsed_as_upstream_parses_them(proxied, stub):
     """Issue 12 hole 3: Rust's usize::from_str takes `+20`; such a limit must not skip the
     filtering, and a number upstream refuses gets upstream's 400 from the guard itself."""

@@ -721,6 +721,95 @@ def test_token_refusals():
             sk.verify_tenant_token(not_a_jwt, PARENT)
 
 
+@pytest.mark.parametrize("text,message", [
+    # the base64 crate (0.22) URL_SAFE_NO_PAD engine jsonwebtoken 10.4 decodes with
+    ("a!", "Invalid symbol 33, offset 1."),
+    ("a", "Invalid input length: 1"),
+    ("abcde", "Invalid input length: 5"),
+    ("YR", "Invalid last symbol 82, offset 1."),
+    ("YWJ", "Invalid last symbol 74, offset 2."),
+    ("YQ==", "Invalid padding"),
+    ("a=bc", "Invalid symbol 61, offset 1."),
+    ("ab=c", "Invalid symbol 61, offset 2."),
+    ("abcd=", "Invalid symbol 61, offset 4."),
+    ("YWJj\u00e9", "Invalid symbol 195, offset 4."),
+])
+def test_base64_errors_are_the_base64_crates(text, message):
+    with pytest.raises(sk.TenantTokenError) as info:
+        sk.b64url_decode(text)
+    assert str(info.value) == "Base64 error: " + message
+
+
+def test_base64_decodes_what_it_accepts():
+    for data in (b"", b"a", b"ab", b"abc", bytes(range(256))):
+        assert sk.b64url_decode(sk.b64url_encode(data)) == data
+
+
+def test_token_refusals_follow_jsonwebtoken_10():
+    good = {"searchRules": ["*"], "apiKeyUid": PARENT_UID}
+    token = craft({"alg": "HS256"}, good)
+    signed, _, signature = token.rpartition(".")
+    # the signature is base64-decoded before it is compared (and upstream's message ends in
+    # a second full stop after the base64 crate's own)
+    assert token_error(signed + "." + signature[:-1] + "!") == \
+        "Could not decode tenant token, Base64 error: Invalid symbol 33, offset %d.." \
+        % (len(signature) - 1)
+    assert token_error(signed + ".") == "Could not decode tenant token, InvalidSignature."
+    # no audience is configured: any readable `aud` refuses a well-signed token
+    for aud in ("searchers", ["a", "b"], []):
+        assert token_error(craft({"alg": "HS256"}, dict(good, aud=aud))) == \
+            "Could not decode tenant token, InvalidAudience."
+    for aud in (None, 5, [1]):  # unreadable: ignored
+        assert sk.verify_tenant_token(craft({"alg": "HS256"}, dict(good, aud=aud)), PARENT)
+    assert token_error(craft({"alg": "HS256"}, dict(good, aud="x"),
+                             secret=sk.derive_key("other", PARENT_UID))) == \
+        "Could not decode tenant token, InvalidSignature."  # the signature comes first
+    # claims are read in the order they come, as serde does
+    payload = '{"apiKeyUid": 5, "searchRules": 7}'
+    assert token_error(craft_raw('{"alg": "HS256"}', payload)) == \
+        "Could not decode tenant token, JSON error: invalid type: integer `5`, expected a " \
+        "formatted UUID string."
+    assert token_error(craft_raw('{"alg": "HS256"}', '{"searchRules": [], "searchRules": [],'
+                                 ' "apiKeyUid": "%s"}' % PARENT_UID)) == \
+        "Could not decode tenant token, JSON error: duplicate field `searchRules`."
+    for exp, shown in ((1.5, "invalid type: floating point `1.5`, expected i64"),
+                       (1e20, "invalid type: floating point `100000000000000000000.0`, "
+                              "expected i64"),
+                       (2 ** 63, "invalid value: integer `9223372036854775808`, expected i64"),
+                       ("1", 'invalid type: string "1", expected i64'),
+                       (True, "invalid type: boolean `true`, expected i64")):
+        assert token_error(craft({"alg": "HS256"}, dict(good, exp=exp))) == \
+            "Could not decode tenant token, JSON error: %s." % shown
+    assert token_error(craft({"alg": "HS256", "typ": 5}, good)) == \
+        "Could not decode tenant token, JSON error: invalid type: integer `5`, expected a string."
+
+
+def test_search_rules_read_as_meilisearch_reads_them():
+    good = {"searchRules": {"movies": ["genre = a"], "shows": None}, "apiKeyUid": PARENT_UID}
+    claims = sk.verify_tenant_token(craft({"alg": "HS256"}, good), PARENT)
+    assert claims["searchRules"] == {"movies": {"filter": "genre = a"}, "shows": None}
+    for rules in ({"movies": []}, {"movies": ["a", "b"]}, {"movies": 5}, [5], "movies"):
+        assert token_error(craft({"alg": "HS256"}, dict(good, searchRules=rules))) == \
+            "Could not decode tenant token, JSON error: data did not match any variant of " \
+            "untagged enum SearchRules."
+
+
+def test_refusals_list_indexes_as_meilisearch_does():
+    """A HashSet of patterns, sorted, printed with Rust's {:?}."""
+    parent = FakeKey(["search"], ["b", "a", "b"])
+    assert sk.authorize(parent, "search", "z", 0).message == \
+        'The API key cannot acces the index `z`, authorized indexes are ["a", "b"].'
+    rules = ["x\"y", "x\"y", "t\u00e9\n\u0301"]
+    assert sk.authorize(FakeKey(["search"], ["*"]), "search", "z", 0, tenant_rules=rules).message \
+        == 'The provided tenant token cannot acces the index `z`, allowed indexes are ' \
+           '["t\u00e9\\n\\u{301}", "x\\"y"].'
+
+
+def craft_raw(header, payload, secret=PARENT):
+    signed = sk.b64url_encode(header.encode()) + "." + sk.b64url_encode(payload.encode())
+    return signed + "." + sk._jwt_signature("HS256", secret, signed)
+
+
 def test_guard_accepts_tenant_tokens_on_search_routes_only():
     store = sk.KeyStore("kefir")
     parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.get"],
