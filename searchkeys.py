@@ -1388,8 +1388,8 @@ class ApiKey:
         }
 
     def stored_json(self):
-        """to_record() as compact JSON text, computed once: compaction
-        rewrites every key, and re-encoding 100,000 of them is slow."""
+        """to_record() as compact JSON text, computed once: every write of
+        the store includes every key, and re-encoding them each time is slow."""
         if self._stored is None:
             self._stored = compact_json(self.to_record())
         return self._stored
@@ -1671,9 +1671,9 @@ class StoreFile:
         `build(record, text)` turns a record (and its JSON text, when
         known) into a key."""
         self._lock()
-        data = self._read(self.path, missing=None)
+        data = self._read(self.path)
         keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path, missing=None)
+        journal = self._read(self.journal_path)
         changes = None if journal is None else self._parse_journal(journal)
         self._remove_stale_temp_files()
         return keys, changes
@@ -1692,11 +1692,12 @@ class StoreFile:
             raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
                              % (self.shown, lock_path))
 
-    def _read(self, path, missing):
+    def _read(self, path):
+        """The file's bytes, or None if there is none."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return missing
+            return None
         except OSError as exc:
             raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
         try:
