@@ -570,23 +570,32 @@ def public_python(script):
     return None
 
 
-def run_unreadable(workdir):
+def run_unreadable():
     """Store files unreadable by the server's user, a read-only folder; returns faults injected."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run the server as another user (root reads any file)")
-    # nobody runs a copy of the script: the checkout may be in a folder only its owner may enter
-    workdir.chmod(0o755)
-    script = workdir / "searchkeys.py"
-    shutil.copyfile(support.SEARCHKEYS, script)
-    script.chmod(0o644)
-    python = public_python(script)
-    if python is None:
-        pytest.skip(f"user nobody cannot run {script} with any Python interpreter")
-    folder = workdir / "nobody"
-    folder.mkdir()
+    # nobody runs a copy of the script on a store, both in a folder of their own under the
+    # system's temp folder: the checkout and the caller's folders may be ones only their owner
+    # may enter
+    with support.scratch_dir("searchkeys-nobody-") as base:
+        base.chmod(0o755)
+        script = base / "searchkeys.py"
+        shutil.copyfile(support.SEARCHKEYS, script)
+        script.chmod(0o644)
+        python = public_python(script)
+        if python is None:
+            pytest.skip(f"user nobody cannot run {script} with any Python interpreter")
+        folder = base / "nobody"
+        folder.mkdir()
+        return unreadable_cases(folder, script, python)
+
+
+def unreadable_cases(folder, script, python):
     store, keys = seeded_store(folder)
     for path in [folder, *folder.iterdir()]:
         os.chown(path, 65534, 65534)
+    with Server(store, preexec_fn=as_nobody, python=python, script=script):
+        pass  # nobody can run it on the store: the refusals below are about the files
     lock = Path(str(store) + ".lock")
     for victim in (store, lock):
         victim.chmod(0o000)
@@ -618,8 +627,8 @@ def run_unreadable(workdir):
     return 3
 
 
-def test_unreadable_store_refuses_to_start(workdir):
-    run_unreadable(workdir)
+def test_unreadable_store_refuses_to_start():
+    run_unreadable()
 
 
 def fill_disk(folder):
