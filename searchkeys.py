@@ -3751,6 +3751,10 @@ def check_serve_args(parser, args):
     """Fail closed: no master key only with --open; no empty secrets."""
     if args.master_key == "":
         parser.error("--master-key is empty")
+    try:
+        check_text_args(args, ("master_key", "upstream_key"))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.master_key is None:
         args.master_key = os.environ.get("MEILI_MASTER_KEY") or None
     if args.open and args.master_key is not None:
@@ -3853,6 +3857,7 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
+        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules"))
         if args.command == "keys":
             check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
@@ -3881,6 +3886,20 @@ def check_client_args(parser, args):
                 args.expires_at = parse_expires_at(text).ns // 10 ** 9 if text else None
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def check_text_args(args, names):
+    """The named options, where given, must be non-empty UTF-8 text (not
+    undecodable bytes from the command line)."""
+    for name in names:
+        value = getattr(args, name, None)
+        shown = name.upper() if name == "key_or_uid" else "--" + name.replace("_", "-")
+        if value == "" and name in ("key_or_uid", "api_key"):
+            raise ValueError("%s is empty" % shown)
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("%s is not valid UTF-8 text" % shown)
 
 
 def check_connection_args(args):

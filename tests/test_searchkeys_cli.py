@@ -336,6 +336,10 @@ def test_bad_arguments_caught_before_any_request(recorder, args, needles):
     (["keys", "list", "--url", "http://127.0.0.1:99999"], "--url"),
     (["keys", "list", "--key", "line\nbreak"], "--key"),
     (["keys", "list", "--offset", "-1"], "--offset"),
+    (["keys", "get", ""], "KEY_OR_UID"),
+    (["token", "--api-key", "", "--uid", str(uuid.uuid4()), "--rules", '["a"]'], "--api-key"),
+    (["keys", "create", "--preset", "search", "--indexes", "a", "--name", b"\xff".decode(
+        "utf-8", "surrogateescape")], "--name"),
 ])
 def test_bad_values_name_their_flag(recorder, args, needle):
     recorder.hits.clear()
