@@ -1470,10 +1470,13 @@ class KeyStore:
         self._file = StoreFile(path, self.log) if path else None
         try:
             self._load()
-            if not self._keys:
-                for name, description, actions in DEFAULT_KEYS:
-                    self._commit(self._new_key(new_uid(), name, description, actions, ["*"],
-                                               None))
+            if not self._keys:  # all four in one write: a crash leaves none or all
+                defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
+                            for name, description, actions in DEFAULT_KEYS]
+                if self._file:
+                    self._file.write([key.stored_json() for key in defaults])
+                for key in defaults:
+                    self._put(key)
         except BaseException:
             self.close()
             raise

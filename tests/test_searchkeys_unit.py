@@ -1076,6 +1076,22 @@ def test_damaged_document_refuses_and_is_left_untouched(tmp_path):
         sk.KeyStore(MASTER, str(path))
 
 
+def test_default_keys_are_written_together(tmp_path, monkeypatch):
+    """A crash while a fresh store gets its four default keys leaves all or none of them."""
+    real_fsync, calls = sk.os.fsync, []
+
+    def fsync_then_crash(fd):
+        calls.append(fd)
+        if len(calls) > 2:  # the file and its folder, once
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+    monkeypatch.setattr(sk.os, "fsync", fsync_then_crash)
+    store = sk.KeyStore(MASTER, str(tmp_path / "keys.json"))
+    store.close()
+    monkeypatch.undo()
+    assert len(store_document(tmp_path / "keys.json")["keys"]) == 4
+
+
 def test_failed_write_is_not_applied(tmp_path, monkeypatch):
     path = tmp_path / "keys.json"
     store = sk.KeyStore(MASTER, str(path))
