@@ -1089,41 +1089,100 @@ def b64url_decode(text):
     return base64.urlsafe_b64decode(data + b"=" * (-len(data) % 4))
 
 
-# Claims and header fields as jsonwebtoken 10.4 and Meilisearch's `Claims`
-# type them (serde checks fields in the order they come, then the missing ones).
-_CLAIM_FIELDS = ("searchRules", "exp", "apiKeyUid")
+# Header fields as jsonwebtoken 10.4 types them, and the claims it reads
+# itself (serde checks fields in the order they come, then the missing ones).
 _VALIDATED_CLAIMS = ("exp", "nbf", "sub", "iss", "aud")  # jsonwebtoken's own pass
 _HEADER_TEXT_FIELDS = ("typ", "cty", "jku", "kid", "x5u", "x5t", "x5t#S256")
 _HEADER_LIST_FIELDS = ("x5c", "crit")
 _HEADER_FIELDS = ("alg", "jwk", "enc") + _HEADER_TEXT_FIELDS + _HEADER_LIST_FIELDS
 _I64_MIN, _I64_MAX, _U64_MAX = -2 ** 63, 2 ** 63 - 1, 2 ** 64 - 1
-_PAIRS_JSON = json.JSONDecoder(object_pairs_hook=lambda pairs: pairs,
-                               parse_constant=_reject_constant)
 
 
-def _json_part(text, what):
-    """A token part -> its top-level members as (name, value) pairs, in
-    order, repeated names included."""
-    try:
-        data = b64url_decode(text).decode("utf-8")
-        value = strict_json(data)
-    except TenantTokenError:
-        raise
-    except UnicodeEncodeError:
-        raise TenantTokenError("JSON error: lone leading surrogate in hex escape")
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise TenantTokenError("JSON error: %s" % (getattr(exc, "msg", None) or exc))
-    if not isinstance(value, dict):
-        raise TenantTokenError("JSON error: invalid type: %s, expected %s"
-                               % (serde_unexpected(value), what))
-    return [(name, value[name]) for name, _ in _PAIRS_JSON.decode(data)]
+class _SerdeError(Exception):
+    """serde's complaint about one JSON value; `where` says where serde_json
+    stands when it reports it: "after" the value, "at" its first byte (maps
+    and sequences it does not enter), just "past" that byte (a peek), or,
+    for an error it places only on leaving the enclosing object, "closing":
+    past its `}` when the value was the last member, else at the comma."""
+
+    def __init__(self, message, where="after"):
+        super().__init__(message)
+        self.where = where
 
 
-def _missing(field, part):
-    """serde's error for a claim missing from `part` (a base64url JSON part)."""
-    text = b64url_decode(part).decode("utf-8", "replace")
-    return TenantTokenError("JSON error: missing field `%s` at line 1 column %d"
-                            % (field, len(text)))
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+class _TokenPart:
+    """A JWT part decoded to JSON text, with its top-level members in order
+    (repeats included) and where each stands, so errors carry serde_json's
+    `at line L column C`."""
+
+    def __init__(self, text, what):
+        try:
+            self.data = b64url_decode(text).decode("utf-8")
+            value = strict_json(self.data)
+        except TenantTokenError:
+            raise
+        except UnicodeEncodeError:
+            raise TenantTokenError("JSON error: lone leading surrogate in hex escape")
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise TenantTokenError("JSON error: %s" % (getattr(exc, "msg", None) or exc))
+        start = self._space(0)
+        if not isinstance(value, dict):
+            raise self.error(_invalid_type(value, what), start, len(self.data.rstrip()))
+        self.members = list(self._items(start + 1, "}", keyed=True))
+        self.end = self.members[-1][4] if self.members else start + 1
+        self.end = self._space(self.end) + 1  # past the closing brace
+
+    def _space(self, offset):
+        return _JSON_SPACE.match(self.data, offset).end()
+
+    def _items(self, offset, closing, keyed):
+        """(name, value, key end, value start, value end) of an object's
+        members, or (None, value, None, start, end) of an array's items."""
+        offset = self._space(offset)
+        while self.data[offset] != closing:
+            name = key_end = None
+            if keyed:
+                name, key_end = json.decoder.scanstring(self.data, offset + 1)
+                offset = self._space(self._space(key_end) + 1)  # past the colon
+            value, end = _STRICT_JSON.raw_decode(self.data, offset)
+            yield name, value, key_end, offset, end
+            offset = self._space(end)
+            if self.data[offset] == ",":
+                offset = self._space(offset + 1)
+
+    def items_of(self, member):
+        """The items of an array member, placed like members."""
+        return self._items(member[3] + 1, "]", keyed=False)
+
+    def error(self, problem, start, end):
+        """TenantTokenError for `problem` (a _SerdeError) about the value at start..end."""
+        if problem.where == "closing":
+            end = self._space(end)
+            offset = end + 1 if self.data[end] == "}" else end
+        else:
+            offset = {"after": end, "at": start, "past": start + 1}[problem.where]
+        return self.error_at(str(problem), offset)
+
+    def error_at(self, message, offset):
+        line_start = self.data.rfind("\n", 0, offset) + 1
+        return TenantTokenError("JSON error: %s at line %d column %d" % (
+            message, self.data.count("\n", 0, offset) + 1,
+            len(self.data[line_start:offset].encode("utf-8"))))
+
+    def missing(self, field):
+        return self.error_at("missing field `%s`" % field, self.end)
+
+    def once(self, fields):
+        """serde's `duplicate field` error for a known field given twice."""
+        seen = set()
+        for name, _, key_end, _, _ in self.members:
+            if name in fields:
+                if name in seen:
+                    raise self.error_at("duplicate field `%s`" % name, key_end)
+                seen.add(name)
 
 
 def serde_unexpected(value):
@@ -1144,51 +1203,49 @@ def serde_unexpected(value):
 
 
 def _invalid_type(value, expected):
-    return TenantTokenError("JSON error: invalid type: %s, expected %s"
-                            % (serde_unexpected(value), expected))
+    return _SerdeError("invalid type: %s, expected %s" % (serde_unexpected(value), expected),
+                       "at" if isinstance(value, (list, dict)) else "after")
 
 
-def _once(members, fields):
-    """serde's `duplicate field` error for a known field given twice."""
-    seen = set()
-    for name, _ in members:
-        if name in fields:
-            if name in seen:
-                raise TenantTokenError("JSON error: duplicate field `%s`" % name)
-            seen.add(name)
-
-
-def _check_header(members, header_text):
+def _check_header(part):
     """The header's `alg`, once its typed fields are as jsonwebtoken reads them."""
-    _once(members, _HEADER_FIELDS)
-    for name, value in members:
-        if name == "alg":
-            if not isinstance(value, str):
-                raise _invalid_type(value, "variant identifier")
-            if value not in JWT_KNOWN_ALGORITHMS:
-                raise TenantTokenError("JSON error: unknown variant `%s`, expected one of %s"
-                                       % (value, backticked(JWT_KNOWN_ALGORITHMS)))
-        elif value is None:
-            continue
-        elif name in _HEADER_TEXT_FIELDS and not isinstance(value, str):
-            raise _invalid_type(value, "a string")
-        elif name in _HEADER_LIST_FIELDS:
-            if not isinstance(value, list):
-                raise _invalid_type(value, "a sequence")
-            for item in value:
-                if not isinstance(item, str):
-                    raise _invalid_type(item, "a string")
-    header = dict(members)
+    part.once(_HEADER_FIELDS)
+    for member in part.members:
+        name, value, _, start, end = member
+        try:
+            if name == "alg":
+                _read_algorithm(value)
+            elif value is None:
+                continue
+            elif name in _HEADER_TEXT_FIELDS and not isinstance(value, str):
+                raise _invalid_type(value, "a string")
+            elif name in _HEADER_LIST_FIELDS:
+                if not isinstance(value, list):
+                    raise _invalid_type(value, "a sequence")
+                for _, item, _, start, end in part.items_of(member):
+                    if not isinstance(item, str):
+                        raise _invalid_type(item, "a string")
+        except _SerdeError as problem:
+            raise part.error(problem, start, end)
+    header = dict((member[0], member[1]) for member in part.members)
     if "alg" not in header:
-        raise _missing("alg", header_text)
+        raise part.missing("alg")
     return header["alg"]
+
+
+def _read_algorithm(value):
+    if not isinstance(value, str):
+        raise _SerdeError("expected value", "past")  # serde_json wants a variant name
+    if value not in JWT_KNOWN_ALGORITHMS:
+        raise _SerdeError("unknown variant `%s`, expected one of %s"
+                          % (value, backticked(JWT_KNOWN_ALGORITHMS)))
 
 
 def read_search_rules(rules):
     """`searchRules` as Meilisearch's untagged SearchRules reads them: a list
     of patterns, or an object of pattern -> null | rules object | [filter]
     (serde reads a one-field struct from a one-element array too); the
-    object form comes back with {"filter": ...} objects. TenantTokenError
+    object form comes back with {"filter": ...} objects. _SerdeError
     otherwise."""
     if isinstance(rules, list) and all(isinstance(p, str) for p in rules):
         return rules
@@ -1202,8 +1259,7 @@ def read_search_rules(rules):
             read[pattern] = rule
         else:
             return read
-    raise TenantTokenError(
-        "JSON error: data did not match any variant of untagged enum SearchRules")
+    raise _SerdeError("data did not match any variant of untagged enum SearchRules", "closing")
 
 
 def _read_exp(value):
@@ -1215,36 +1271,45 @@ def _read_exp(value):
     if isinstance(value, float) or value < _I64_MIN or value > _U64_MAX:
         raise _invalid_type(float(value), "i64")  # serde_json holds these as floats
     if value > _I64_MAX:
-        raise TenantTokenError("JSON error: invalid value: integer `%d`, expected i64" % value)
+        raise _SerdeError("invalid value: integer `%d`, expected i64" % value)
     return value
 
 
-def _check_claims(members, payload_text):
-    _once(members, _CLAIM_FIELDS)
+def _read_uid(value):
+    if not isinstance(value, str):
+        raise _invalid_type(value, "a formatted UUID string")
+    try:
+        return parse_uuid(value)
+    except ValueError as exc:
+        raise _SerdeError("UUID parsing failed: %s" % exc)
+
+
+_CLAIM_READERS = {"searchRules": read_search_rules, "exp": _read_exp, "apiKeyUid": _read_uid}
+
+
+def _check_claims(part):
+    part.once(_CLAIM_READERS)
     claims = {"exp": None}
-    for name, value in members:
-        if name == "searchRules":
-            claims[name] = read_search_rules(value)
-        elif name == "exp":
-            claims[name] = _read_exp(value)
-        elif name == "apiKeyUid":
-            if not isinstance(value, str):
-                raise _invalid_type(value, "a formatted UUID string")
+    for name, value, _, start, end in part.members:
+        if name in _CLAIM_READERS:
             try:
-                claims[name] = parse_uuid(value)
-            except ValueError as exc:
-                raise TenantTokenError("JSON error: UUID parsing failed: %s" % exc)
+                claims[name] = _CLAIM_READERS[name](value)
+            except _SerdeError as problem:
+                raise part.error(problem, start, end)
     for field in ("searchRules", "apiKeyUid"):
         if field not in claims:
-            raise _missing(field, payload_text)
+            raise part.missing(field)
     return claims
 
 
-def _audience_error(members):
+def _audience_error(part):
     """jsonwebtoken's pass over the registered claims, as Meilisearch
     configures it (no audience expected): any readable `aud` refuses."""
-    _once(members, _VALIDATED_CLAIMS)
-    aud = dict(members).get("aud")
+    try:
+        part.once(_VALIDATED_CLAIMS)
+    except TenantTokenError as exc:
+        return str(exc)
+    aud = dict((member[0], member[1]) for member in part.members).get("aud")
     if isinstance(aud, str) or (isinstance(aud, list) and all(isinstance(a, str) for a in aud)):
         return "InvalidAudience"
     return None
@@ -1264,14 +1329,11 @@ def decode_tenant_token(token):
     header_text, dot2, payload_text = signed_part.rpartition(".")
     if not dot or not dot2:
         raise NotATenantToken()
-    algorithm = _check_header(_json_part(header_text, "struct Header"), header_text)
-    members = _json_part(payload_text, "struct Claims")
-    claims = _check_claims(members, payload_text)
-    try:
-        refusal = _audience_error(members)
-    except TenantTokenError as exc:  # reported after the signature check, as upstream does
-        refusal = str(exc)
-    return algorithm, claims, signed_part, signature, refusal
+    algorithm = _check_header(_TokenPart(header_text, "struct Header"))
+    payload = _TokenPart(payload_text, "struct Claims")
+    claims = _check_claims(payload)
+    # reported after the signature check, as jsonwebtoken does
+    return algorithm, claims, signed_part, signature, _audience_error(payload)
 
 
 def _jwt_digest(algorithm, secret, signed_part):
@@ -3881,7 +3943,7 @@ def check_client_args(parser, args):
                 raise ValueError("--rules is not JSON: %s" % exc)
             try:
                 read_search_rules(args.rules)
-            except TenantTokenError:
+            except _SerdeError:
                 raise ValueError("--rules must be a JSON array of index patterns or an object "
                                  "of index pattern -> null or {\"filter\": ...}")
             if args.expires_at is not None:
