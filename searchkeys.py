@@ -1751,6 +1751,10 @@ class StoreFile:
             raise StoreError("cannot open the lock file %s of store %s: %s"
                              % (lock_path, self.shown, exc.strerror or exc))
         try:
+            os.fchmod(self._lock_fd, 0o600)  # one left by a looser umask or hand
+        except OSError:
+            pass  # not ours to change; it holds nothing
+        try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.close()
