@@ -102,9 +102,7 @@ def searchkeys_store_faults(workdir, seed):
         folder = workdir / run.__name__
         folder.mkdir()
         faults += run(folder, seed)
-    folder = workdir / "unreadable"
-    folder.mkdir()
-    faults += sk.run_unreadable(folder)
+    faults += sk.run_unreadable()  # in a folder of its own that user nobody may enter
     return {"faults": faults}
 
 
