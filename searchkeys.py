@@ -40,6 +40,7 @@ import calendar
 import collections
 import datetime
 import email.parser
+import fcntl
 import functools
 import gc
 import hashlib
@@ -54,6 +55,7 @@ import re
 import secrets
 import select
 import signal
+import stat
 import socket
 import sys
 import threading
@@ -265,7 +267,10 @@ DEFAULT_KEYS = (
 # Presets of the client's `keys create --preset`.
 PRESETS = {
     "search": ["search"],
-    "backend": ["search", "indexes.*", "documents.*", "settings.get", "stats.get"],
+    # what a server that adds data needs: documents, an index created on the first add,
+    # task polling; not index deletion or settings changes
+    "backend": ["search", "documents.*", "indexes.create", "indexes.get", "tasks.get",
+                "settings.get", "stats.get"],
 }
 
 ERROR_LINK = "https://docs.meilisearch.com/errors#"
@@ -746,23 +751,42 @@ def validate_patch(body):
     return changes
 
 
-_USIZE_MAX = 2 ** 64 - 1
+USIZE_MAX = 2 ** 64 - 1
+U32_MAX = 2 ** 32 - 1  # task and batch uids
 
 
-def validate_list_query(query):
-    """GET /keys query string -> (offset, limit)."""
+def parse_rust_uint(text, maximum=USIZE_MAX):
+    """`text` read as Rust's `usize::from_str` (u32 with `maximum`) reads a
+    query parameter: ASCII digits, one optional leading `+`, leading zeros
+    allowed, no `-` (not even `-0`), no whitespace, no overflow. None when
+    Rust would refuse it."""
+    digits = text[1:] if text.startswith("+") else text
+    if not is_decimal(digits):
+        return None
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(maximum)):  # also keeps int() off huge strings
+        return None
+    value = int(digits)
+    return value if value <= maximum else None
+
+
+def validate_list_query(query, resource="api_key"):
+    """GET /keys (or, with resource "index", GET /indexes) query string ->
+    (offset, limit). Parameters are taken as upstream's query extractor
+    takes them: the last of repeated ones wins, in the place of the first."""
     values = {"offset": 0, "limit": 20}
-    for name, raw in urllib.parse.parse_qsl(query, keep_blank_values=True):
+    asked = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    for name, raw in asked.items():
         if name not in LIST_PARAMETERS:
             raise bad_request("Unknown parameter `%s`: %sexpected one of %s"
                               % (name, did_you_mean(name, LIST_PARAMETERS),
                                  backticked(LIST_PARAMETERS)))
-        digits = raw[1:] if raw.startswith("+") else raw
-        if not is_decimal(digits) or int(digits) > _USIZE_MAX:
-            raise ApiError(400, "invalid_api_key_" + name,
+        number = parse_rust_uint(raw)
+        if number is None:
+            raise ApiError(400, "invalid_%s_%s" % (resource, name),
                            "Invalid value in parameter `%s`: could not parse `%s` as a "
                            "positive integer" % (name, raw))
-        values[name] = int(digits)
+        values[name] = number
     return values["offset"], values["limit"]
 
 
@@ -839,10 +863,14 @@ class Instant:
         return "Instant(%r)" % format_rfc3339(self)
 
 
+# As the `time` crate (0.3.47) parses them: ASCII digits only; RFC 3339 takes
+# any one byte between date and time and a leap second; the other forms take
+# a sign before the year.
 _RFC3339_RE = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
-    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))\Z")
-_NAIVE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})(?:([T ])(\d{2}):(\d{2}):(\d{2}))?\Z")
+    r"(\d{4})-(\d{2})-(\d{2})[\x00-\x7f](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))\Z", re.ASCII | re.DOTALL)
+_NAIVE_RE = re.compile(r"([+-]?)(\d{4})-(\d{2})-(\d{2})(?:([T ])(\d{2}):(\d{2}):(\d{2}))?\Z",
+                       re.ASCII)
 
 
 def _epoch_seconds(year, month, day, hour, minute, second):
@@ -864,18 +892,31 @@ def parse_expires_at(text):
             if int(oh or 0) > 23 or int(om or 0) > 59:
                 return None
             offset = 0 if zulu else (int(oh) * 60 + int(om)) * (1 if sign == "+" else -1)
-            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h), int(mi), int(s))
-            nanos = int((fraction or "0")[:9].ljust(9, "0"))
-            return Instant((seconds - offset * 60) * 10 ** 9 + nanos, offset)
+            leap = s == "60"  # read as the last nanosecond before it, as `time` does
+            seconds = _epoch_seconds(int(y), int(mo), int(d), int(h), int(mi),
+                                     59 if leap else int(s))
+            nanos = 999999999 if leap else int((fraction or "0")[:9].ljust(9, "0"))
+            instant = Instant((seconds - offset * 60) * 10 ** 9 + nanos, offset)
+            return instant if not leap or _ends_a_utc_month(seconds - offset * 60) else None
         match = _NAIVE_RE.match(text)
         if match:
-            y, mo, d, _sep, h, mi, s = match.groups()
+            sign, y, mo, d, _sep, h, mi, s = match.groups()
+            if sign == "-":
+                return None  # a year before 0: in the past, refused as unparsable ones are
             seconds = _epoch_seconds(int(y), int(mo), int(d), int(h or 0), int(mi or 0),
                                      int(s or 0))
             return Instant(seconds * 10 ** 9)
     except (ValueError, OverflowError):
         return None
     return None
+
+
+def _ends_a_utc_month(epoch_seconds):
+    """Is this second 23:59:59 UTC on the last day of a month (where a leap
+    second may follow)?"""
+    moment = time.gmtime(epoch_seconds)
+    return moment.tm_hour == 23 and moment.tm_min == 59 and moment.tm_sec == 59 \
+        and moment.tm_mday == calendar.monthrange(moment.tm_year, moment.tm_mon)[1]
 
 
 def format_rfc3339(instant):
@@ -1238,9 +1279,9 @@ _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", 
 
 class KeyStore:
     """All keys in memory, indexed by uid and by derived value, optionally
-    made durable in a Journal. Writers serialize on one lock; readers (the
-    per-request key lookup) never wait: keys are immutable and dict reads are
-    atomic.
+    made durable in a StoreFile. Writers serialize on one lock and write the
+    file before the change goes live; readers (the per-request key lookup)
+    never wait: keys are immutable and dict reads are atomic.
     """
 
     def __init__(self, master_key=None, path=None, log=None):
@@ -1251,43 +1292,44 @@ class KeyStore:
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
         self._lock = threading.Lock()
-        self._journal = Journal(path, self.log) if path else None
+        self._file = StoreFile(path, self.log) if path else None
+        try:
+            self._load()
+            if not self._keys:
+                for name, description, actions in DEFAULT_KEYS:
+                    self._commit(self._new_key(new_uid(), name, description, actions, ["*"],
+                                               None))
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self):
+        """Read the store file (and fold in a journal an older version left)."""
+        if not self._file:
+            return
         collecting = gc.isenabled()
         gc.disable()  # loading makes ~6 objects a key, none of them garbage
         try:
-            self._load(path)
-        finally:
-            if collecting:
-                gc.enable()
-        if not self._keys:
-            for name, description, actions in DEFAULT_KEYS:
-                self._commit_put(self._new_key(new_uid(), name, description, actions, ["*"],
-                                               None))
-        # A journal left by a crash is folded in only past the usual
-        # threshold: its changes are durable already, and rewriting 100,000
-        # keys would delay the start.
-        if self._journal and (self._journal.needs_compaction or self._compaction_due()):
-            self._journal.compact(self._records())
-
-    def _load(self, path):
-        """Read the store file, if any: the snapshot, then the journal."""
-        if not self._journal:
-            return
-        try:
-            keys, changes = self._journal.load(
+            keys, changes = self._file.open(
                 lambda record, text: ApiKey.from_record(record, self.derive, text))
             for key in keys:
                 self._put(key)
-            for change in changes:
+            for change in changes or ():
                 self._replay(change)
         except ValueError as exc:
-            raise StoreError("store %s holds a bad key: %s" % (path, exc))
+            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
+        finally:
+            if collecting:
+                gc.enable()
         # Newest-first listing relies on dict order == createdAt order.
         ordered = list(self._keys.values())
         if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
             self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
         if ordered:
             self.clock.advance_past(max(key.created_ns for key in ordered))
+        if changes is not None:
+            self._file.write(self._records())
+            self._file.retire_journal()
 
     # -- reads ---------------------------------------------------------------
 
@@ -1347,51 +1389,48 @@ class KeyStore:
                                "`uid` field value `%s` is already an existing API key." % uid)
             key = self._new_key(uid, fields.get("name"), fields.get("description"),
                                 fields["actions"], fields["indexes"], fields.get("expiresAt"))
-            self._commit_put(key)
+            self._commit(key)
             return key
 
     def update(self, key_or_uid, changes):
         with self._lock:
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
-            self._commit_put(key)
+            self._commit(key)
             return key
 
     def delete(self, key_or_uid):
         with self._lock:
             key = self.find(key_or_uid)
-            if self._journal:
-                self._journal.append(compact_json({"op": "delete", "uid": key.uid}))
-            self._remove(key.uid)
-            self._compact_if_due()
+            self._commit(None, removed=key.uid)
 
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
         value = self.derive(uid) if self.derive is not None else None
         return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
 
-    def _commit_put(self, key):
-        """Make a new or changed key durable, then live (the caller holds
-        the lock or is the constructor)."""
-        if self._journal:
-            self._journal.append('{"op":"put","key":%s}' % key.stored_json())
-        self._put(key)
-        self._compact_if_due()
+    def _commit(self, key, removed=None):
+        """Write the store with `key` put (or uid `removed` deleted), then
+        make the change live; StoreWriteError leaves everything as it was.
+        The caller holds the lock or is the constructor."""
+        if self._file:
+            changed = key.uid if key is not None else removed
+            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
+            if key is not None:
+                # an update keeps its place: the file stays in createdAt order
+                records.insert(self._position(key.uid), key.stored_json())
+            self._file.write(records)
+        if key is not None:
+            self._put(key)
+        else:
+            self._remove(removed)
 
-    def _compaction_due(self):
-        # Compacting costs O(keys); doing it every keys/4 changes keeps the
-        # cost per change constant however big the store grows, and bounds
-        # what a restart after a crash must replay.
-        return self._journal.entries > max(1000, len(self._keys) // 4)
-
-    def _compact_if_due(self):
-        if self._journal and self._compaction_due():
-            try:
-                self._journal.compact(self._records())
-            except StoreWriteError as exc:  # the change itself is safe in the journal
-                self.log("searchkeys: store compaction failed, will retry: %s" % exc)
+    def _position(self, uid):
+        if uid not in self._keys:
+            return len(self._keys)
+        return next(i for i, other in enumerate(self._keys) if other == uid)
 
     def _replay(self, change):
-        """Apply one journal line read at startup."""
+        """Apply one line of an older version's journal."""
         if change.get("op") == "put":
             self._put(ApiKey.from_record(change.get("key"), self.derive))
         elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
@@ -1415,17 +1454,10 @@ class KeyStore:
     def _records(self):
         return [key.stored_json() for key in self._keys.values()]
 
-    def checkpoint(self):
-        """Fold the journal into the snapshot now (at a clean shutdown, so
-        the next start reads one file); StoreWriteError if that fails."""
-        with self._lock:
-            if self._journal and self._journal.entries:
-                self._journal.compact(self._records())
-
     def close(self):
         """Release the store file (its lock) so another KeyStore may open it."""
-        if self._journal:
-            self._journal.close()
+        if self._file:
+            self._file.close()
 
 
 def new_uid():
@@ -1433,17 +1465,17 @@ def new_uid():
     return str(uuid.uuid4())
 
 
-class Journal:
-    """Durable storage of the keys: FILE holds a JSON snapshot, FILE.journal
-    one JSON line per change since that snapshot.
+class StoreFile:
+    """The keys on disk: one JSON document, rewritten whole on each change.
 
-    A change is appended and fsync'd before it is applied and acknowledged.
-    Compaction (past a threshold, and at a clean shutdown) writes a new
-    snapshot atomically (temp file in the same folder, fsync, rename, fsync
-    of the folder) and then empties the journal.
-    A torn last journal line (a crash mid-append: no trailing newline) was
-    never acknowledged and is dropped; any other damage stops the start.
-    Files are created 0600 and hold uids and metadata, never key values.
+    A write goes to a temp file in the same folder, is fsync'd, renamed over
+    the store and the folder fsync'd, so the store is always either the old
+    or the new document, and an acknowledged change survives kill -9 and
+    power loss. A symlinked store is written through to its target (the
+    link stays). FILE.lock, held with flock, keeps a second server away.
+    Files are 0600 and hold uids and metadata, never key values.
+    Older versions kept changes in FILE.journal (one JSON line each): such
+    a journal is folded into the document at the first start, then removed.
     """
 
     FORMAT = "searchkeys-store"
@@ -1451,54 +1483,69 @@ class Journal:
     _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
 
     def __init__(self, path, log):
-        self.path = os.path.abspath(path)
-        self.journal_path = self.path + ".journal"
+        self.shown = path
+        self.path = os.path.realpath(path)  # write through a symlink to its target
+        self.folder = os.path.dirname(self.path)
+        self.journal_path = os.path.abspath(path) + ".journal"
         self.log = log
-        self.entries = 0
-        self.needs_compaction = False
-        self._fd = None
-        self._size = 0
-        self._broken = None
+        self._lock_fd = None
 
-    def load(self, build):
-        """(snapshot keys, journal changes); StoreError if unusable.
+    def open(self, build):
+        """(keys, journal changes or None); StoreError if unusable.
 
-        `build(record, text)` turns a snapshot record (and its JSON text,
-        when known) into a key."""
-        try:
-            self._fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        except OSError as exc:
-            raise StoreError("cannot open store journal %s: %s"
-                             % (self.journal_path, exc.strerror or exc))
-        try:
-            os.fchmod(self._fd, 0o600)  # an older or hand-made journal may be wider
-        except OSError:
-            pass
-        try:
-            import fcntl
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:
-            pass
-        except OSError:
-            raise StoreError("store %s is in use by another searchkeys process" % self.path)
-        keys = self._read_snapshot(build)
-        changes = self._read_journal()
+        `build(record, text)` turns a record (and its JSON text, when
+        known) into a key."""
+        self._lock()
+        data = self._read(self.path, missing=None)
+        keys = [] if data is None else self._parse(data, build)
+        journal = self._read(self.journal_path, missing=None)
+        changes = None if journal is None else self._parse_journal(journal)
+        self._remove_stale_temp_files()
         return keys, changes
 
-    def close(self):
-        if self._fd is not None:
-            os.close(self._fd)  # also drops the flock
-            self._fd = None
-
-    def _read_snapshot(self, build):
+    def _lock(self):
+        lock_path = self.path + ".lock"
         try:
-            with open(self.path, "rb") as snapshot:
-                data = snapshot.read()
-        except FileNotFoundError:
-            self.needs_compaction = True
-            return []
+            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise StoreError("cannot read store %s: %s" % (self.path, exc.strerror or exc))
+            raise StoreError("cannot open the lock file %s of store %s: %s"
+                             % (lock_path, self.shown, exc.strerror or exc))
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
+                             % (self.shown, lock_path))
+
+    def _read(self, path, missing):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return missing
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise StoreError("store %s is a folder, not a file" % path)
+            if mode & 0o077:
+                self._tighten(fd, path, mode)
+            with open(fd, "rb", closefd=False) as file:
+                return file.read()
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        finally:
+            os.close(fd)
+
+    def _tighten(self, fd, path, mode):
+        try:
+            os.fchmod(fd, 0o600)
+            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
+        except OSError as exc:
+            self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
+                     "0600: %s" % (path, mode, exc.strerror or exc))
+
+    def _parse(self, data, build):
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -1510,8 +1557,8 @@ class Journal:
             raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
                              "refusing to start" % (self.path, self.FORMAT, self.VERSION))
         records = document.pop("keys")
-        # In the layout compact() writes (one record a line) each record's
-        # text is kept for the next compaction, which then need not re-encode.
+        # In the layout write() makes (one record a line) each record's text
+        # is kept for the next write, which then need not re-encode it.
         lines = data.split(b"\n")
         del data
         texts = itertools.repeat(None)
@@ -1524,22 +1571,11 @@ class Journal:
             records[position] = None  # free the parsed record early
         return keys
 
-    def _read_journal(self):
-        try:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            chunks = []
-            while True:
-                chunk = os.read(self._fd, 1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        except OSError as exc:
-            raise StoreError("cannot read store journal %s: %s"
-                             % (self.journal_path, exc.strerror or exc))
-        data = b"".join(chunks)
-        self._size = len(data)
+    def _parse_journal(self, data):
+        """The changes of an older version's journal. Its torn last line (no
+        newline: a crash mid-append) was never acknowledged and is dropped."""
         lines = data.split(b"\n")
-        torn = lines.pop()  # after the last newline: empty unless a write was torn
+        torn = lines.pop()
         changes = []
         for number, line in enumerate(lines, 1):
             try:
@@ -1551,53 +1587,34 @@ class Journal:
                                  "start, the file is left untouched"
                                  % (self.journal_path, number, exc))
             changes.append(change)
-        if torn:  # cut off only once the rest is known to be good
+        if torn:
             self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
                      "was never acknowledged" % (self.journal_path, len(torn)))
-            try:
-                os.ftruncate(self._fd, self._size - len(torn))
-                os.fsync(self._fd)
-            except OSError as exc:
-                raise StoreError("cannot repair store journal %s: %s"
-                                 % (self.journal_path, exc.strerror or exc))
-            self._size -= len(torn)
-        self.entries = len(changes)
         return changes
 
-    def append(self, change):
-        """Write one change (a JSON text) durably, or raise StoreWriteError
-        leaving the journal as it was."""
-        if self._broken is not None:
-            self._take_back()
-        line = (change + "\n").encode("utf-8")
+    def retire_journal(self):
+        """Remove an older version's journal once write() holds its changes."""
         try:
-            _write_all(self._fd, line)
-            os.fsync(self._fd)
+            os.unlink(self.journal_path)
+            _fsync_folder(os.path.dirname(self.journal_path))
         except OSError as exc:
-            self._broken = exc
-            try:
-                self._take_back()
-            except StoreWriteError:
-                pass
-            raise StoreWriteError("cannot write store journal %s: %s"
-                                  % (self.journal_path, exc.strerror or exc))
-        self._size += len(line)
-        self.entries += 1
+            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
+                             % (self.journal_path, self.path, exc.strerror or exc))
+        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
 
-    def _take_back(self):
-        """Cut a partly written line off the journal, so later appends stay
-        readable; until that succeeds, no change is accepted."""
+    def _remove_stale_temp_files(self):
+        # temp files of a process killed mid-write; ours, as we hold the lock
+        prefix = os.path.basename(self.path) + ".tmp-"
         try:
-            os.ftruncate(self._fd, self._size)
-        except OSError as exc:
-            raise StoreWriteError("the store journal %s cannot be repaired after a failed "
-                                  "write: %s" % (self.journal_path, exc.strerror or exc))
-        self._broken = None
+            names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
+            for name in names:
+                os.unlink(os.path.join(self.folder, name))
+        except OSError:
+            pass  # harmless leftovers; the next start tries again
 
-    def compact(self, records):
-        """Replace the snapshot with `records` (JSON texts) atomically, then
-        empty the journal."""
-        folder = os.path.dirname(self.path)
+    def write(self, records):
+        """Replace the document with `records` (JSON texts) atomically, or
+        raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         body = ",\n".join(records).encode("utf-8")
         data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
@@ -1609,18 +1626,22 @@ class Journal:
             finally:
                 os.close(fd)
             os.replace(temp, self.path)
-            _fsync_folder(folder)
-            os.ftruncate(self._fd, 0)
-            os.fsync(self._fd)
         except OSError as exc:
             try:
                 os.unlink(temp)
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
-        self._size = 0
-        self.entries = 0
-        self.needs_compaction = False
+        try:
+            _fsync_folder(self.folder)
+        except OSError as exc:
+            raise StoreWriteError("cannot sync the folder of store %s: %s"
+                                  % (self.path, exc.strerror or exc))
+
+    def close(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # also drops the flock
+            self._lock_fd = None
 
 
 def _write_all(fd, data):
@@ -1865,16 +1886,10 @@ ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, th
 
 def all_indexes_query(query):
     """GET /indexes for a restricted key: (the query that asks the backend
-    for every index, offset, limit to apply after filtering), or None when
-    offset/limit are not plain numbers."""
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = dict(pairs)
-    offset, limit = asked.get("offset", "0"), asked.get("limit", "20")
-    if not (is_decimal(offset) and is_decimal(limit)):
-        return None
-    pairs = [(n, v) for n, v in pairs if n not in ("offset", "limit")]
-    pairs += [("offset", "0"), ("limit", str(ALL_INDEXES_LIMIT))]
-    return urllib.parse.urlencode(pairs), int(offset), int(limit)
+    for every index, offset, limit to apply after filtering); upstream's 400
+    ApiError for parameters it refuses, so none goes unfiltered."""
+    offset, limit = validate_list_query(query, "index")
+    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
 
 
 def filter_index_list(principal, answer, offset, limit):
@@ -1918,7 +1933,7 @@ def check_task_answer(principal, task_id, answer):
     none) does not exist for it."""
     uid = answer.get("indexUid") if isinstance(answer, dict) else None
     if not isinstance(uid, str) or not principal.may_use_index(uid):
-        raise ApiError(404, "task_not_found", "Task `%s` not found." % task_id)
+        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
     return answer
 
 
@@ -1929,8 +1944,14 @@ def check_batch_answer(principal, batch_id, answer):
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
     if not isinstance(uids, dict) or not uids or \
             not all(principal.may_use_index(uid) for uid in uids):
-        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % batch_id)
+        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
     return answer
+
+
+def _uid_shown(text):
+    """A task or batch uid as upstream's message shows it: the parsed u32."""
+    number = parse_rust_uint(text, U32_MAX)
+    return text if number is None else number
 
 
 class Restriction:
@@ -2993,6 +3014,45 @@ def check_indexes(text):
     return indexes
 
 
+def port_number(text):
+    """--port value -> int; ValueError outside 0-65535 (0: any free port)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError("%s is not a TCP port (0 to 65535)" % text)
+    return port
+
+
+def positive_int(text):
+    number = int(text)
+    if number < 1:
+        raise ValueError("%s is not 1 or more" % text)
+    return number
+
+
+def http_url(text):
+    """An http:// or https:// URL with a host and a valid port; ValueError otherwise."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # raises on a port out of range
+    except ValueError as exc:
+        raise ValueError("%r is not a URL (%s)" % (text, exc))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("%r is not an http:// or https:// URL" % text)
+    return text
+
+
+def _argument_type(check, name):
+    """`check` as an argparse type: its ValueError's message becomes the usage error."""
+    def convert(text):
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("invalid literal for int() with "
+                                                              "base 10: ", "not a number: "))
+    convert.__name__ = name
+    return convert
+
+
 def check_expires_at(text):
     """--expires-at value -> what to send: None for `never`, else the text."""
     if text == "never":
@@ -3023,15 +3083,21 @@ def build_parser():
 
     serve = commands.add_parser("serve", help="run the key service / guard")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=7700, help="listen port (7700)")
-    serve.add_argument("--master-key", default=os.environ.get("MEILI_MASTER_KEY"),
-                       help="master key (env MEILI_MASTER_KEY)")
+    serve.add_argument("--port", type=_argument_type(port_number, "port"), default=7700,
+                       help="listen port, 0 to 65535 (7700)")
+    serve.add_argument("--master-key", help="master key (env MEILI_MASTER_KEY); required "
+                                            "unless --open")
+    serve.add_argument("--open", action="store_true",
+                       help="run without a master key, as Meilisearch's development mode: /keys "
+                            "answers 401 and every other route is open to anyone")
     serve.add_argument("--store", help="JSON file of keys (default: in memory)")
-    serve.add_argument("--upstream", help="search backend to forward authorized requests to")
-    serve.add_argument("--upstream-key", default=os.environ.get("SEARCHKEYS_UPSTREAM_KEY"),
-                       help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY)")
-    serve.add_argument("--max-connections", type=int, default=512,
-                       help="simultaneous connections served (512)")
+    serve.add_argument("--upstream", type=_argument_type(http_url, "URL"),
+                       help="search backend to forward authorized requests to")
+    serve.add_argument("--upstream-key",
+                       help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY); must not "
+                            "be empty")
+    serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
+                       default=512, help="simultaneous connections served (512)")
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")
@@ -3039,24 +3105,32 @@ def build_parser():
     create = key_commands.add_parser("create", parents=[common], help="create a key")
     shape = create.add_mutually_exclusive_group(required=True)
     shape.add_argument("--preset", choices=sorted(PRESETS),
-                       help="search: search only; backend: search + manage documents")
-    shape.add_argument("--actions", help="comma-separated actions")
-    create.add_argument("--indexes", required=True, help="comma-separated index patterns")
-    create.add_argument("--expires-at", default="never", help="ISO 8601 date or `never`")
-    create.add_argument("--description")
-    create.add_argument("--name")
-    create.add_argument("--uid")
+                       help="search: %s (for a frontend); backend: %s (add and delete "
+                            "documents, create indexes, follow tasks; no index deletion, no "
+                            "settings changes)" % tuple(", ".join(PRESETS[name])
+                                                        for name in ("search", "backend")))
+    shape.add_argument("--actions", metavar="A,B",
+                       help="comma-separated actions, from: %s" % ", ".join(ACTIONS))
+    create.add_argument("--indexes", required=True, metavar="I,J",
+                        help="comma-separated index uids or patterns (`blog`, `blog_*`, `*`)")
+    create.add_argument("--expires-at", default="never",
+                        help="RFC 3339 date (2030-01-31T00:00:00Z), 'YYYY-MM-DD', or `never` "
+                             "(default)")
+    create.add_argument("--description", help="free text shown with the key")
+    create.add_argument("--name", help="a name shown with the key")
+    create.add_argument("--uid", help="the key's UUID (default: a random one)")
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
-    listing.add_argument("--offset", type=int)
-    listing.add_argument("--limit", type=int)
+    listing.add_argument("--offset", type=int, help="keys to skip (0)")
+    listing.add_argument("--limit", type=int, help="keys to list at most (20)")
     get = key_commands.add_parser("get", parents=[common], help="show one key")
-    get.add_argument("key_or_uid")
-    update = key_commands.add_parser("update", parents=[common], help="rename a key")
-    update.add_argument("key_or_uid")
-    update.add_argument("--name")
-    update.add_argument("--description")
+    get.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    update = key_commands.add_parser("update", parents=[common],
+                                     help="change a key's name or description")
+    update.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    update.add_argument("--name", help="the new name")
+    update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
-    delete.add_argument("key_or_uid")
+    delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
 
     token = commands.add_parser("token", parents=[common],
                                 help="mint a tenant token offline")
@@ -3074,11 +3148,36 @@ def _log_to_stderr(message):
     sys.stderr.write(message + "\n")
 
 
+def check_serve_args(parser, args):
+    """Fail closed: no master key only with --open; no empty secrets."""
+    if args.master_key == "":
+        parser.error("--master-key is empty")
+    if args.master_key is None:
+        args.master_key = os.environ.get("MEILI_MASTER_KEY") or None
+    if args.open and args.master_key is not None:
+        parser.error("--open runs without a master key, but one is set (--master-key or "
+                     "MEILI_MASTER_KEY)")
+    if not args.open and args.master_key is None:
+        parser.error("no master key: give --master-key or set MEILI_MASTER_KEY (add --open to "
+                     "run without one, with every route but /keys open to anyone)")
+    if args.store == "":
+        parser.error("--store is empty: name a file, or leave the option out to keep keys in "
+                     "memory")
+    if args.upstream_key is None:
+        args.upstream_key = os.environ.get("SEARCHKEYS_UPSTREAM_KEY")
+        if args.upstream_key == "":
+            parser.error("SEARCHKEYS_UPSTREAM_KEY is set but empty: set it to the backend's "
+                         "key, or unset it to forward without a key")
+    elif not args.upstream_key:
+        parser.error("--upstream-key is empty (an unset shell variable?): give the backend's "
+                     "key, or leave the option out to forward without a key")
+
+
 def run_serve(args):
-    master_key = args.master_key or None
+    master_key = args.master_key
     if master_key is None:
-        _log_to_stderr("searchkeys: warning: no master key: /keys answers 401 and every other "
-                       "route is open")
+        _log_to_stderr("searchkeys: warning: --open: no master key: /keys answers 401 and every "
+                       "other route is open to anyone")
     elif len(master_key.encode()) < 16:
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
@@ -3089,12 +3188,16 @@ def run_serve(args):
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
                                                              _log_to_stderr),
                             args.max_connections)
-    except (StoreError, StoreWriteError, ValueError, OSError) as exc:
+    except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
+        return 1
+    except OSError as exc:  # the listening socket: a busy port, an unknown host
+        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                       % (args.host, args.port, exc.strerror or exc))
         return 1
 
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the checkpoint finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
@@ -3106,10 +3209,7 @@ def run_serve(args):
         pass
     finally:
         server.server_close()
-    try:
-        store.checkpoint()
-    except StoreWriteError as exc:  # every change is in the journal anyway
-        _log_to_stderr("searchkeys: could not fold the journal into the snapshot: %s" % exc)
+        store.close()
     return 0
 
 
@@ -3155,18 +3255,20 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
+        if args.command == "keys":
+            check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
             args.actions = PRESETS[args.preset] if args.preset else check_actions(args.actions)
             args.indexes = check_indexes(args.indexes)
             args.expires_at = check_expires_at(args.expires_at)
             if args.uid is not None:
-                args.uid = parse_uuid(args.uid)
+                args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
         elif args.command == "token":
-            args.uid = parse_uuid(args.uid)
+            args.uid = check_uid(args.uid)
             try:
                 args.rules = json.loads(args.rules)
             except ValueError as exc:
@@ -3181,10 +3283,27 @@ def check_client_args(parser, args):
         parser.error(str(exc))
 
 
+def check_connection_args(args):
+    try:
+        http_url(args.url)
+    except ValueError as exc:
+        raise ValueError("--url %s" % exc)
+    if args.key is not None and not (args.key.isascii() and args.key.isprintable()):
+        raise ValueError("--key holds a character that cannot be sent in an HTTP header")
+
+
+def check_uid(text):
+    try:
+        return parse_uuid(text)
+    except ValueError as exc:
+        raise ValueError("--uid `%s` is not a UUID: %s" % (text, exc))
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        check_serve_args(parser, args)
         return run_serve(args)
     check_client_args(parser, args)
     try:

@@ -456,6 +456,11 @@ def test_uid_spellings_are_normalised(srv, form):
     ("2050-11-13T00:00:00", "2050-11-13T00:00:00Z"),
     ("2050-11-13 00:00:00", "2050-11-13T00:00:00Z"),
     ("2050-11-13", "2050-11-13T00:00:00Z"),
+    # Meilisearch 1.50 parses with the `time` crate 0.3.47: any one byte between date and time
+    # in RFC 3339, leap seconds at the end of a UTC month, a signed year in the other forms
+    ("2050-11-13 00:00:00+02:00", "2050-11-13T00:00:00+02:00"),
+    ("2050-11-30T23:59:60Z", "2050-11-30T23:59:59.999999999Z"),
+    ("+2050-11-13", "2050-11-13T00:00:00Z"),
 ])
 def test_expires_at_is_reserialized(srv, sent, expected):
     # MK §1.1 expiresAt: offset kept, Z for zero offsets, fraction trimmed; §1.2 accepted forms
@@ -597,6 +602,10 @@ def with_valid(**fields):
      "Invalid value at `.expiresAt`: `doggo` " + DATE_ERROR_TAIL),
     ("expiresAt", "13/11/2050", "invalid_api_key_expires_at",
      "Invalid value at `.expiresAt`: `13/11/2050` " + DATE_ERROR_TAIL),
+    ("expiresAt", "2050-11-29T23:59:60Z", "invalid_api_key_expires_at",
+     "Invalid value at `.expiresAt`: `2050-11-29T23:59:60Z` " + DATE_ERROR_TAIL),
+    ("expiresAt", "\u0662\u0660\u0665\u0660-11-13", "invalid_api_key_expires_at",
+     "Invalid value at `.expiresAt`: `\u0662\u0660\u0665\u0660-11-13` " + DATE_ERROR_TAIL),
 ])
 def test_field_errors(srv, field, value, code, message):
     check_error(srv.call("POST", "/keys", with_valid(**{field: value})), 400, code, message)
@@ -984,7 +993,7 @@ def test_unknown_route_and_method(srv):
 
 def test_no_master_key(fresh, monkeypatch):
     monkeypatch.delenv("MEILI_MASTER_KEY", raising=False)
-    s = fresh(master=None)
+    s = fresh(master=None, extra=("--open",))
     for method, path in (("GET", "/keys"), ("POST", "/keys"), ("GET", "/keys/doggo"),
                          ("PATCH", "/keys/doggo"), ("DELETE", "/keys/doggo")):
         body = VALID if method in ("POST", "PATCH") else None
@@ -1552,6 +1561,27 @@ def test_restricted_callers_see_only_their_indexes(proxied, stub):
             assert b"movies" in body
     status, hdrs, body = proxied.raw("GET", "/indexes", key=MASTER)
     assert status == 200 and b"other" in body  # the master key sees everything
+
+
+def test_index_list_numbers_parsed_as_upstream_parses_them(proxied, stub):
+    """Issue 12 hole 3: Rust's usize::from_str takes `+20`; such a limit must not skip the
+    filtering, and a number upstream refuses gets upstream's 400 from the guard itself."""
+    key = proxied.create(actions=["indexes.get"], indexes=["movies"])["key"]
+    for query in ("limit=%2B20", "offset=%2B0", "limit=%2B20&offset=%2B0", "limit=x&limit=%2B5",
+                  "limit=0020"):
+        stub.seen.clear()
+        status, data = proxied.call("GET", "/indexes?" + query, key=key)
+        assert status == 200 and [i["uid"] for i in data["results"]] == ["movies"], (query, data)
+        assert data["total"] == 1
+        assert stub.seen[-1]["path"] == "/indexes?offset=0&limit=1000000"
+    status, data = proxied.call("GET", "/indexes?offset=%2B1", key=key)
+    assert status == 200 and data["results"] == [] and data["offset"] == 1
+    stub.seen.clear()
+    for query, code in (("limit=-1", "invalid_index_limit"), ("offset=1.5", "invalid_index_offset"),
+                        ("limit=18446744073709551616", "invalid_index_limit")):
+        status, data = proxied.call("GET", "/indexes?" + query, key=key)
+        assert status == 400 and data["code"] == code, (query, data)
+    assert stub.seen == []
 
 
 def test_tenant_token_filter_reaches_upstream(proxied, stub):

@@ -4,7 +4,7 @@ What is attacked, and what must hold every time:
 - kill -9 loop: 8 writer threads create, patch and delete keys while the server is killed at
   random moments; after each restart every acknowledged change is there, no unacknowledged
   change is half-applied (name and description of one PATCH land together or not at all), the
-  default keys exist exactly once, and the store (snapshot FILE plus FILE.journal) parses;
+  default keys exist exactly once, and the store (one JSON document) parses;
 - store faults: truncated, corrupted, unreadable (as an unprivileged user), a directory, a full
   disk (a small tmpfs, or RLIMIT_FSIZE making writes fail with EFBIG): the server refuses to
   start with a clear message or answers a clean JSON `internal` error for the failed write, the
@@ -34,6 +34,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import stat
@@ -86,9 +87,10 @@ ERROR_CODES = {
 class Server:
     """searchkeys.py serve, its output drained from a pipe (no file: RLIMIT_FSIZE-safe)."""
 
-    def __init__(self, store, master=MASTER, preexec_fn=None, extra=(), wait=True, port=None, python=None):
+    def __init__(self, store, master=MASTER, preexec_fn=None, extra=(), wait=True, port=None, python=None,
+                 script=support.SEARCHKEYS):
         self.port = port or support.free_port()
-        argv = support.python_cmd(support.SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(self.port))
+        argv = support.python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(self.port))
         if python is not None:
             argv[0] = python
         if master is not None:
@@ -229,16 +231,8 @@ def check_key_object(obj, context):
 
 
 def read_store(store):
-    """Parse the snapshot and the journal as searchkeys.py writes them (see its Journal class):
-    the snapshot must be JSON; every journal line but a torn (unterminated) last one must be."""
-    snapshot = json.loads(Path(store).read_bytes().decode("utf-8")) if Path(store).exists() else None
-    journal = Path(str(store) + ".journal")
-    changes = []
-    if journal.exists():
-        lines = journal.read_bytes().split(b"\n")
-        lines.pop()  # empty, or a torn append that was never acknowledged
-        changes = [json.loads(line.decode("utf-8")) for line in lines]
-    return snapshot, changes
+    """The store as searchkeys.py writes it: one JSON document (None before the first write)."""
+    return json.loads(Path(store).read_bytes().decode("utf-8")) if Path(store).exists() else None
 
 
 def store_files(store):
@@ -402,7 +396,7 @@ def run_kill_loop(workdir, kills, seed=SEED, threads=8, stats=None):
                 t.join(30)
             errors = [e for w in writers for e in w.errors]
             assert not errors, f"[seed {seed}] unexpected answers: {errors[:5]}"
-            snapshot, _ = read_store(store)   # the store must parse after every kill
+            snapshot = read_store(store)   # the store must parse after every kill
             assert snapshot is None or snapshot.get("keys") is not None, f"[seed {seed}] store shape {snapshot!r:.200}"
         finally:
             server.kill()
@@ -442,10 +436,10 @@ def all_keys_of(store):
         return all_keys(server.port)
 
 
-def expect_refusal(store, context, preexec_fn=None, python=None):
+def expect_refusal(store, context, preexec_fn=None, python=None, script=support.SEARCHKEYS):
     """The server must exit non-zero with a message naming the store, and touch nothing."""
     before = snapshot_bytes(store)
-    server = Server(store, preexec_fn=preexec_fn, wait=False, python=python)
+    server = Server(store, preexec_fn=preexec_fn, wait=False, python=python, script=script)
     code = server.exit_status(20)
     if code is None:
         server.kill()
@@ -470,14 +464,14 @@ def assert_keys_intact(store, expected, context, absent=()):
 
 
 def run_corruption(workdir, seed=SEED, sample=None):
-    """Truncations and corruptions of the snapshot and journal; returns faults injected.
+    """Truncations and corruptions of the store (and of an older version's journal); returns
+    faults injected.
 
     `sample`: run only that many (seeded) cases of each kind -- the test suite's time budget."""
     rng = random.Random(seed)
     store, keys = seeded_store(workdir)
     good = store.read_bytes()
-    journal = Path(str(store) + ".journal")
-    good_journal = journal.read_bytes() if journal.exists() else b""
+    journal = Path(str(store) + ".journal")   # what searchkeys 1.0 kept beside the store
     first_uid = json.loads(good)["keys"][0]["uid"].encode()
     faults = 0
     cuts = sorted({0, 1, 2, len(good) // 2, len(good) - 2, len(good) - 1} | {rng.randrange(len(good)) for _ in range(4)})
@@ -485,7 +479,6 @@ def run_corruption(workdir, seed=SEED, sample=None):
     for cut in pick(cuts):
         data = good[:cut]
         store.write_bytes(data)
-        journal.write_bytes(good_journal)
         context = f"[seed {seed}] snapshot truncated to {cut} of {len(good)} bytes"
         try:
             json.loads(data.decode("utf-8"))
@@ -516,13 +509,12 @@ def run_corruption(workdir, seed=SEED, sample=None):
         data = mutate(good)
         assert data != good, f"mutation {name!r} did not apply"
         store.write_bytes(data)
-        journal.write_bytes(good_journal)
         expect_refusal(store, f"[seed {seed}] snapshot with {name}")
         faults += 1
     store.write_bytes(good)
-    journal.write_bytes(good_journal)
-    # The journal: a torn last line (no newline) is an unacknowledged append and is dropped;
-    # damage anywhere else stops the start.
+    # An older version's journal is folded in at start: a torn last line (no newline) is an
+    # unacknowledged append and is dropped; damage anywhere else stops the start.
+    assert not journal.exists()
     line = json.dumps({"op": "put", "key": {"uid": uid_of(0xfb, 1)}}).encode()
     for name, damage, refuse in [("a torn last line", b'{"op": "put", "key": {"ui', False)] + pick([
         ("a broken line before a good one", b'{"op": "pu\n' + b'{"op": "delete", "uid": "x"}\n', True),
@@ -530,14 +522,16 @@ def run_corruption(workdir, seed=SEED, sample=None):
         ("a put of a bad record", line + b"\n", True),
         ("invalid UTF-8", b'{"op": "delete", "uid": "\xff"}\n', True),
     ]):
-        journal.write_bytes(good_journal + damage)
+        journal.write_bytes(damage)
         context = f"[seed {seed}] journal with {name}"
         if refuse:
             expect_refusal(store, context)
         else:
             assert_keys_intact(store, keys, context)
+            assert not journal.exists(), f"{context}: the folded journal was kept"
         faults += 1
-        journal.write_bytes(good_journal)
+        if journal.exists():
+            journal.unlink()
         store.write_bytes(good)
     # A directory where the store should be.
     other = workdir / "dir-store"
@@ -563,11 +557,12 @@ def as_nobody():
     os.setuid(65534)
 
 
-def public_python():
-    """An interpreter user nobody may run (the tests' own may live under /root)."""
+def public_python(script):
+    """An interpreter user nobody may run `script --help` with (the tests' own may live under /root)."""
     for candidate in (sys.executable, "/usr/bin/python3"):
         try:
-            check = subprocess.run([candidate, "-c", "pass"], preexec_fn=as_nobody, capture_output=True)
+            check = subprocess.run([candidate, str(script), "--help"], preexec_fn=as_nobody,
+                                   capture_output=True)
         except OSError:
             continue
         if check.returncode == 0:
@@ -579,24 +574,29 @@ def run_unreadable(workdir):
     """Store files unreadable by the server's user, a read-only folder; returns faults injected."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run the server as another user (root reads any file)")
-    python = public_python()
-    if python is None:
-        pytest.skip("no Python interpreter that user nobody may run")
+    # nobody runs a copy of the script: the checkout may be in a folder only its owner may enter
     workdir.chmod(0o755)
+    script = workdir / "searchkeys.py"
+    shutil.copyfile(support.SEARCHKEYS, script)
+    script.chmod(0o644)
+    python = public_python(script)
+    if python is None:
+        pytest.skip(f"user nobody cannot run {script} with any Python interpreter")
     folder = workdir / "nobody"
     folder.mkdir()
     store, keys = seeded_store(folder)
     for path in [folder, *folder.iterdir()]:
         os.chown(path, 65534, 65534)
-    journal = Path(str(store) + ".journal")
-    for victim in (store, journal):
+    lock = Path(str(store) + ".lock")
+    for victim in (store, lock):
         victim.chmod(0o000)
-        expect_refusal(store, f"{victim.name} unreadable (mode 000)", preexec_fn=as_nobody, python=python)
+        expect_refusal(store, f"{victim.name} unreadable (mode 000)", preexec_fn=as_nobody, python=python,
+                       script=script)
         victim.chmod(0o600)
     # A folder the server may not write to: serving is fine, a change must fail cleanly or not at all.
     folder.chmod(0o555)
     try:
-        server = Server(store, preexec_fn=as_nobody, wait=False, python=python)
+        server = Server(store, preexec_fn=as_nobody, wait=False, python=python, script=script)
         try:
             started = True
             try:
@@ -708,7 +708,7 @@ def run_full_disk(workdir, seed=SEED):
             keys[uid_of(0xd2, 1)] = body
         finally:
             server.kill()
-        # A full disk at start (the journal holds changes to compact): start or refuse, lose nothing.
+        # A full disk at start: start or refuse, lose nothing.
         filler = fill_disk(disk)
         server = Server(store, wait=False)
         try:

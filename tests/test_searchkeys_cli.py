@@ -25,7 +25,9 @@ from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
 MASTER = "cli-master-key-0123456789"
 KEY_FIELDS = ["name", "description", "key", "uid", "actions", "indexes", "expiresAt",
               "createdAt", "updatedAt"]  # MK §1.1
-BACKEND = ["search", "indexes.*", "documents.*", "settings.get", "stats.get"]  # SK presets
+# SK presets; backend grants what its help says (issue 17 point 8): no index deletion
+BACKEND = ["search", "documents.*", "indexes.create", "indexes.get", "tasks.get", "settings.get",
+           "stats.get"]
 HASHES = {"HS256": hashlib.sha256, "HS384": hashlib.sha384, "HS512": hashlib.sha512}
 
 
@@ -168,6 +170,26 @@ def test_create_preset_search(server):
 def test_create_preset_backend(server):
     key = ok_json(cli_at(server, "keys", "create", "--preset", "backend", "--indexes", "blog"))
     assert key["actions"] == BACKEND and key["indexes"] == ["blog"]
+    # it manages documents and may not delete the index or change its settings
+    headers = {"Authorization": "Bearer " + key["key"]}
+    assert request(server.port, "DELETE", "/indexes/blog", None, headers)[0] == 403
+    assert request(server.port, "PATCH", "/indexes/blog/settings", "{}",
+                   dict(headers, **{"Content-Type": "application/json"}))[0] == 403
+    assert request(server.port, "DELETE", "/indexes/blog/documents", None, headers)[0] == 501
+
+
+def test_create_help_says_what_each_option_does():
+    code, out, err = cli("keys", "create", "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for action in BACKEND:  # the preset's help lists what it grants
+        assert action in text, action
+    assert "no index deletion" in text
+    for action in ("documents.add", "indexes.delete", "chatCompletions", "dynamicSearchRules.*"):
+        assert action in text, action  # --actions lists the valid names
+    for option in ("--name", "--description", "--uid", "--indexes", "--expires-at"):
+        described = re.search(r"^ +" + re.escape(option) + r" \S+\s+(\S+)", out, re.M)
+        assert described and not described.group(1).startswith("-"), (option, out)
 
 
 def test_create_with_every_option(server):
@@ -305,6 +327,23 @@ def test_bad_arguments_caught_before_any_request(recorder, args, needles):
     recorder.hits.clear()
     result = cli("keys", "create", *args, "--url", recorder.url, "--key", MASTER)
     rejected_before_request(result, recorder, *needles)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["keys", "create", "--preset", "search", "--indexes", "a", "--uid", "nope"], "--uid"),
+    (["token", "--api-key", "0" * 64, "--uid", "nope", "--rules", '["a"]'], "--uid"),
+    (["keys", "list", "--url", "localhost:7700"], "--url"),
+    (["keys", "list", "--url", "http://127.0.0.1:99999"], "--url"),
+    (["keys", "list", "--key", "line\nbreak"], "--key"),
+    (["keys", "list", "--offset", "-1"], "--offset"),
+])
+def test_bad_values_name_their_flag(recorder, args, needle):
+    recorder.hits.clear()
+    extra = [] if "--url" in args else ["--url", recorder.url]
+    code, out, err = cli(*args, *extra)
+    assert code == 2 and needle in err and "Traceback" not in err, (code, err)
+    assert err.strip().count("\n") <= 2, err  # usage and one sentence
+    assert recorder.hits == []
 
 
 def test_other_bad_arguments(recorder):

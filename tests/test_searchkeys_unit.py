@@ -5,6 +5,7 @@ The expectations are restated here from the specs (meilisearch-keys.md) rather
 than read from the module, so a wrong constant in searchkeys.py fails a test.
 """
 import json
+import os
 import random
 import stat
 import time
@@ -477,6 +478,7 @@ def test_list_query():
     assert sk.validate_list_query("") == (0, 20)
     assert sk.validate_list_query("offset=2&limit=0") == (2, 0)
     assert sk.validate_list_query("limit=%2B5") == (0, 5)
+    assert sk.validate_list_query("limit=oops&offset=1&limit=7") == (1, 7)
     for query, code, raw in (("offset=-1", "invalid_api_key_offset", "-1"),
                              ("limit=", "invalid_api_key_limit", ""),
                              ("limit=1.0", "invalid_api_key_limit", "1.0"),
@@ -491,6 +493,38 @@ def test_list_query():
     with pytest.raises(sk.ApiError) as info:
         sk.validate_list_query("fields=uid")
     assert info.value.message == "Unknown parameter `fields`: expected one of `offset`, `limit`"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("0", 0), ("20", 20), ("+20", 20), ("+0", 0), ("007", 7), ("+007", 7),
+    ("18446744073709551615", 2 ** 64 - 1), ("0" * 5000 + "1", 1),
+    ("", None), ("+", None), ("-0", None), ("-1", None), ("++1", None), (" 1", None),
+    ("1 ", None), ("1.0", None), ("1e3", None), ("0x10", None), ("\u0661", None), ("²", None),
+    ("1_000", None), ("18446744073709551616", None), ("9" * 5000, None),
+])
+def test_query_numbers_are_read_as_rust_usize_from_str(text, value):
+    assert sk.parse_rust_uint(text) == value
+
+
+def test_u32_numbers_overflow_at_u32():
+    assert sk.parse_rust_uint("4294967295", sk.U32_MAX) == 2 ** 32 - 1
+    assert sk.parse_rust_uint("4294967296", sk.U32_MAX) is None
+
+
+def test_index_list_query_is_parsed_as_upstream_parses_it():
+    assert sk.all_indexes_query("limit=%2B20&offset=%2B0") == ("offset=0&limit=1000000", 0, 20)
+    assert sk.all_indexes_query("offset=%2B1&limit=1") == ("offset=0&limit=1000000", 1, 1)
+    assert sk.all_indexes_query("limit=x&limit=3")[1:] == (0, 3)  # the last one wins
+    for query, code, message in (
+            ("limit=-1", "invalid_index_limit",
+             "Invalid value in parameter `limit`: could not parse `-1` as a positive integer"),
+            ("offset=%201&limit=x", "invalid_index_offset",
+             "Invalid value in parameter `offset`: could not parse ` 1` as a positive integer"),
+            ("limit=1&uid=x", "bad_request",
+             "Unknown parameter `uid`: expected one of `offset`, `limit`")):
+        with pytest.raises(sk.ApiError) as info:
+            sk.all_indexes_query(query)
+        assert (info.value.status, info.value.code, info.value.message) == (400, code, message)
 
 
 def test_content_type_and_payload():
@@ -562,6 +596,16 @@ def test_uuid_errors(text, message):
     ("2050-11-13T10:30:00", "2050-11-13T10:30:00Z"),
     ("2050-11-13 10:30:00", "2050-11-13T10:30:00Z"),
     ("2050-11-13", "2050-11-13T00:00:00Z"),
+    # the `time` crate's RFC 3339 parser takes any one byte between date and time, any number
+    # of fraction digits, and a leap second where one may fall (the last second of a UTC month)
+    ("2050-11-13 10:30:00Z", "2050-11-13T10:30:00Z"),
+    ("2050-11-13_10:30:00+01:00", "2050-11-13T10:30:00+01:00"),
+    ("2050-11-13T00:00:00.1234567891234Z", "2050-11-13T00:00:00.123456789Z"),
+    ("2050-11-30T23:59:60Z", "2050-11-30T23:59:59.999999999Z"),
+    ("2050-12-01T00:59:60.25+01:00", "2050-12-01T00:59:59.999999999+01:00"),
+    # its `[year repr:full]` takes a sign
+    ("+2050-11-13", "2050-11-13T00:00:00Z"),
+    ("+2050-11-13 10:30:00", "2050-11-13T10:30:00Z"),
 ])
 def test_expires_at_accepted_forms(text, shown):
     assert sk.format_rfc3339(sk.parse_expires_at(text)) == shown
@@ -572,7 +616,9 @@ def test_expires_at_instant_and_rejects():
         sk.parse_expires_at("2050-11-13T00:00:00Z").ns
     for bad in ("2050-11-13T00:00:00.5", "2050-02-30", "2050-13-01", "2050-11-13T24:00:00Z",
                 "2050-11-13T00:00:00+24:00", "13/11/2050", "tomorrow", "2050-11-13T00:00Z",
-                "2050-11-13 10:30", ""):
+                "2050-11-13 10:30", "", "2050-11-29T23:59:60Z", "2050-11-30T23:59:60+01:00",
+                "\u0662\u0660\u0665\u0660-11-13", "2050-11-13\u00e910:30:00Z", "+12050-11-13",
+                "-2050-11-13", "2050-11-13T10:30:00.Z", "2050-11-13t10:30:00", "+2050-11-13T10:30:00Z"):
         assert sk.parse_expires_at(bad) is None, bad
     with pytest.raises(sk.ApiError):
         sk.validate_expires_at("2050-01-01", sk.parse_expires_at("2050-01-01").ns)
@@ -787,6 +833,9 @@ def test_task_routes_are_limited_to_the_keys_indexes():
         with pytest.raises(sk.ApiError) as info:
             sk.check_task_answer(scoped, "1", task)
         assert (info.value.status, info.value.message) == (404, "Task `1` not found.")
+    with pytest.raises(sk.ApiError) as info:  # upstream shows the task uid it parsed
+        sk.check_task_answer(scoped, "+007", {"indexUid": "books"})
+    assert info.value.message == "Task `7` not found."
     assert sk.check_batch_answer(scoped, "3", {"stats": {"indexUids": {"movies": 1}}})
     for batch in ({"stats": {"indexUids": {"movies": 1, "books": 1}}}, {"stats": {}}):
         with pytest.raises(sk.ApiError) as info:
@@ -795,7 +844,7 @@ def test_task_routes_are_limited_to_the_keys_indexes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Key store and its journal
+# Key store and its file
 # ---------------------------------------------------------------------------------------------
 
 def new_fields(**extra):
@@ -831,20 +880,26 @@ def test_memory_store_defaults_and_listing():
                                        "expiresAt", "createdAt", "updatedAt"]
 
 
-def test_journal_store_survives_reopen_and_holds_no_secrets(tmp_path):
+def store_document(path):
+    """The store as `jq` would read it: one JSON document."""
+    return json.loads(path.read_text())
+
+
+def test_file_store_survives_reopen_and_holds_no_secrets(tmp_path):
     path = tmp_path / "keys.json"
     store = sk.KeyStore(MASTER, str(path))
     kept = store.create(new_fields(name="kept", expiresAt=sk.parse_expires_at(
         "2099-01-01T00:00:00.5+02:00")))
     gone = store.create(new_fields(name="gone"))
+    assert len(store_document(path)["keys"]) == 6  # each change is in the document at once
     store.update(kept.uid, {"description": "d"})
     store.delete(gone.uid)
-    assert len(json.loads(path.read_text())["keys"]) == 4  # the changes are in the journal
-    store.checkpoint()
-    assert len(json.loads(path.read_text())["keys"]) == 5
-    assert (tmp_path / "keys.json.journal").stat().st_size == 0
+    document = store_document(path)
+    assert [r["uid"] for r in document["keys"]][-1] == kept.uid
+    assert document["keys"][-1]["description"] == "d" and len(document["keys"]) == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
     store.close()
-    for file in (path, tmp_path / "keys.json.journal"):
+    for file in tmp_path.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o600
         data = file.read_text()
         assert MASTER not in data and kept.value not in data
@@ -852,36 +907,76 @@ def test_journal_store_survives_reopen_and_holds_no_secrets(tmp_path):
     assert again.by_uid(kept.uid).to_json() == store.by_uid(kept.uid).to_json()
     assert again.by_uid(kept.uid).to_json()["expiresAt"] == "2099-01-01T00:00:00.5+02:00"
     assert again.by_uid(gone.uid) is None and len(again) == 5
-    with pytest.raises(sk.StoreError):
+    with pytest.raises(sk.StoreError) as info:
         sk.KeyStore(MASTER, str(path))  # in use by `again`
+    assert "in use" in str(info.value) and str(path) in str(info.value)
     again.close()
     assert sk.KeyStore("another-master", str(path)).by_uid(kept.uid).value == \
         sk.derive_key("another-master", kept.uid)
 
 
-def test_journal_torn_last_line_is_dropped_other_damage_refuses(tmp_path):
+def test_loose_store_mode_is_tightened_at_start(tmp_path):
+    path = tmp_path / "keys.json"
+    sk.KeyStore(MASTER, str(path)).close()
+    path.chmod(0o644)
+    logged = []
+    sk.KeyStore(MASTER, str(path), logged.append).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert any("0644" in line and "0600" in line for line in logged), logged
+
+
+def test_symlinked_store_is_written_through_to_its_target(tmp_path):
+    target = tmp_path / "data" / "keys.json"
+    target.parent.mkdir()
+    link = tmp_path / "keys.json"
+    link.symlink_to(target)
+    store = sk.KeyStore(MASTER, str(link))
+    made = store.create(new_fields(name="through"))
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert store_document(target)["keys"][-1]["uid"] == made.uid
+    store.close()
+    assert link.is_symlink()
+    assert sk.KeyStore(MASTER, str(link)).by_uid(made.uid).name == "through"
+    with pytest.raises(sk.StoreError):  # the same store under its other name is locked too
+        sk.KeyStore(MASTER, str(target))
+
+
+def test_older_journal_is_folded_in_at_first_start(tmp_path):
+    """searchkeys 1.0 kept FILE plus FILE.journal: an upgrade loses no key."""
     path = tmp_path / "keys.json"
     store = sk.KeyStore(MASTER, str(path))
-    store.create(new_fields(name="acknowledged"))
+    old = store.create(new_fields(name="old"))
     store.close()
     journal = tmp_path / "keys.json.journal"
-    with open(journal, "ab") as f:
-        f.write(b'{"op":"put","key":{"uid":"9a77a636-e4e2')  # kill -9 mid-append
+    added = dict(old.to_record(), uid="9a77a636-e4e2-4a5b-9c1d-2f3e4a5b6c7d", name="journaled",
+                 createdAt=old.created_ns + 1, updatedAt=old.created_ns + 1)
+    renamed = dict(old.to_record(), name="renamed")
+    lines = [{"op": "put", "key": added}, {"op": "put", "key": renamed},
+             {"op": "delete", "uid": store.page(0, 10)[0][-1].uid}]
+    legacy = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    journal.write_bytes(legacy + b'{"op":"put","key":{"uid":"5b')  # a torn, unacknowledged line
     logged = []
-    reopened = sk.KeyStore(MASTER, str(path), logged.append)
-    assert [k.name for k in reopened.page(0, 1)[0]] == ["acknowledged"]
-    assert any("torn" in line for line in logged)
-    assert b"9a77a636" not in journal.read_bytes() + path.read_bytes()  # cut off
-    reopened.create(new_fields(name="after"))
+    upgraded = sk.KeyStore(MASTER, str(path), logged.append)
+    assert [k.name for k in upgraded.page(0, 10)[0]] == [
+        "journaled", "renamed", "Default Search API Key", "Default Admin API Key",
+        "Default Read-Only Admin API Key"]
+    assert not journal.exists() and any("torn" in line for line in logged)
+    assert [r["name"] for r in store_document(path)["keys"]][-2:] == ["renamed", "journaled"]
+    upgraded.close()
+    reopened = sk.KeyStore(MASTER, str(path))
+    assert len(reopened) == 5
     reopened.close()
-    lines = journal.read_bytes().split(b"\n")
-    journal.write_bytes(b"garbage\n" + b"\n".join(lines))  # damage before good lines
+
+    journal.write_bytes(b"garbage\n" + legacy)  # damage before good lines: refuse, touch nothing
     before = (path.read_bytes(), journal.read_bytes())
     with pytest.raises(sk.StoreError) as info:
         sk.KeyStore(MASTER, str(path))
     assert str(journal) in str(info.value) and "line 1" in str(info.value)
     assert (path.read_bytes(), journal.read_bytes()) == before
-    journal.write_bytes(b"")
+
+
+def test_damaged_document_refuses_and_is_left_untouched(tmp_path):
+    path = tmp_path / "keys.json"
     path.write_text('{"format": "searchkeys-store", "version": 1, "keys": [')
     with pytest.raises(sk.StoreError) as info:
         sk.KeyStore(MASTER, str(path))
@@ -894,35 +989,24 @@ def test_journal_torn_last_line_is_dropped_other_damage_refuses(tmp_path):
 
 def test_failed_write_is_not_applied(tmp_path, monkeypatch):
     path = tmp_path / "keys.json"
-    journal = tmp_path / "keys.json.journal"
     store = sk.KeyStore(MASTER, str(path))
     before = store.page(0, 100)
+    document = path.read_bytes()
 
     def disk_full(fd):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(sk.os, "fsync", disk_full)  # the line is written, its fsync fails
+    monkeypatch.setattr(sk.os, "fsync", disk_full)  # the temp file is written, its fsync fails
     with pytest.raises(sk.StoreWriteError) as info:
         store.create(new_fields(name="lost"))
     assert "No space left" in str(info.value)
     with pytest.raises(sk.StoreWriteError):
         store.delete(before[0][0].uid)
-    assert store.page(0, 100) == before and journal.stat().st_size == 0
+    assert store.page(0, 100) == before and path.read_bytes() == document
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
     monkeypatch.undo()
     store.create(new_fields(name="works again"))
     store.close()
     assert len(sk.KeyStore(MASTER, str(path))) == 5
-
-
-def test_journal_compacts_past_its_threshold(tmp_path):
-    path = tmp_path / "keys.json"
-    store = sk.KeyStore(MASTER, str(path))
-    for i in range(1001):
-        store.create(new_fields(name=str(i)))
-    assert store._journal.entries == 0  # compacted past max(1000, keys / 2) changes
-    store.create(new_fields(name="last"))
-    store.close()
-    assert len(json.loads(path.read_text())["keys"]) == 1005
-    assert len(sk.KeyStore(MASTER, str(path))) == 1006
 
 
 def test_logged_paths_hide_key_values():
