@@ -1151,6 +1151,330 @@ def verify_tenant_token(token, api_key, now=None):
 
 
 # =============================================================================
+# Key restrictions (pure): rate specs, referrer patterns, IP ranges, hit caps,
+# client addresses, and the bounded counters that rate limits keep
+# =============================================================================
+
+RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
+RATE_FIELDS = ("perIp", "perKey")
+RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+_RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
+MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
+MAX_REFERRER_PATTERN = 512
+DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+# What `keys restrict --preset search` sets on a public search key: a visitor
+# typing fires a query per keystroke (bursts up to the limit are let through),
+# and no results page needs more than 100 hits.
+RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
+class Rate(collections.namedtuple("Rate", "count window text")):
+    """`count` requests per `window` seconds, written `text` (`60/minute`)."""
+
+    @property
+    def interval(self):
+        return self.window / self.count
+
+
+def parse_rate(text):
+    """`60/minute` -> Rate; ValueError otherwise."""
+    match = _RATE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError("`%s` is not a rate: write COUNT/second, COUNT/minute, COUNT/hour or "
+                         "COUNT/day, with COUNT from 1 to 999999999 (e.g. `60/minute`)" % (text,))
+    return Rate(int(match.group(1)), RATE_WINDOWS[match.group(2)], text)
+
+
+def referrer_pattern(text):
+    """A compiled allowedReferrers pattern: `*` stands for any text. A
+    pattern with `://` is matched against the whole URL, one without it
+    (`*.example.org`) against the host only; both ignore case."""
+    if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
+            or not (text.isascii() and text.isprintable()) or " " in text:
+        raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
+                         "`*` stands for any text, e.g. `https://example.com/*` or "
+                         "`*.example.org`" % (text,))
+    regex = ".*".join(re.escape(part) for part in text.split("*"))
+    return re.compile(regex + r"\Z", re.IGNORECASE | re.DOTALL), "://" in text
+
+
+def referrer_allowed(patterns, origin, referer):
+    """Does Origin or Referer (either may be None) match one of `patterns`?"""
+    urls = [u for u in ((origin + "/") if origin else None, referer) if u]
+    for url in urls:
+        host = urllib.parse.urlsplit(url).hostname if "://" in url else None
+        for regex, whole_url in patterns:
+            subject = url if whole_url else host
+            if subject and regex.match(subject):
+                return True
+    return False
+
+
+def ip_range(text):
+    """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
+    import ipaddress
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        return ipaddress.ip_network(text, strict=True)
+    except ValueError as exc:
+        raise ValueError("`%s` is not an IP range: %s (write e.g. `10.0.0.0/8`, "
+                         "`2001:db8::/32` or one address)" % (text, exc))
+
+
+def parse_address(text):
+    """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
+    import ipaddress
+    try:
+        address = ipaddress.ip_address(text.strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+def in_ranges(address, ranges):
+    return address is not None and any(address in network for network in ranges)
+
+
+def client_address(peer, forwarded_for, trusted):
+    """The caller's address: the socket's `peer`, unless that is a trusted
+    proxy; then the right-most X-Forwarded-For entry (`forwarded_for`, all
+    such headers joined) that is not a trusted proxy. An entry that is not
+    an address stops the walk at the last trusted hop, which wrote it."""
+    address = parse_address(peer)
+    if not trusted or not in_ranges(address, trusted) or not forwarded_for:
+        return address
+    for entry in reversed(forwarded_for.split(",")):
+        hop = parse_address(entry)
+        if hop is None:
+            return address
+        address = hop
+        if not in_ranges(hop, trusted):
+            return hop
+    return address
+
+
+def counter_client(address):
+    """What per-IP counters count: the address, or an IPv6 address's /64
+    (one host usually holds a whole /64, and could rotate through it)."""
+    if address is None:
+        return "unknown"
+    if address.version == 6:
+        return "%x/64" % (int(address) >> 64)
+    return str(address)
+
+
+class Restrictions:
+    """What one key's restrictions allow, parsed once (immutable)."""
+
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
+
+    def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
+                 source=None):
+        self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
+        self.ips = None if ips is None else [ip_range(r) for r in ips]
+        self._json = source
+
+    def to_json(self):
+        """All four fields, null when not set (the GET answer)."""
+        return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
+
+    def to_record(self):
+        """Only the fields that are set (the store's record)."""
+        return dict(self._json)
+
+    @classmethod
+    def from_json(cls, body):
+        """A PUT body (or a stored record) -> Restrictions, or None when
+        nothing is restricted; ApiError with Meilisearch's message shapes."""
+        fields = {}
+        for name, value in require_object(body).items():
+            if name not in RESTRICTION_FIELDS:
+                raise unknown_field(name, RESTRICTION_FIELDS)
+            if value is not None:
+                fields[name] = value
+        rate = _validate_rate_limit(fields.get("rateLimit"))
+        referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
+                                               referrer_pattern)
+        ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
+        max_hits = fields.get("maxHitsPerQuery")
+        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
+            if type(max_hits) is not int:
+                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                 "a positive integer", max_hits)
+            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                "`%d` is not 1 or more." % max_hits)
+        if rate is not None:
+            fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
+        else:
+            fields.pop("rateLimit", None)
+        if not fields:
+            return None
+        return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
+                   ips and list(ips), max_hits, fields)
+
+
+def _validate_rate_limit(value):
+    code = "invalid_restrictions_rate_limit"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".rateLimit", "an object", value)
+    rates = dict.fromkeys(RATE_FIELDS)
+    for name, text in value.items():
+        if name not in RATE_FIELDS:
+            raise ApiError(400, code, "Unknown field `%s` inside `.rateLimit`: %sexpected one "
+                           "of %s" % (name, did_you_mean(name, RATE_FIELDS),
+                                      backticked(RATE_FIELDS)))
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise wrong_type(code, ".rateLimit." + name, "a string", text)
+        try:
+            rates[name] = parse_rate(text)
+        except ValueError as exc:
+            raise invalid_value(code, ".rateLimit." + name, "%s." % exc)
+    return rates if any(rates.values()) else None
+
+
+def _validate_restriction_list(field, value, parse):
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    _string_list(code, field, value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, "." + field, "give 1 to %d items (or null for no "
+                            "restriction)." % MAX_RESTRICTION_ITEMS)
+    for i, item in enumerate(value):
+        try:
+            parse(item)
+        except ValueError as exc:
+            raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
+    return value
+
+
+def _capped(value, cap):
+    """A requested count, capped; values that are not counts are left for
+    the backend to refuse."""
+    if type(value) is int and value > cap:
+        return cap
+    return value
+
+
+def cap_search_object(query, cap):
+    """A search query object (POST search/similar body, one multi-search
+    query, a federation) asking for at most `cap` hits: `hitsPerPage` when
+    it pages by page, else `limit` (Meilisearch's default 20 made explicit
+    when the cap is lower)."""
+    if not isinstance(query, dict):
+        return query
+    field = "hitsPerPage" if ("page" in query or "hitsPerPage" in query) else "limit"
+    wanted = query.get(field, DEFAULT_SEARCH_LIMIT)
+    if wanted is None:  # null means the default, as Meilisearch reads it
+        wanted = DEFAULT_SEARCH_LIMIT
+    capped = _capped(wanted, cap)
+    if capped == query.get(field, DEFAULT_SEARCH_LIMIT):
+        return query
+    return dict(query, **{field: capped})
+
+
+def cap_multi_search(body, cap):
+    """Every query of a multi-search, and its federation's window, capped."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if isinstance(body.get("queries"), list):
+        federated = isinstance(body.get("federation"), dict)
+        # federated queries may not carry `limit` (Meilisearch refuses it)
+        body["queries"] = body["queries"] if federated else \
+            [cap_search_object(q, cap) for q in body["queries"]]
+    if isinstance(body.get("federation"), dict):
+        body["federation"] = cap_search_object(body["federation"], cap)
+    return body
+
+
+def search_query_hits(query):
+    """(field, asked count or None when unparseable, pairs) of a GET
+    search/similar query string: which count Meilisearch reads as its page
+    size, and what was asked for (the default when absent)."""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    names = {n for n, _ in pairs}
+    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
+    values = [v for n, v in pairs if n == field]
+    asked = parse_rust_uint(values[-1]) if values else DEFAULT_SEARCH_LIMIT
+    return field, asked, pairs
+
+
+def cap_search_query(query, cap):
+    """A GET search/similar query string asking for at most `cap` hits."""
+    field, asked, pairs = search_query_hits(query)
+    if asked is None or asked <= cap:
+        return query
+    return urllib.parse.urlencode([(n, v) for n, v in pairs if n != field] + [(field, cap)])
+
+
+class Counters:
+    """Rate counters in memory, bounded: an LRU of at most `capacity`
+    counters (the least recently used one is forgotten first, which only
+    ever lets its client start afresh). Rates use the generic cell rate
+    algorithm: one float a counter, bursts of up to the rate's count."""
+
+    def __init__(self, capacity=100000, clock=time.monotonic):
+        self.capacity = capacity
+        self.clock = clock
+        self._tat = collections.OrderedDict()  # counter -> theoretical arrival time
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._tat)
+
+    def take(self, wanted):
+        """Count one request against each (counter, Rate) of `wanted`, all
+        or none: None when every rate allows it, else (seconds to wait,
+        Rate, remaining) of the first that refuses."""
+        now = self.clock()
+        with self._lock:
+            updates = []
+            for counter, rate in wanted:
+                tat = max(self._tat.get(counter, now), now)
+                allowed_at = tat + rate.interval - rate.window
+                if allowed_at > now:
+                    return allowed_at - now, rate, 0
+                updates.append((counter, tat + rate.interval))
+            for counter, tat in updates:
+                self._remember(counter, tat)
+        return None
+
+    def failures(self, counter):
+        """(failures within the current window of `counter`, seconds left)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._tat.get(counter)
+        if entry is None or entry[0] <= now:
+            return 0, 0.0
+        return entry[1], entry[0] - now
+
+    def fail(self, counter, window):
+        """Count one failure in a fixed window of `window` seconds."""
+        now = self.clock()
+        with self._lock:
+            entry = self._tat.get(counter)
+            if entry is None or entry[0] <= now:
+                entry = (now + window, 0)
+            self._remember(counter, (entry[0], entry[1] + 1))
+
+    def _remember(self, counter, value):
+        tat = self._tat
+        tat[counter] = value
+        tat.move_to_end(counter)
+        while len(tat) > self.capacity:
+            tat.popitem(last=False)
+
+
+
+# =============================================================================
 # Keys and the key store
 # =============================================================================
 
