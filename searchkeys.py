@@ -1316,6 +1316,19 @@ class Restrictions:
                    ips and list(ips), max_hits, fields)
 
 
+def stored_restrictions(record, uid):
+    """A store record's `restrictions` -> Restrictions; ValueError if bad."""
+    if record is None:
+        return None
+    try:
+        restrictions = Restrictions.from_json(record)
+    except ApiError as exc:
+        raise ValueError("bad restrictions in key %s: %s" % (uid, exc.message))
+    if restrictions is None:
+        raise ValueError("empty restrictions in key %s" % uid)
+    return restrictions
+
+
 def _validate_rate_limit(value):
     code = "invalid_restrictions_rate_limit"
     if value is None:
@@ -1491,10 +1504,11 @@ class ApiKey:
     """One stored API key. Immutable: a change makes a new ApiKey."""
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
-                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored")
+                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
+                 "restrictions")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None):
+                 updated_ns, value, stored=None, restrictions=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -1507,6 +1521,7 @@ class ApiKey:
         self.grants = grants(self.actions)
         self.is_global = "*" in self.indexes
         self._stored = stored  # the record's JSON text, once known
+        self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
 
     def is_expired(self, now_ns=None):
         if self.expires_at is None:
@@ -1520,7 +1535,13 @@ class ApiKey:
         """A copy with `name`/`description` from `changes` and a new updatedAt."""
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
-                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value)
+                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
+                      restrictions=self.restrictions)
+
+    def with_restrictions(self, restrictions):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=restrictions)
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -1545,12 +1566,15 @@ class ApiKey:
 
     def to_record(self):
         """The key as stored: everything but the (derived, secret) value."""
-        return {
+        record = {
             "uid": self.uid, "name": self.name, "description": self.description,
             "actions": list(self.actions), "indexes": list(self.indexes),
             "expiresAt": self.expires_at_text(),
             "createdAt": self.created_ns, "updatedAt": self.updated_ns,
         }
+        if self.restrictions is not None:
+            record["restrictions"] = self.restrictions.to_record()
+        return record
 
     @classmethod
     def from_record(cls, record, derive, stored=None):
@@ -1559,7 +1583,7 @@ class ApiKey:
         `derive` computes the value from the uid (see key_deriver), or is
         None without a master key; `stored` is the record's JSON text.
         """
-        if not isinstance(record, dict) or record.keys() != _RECORD_FIELDS:
+        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
             raise ValueError("a key record needs exactly the fields %s"
                              % ", ".join(sorted(_RECORD_FIELDS)))
         uid = record["uid"]
@@ -1583,7 +1607,8 @@ class ApiKey:
         if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
-                   derive(uid) if derive is not None else None, stored)
+                   derive(uid) if derive is not None else None, stored,
+                   stored_restrictions(record.get("restrictions"), uid))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1726,6 +1751,13 @@ class KeyStore:
         with self._lock:
             key = self.find(key_or_uid)
             self._commit(None, removed=key.uid)
+
+    def restrict(self, key_or_uid, restrictions):
+        """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
+        with self._lock:
+            key = self.find(key_or_uid)
+            self._commit(key.with_restrictions(restrictions))
+            return self._keys[key.uid]
 
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
@@ -2440,6 +2472,170 @@ class KeysApi:
 
 
 # =============================================================================
+# Restrictions: enforced by the Gate (client address -> brute-force throttle
+# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
+# and GET/PUT/DELETE /keys/{key}/restrictions
+# =============================================================================
+
+
+class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
+    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
+    throttle (a Rate of failures, or None: off) and the counters' bound."""
+
+    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
+        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
+
+
+class TooManyRequests(ApiError):
+    """429 with Retry-After and RateLimit-* headers (`headers`)."""
+
+    def __init__(self, message, wait, rate):
+        super().__init__(429, "too_many_requests", message)
+        seconds = str(max(1, int(-(-wait // 1))))
+        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
+                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
+                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
+
+
+def restriction_refused(field, what):
+    """403 naming the restriction, never its settings."""
+    return ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
+                    "`%s` restriction)." % (what, field), "auth")
+
+
+class Gate:
+    """Guard.check plus what restrictions add: callers over the brute-force
+    throttle get 429 before their credential is looked at; an authorized
+    key's (or tenant token's parent key's) restrictions are then applied."""
+
+    def __init__(self, guard, limits=None):
+        self.guard = guard
+        self.limits = limits or Limits()
+        self.counters = Counters(self.limits.max_clients)
+
+    def client(self, request):
+        trusted = self.limits.trusted_proxies
+        forwarded = None
+        if trusted:
+            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
+        return client_address(request.peer or "", forwarded, trusted)
+
+    def check(self, request, actions, index):
+        """The Principal, as Guard.check; raises its refusals, 403 for an
+        address or referrer the key does not allow, 429 over a rate."""
+        throttle, address = self.limits.throttle, None
+        if throttle is not None and actions:
+            address = self.client(request)
+            failures, left = self.counters.failures(("failed", counter_client(address)))
+            if failures >= throttle.count:
+                raise TooManyRequests("Too many failed authentications from your address; "
+                                      "retry later.", left, throttle)
+        try:
+            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        except ApiError:
+            if throttle is not None and actions:
+                self.counters.fail(("failed", counter_client(address)), throttle.window)
+            raise
+        key = principal.key
+        restrictions = key.restrictions if key is not None else None
+        if restrictions is None:
+            return principal
+        if address is None:
+            address = self.client(request)
+        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
+            raise restriction_refused("allowedIps", "from your address")
+        if restrictions.referrers is not None and not referrer_allowed(
+                restrictions.referrers, request.headers.get("Origin"),
+                request.headers.get("Referer")):
+            raise restriction_refused("allowedReferrers", "from this site")
+        wanted = []
+        if restrictions.per_ip is not None:
+            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
+        if restrictions.per_key is not None:
+            wanted.append((key.uid, restrictions.per_key))
+        refusal = self.counters.take(wanted) if wanted else None
+        if refusal is not None:
+            wait, rate, _ = refusal
+            raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
+                                  "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
+                                  wait, rate)
+        return principal
+
+
+_SEARCH_ROUTES = (("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"))
+# route -> how its body asks for hits, or None for a route whose query string does
+HIT_CAPPED_ROUTES = dict([(route, cap_search_object) for route in _SEARCH_ROUTES] + [
+    (("POST", "/multi-search"), cap_multi_search),
+    (("GET", "/indexes/{index_uid}/search"), None),
+    (("GET", "/indexes/{index_uid}/similar"), None)])
+
+
+def _max_hits(principal):
+    key = principal.key
+    return key.restrictions.max_hits if key is not None and key.restrictions is not None \
+        else None
+
+
+def cap_hits(principal, route, target, body, caller_body):
+    """(target, body) to forward with the key's maxHitsPerQuery applied;
+    `body` is bytes when read already, else None (then `caller_body` is read)."""
+    cap = _max_hits(principal)
+    if cap is None or route not in HIT_CAPPED_ROUTES:
+        return target, body
+    capper = HIT_CAPPED_ROUTES[route]
+    if capper is None:
+        path, _, query = target.partition("?")
+        capped = cap_search_query(query, cap)
+        return (target if capped == query else path + "?" + capped), body
+    value = parse_json_body(body if body is not None else caller_body.read(MAX_HANDLER_BODY))
+    return target, compact_json(capper(value, cap)).encode()
+
+
+def check_hits_unseen(principal, route, uri):
+    """/authorize cannot rewrite what nginx forwards: a query asking for
+    more hits than the key's cap, or a body it never sees, is refused."""
+    cap = _max_hits(principal)
+    if cap is None or route not in HIT_CAPPED_ROUTES:
+        return
+    if HIT_CAPPED_ROUTES[route] is not None:
+        raise restriction_not_enforceable(route, "through `GET /authorize`, which never sees "
+                                          "the body (this key has a `maxHitsPerQuery` cap)")
+    _, asked, _ = search_query_hits(uri.partition("?")[2])
+    if asked is None or asked > cap:
+        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
+
+
+class RestrictionsApi:
+    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
+
+    ACTIONS = {"GET": "keys.get", "PUT": "keys.update", "DELETE": "keys.update"}
+
+    def __init__(self, store, gate, write):
+        self.store, self.gate, self.write = store, gate, write
+
+    def handle(self, request, segment):
+        action = self.ACTIONS.get(request.method)
+        if action is None:
+            return Response(405, [("Allow", "GET, PUT, DELETE")])
+        principal = self.gate.check(request, (action,), None)
+        if principal.key is not None:
+            raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
+                           "the restrictions of a key.", "auth")
+        if request.method == "GET":
+            restrictions = self.store.find(segment).restrictions
+            return Response.json(200, restrictions.to_json() if restrictions
+                                 else dict.fromkeys(RESTRICTION_FIELDS))
+        if request.method == "DELETE":
+            self.write(self.store.restrict, segment, None)
+            return Response(204)
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(request.read_json_body())
+        key = self.write(self.store.restrict, segment, restrictions)
+        return Response.json(200, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
+
+
+# =============================================================================
 # Requests and responses: what the service reads and answers, pure of sockets
 # =============================================================================
 
@@ -2603,11 +2799,12 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version")
+    __slots__ = ("method", "target", "headers", "body", "version", "peer")
 
-    def __init__(self, method, target, headers, body, version="HTTP/1.1"):
+    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
         self.method, self.target, self.headers = method, target, headers
         self.body, self.version = body, version
+        self.peer = peer  # the socket's remote address (see Gate.client)
 
     @property
     def path(self):
@@ -2876,10 +3073,12 @@ class Service:
     """The server's request pipeline, pure of sockets: `handle(request)`
     returns the Response; every refusal is upstream's JSON error."""
 
-    def __init__(self, store, master_key, upstream=None, log=None):
+    def __init__(self, store, master_key, upstream=None, log=None, limits=None):
         self.store = store
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
+        self.gate = Gate(self.guard, limits)
+        self.restrictions_api = RestrictionsApi(store, self.gate, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
 
@@ -2887,7 +3086,7 @@ class Service:
         try:
             response = self.dispatch(request)
         except ApiError as error:
-            response = Response.error(error)
+            response = Response.error(error, getattr(error, "headers", ()))
         except BrokenBody as exc:
             response = Response.error(bad_request("The request body is malformed: %s." % exc))
         except Exception as exc:  # a bug: answer 500, never a traceback
@@ -2909,13 +3108,15 @@ class Service:
             return self.answer_authorize(request)
         if segments == ("health",) and method == "GET":
             return Response.json(200, {"status": "available"})
+        if len(segments) == 3 and segments[0] == "keys" and segments[2] == "restrictions":
+            return self.restrictions_api.handle(request, segments[1])
         route = match_route(method, segments)
         if route is None:
             return Response(404)
         if route == "method":
             return Response(405)
         pattern, actions, index, params = route
-        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        principal = self.gate.check(request, actions, index)
         if pattern in ("/keys", "/keys/{key}"):
             status, value = self.keys_api.handle(request, method, params, request.query)
             return Response.json(status, value)
@@ -2945,6 +3146,7 @@ class Service:
                 target = request.path + "?" + rule.query(restriction)
             if rule.answer is not None:
                 answer_filter = functools.partial(rule.answer, restriction)
+        target, body = cap_hits(principal, (method, pattern), target, body, request.body)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
         if body is None:
             body = self.caller_body(request.body, headers)
@@ -2975,7 +3177,8 @@ class Service:
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
         pattern, actions, index, _params = route
-        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        principal = self.gate.check(request, actions, index)
+        check_hits_unseen(principal, (method, pattern), uri)
         if handler_rules_apply(principal, (method, pattern), index):
             raise restriction_not_enforceable(
                 (method, pattern), "through `GET /authorize`, which never sees the body nor "
@@ -3045,7 +3248,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.send_error(414, "Request line too long")
             elif self.parse_request():
                 request = Request(self.command, self.path, self.headers, self.body,
-                                  self.request_version)
+                                  self.request_version, self.client_address[0])
                 self.send_answer(self.server.service.handle(request))
             self.wfile.flush()
         except (TimeoutError, socket.timeout, ConnectionError):
@@ -3308,6 +3511,82 @@ def _client_error(status, payload):
 
 
 # =============================================================================
+# Command line: restrictions (`serve` flags, `keys restrict`)
+# =============================================================================
+
+
+def add_restriction_flags(serve):
+    """`serve` flags of the Gate."""
+    serve.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
+                       type=_argument_type(ip_range, "CIDR"),
+                       help="a proxy (e.g. nginx) whose X-Forwarded-For is believed; the client "
+                            "is the right-most address not in these ranges (repeatable)")
+    serve.add_argument("--throttle-failures", metavar="COUNT/WINDOW",
+                       type=_argument_type(parse_rate, "rate"),
+                       help="after COUNT refused credentials from one address within WINDOW "
+                            "(second, minute, hour, day), answer it 429 until the window ends "
+                            "(default: off), e.g. 10/minute")
+    serve.add_argument("--max-clients", type=_argument_type(positive_int, "count"),
+                       default=100000, help="rate counters kept in memory, least recently used "
+                                            "forgotten first (100000: about 25 MiB)")
+
+
+def add_restrict_command(key_commands, common):
+    restrict = key_commands.add_parser(
+        "restrict", parents=[common], help="show, set or clear a key's restrictions",
+        description="Without options, show the key's restrictions. Otherwise replace them "
+                    "with the ones given (and the preset's, which options override).")
+    restrict.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    restrict.add_argument("--preset", choices=sorted(RESTRICTION_PRESETS),
+                          help="search: %s" % compact_json(RESTRICTION_PRESETS["search"]))
+    restrict.add_argument("--rate", metavar="COUNT/WINDOW",
+                          help="requests per client address, e.g. 60/minute")
+    restrict.add_argument("--rate-per-key", metavar="COUNT/WINDOW",
+                          help="requests with the key from all clients, e.g. 10000/hour")
+    restrict.add_argument("--referrer", action="append", metavar="PATTERN",
+                          help="allowed Origin/Referer, `*` for any text: "
+                               "'https://example.com/*' or '*.example.org' (repeatable)")
+    restrict.add_argument("--ip", action="append", metavar="CIDR",
+                          help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
+    restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--clear", action="store_true", help="remove every restriction")
+
+
+def restrictions_from_args(args):
+    """The PUT body `keys restrict` sends, or None to only show them;
+    ValueError for a bad option (checked here, before any request)."""
+    body = json.loads(json.dumps(RESTRICTION_PRESETS.get(args.preset, {})))
+    rates = body.setdefault("rateLimit", {})
+    for option, field in (("rate", "perIp"), ("rate_per_key", "perKey")):
+        if getattr(args, option) is not None:
+            rates[field] = parse_rate(getattr(args, option)).text
+    if not rates:
+        del body["rateLimit"]
+    for option, field, check in (("referrer", "allowedReferrers", referrer_pattern),
+                                 ("ip", "allowedIps", ip_range)):
+        for item in getattr(args, option) or ():
+            check(item)
+            body.setdefault(field, []).append(item)
+    if args.max_hits is not None:
+        if args.max_hits < 1:
+            raise ValueError("--max-hits must be 1 or more")
+        body["maxHitsPerQuery"] = args.max_hits
+    if args.clear and body:
+        raise ValueError("--clear removes every restriction: give it alone")
+    return body or None
+
+
+def run_restrict(client, args):
+    path = _key_path(args.key_or_uid) + "/restrictions"
+    if args.clear:
+        client.request("DELETE", path)
+        return 0
+    if args.restrictions is None:
+        return _print(args, client.request("GET", path), [])
+    return _print(args, client.request("PUT", path, args.restrictions), [])
+
+
+# =============================================================================
 # Command line
 # =============================================================================
 
@@ -3422,6 +3701,7 @@ def build_parser():
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="simultaneous connections served (512)")
+    add_restriction_flags(serve)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")
@@ -3455,6 +3735,7 @@ def build_parser():
     update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
     delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
                                 help="mint a tenant token offline")
@@ -3509,8 +3790,9 @@ def run_serve(args):
         store = KeyStore(master_key, args.store, _log_to_stderr)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
+        limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
-                                                             _log_to_stderr),
+                                                             _log_to_stderr, limits),
                             args.max_connections)
     except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
@@ -3552,6 +3834,8 @@ def run_keys(args):
         changes = {f: getattr(args, f) for f in ("name", "description")
                    if getattr(args, f) is not None}
         key = client.update_key(args.key_or_uid, **changes)
+    elif command == "restrict":
+        return run_restrict(client, args)
     else:
         client.delete_key(args.key_or_uid)
         return 0
@@ -3587,6 +3871,8 @@ def check_client_args(parser, args):
             args.expires_at = check_expires_at(args.expires_at)
             if args.uid is not None:
                 args.uid = check_uid(args.uid)
+        elif args.command == "keys" and args.keys_command == "restrict":
+            args.restrictions = restrictions_from_args(args)
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
