@@ -1452,9 +1452,9 @@ class Counters:
             updates = []
             for counter, rate in wanted:
                 tat = max(self._tat.get(counter, now), now)
-                allowed_at = tat + rate.interval - rate.window
-                if allowed_at > now:
-                    return allowed_at - now, rate, 0
+                wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
+                if wait > 0:
+                    return wait, rate, 0
                 updates.append((counter, tat + rate.interval))
             for counter, tat in updates:
                 self._remember(counter, tat)

@@ -7,6 +7,7 @@ real `searchkeys.py serve` on a free loopback port in front of a stand-in backen
 what it is asked.
 """
 import ipaddress
+import os
 import json
 import urllib.parse
 
@@ -230,3 +231,339 @@ def test_counters_are_bounded_least_recently_used_first():
     assert len(counters) == 1000
     assert counters.take([("client-0", rate)]) is None  # forgotten: starts afresh
     assert counters.take([("client-4999", rate)]) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Through HTTP: the real server in front of a stand-in backend
+# ---------------------------------------------------------------------------------------------
+
+import base64  # noqa: E402
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+import http.server  # noqa: E402
+import threading  # noqa: E402
+
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir  # noqa: E402
+
+MASTER = "restrictions-test-master-key-0123"
+JSON = {"Content-Type": "application/json"}
+ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
+
+
+class Backend:
+    """A stand-in search engine: records each request (method, target, JSON body) and
+    answers 200 with an empty hit list."""
+
+    def __init__(self):
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                seen.append((self.command, self.path, json.loads(body) if body else None))
+                payload = b'{"hits":[]}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    stand_in = Backend()
+    yield stand_in
+    stand_in.close()
+
+
+def serve(backend, *extra):
+    port = free_port()
+    return Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
+                             "--upstream", backend.url, *extra), port, timeout=30.0)
+
+
+@pytest.fixture(scope="module")
+def guard(backend):
+    """Behind a trusted proxy (127.0.0.1), so each test picks its client with X-Forwarded-For."""
+    with serve(backend, "--trusted-proxy", "127.0.0.1/32", "--throttle-failures",
+               "5/minute") as daemon:
+        yield daemon
+
+
+def new_key(daemon, restrictions, actions=("search",), indexes=("*",)):
+    status, _, data = daemon.request("POST", "/keys", json.dumps(
+        {"actions": list(actions), "indexes": list(indexes), "expiresAt": None}), ADMIN)
+    assert status == 201, data
+    key = json.loads(data)
+    if restrictions is not None:
+        status, _, data = daemon.request("PUT", "/keys/%s/restrictions" % key["uid"],
+                                         json.dumps(restrictions), ADMIN)
+        assert status == 200, data
+    return key
+
+
+def tenant_token(key):
+    def b64(data):
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+    signing = b64(b'{"alg":"HS256","typ":"JWT"}') + "." + b64(json.dumps(
+        {"searchRules": ["*"], "apiKeyUid": key["uid"]}).encode())
+    return signing + "." + b64(hmac.new(key["key"].encode(), signing.encode(),
+                                        hashlib.sha256).digest())
+
+
+FAMILIES = ["search-post", "search-get", "multi-search", "similar-post", "similar-get",
+            "authorize", "tenant-token"]
+
+
+def call(daemon, family, key, client="192.0.2.1", limit=None, headers=None):
+    """One request of a route family with `key`, from `client`: (status, headers, body)."""
+    sent = dict(JSON, Authorization="Bearer " + (tenant_token(key) if family == "tenant-token"
+                                                 else key["key"]))
+    sent["X-Forwarded-For"] = client
+    sent.update(headers or {})
+    query = {} if limit is None else {"limit": limit}
+    if family in ("search-post", "tenant-token", "similar-post"):
+        route = "search" if family != "similar-post" else "similar"
+        body = dict(query, q="x") if route == "search" else dict(query, id=1)
+        answer = daemon.request("POST", "/indexes/movies/" + route, json.dumps(body), sent)
+    elif family in ("search-get", "similar-get"):
+        route = "search" if family == "search-get" else "similar"
+        target = "/indexes/movies/%s?%s" % (route, urllib.parse.urlencode(dict(query, q="x")))
+        answer = daemon.request("GET", target, None, sent)
+    elif family == "multi-search":
+        body = {"queries": [dict(query, indexUid="movies", q="x"), {"indexUid": "books"}]}
+        answer = daemon.request("POST", "/multi-search", json.dumps(body), sent)
+    else:
+        sent["X-Original-URI"] = "/indexes/movies/search?" + urllib.parse.urlencode(
+            dict(query, q="x"))
+        sent["X-Original-Method"] = "GET"
+        answer = daemon.request("GET", "/authorize", None, sent)
+    return answer
+
+
+def ok(status):
+    return status in (200, 204)
+
+
+def refusal(answer):
+    status, headers, data = answer
+    return status, json.loads(data)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_allowed_ips_refuse_other_addresses(guard, backend, family):
+    key = new_key(guard, {"allowedIps": ["192.0.2.0/24", "2001:db8::/32"]})
+    assert ok(call(guard, family, key, client="192.0.2.200")[0])
+    assert ok(call(guard, family, key, client="2001:db8::7")[0])
+    backend.seen.clear()
+    status, error = refusal(call(guard, family, key, client="198.51.100.1"))
+    assert status == 403 and error["code"] == "forbidden_by_restriction"
+    assert "allowedIps" in error["message"] and "192.0.2" not in error["message"]
+    assert backend.seen == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_allowed_referrers_need_a_matching_origin_or_referer(guard, backend, family):
+    key = new_key(guard, {"allowedReferrers": ["https://example.com/*", "*.example.org"]})
+    assert ok(call(guard, family, key, headers={"Origin": "https://example.com"})[0])
+    assert ok(call(guard, family, key, headers={"Referer": "https://www.example.org/a"})[0])
+    backend.seen.clear()
+    for headers in ({"Origin": "https://evil.net"}, {"Referer": "https://example.com.evil/"},
+                    {}):
+        status, error = refusal(call(guard, family, key, headers=headers))
+        assert status == 403 and "allowedReferrers" in error["message"], headers
+        assert "example" not in error["message"]
+    assert backend.seen == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rate_limit_per_ip_answers_429_with_headers(guard, backend, family):
+    key = new_key(guard, {"rateLimit": {"perIp": "3/minute"}})
+    assert all(ok(call(guard, family, key, client="198.51.100.9")[0]) for _ in range(3))
+    backend.seen.clear()
+    status, headers, data = call(guard, family, key, client="198.51.100.9")
+    assert status == 429 and json.loads(data)["code"] == "too_many_requests"
+    assert 1 <= int(headers["retry-after"]) <= 20
+    assert headers["ratelimit-limit"] == "3" and headers["ratelimit-remaining"] == "0"
+    assert headers["ratelimit-reset"] == headers["retry-after"]
+    assert backend.seen == []
+    assert ok(call(guard, family, key, client="198.51.100.10")[0])  # another client
+
+
+def test_rate_limit_per_key_counts_every_client(guard):
+    key = new_key(guard, {"rateLimit": {"perIp": "100/minute", "perKey": "2/hour"}})
+    assert ok(call(guard, "search-post", key, client="198.51.100.20")[0])
+    assert ok(call(guard, "tenant-token", key, client="198.51.100.21")[0])
+    status, headers, _ = call(guard, "search-get", key, client="198.51.100.22")
+    assert status == 429 and headers["ratelimit-policy"] == "2;w=3600"
+
+
+@pytest.mark.parametrize("family", ["search-post", "search-get", "multi-search",
+                                    "similar-post", "similar-get", "tenant-token"])
+def test_max_hits_caps_what_the_backend_is_asked(guard, backend, family):
+    key = new_key(guard, {"maxHitsPerQuery": 5})
+    for asked, expected in ((1000, 5), (3, 3), (None, 5)):
+        backend.seen.clear()
+        assert call(guard, family, key, limit=asked)[0] == 200
+        method, target, body = backend.seen[-1]
+        if method == "GET":
+            assert urllib.parse.parse_qs(target.partition("?")[2])["limit"] == [str(expected)]
+        elif family == "multi-search":
+            assert [q["limit"] for q in body["queries"]] == [expected, 5]
+        else:
+            assert body["limit"] == expected
+
+
+def test_max_hits_through_authorize_refuses_what_it_cannot_cap(guard):
+    key = new_key(guard, {"maxHitsPerQuery": 50})
+    assert call(guard, "authorize", key, limit=50)[0] == 204
+    assert call(guard, "authorize", key)[0] == 204  # the default 20
+    status, error = refusal(call(guard, "authorize", key, limit=51))
+    assert status == 403 and "maxHitsPerQuery" in error["message"]
+    status, _, _ = guard.request("GET", "/authorize", None, {
+        "Authorization": "Bearer " + key["key"], "X-Original-URI": "/indexes/movies/search",
+        "X-Original-Method": "POST"})
+    assert status == 403  # a body /authorize never sees
+
+
+def test_restrictions_api_keeps_the_keys_contract(guard):
+    key = new_key(guard, None)
+    path = "/keys/%s/restrictions" % key["uid"]
+    nulls = {"rateLimit": None, "allowedReferrers": None, "allowedIps": None,
+             "maxHitsPerQuery": None}
+    assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == nulls
+    wanted = {"rateLimit": {"perIp": "60/minute", "perKey": "10000/hour"},
+              "allowedReferrers": ["https://example.com/*"], "allowedIps": ["10.0.0.0/8"],
+              "maxHitsPerQuery": 50}
+    status, _, data = guard.request("PUT", "/keys/%s/restrictions" % key["key"],
+                                    json.dumps(wanted), ADMIN)
+    assert status == 200 and json.loads(data) == wanted
+    assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == wanted
+    # /keys answers exactly Meilisearch's fields, and PATCH keeps the restrictions
+    shown = json.loads(guard.request("GET", "/keys/" + key["uid"], None, ADMIN)[2])
+    assert list(shown) == ["name", "description", "key", "uid", "actions", "indexes",
+                           "expiresAt", "createdAt", "updatedAt"]
+    listing = json.loads(guard.request("GET", "/keys?limit=1000", None, ADMIN)[2])
+    assert all("restrictions" not in k for k in listing["results"])
+    assert guard.request("PATCH", "/keys/" + key["uid"], '{"name": "n"}', ADMIN)[0] == 200
+    assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == wanted
+    status, _, data = guard.request("POST", "/keys", json.dumps(
+        {"actions": ["search"], "indexes": ["*"], "expiresAt": None,
+         "restrictions": {"maxHitsPerQuery": 1}}), ADMIN)
+    assert status == 400 and json.loads(data)["code"] == "bad_request"
+    assert guard.request("DELETE", path, None, ADMIN)[0] == 204
+    assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == nulls
+
+
+def test_restrictions_api_is_for_the_master_key_only(guard):
+    key = new_key(guard, None)
+    admin = new_key(guard, None, actions=["*"])
+    path = "/keys/%s/restrictions" % key["uid"]
+    status, error = refusal(guard.request("GET", path, None, dict(
+        JSON, Authorization="Bearer " + admin["key"])))
+    assert status == 403 and error["code"] == "invalid_api_key"
+    assert guard.request("PUT", path, '{"maxHitsPerQuery": 1}', JSON)[0] == 401
+    assert guard.request("GET", "/keys/%s/restrictions" % ("0" * 64), None, ADMIN)[0] == 404
+    assert guard.request("POST", path, "{}", ADMIN)[0] == 405
+
+
+@pytest.mark.parametrize("body, code, message", [
+    ({"rateLimit": {"perIp": "60/min"}}, "invalid_restrictions_rate_limit",
+     "Invalid value at `.rateLimit.perIp`: `60/min` is not a rate"),
+    ({"allowedIps": ["10.0.0.1/8"]}, "invalid_restrictions_allowed_ips",
+     "Invalid value at `.allowedIps[0]`: `10.0.0.1/8` is not an IP range"),
+    ({"allowedReferrers": "https://x/*"}, "invalid_restrictions_allowed_referrers",
+     "Invalid value type at `.allowedReferrers`: expected an array"),
+    ({"maxHitsPerQuery": -1}, "invalid_restrictions_max_hits_per_query",
+     "Invalid value at `.maxHitsPerQuery`"),
+    ({"maxHits": 3}, "bad_request", "Unknown field `maxHits`"),
+])
+def test_restrictions_api_validation_errors(guard, body, code, message):
+    key = new_key(guard, {"maxHitsPerQuery": 9})
+    path = "/keys/%s/restrictions" % key["uid"]
+    status, error = refusal(guard.request("PUT", path, json.dumps(body), ADMIN))
+    assert status == 400 and error["code"] == code and error["message"].startswith(message)
+    assert error["type"] == "invalid_request" and error["link"].endswith(code)
+    assert json.loads(guard.request("GET", path, None, ADMIN)[2])["maxHitsPerQuery"] == 9
+    assert guard.request("PUT", path, "{", ADMIN)[0] == 400
+    assert guard.request("PUT", path, "{}", {"Authorization": "Bearer " + MASTER})[0] == 415
+
+
+def test_brute_force_throttle_answers_429_after_failures(guard):
+    bad = {"Authorization": "Bearer " + "f" * 64, "X-Forwarded-For": "203.0.113.66"}
+    for _ in range(5):
+        assert guard.request("GET", "/indexes/movies/search", None, bad)[0] == 403
+    good = dict(ADMIN, **{"X-Forwarded-For": "203.0.113.66"})
+    status, headers, data = guard.request("GET", "/keys", None, good)
+    assert status == 429 and json.loads(data)["code"] == "too_many_requests"
+    assert int(headers["retry-after"]) >= 50
+    other = dict(ADMIN, **{"X-Forwarded-For": "203.0.113.67"})
+    assert guard.request("GET", "/keys", None, other)[0] == 200
+
+
+def test_restrictions_persist_across_restart_and_xff_needs_a_trusted_proxy(backend):
+    with scratch_dir("restrict-") as folder:
+        store = str(folder / "keys.json")
+        with serve(backend, "--store", store) as daemon:
+            key = new_key(daemon, {"allowedIps": ["192.0.2.0/24"], "maxHitsPerQuery": 4})
+            # no --trusted-proxy: X-Forwarded-For is not believed, the peer is 127.0.0.1
+            status, error = refusal(call(daemon, "search-post", key, client="192.0.2.1"))
+            assert status == 403 and "allowedIps" in error["message"]
+        assert os.stat(store).st_mode & 0o777 == 0o600
+        with serve(backend, "--store", store, "--trusted-proxy", "127.0.0.0/8") as daemon:
+            shown = json.loads(daemon.request("GET", "/keys/%s/restrictions" % key["uid"],
+                                              None, ADMIN)[2])
+            assert shown["allowedIps"] == ["192.0.2.0/24"] and shown["maxHitsPerQuery"] == 4
+            backend.seen.clear()
+            assert call(daemon, "search-post", key, client="192.0.2.1", limit=99)[0] == 200
+            assert backend.seen[-1][2]["limit"] == 4
+            assert call(daemon, "search-post", key, client="10.0.0.1")[0] == 403
+
+
+def test_counters_stay_bounded_by_max_clients(backend):
+    with serve(backend, "--trusted-proxy", "127.0.0.1/32", "--max-clients", "3") as daemon:
+        key = new_key(daemon, {"rateLimit": {"perIp": "1/hour"}})
+        clients = ["198.51.100.%d" % n for n in range(1, 5)]
+        assert [call(daemon, "search-get", key, client=c)[0] for c in clients] == [200] * 4
+        # the newest clients are remembered; the oldest was forgotten and starts afresh
+        assert call(daemon, "search-get", key, client=clients[-1])[0] == 429
+        assert call(daemon, "search-get", key, client=clients[0])[0] == 200
+
+
+def test_cli_restrict_sets_shows_and_clears(guard):
+    import subprocess
+    import sys
+    key = new_key(guard, None)
+    base = [sys.executable, str(SEARCHKEYS), "keys", "restrict", key["uid"],
+            "--url", "http://127.0.0.1:%d" % guard.port, "--key", MASTER]
+    done = subprocess.run(base + ["--preset", "search", "--referrer", "https://example.com/*",
+                                  "--ip", "10.0.0.0/8", "--max-hits", "50"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "rateLimit": {"perIp": "120/minute"}, "allowedReferrers": ["https://example.com/*"],
+        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50}
+    shown = subprocess.run(base, capture_output=True, text=True, timeout=30)
+    assert json.loads(shown.stdout)["maxHitsPerQuery"] == 50
+    bad = subprocess.run(base + ["--rate", "60/min"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "is not a rate" in bad.stderr and "Traceback" not in bad.stderr
+    cleared = subprocess.run(base + ["--clear"], capture_output=True, text=True, timeout=30)
+    assert cleared.returncode == 0
+    assert json.loads(subprocess.run(base, capture_output=True, text=True,
+                                     timeout=30).stdout)["allowedIps"] is None
