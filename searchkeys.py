@@ -2495,12 +2495,26 @@ class TooManyRequests(ApiError):
         self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
                         ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
                         ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
+        self.headers += NOT_CACHEABLE
+
+
+# An answer that depends on more than method, URI and credential (the client's
+# address, its Origin, the time) must not be kept by nginx's decision cache.
+NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 
 def restriction_refused(field, what):
     """403 naming the restriction, never its settings."""
-    return ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
-                    "`%s` restriction)." % (what, field), "auth")
+    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
+                     "`%s` restriction)." % (what, field), "auth")
+    error.headers = NOT_CACHEABLE
+    return error
+
+
+def authorize_headers(principal):
+    """Headers of /authorize's 204: not cacheable for a restricted key."""
+    key = principal.key
+    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
 
 
 class Gate:
@@ -3183,7 +3197,7 @@ class Service:
             raise restriction_not_enforceable(
                 (method, pattern), "through `GET /authorize`, which never sees the body nor "
                 "the answer (use `searchkeys.py serve --upstream` for such keys)")
-        return Response(204)
+        return Response(204, authorize_headers(principal))
 
 
 def _preflight_headers(headers):

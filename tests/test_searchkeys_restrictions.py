@@ -567,3 +567,16 @@ def test_cli_restrict_sets_shows_and_clears(guard):
     assert cleared.returncode == 0
     assert json.loads(subprocess.run(base, capture_output=True, text=True,
                                      timeout=30).stdout)["allowedIps"] is None
+
+
+def test_authorize_answers_for_restricted_keys_are_not_cacheable(guard):
+    """nginx caches /authorize decisions by method, URI and credential: an answer that also
+    depends on the client's address, its Origin or the time must say no-store."""
+    plain = new_key(guard, None)
+    assert "cache-control" not in call(guard, "authorize", plain)[1]
+    key = new_key(guard, {"rateLimit": {"perIp": "1/hour"}, "allowedIps": ["192.0.2.0/24"]})
+    status, headers, _ = call(guard, "authorize", key)
+    assert status == 204 and headers["cache-control"] == "no-store"
+    for client in ("192.0.2.1", "10.1.1.1"):  # over the rate; another address
+        status, headers, _ = call(guard, "authorize", key, client=client)
+        assert status in (403, 429) and headers["cache-control"] == "no-store"
