@@ -1222,6 +1222,7 @@ def ip_range(text):
                          "`2001:db8::/32` or one address)" % (text, exc))
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_address(text):
     """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
     import ipaddress
@@ -1255,6 +1256,7 @@ def client_address(peer, forwarded_for, trusted):
     return address
 
 
+@functools.lru_cache(maxsize=4096)
 def counter_client(address):
     """What per-IP counters count: the address, or an IPv6 address's /64
     (one host usually holds a whole /64, and could rotate through it)."""
@@ -1408,24 +1410,32 @@ def cap_multi_search(body, cap):
     return body
 
 
+def _parameter_name(part):
+    name = part.partition("=")[0]
+    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
+
+
 def search_query_hits(query):
-    """(field, asked count or None when unparseable, pairs) of a GET
+    """(field, asked count or None when unparseable, parts, names) of a GET
     search/similar query string: which count Meilisearch reads as its page
-    size, and what was asked for (the default when absent)."""
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    names = {n for n, _ in pairs}
+    size, and what was asked for (the default when absent). The parts stay
+    as sent: a rewrite changes only the count."""
+    parts = query.split("&") if query else []
+    names = [_parameter_name(part) for part in parts]
     field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
-    values = [v for n, v in pairs if n == field]
-    asked = parse_rust_uint(values[-1]) if values else DEFAULT_SEARCH_LIMIT
-    return field, asked, pairs
+    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
+    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
+        else DEFAULT_SEARCH_LIMIT
+    return field, asked, parts, names
 
 
 def cap_search_query(query, cap):
     """A GET search/similar query string asking for at most `cap` hits."""
-    field, asked, pairs = search_query_hits(query)
+    field, asked, parts, names = search_query_hits(query)
     if asked is None or asked <= cap:
         return query
-    return urllib.parse.urlencode([(n, v) for n, v in pairs if n != field] + [(field, cap)])
+    return "&".join([part for part, name in zip(parts, names) if name != field] +
+                    ["%s=%d" % (field, cap)])
 
 
 class Counters:
@@ -2614,7 +2624,7 @@ def check_hits_unseen(principal, route, uri):
     if HIT_CAPPED_ROUTES[route] is not None:
         raise restriction_not_enforceable(route, "through `GET /authorize`, which never sees "
                                           "the body (this key has a `maxHitsPerQuery` cap)")
-    _, asked, _ = search_query_hits(uri.partition("?")[2])
+    asked = search_query_hits(uri.partition("?")[2])[1]
     if asked is None or asked > cap:
         raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
 
