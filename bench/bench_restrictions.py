@@ -18,16 +18,14 @@ import json
 import os
 import statistics
 import sys
-import threading
-import time
 import tracemalloc
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import searchkeys  # noqa: E402
-from support import SEARCHKEYS, Daemon, free_port, python_cmd  # noqa: E402
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, serve_in_thread  # noqa: E402
 
 MASTER = "bench-restrictions-master-key-0123"
 EVERYTHING = {"rateLimit": {"perIp": "999999999/second", "perKey": "999999999/second"},
@@ -82,11 +80,10 @@ def create_key(port, restrictions):
 
 
 def cpu_per_request(requests, rounds):
-    backend = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    backend = serve_in_thread(Stub)
     port = free_port()
     argv = python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER, "--upstream",
-                      "http://127.0.0.1:%d" % backend.server_address[1])
+                      backend.url)
     results = {"none": [], "every": []}
     with Daemon(argv, port, timeout=30.0) as daemon:
         keys = {"none": create_key(port, None), "every": create_key(port, EVERYTHING)}

@@ -148,3 +148,15 @@ def hook_arg(source, name=None, **extra):
         obj["name"] = name
     obj.update(extra)
     return obj
+
+
+def serve_in_thread(handler):
+    """A stand-in HTTP server: a ThreadingHTTPServer on a free 127.0.0.1 port answering with
+    the BaseHTTPRequestHandler subclass `handler`, serving from a daemon thread. Its `url`
+    attribute is its base URL; stop it with `shutdown()` then `server_close()`."""
+    import http.server
+    import threading
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.url = "http://127.0.0.1:%d" % server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -241,9 +241,8 @@ import base64  # noqa: E402
 import hashlib  # noqa: E402
 import hmac  # noqa: E402
 import http.server  # noqa: E402
-import threading  # noqa: E402
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir  # noqa: E402
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, scratch_dir, serve_in_thread  # noqa: E402,E501
 
 MASTER = "restrictions-test-master-key-0123"
 JSON = {"Content-Type": "application/json"}
@@ -276,20 +275,16 @@ class Backend:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server = serve_in_thread(Handler)
+        self.url = self.server.url
 
 
 @pytest.fixture(scope="module")
 def backend():
     stand_in = Backend()
     yield stand_in
-    stand_in.close()
+    stand_in.server.shutdown()
+    stand_in.server.server_close()
 
 
 def serve(backend, *extra):
