@@ -242,7 +242,8 @@ import hashlib  # noqa: E402
 import hmac  # noqa: E402
 import http.server  # noqa: E402
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, scratch_dir, serve_in_thread  # noqa: E402,E501
+from support import SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
+    serve_in_thread  # noqa: E402
 
 MASTER = "restrictions-test-master-key-0123"
 JSON = {"Content-Type": "application/json"}
@@ -575,3 +576,51 @@ def test_authorize_answers_for_restricted_keys_are_not_cacheable(guard):
     for client in ("192.0.2.1", "10.1.1.1"):  # over the rate; another address
         status, headers, _ = call(guard, "authorize", key, client=client)
         assert status in (403, 429) and headers["cache-control"] == "no-store"
+
+
+def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backend):
+    """The README's nginx recipe (searchkeys-nginx.conf.example) with `serve --trusted-proxy`:
+    nginx caches /authorize decisions, yet a rate limit still answers 429 (with Retry-After),
+    and a key limited to other addresses is refused."""
+    import signal
+    import subprocess
+    nginx_binary = next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                         if os.access(p, os.X_OK)), None)
+    if nginx_binary is None:
+        pytest.skip("nginx is not installed")
+    from support import ROOT, wait_for_port
+    port = free_port()
+    guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
+                              "--trusted-proxy", "127.0.0.1/32"), port, timeout=30.0)
+    with guard, scratch_dir("restrict-nginx-") as prefix:
+        os.chmod(prefix, 0o755)
+        listen = free_port()
+        text = (ROOT / "searchkeys-nginx.conf.example").read_text()
+        for name, value in (("listen", "127.0.0.1:%d" % listen),
+                            ("searchkeys", "127.0.0.1:%d" % port),
+                            ("backend", backend.url.partition("//")[2]), ("backend_key", "K")):
+            text = text.replace("{{%s}}" % name, value)
+        (prefix / "nginx.conf").write_text("daemon off;\n" + text)
+        nginx = subprocess.Popen([nginx_binary, "-p", str(prefix), "-c",
+                                  str(prefix / "nginx.conf"), "-e", "stderr"],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for_port(listen, nginx, timeout=15)
+            limited = new_key(guard, {"rateLimit": {"perIp": "2/minute"}})
+            target = "/indexes/movies/search?q=a"
+            auth = {"Authorization": "Bearer " + limited["key"]}
+            statuses = [request(listen, "GET", target, None, auth) for _ in range(3)]
+            assert [s for s, _, _ in statuses] == [200, 200, 429]
+            assert int(statuses[2][1]["retry-after"]) >= 1
+            assert json.loads(statuses[2][2])["code"] == "too_many_requests"
+            elsewhere = new_key(guard, {"allowedIps": ["192.0.2.0/24"]})
+            assert request(listen, "GET", target, None,
+                           {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
+        finally:
+            nginx.send_signal(signal.SIGQUIT)
+            try:
+                nginx.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(nginx.pid, signal.SIGKILL)
+                nginx.wait()
