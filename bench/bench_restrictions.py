@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import searchkeys  # noqa: E402
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, serve_in_thread  # noqa: E402
+from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, serve_in_thread  # noqa: E402,E501
 
 MASTER = "bench-restrictions-master-key-0123"
 EVERYTHING = {"rateLimit": {"perIp": "999999999/second", "perKey": "999999999/second"},
@@ -39,11 +39,7 @@ class Stub(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # head and body leave at once, no delayed-ACK stall
 
     def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "11")
-        self.end_headers()
-        self.wfile.write(b'{"hits":[]}')
+        answer_json(self, b'{"hits":[]}')
 
     def log_message(self, *args):
         pass

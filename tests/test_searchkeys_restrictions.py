@@ -242,8 +242,8 @@ import hashlib  # noqa: E402
 import hmac  # noqa: E402
 import http.server  # noqa: E402
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
-    serve_in_thread  # noqa: E402
+from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, request, \
+    scratch_dir, serve_in_thread  # noqa: E402
 
 MASTER = "restrictions-test-master-key-0123"
 JSON = {"Content-Type": "application/json"}
@@ -264,12 +264,7 @@ class Backend:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 seen.append((self.command, self.path, json.loads(body) if body else None))
-                payload = b'{"hits":[]}'
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                answer_json(self, b'{"hits":[]}')
 
             do_GET = do_POST = answer
 
@@ -588,7 +583,7 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
                          if os.access(p, os.X_OK)), None)
     if nginx_binary is None:
         pytest.skip("nginx is not installed")
-    from support import ROOT, wait_for_port
+    from support import ROOT, stop_session, wait_for_port
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
                               "--trusted-proxy", "127.0.0.1/32"), port, timeout=30.0)
@@ -618,9 +613,4 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
             assert request(listen, "GET", target, None,
                            {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
         finally:
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(nginx.pid, signal.SIGKILL)
-                nginx.wait()
+            stop_session(nginx, signal.SIGQUIT)
