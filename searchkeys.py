@@ -1421,6 +1421,353 @@ def verify_tenant_token(token, api_key, now=None):
 
 
 # =============================================================================
+# Key restrictions (pure): rate specs, referrer patterns, IP ranges, hit caps,
+# client addresses, and the bounded counters that rate limits keep
+# =============================================================================
+
+RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
+RATE_FIELDS = ("perIp", "perKey")
+RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+_RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
+MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
+MAX_REFERRER_PATTERN = 512
+DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+# What `keys restrict --preset search` sets on a public search key: a visitor
+# typing fires a query per keystroke (bursts up to the limit are let through),
+# and no results page needs more than 100 hits.
+RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
+class Rate(collections.namedtuple("Rate", "count window text")):
+    """`count` requests per `window` seconds, written `text` (`60/minute`)."""
+
+    @property
+    def interval(self):
+        return self.window / self.count
+
+
+def parse_rate(text):
+    """`60/minute` -> Rate; ValueError otherwise."""
+    match = _RATE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError("`%s` is not a rate: write COUNT/second, COUNT/minute, COUNT/hour or "
+                         "COUNT/day, with COUNT from 1 to 999999999 (e.g. `60/minute`)" % (text,))
+    return Rate(int(match.group(1)), RATE_WINDOWS[match.group(2)], text)
+
+
+def referrer_pattern(text):
+    """A compiled allowedReferrers pattern: `*` stands for any text. A
+    pattern with `://` is matched against the whole URL, one without it
+    (`*.example.org`) against the host only; both ignore case."""
+    if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
+            or not (text.isascii() and text.isprintable()) or " " in text:
+        raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
+                         "`*` stands for any text, e.g. `https://example.com/*` or "
+                         "`*.example.org`" % (text,))
+    regex = ".*".join(re.escape(part) for part in text.split("*"))
+    return re.compile(regex + r"\Z", re.IGNORECASE | re.DOTALL), "://" in text
+
+
+def referrer_allowed(patterns, origin, referer):
+    """Does Origin or Referer (either may be None) match one of `patterns`?"""
+    urls = [u for u in ((origin + "/") if origin else None, referer) if u]
+    for url in urls:
+        host = urllib.parse.urlsplit(url).hostname if "://" in url else None
+        for regex, whole_url in patterns:
+            subject = url if whole_url else host
+            if subject and regex.match(subject):
+                return True
+    return False
+
+
+def ip_range(text):
+    """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
+    import ipaddress
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        return ipaddress.ip_network(text, strict=True)
+    except ValueError as exc:
+        raise ValueError("`%s` is not an IP range: %s (write e.g. `10.0.0.0/8`, "
+                         "`2001:db8::/32` or one address)" % (text, exc))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_address(text):
+    """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
+    import ipaddress
+    try:
+        address = ipaddress.ip_address(text.strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+def in_ranges(address, ranges):
+    return address is not None and any(address in network for network in ranges)
+
+
+def client_address(peer, forwarded_for, trusted):
+    """The caller's address: the socket's `peer`, unless that is a trusted
+    proxy; then the right-most X-Forwarded-For entry (`forwarded_for`, all
+    such headers joined) that is not a trusted proxy. An entry that is not
+    an address stops the walk at the last trusted hop, which wrote it."""
+    address = parse_address(peer)
+    if not trusted or not in_ranges(address, trusted) or not forwarded_for:
+        return address
+    for entry in reversed(forwarded_for.split(",")):
+        hop = parse_address(entry)
+        if hop is None:
+            return address
+        address = hop
+        if not in_ranges(hop, trusted):
+            return hop
+    return address
+
+
+@functools.lru_cache(maxsize=4096)
+def counter_client(address):
+    """What per-IP counters count: the address, or an IPv6 address's /64
+    (one host usually holds a whole /64, and could rotate through it)."""
+    if address is None:
+        return "unknown"
+    if address.version == 6:
+        return "%x/64" % (int(address) >> 64)
+    return str(address)
+
+
+class Restrictions:
+    """What one key's restrictions allow, parsed once (immutable)."""
+
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
+
+    def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
+                 source=None):
+        self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
+        self.ips = None if ips is None else [ip_range(r) for r in ips]
+        self._json = source
+
+    def to_json(self):
+        """All four fields, null when not set (the GET answer)."""
+        return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
+
+    def to_record(self):
+        """Only the fields that are set (the store's record)."""
+        return dict(self._json)
+
+    @classmethod
+    def from_json(cls, body):
+        """A PUT body (or a stored record) -> Restrictions, or None when
+        nothing is restricted; ApiError with Meilisearch's message shapes."""
+        fields = {}
+        for name, value in require_object(body).items():
+            if name not in RESTRICTION_FIELDS:
+                raise unknown_field(name, RESTRICTION_FIELDS)
+            if value is not None:
+                fields[name] = value
+        rate = _validate_rate_limit(fields.get("rateLimit"))
+        referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
+                                               referrer_pattern)
+        ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
+        max_hits = fields.get("maxHitsPerQuery")
+        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
+            if type(max_hits) is not int:
+                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                 "a positive integer", max_hits)
+            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                "`%d` is not 1 or more." % max_hits)
+        if rate is not None:
+            fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
+        else:
+            fields.pop("rateLimit", None)
+        if not fields:
+            return None
+        return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
+                   ips and list(ips), max_hits, fields)
+
+
+def stored_restrictions(record, uid):
+    """A store record's `restrictions` -> Restrictions; ValueError if bad."""
+    if record is None:
+        return None
+    try:
+        restrictions = Restrictions.from_json(record)
+    except ApiError as exc:
+        raise ValueError("bad restrictions in key %s: %s" % (uid, exc.message))
+    if restrictions is None:
+        raise ValueError("empty restrictions in key %s" % uid)
+    return restrictions
+
+
+def _validate_rate_limit(value):
+    code = "invalid_restrictions_rate_limit"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".rateLimit", "an object", value)
+    rates = dict.fromkeys(RATE_FIELDS)
+    for name, text in value.items():
+        if name not in RATE_FIELDS:
+            raise ApiError(400, code, "Unknown field `%s` inside `.rateLimit`: %sexpected one "
+                           "of %s" % (name, did_you_mean(name, RATE_FIELDS),
+                                      backticked(RATE_FIELDS)))
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise wrong_type(code, ".rateLimit." + name, "a string", text)
+        try:
+            rates[name] = parse_rate(text)
+        except ValueError as exc:
+            raise invalid_value(code, ".rateLimit." + name, "%s." % exc)
+    return rates if any(rates.values()) else None
+
+
+def _validate_restriction_list(field, value, parse):
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    _string_list(code, field, value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, "." + field, "give 1 to %d items (or null for no "
+                            "restriction)." % MAX_RESTRICTION_ITEMS)
+    for i, item in enumerate(value):
+        try:
+            parse(item)
+        except ValueError as exc:
+            raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
+    return value
+
+
+def _capped(value, cap):
+    """A requested count, capped; values that are not counts are left for
+    the backend to refuse."""
+    if type(value) is int and value > cap:
+        return cap
+    return value
+
+
+def cap_search_object(query, cap):
+    """A search query object (POST search/similar body, one multi-search
+    query, a federation) asking for at most `cap` hits: `hitsPerPage` when
+    it pages by page, else `limit` (Meilisearch's default 20 made explicit
+    when the cap is lower)."""
+    if not isinstance(query, dict):
+        return query
+    field = "hitsPerPage" if ("page" in query or "hitsPerPage" in query) else "limit"
+    wanted = query.get(field, DEFAULT_SEARCH_LIMIT)
+    if wanted is None:  # null means the default, as Meilisearch reads it
+        wanted = DEFAULT_SEARCH_LIMIT
+    capped = _capped(wanted, cap)
+    if capped == query.get(field, DEFAULT_SEARCH_LIMIT):
+        return query
+    return dict(query, **{field: capped})
+
+
+def cap_multi_search(body, cap):
+    """Every query of a multi-search, and its federation's window, capped."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if isinstance(body.get("queries"), list):
+        federated = isinstance(body.get("federation"), dict)
+        # federated queries may not carry `limit` (Meilisearch refuses it)
+        body["queries"] = body["queries"] if federated else \
+            [cap_search_object(q, cap) for q in body["queries"]]
+    if isinstance(body.get("federation"), dict):
+        body["federation"] = cap_search_object(body["federation"], cap)
+    return body
+
+
+def _parameter_name(part):
+    name = part.partition("=")[0]
+    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
+
+
+def search_query_hits(query):
+    """(field, asked count or None when unparseable, parts, names) of a GET
+    search/similar query string: which count Meilisearch reads as its page
+    size, and what was asked for (the default when absent). The parts stay
+    as sent: a rewrite changes only the count."""
+    parts = query.split("&") if query else []
+    names = [_parameter_name(part) for part in parts]
+    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
+    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
+    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
+        else DEFAULT_SEARCH_LIMIT
+    return field, asked, parts, names
+
+
+def cap_search_query(query, cap):
+    """A GET search/similar query string asking for at most `cap` hits."""
+    field, asked, parts, names = search_query_hits(query)
+    if asked is None or asked <= cap:
+        return query
+    return "&".join([part for part, name in zip(parts, names) if name != field] +
+                    ["%s=%d" % (field, cap)])
+
+
+class Counters:
+    """Rate counters in memory, bounded: an LRU of at most `capacity`
+    counters (the least recently used one is forgotten first, which only
+    ever lets its client start afresh). Rates use the generic cell rate
+    algorithm: one float a counter, bursts of up to the rate's count."""
+
+    def __init__(self, capacity=100000, clock=time.monotonic):
+        self.capacity = capacity
+        self.clock = clock
+        self._tat = collections.OrderedDict()  # counter -> theoretical arrival time
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._tat)
+
+    def take(self, wanted):
+        """Count one request against each (counter, Rate) of `wanted`, all
+        or none: None when every rate allows it, else (seconds to wait,
+        Rate, remaining) of the first that refuses."""
+        now = self.clock()
+        with self._lock:
+            updates = []
+            for counter, rate in wanted:
+                tat = max(self._tat.get(counter, now), now)
+                wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
+                if wait > 0:
+                    return wait, rate, 0
+                updates.append((counter, tat + rate.interval))
+            for counter, tat in updates:
+                self._remember(counter, tat)
+        return None
+
+    def failures(self, counter):
+        """(failures within the current window of `counter`, seconds left)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._tat.get(counter)
+        if entry is None or entry[0] <= now:
+            return 0, 0.0
+        return entry[1], entry[0] - now
+
+    def fail(self, counter, window):
+        """Count one failure in a fixed window of `window` seconds."""
+        now = self.clock()
+        with self._lock:
+            entry = self._tat.get(counter)
+            if entry is None or entry[0] <= now:
+                entry = (now + window, 0)
+            self._remember(counter, (entry[0], entry[1] + 1))
+
+    def _remember(self, counter, value):
+        tat = self._tat
+        tat[counter] = value
+        tat.move_to_end(counter)
+        while len(tat) > self.capacity:
+            tat.popitem(last=False)
+
+
+
+# =============================================================================
 # Keys and the key store
 # =============================================================================
 
@@ -1437,10 +1784,11 @@ class ApiKey:
     """One stored API key. Immutable: a change makes a new ApiKey."""
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
-                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored")
+                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
+                 "restrictions")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None):
+                 updated_ns, value, stored=None, restrictions=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -1453,6 +1801,7 @@ class ApiKey:
         self.grants = grants(self.actions)
         self.is_global = "*" in self.indexes
         self._stored = stored  # the record's JSON text, once known
+        self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
 
     def is_expired(self, now_ns=None):
         if self.expires_at is None:
@@ -1466,7 +1815,13 @@ class ApiKey:
         """A copy with `name`/`description` from `changes` and a new updatedAt."""
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
-                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value)
+                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
+                      restrictions=self.restrictions)
+
+    def with_restrictions(self, restrictions):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=restrictions)
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -1491,12 +1846,15 @@ class ApiKey:
 
     def to_record(self):
         """The key as stored: everything but the (derived, secret) value."""
-        return {
+        record = {
             "uid": self.uid, "name": self.name, "description": self.description,
             "actions": list(self.actions), "indexes": list(self.indexes),
             "expiresAt": self.expires_at_text(),
             "createdAt": self.created_ns, "updatedAt": self.updated_ns,
         }
+        if self.restrictions is not None:
+            record["restrictions"] = self.restrictions.to_record()
+        return record
 
     @classmethod
     def from_record(cls, record, derive, stored=None):
@@ -1505,7 +1863,7 @@ class ApiKey:
         `derive` computes the value from the uid (see key_deriver), or is
         None without a master key; `stored` is the record's JSON text.
         """
-        if not isinstance(record, dict) or record.keys() != _RECORD_FIELDS:
+        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
             raise ValueError("a key record needs exactly the fields %s"
                              % ", ".join(sorted(_RECORD_FIELDS)))
         uid = record["uid"]
@@ -1529,7 +1887,8 @@ class ApiKey:
         if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
-                   derive(uid) if derive is not None else None, stored)
+                   derive(uid) if derive is not None else None, stored,
+                   stored_restrictions(record.get("restrictions"), uid))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1675,6 +2034,13 @@ class KeyStore:
         with self._lock:
             key = self.find(key_or_uid)
             self._commit(None, removed=key.uid)
+
+    def restrict(self, key_or_uid, restrictions):
+        """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
+        with self._lock:
+            key = self.find(key_or_uid)
+            self._commit(key.with_restrictions(restrictions))
+            return self._keys[key.uid]
 
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
@@ -2352,6 +2718,184 @@ class KeysApi:
 
 
 # =============================================================================
+# Restrictions: enforced by the Gate (client address -> brute-force throttle
+# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
+# and GET/PUT/DELETE /keys/{key}/restrictions
+# =============================================================================
+
+
+class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
+    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
+    throttle (a Rate of failures, or None: off) and the counters' bound."""
+
+    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
+        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
+
+
+class TooManyRequests(ApiError):
+    """429 with Retry-After and RateLimit-* headers (`headers`)."""
+
+    def __init__(self, message, wait, rate):
+        super().__init__(429, "too_many_requests", message)
+        seconds = str(max(1, int(-(-wait // 1))))
+        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
+                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
+                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
+        self.headers += NOT_CACHEABLE
+
+
+# An answer that depends on more than method, URI and credential (the client's
+# address, its Origin, the time) must not be kept by nginx's decision cache.
+NOT_CACHEABLE = [("Cache-Control", "no-store")]
+
+
+def restriction_refused(field, what):
+    """403 naming the restriction, never its settings."""
+    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
+                     "`%s` restriction)." % (what, field), "auth")
+    error.headers = NOT_CACHEABLE
+    return error
+
+
+def authorize_headers(principal):
+    """Headers of /authorize's 204: not cacheable for a restricted key."""
+    key = principal.key
+    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
+
+
+class Gate:
+    """Guard.check plus what restrictions add: callers over the brute-force
+    throttle get 429 before their credential is looked at; an authorized
+    key's (or tenant token's parent key's) restrictions are then applied."""
+
+    def __init__(self, guard, limits=None):
+        self.guard = guard
+        self.limits = limits or Limits()
+        self.counters = Counters(self.limits.max_clients)
+
+    def client(self, request):
+        trusted = self.limits.trusted_proxies
+        forwarded = None
+        if trusted:
+            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
+        return client_address(request.peer or "", forwarded, trusted)
+
+    def check(self, request, actions, index):
+        """The Principal, as Guard.check; raises its refusals, 403 for an
+        address or referrer the key does not allow, 429 over a rate."""
+        throttle, address = self.limits.throttle, None
+        if throttle is not None and actions:
+            address = self.client(request)
+            failures, left = self.counters.failures(("failed", counter_client(address)))
+            if failures >= throttle.count:
+                raise TooManyRequests("Too many failed authentications from your address; "
+                                      "retry later.", left, throttle)
+        try:
+            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        except ApiError:
+            if throttle is not None and actions:
+                self.counters.fail(("failed", counter_client(address)), throttle.window)
+            raise
+        key = principal.key
+        restrictions = key.restrictions if key is not None else None
+        if restrictions is None:
+            return principal
+        if address is None:
+            address = self.client(request)
+        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
+            raise restriction_refused("allowedIps", "from your address")
+        if restrictions.referrers is not None and not referrer_allowed(
+                restrictions.referrers, request.headers.get("Origin"),
+                request.headers.get("Referer")):
+            raise restriction_refused("allowedReferrers", "from this site")
+        wanted = []
+        if restrictions.per_ip is not None:
+            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
+        if restrictions.per_key is not None:
+            wanted.append((key.uid, restrictions.per_key))
+        refusal = self.counters.take(wanted) if wanted else None
+        if refusal is not None:
+            wait, rate, _ = refusal
+            raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
+                                  "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
+                                  wait, rate)
+        return principal
+
+
+_SEARCH_ROUTES = (("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"))
+# route -> how its body asks for hits, or None for a route whose query string does
+HIT_CAPPED_ROUTES = dict([(route, cap_search_object) for route in _SEARCH_ROUTES] + [
+    (("POST", "/multi-search"), cap_multi_search),
+    (("GET", "/indexes/{index_uid}/search"), None),
+    (("GET", "/indexes/{index_uid}/similar"), None)])
+
+
+def _max_hits(principal):
+    key = principal.key
+    return key.restrictions.max_hits if key is not None and key.restrictions is not None \
+        else None
+
+
+def cap_hits(principal, route, target, body, caller_body):
+    """(target, body) to forward with the key's maxHitsPerQuery applied;
+    `body` is bytes when read already, else None (then `caller_body` is read)."""
+    cap = _max_hits(principal)
+    if cap is None or route not in HIT_CAPPED_ROUTES:
+        return target, body
+    capper = HIT_CAPPED_ROUTES[route]
+    if capper is None:
+        path, _, query = target.partition("?")
+        capped = cap_search_query(query, cap)
+        return (target if capped == query else path + "?" + capped), body
+    value = parse_json_body(body if body is not None else caller_body.read(MAX_HANDLER_BODY))
+    return target, compact_json(capper(value, cap)).encode()
+
+
+def check_hits_unseen(principal, route, uri):
+    """/authorize cannot rewrite what nginx forwards: a query asking for
+    more hits than the key's cap, or a body it never sees, is refused."""
+    cap = _max_hits(principal)
+    if cap is None or route not in HIT_CAPPED_ROUTES:
+        return
+    if HIT_CAPPED_ROUTES[route] is not None:
+        raise restriction_not_enforceable(route, "through `GET /authorize`, which never sees "
+                                          "the body (this key has a `maxHitsPerQuery` cap)")
+    asked = search_query_hits(uri.partition("?")[2])[1]
+    if asked is None or asked > cap:
+        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
+
+
+class RestrictionsApi:
+    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
+
+    ACTIONS = {"GET": "keys.get", "PUT": "keys.update", "DELETE": "keys.update"}
+
+    def __init__(self, store, gate, write):
+        self.store, self.gate, self.write = store, gate, write
+
+    def handle(self, request, segment):
+        action = self.ACTIONS.get(request.method)
+        if action is None:
+            return Response(405, [("Allow", "GET, PUT, DELETE")])
+        principal = self.gate.check(request, (action,), None)
+        if principal.key is not None:
+            raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
+                           "the restrictions of a key.", "auth")
+        if request.method == "GET":
+            restrictions = self.store.find(segment).restrictions
+            return Response.json(200, restrictions.to_json() if restrictions
+                                 else dict.fromkeys(RESTRICTION_FIELDS))
+        if request.method == "DELETE":
+            self.write(self.store.restrict, segment, None)
+            return Response(204)
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(request.read_json_body())
+        key = self.write(self.store.restrict, segment, restrictions)
+        return Response.json(200, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
+
+
+# =============================================================================
 # Requests and responses: what the service reads and answers, pure of sockets
 # =============================================================================
 
@@ -2507,11 +3051,12 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version")
+    __slots__ = ("method", "target", "headers", "body", "version", "peer")
 
-    def __init__(self, method, target, headers, body, version="HTTP/1.1"):
+    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
         self.method, self.target, self.headers = method, target, headers
         self.body, self.version = body, version
+        self.peer = peer  # the socket's remote address (see Gate.client)
 
     @property
     def path(self):
@@ -2788,10 +3333,12 @@ class Service:
     """The server's request pipeline, pure of sockets: `handle(request)`
     returns the Response; every refusal is upstream's JSON error."""
 
-    def __init__(self, store, master_key, upstream=None, log=None):
+    def __init__(self, store, master_key, upstream=None, log=None, limits=None):
         self.store = store
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
+        self.gate = Gate(self.guard, limits)
+        self.restrictions_api = RestrictionsApi(store, self.gate, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
 
@@ -2799,7 +3346,7 @@ class Service:
         try:
             response = self.dispatch(request)
         except ApiError as error:
-            response = Response.error(error)
+            response = Response.error(error, getattr(error, "headers", ()))
         except BrokenBody as exc:
             response = Response.error(bad_request("The request body is malformed: %s." % exc))
         except Exception as exc:  # a bug: answer 500, never a traceback
@@ -2821,13 +3368,15 @@ class Service:
             return self.answer_authorize(request)
         if segments == ("health",) and method == "GET":
             return Response.json(200, {"status": "available"})
+        if len(segments) == 3 and segments[0] == "keys" and segments[2] == "restrictions":
+            return self.restrictions_api.handle(request, segments[1])
         route = match_route(method, segments)
         if route is None:
             return Response(404)
         if route == "method":
             return Response(405)
         pattern, actions, index, params = route
-        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        principal = self.gate.check(request, actions, index)
         if pattern in ("/keys", "/keys/{key}"):
             status, value = self.keys_api.handle(request, method, params, request.query)
             return Response.json(status, value)
@@ -2857,6 +3406,7 @@ class Service:
                 target = request.path + "?" + rule.query(restriction)
             if rule.answer is not None:
                 answer_filter = functools.partial(rule.answer, restriction)
+        target, body = cap_hits(principal, (method, pattern), target, body, request.body)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
         if body is None:
             body = self.caller_body(request.body, headers)
@@ -2887,12 +3437,13 @@ class Service:
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
         pattern, actions, index, _params = route
-        principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        principal = self.gate.check(request, actions, index)
+        check_hits_unseen(principal, (method, pattern), uri)
         if handler_rules_apply(principal, (method, pattern), index):
             raise restriction_not_enforceable(
                 (method, pattern), "through `GET /authorize`, which never sees the body nor "
                 "the answer (use `searchkeys.py serve --upstream` for such keys)")
-        return Response(204)
+        return Response(204, authorize_headers(principal))
 
 
 def _preflight_headers(headers):
@@ -2958,7 +3509,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.send_error(414, "Request line too long")
             elif self.parse_request():
                 request = Request(self.command, self.path, self.headers, self.body,
-                                  self.request_version)
+                                  self.request_version, self.client_address[0])
                 self.send_answer(self.server.service.handle(request))
             self.wfile.flush()
         except (TimeoutError, socket.timeout, ConnectionError):
@@ -3250,6 +3801,82 @@ def _client_error(status, payload):
 
 
 # =============================================================================
+# Command line: restrictions (`serve` flags, `keys restrict`)
+# =============================================================================
+
+
+def add_restriction_flags(serve):
+    """`serve` flags of the Gate."""
+    serve.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
+                       type=_argument_type(ip_range, "CIDR"),
+                       help="a proxy (e.g. nginx) whose X-Forwarded-For is believed; the client "
+                            "is the right-most address not in these ranges (repeatable)")
+    serve.add_argument("--throttle-failures", metavar="COUNT/WINDOW",
+                       type=_argument_type(parse_rate, "rate"),
+                       help="after COUNT refused credentials from one address within WINDOW "
+                            "(second, minute, hour, day), answer it 429 until the window ends "
+                            "(default: off), e.g. 10/minute")
+    serve.add_argument("--max-clients", type=_argument_type(positive_int, "count"),
+                       default=100000, help="rate counters kept in memory, least recently used "
+                                            "forgotten first (100000: about 25 MiB)")
+
+
+def add_restrict_command(key_commands, common):
+    restrict = key_commands.add_parser(
+        "restrict", parents=[common], help="show, set or clear a key's restrictions",
+        description="Without options, show the key's restrictions. Otherwise replace them "
+                    "with the ones given (and the preset's, which options override).")
+    restrict.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    restrict.add_argument("--preset", choices=sorted(RESTRICTION_PRESETS),
+                          help="search: %s" % compact_json(RESTRICTION_PRESETS["search"]))
+    restrict.add_argument("--rate", metavar="COUNT/WINDOW",
+                          help="requests per client address, e.g. 60/minute")
+    restrict.add_argument("--rate-per-key", metavar="COUNT/WINDOW",
+                          help="requests with the key from all clients, e.g. 10000/hour")
+    restrict.add_argument("--referrer", action="append", metavar="PATTERN",
+                          help="allowed Origin/Referer, `*` for any text: "
+                               "'https://example.com/*' or '*.example.org' (repeatable)")
+    restrict.add_argument("--ip", action="append", metavar="CIDR",
+                          help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
+    restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--clear", action="store_true", help="remove every restriction")
+
+
+def restrictions_from_args(args):
+    """The PUT body `keys restrict` sends, or None to only show them;
+    ValueError for a bad option (checked here, before any request)."""
+    body = json.loads(json.dumps(RESTRICTION_PRESETS.get(args.preset, {})))
+    rates = body.setdefault("rateLimit", {})
+    for option, field in (("rate", "perIp"), ("rate_per_key", "perKey")):
+        if getattr(args, option) is not None:
+            rates[field] = parse_rate(getattr(args, option)).text
+    if not rates:
+        del body["rateLimit"]
+    for option, field, check in (("referrer", "allowedReferrers", referrer_pattern),
+                                 ("ip", "allowedIps", ip_range)):
+        for item in getattr(args, option) or ():
+            check(item)
+            body.setdefault(field, []).append(item)
+    if args.max_hits is not None:
+        if args.max_hits < 1:
+            raise ValueError("--max-hits must be 1 or more")
+        body["maxHitsPerQuery"] = args.max_hits
+    if args.clear and body:
+        raise ValueError("--clear removes every restriction: give it alone")
+    return body or None
+
+
+def run_restrict(client, args):
+    path = _key_path(args.key_or_uid) + "/restrictions"
+    if args.clear:
+        client.request("DELETE", path)
+        return 0
+    if args.restrictions is None:
+        return _print(args, client.request("GET", path), [])
+    return _print(args, client.request("PUT", path, args.restrictions), [])
+
+
+# =============================================================================
 # Command line
 # =============================================================================
 
@@ -3364,6 +3991,7 @@ def build_parser():
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="simultaneous connections served (512)")
+    add_restriction_flags(serve)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")
@@ -3397,6 +4025,7 @@ def build_parser():
     update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
     delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
                                 help="mint a tenant token offline")
@@ -3455,8 +4084,9 @@ def run_serve(args):
         store = KeyStore(master_key, args.store, _log_to_stderr)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
+        limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
-                                                             _log_to_stderr),
+                                                             _log_to_stderr, limits),
                             args.max_connections)
     except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
@@ -3498,6 +4128,8 @@ def run_keys(args):
         changes = {f: getattr(args, f) for f in ("name", "description")
                    if getattr(args, f) is not None}
         key = client.update_key(args.key_or_uid, **changes)
+    elif command == "restrict":
+        return run_restrict(client, args)
     else:
         client.delete_key(args.key_or_uid)
         return 0
@@ -3534,6 +4166,8 @@ def check_client_args(parser, args):
             args.expires_at = check_expires_at(args.expires_at)
             if args.uid is not None:
                 args.uid = check_uid(args.uid)
+        elif args.command == "keys" and args.keys_command == "restrict":
+            args.restrictions = restrictions_from_args(args)
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:

@@ -148,3 +148,36 @@ def hook_arg(source, name=None, **extra):
         obj["name"] = name
     obj.update(extra)
     return obj
+
+
+def serve_in_thread(handler):
+    """A stand-in HTTP server: a ThreadingHTTPServer on a free 127.0.0.1 port answering with
+    the BaseHTTPRequestHandler subclass `handler`, serving from a daemon thread. Its `url`
+    attribute is its base URL; stop it with `shutdown()` then `server_close()`."""
+    import http.server
+    import threading
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.url = "http://127.0.0.1:%d" % server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def answer_json(handler, payload, status=200):
+    """Answer from a stand-in server's request handler: `payload` (bytes) as JSON, framed with
+    Content-Length."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(payload)))
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
+def stop_session(proc, sig, timeout=10.0):
+    """Send `sig` to a process started with start_new_session=True, wait for it, and kill its
+    whole session if it outlives `timeout`."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
