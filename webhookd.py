@@ -707,7 +707,7 @@ class Hook:
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
-            problems.warn(where, "no execute-command")
+            problems.error(where, "no execute-command: the hook cannot run")
 
 
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
@@ -739,11 +739,12 @@ def redact_target(target, names):
     path, sep, query = target.partition("?")
     if not names or not sep:
         return target
-    pairs = []
-    for pair in query.split("&"):
-        key = pair.partition("=")[0]
-        pairs.append(key + "=<redacted>" if go_unescape(key, True) in names else pair)
-    return path + "?" + "&".join(pairs)
+    parts = re.split("([&;])", query)  # the separators kept in place, `;` included
+    for i in range(0, len(parts), 2):
+        key = parts[i].partition("=")[0]
+        if go_unescape(key, True) in names:
+            parts[i] = key + "=<redacted>"
+    return path + "?" + "".join(parts)
 
 
 def describe(index, obj):
@@ -1467,6 +1468,9 @@ def check_ip_whitelist(remote_addr, ip_range):
         if network is None:
             return False, RuleError("invalid CIDR address: %s" % text)
         if address.version != network.version:
+            if address.version == 4 and network.network_address.ipv4_mapped is not None:
+                if ipaddress.IPv6Address("::ffff:" + str(address)) in network:
+                    return True, None
             mapped = getattr(address, "ipv4_mapped", None)
             if mapped is not None and mapped in network:
                 return True, None
@@ -1595,6 +1599,8 @@ def env_entry(name, value):
 def build_invocation(hook, request):
     """argv/env/files from the request (pure except for the PATH lookup).  Raises OSError when
     the command cannot be found, as upstream checks that first."""
+    if not hook.execute_command:  # Go would try to execute the working directory
+        raise OSError(errno.ENOENT, "hook has no execute-command")
     executable = look_path(hook.execute_command, hook.working_directory)
     messages = []
     argv = [os_bytes(hook.execute_command)]
@@ -1608,12 +1614,17 @@ def build_invocation(hook, request):
     for arg, value in lookup_all(hook.pass_files, request, " for file", messages):
         if value is None:
             continue
+        envname = arg.envname or "HOOK_" + arg.name.upper()
+        if "/" in envname:  # a temp file name outside the folder: Go refuses it, so do we
+            messages.append("error creating temp file [createtemp %s: pattern contains path "
+                            "separator]" % envname)
+            continue
         data = os_bytes(value)
         if arg.base64decode:
             data, error = go_base64_decode(data)
             if error:
                 messages.append("error decoding string [%s]" % error)
-        file_pairs.append((arg.envname or "HOOK_" + arg.name.upper(), data))
+        file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
                       messages)
 
@@ -1715,13 +1726,17 @@ class Runner:
     def __init__(self):
         self.lock = threading.Lock()
         self.processes = set()
+        self.active = 0  # runs not yet cleaned up (temp files removed)
 
     def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
         """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives when
         given, else it is collected into the result (or discarded unless keep_output)."""
+        with self.lock:
+            self.active += 1
         try:
             files = write_temp_files(invocation)
         except OSError as exc:
+            self._done()
             return CommandResult(False, error=exc)
         try:
             return self._run(invocation, files, request_id, timeout, on_output,
@@ -1730,6 +1745,11 @@ class Runner:
             for _, path in files:
                 log.info("[%s] removing file %s", request_id, path)
             remove_files(files)
+            self._done()
+
+    def _done(self):
+        with self.lock:
+            self.active -= 1
 
     def _run(self, invocation, files, request_id, timeout, on_output, capture):
         file_pairs = [env_entry(name, os.fsencode(path)) for name, path in files]
@@ -3068,6 +3088,7 @@ class Daemon:
                 else:
                     log.info("second stop signal: killing running commands")
                     self.app.runner.kill_all()
+                    self.wait_for_cleanup()
                     return self.finish()
             if stop_deadline is not None:
                 if self.app.busy == 0 or time.monotonic() >= stop_deadline:
@@ -3087,7 +3108,7 @@ class Daemon:
     def wait_for_cleanup(self):
         """Killed runs remove their temp files as they end: give them a moment to."""
         deadline = time.monotonic() + 2.0
-        while self.app.runner.processes and time.monotonic() < deadline:
+        while self.app.runner.active and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def reload(self, reason):
@@ -3170,12 +3191,6 @@ def main(argv=None):
         print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/"
               % (opts.status_path, opts.urlprefix))
         return 1
-    for name in ("port", "max_connections", "max_async_runs", "shutdown_timeout",
-                 "read_header_timeout", "max_body_bytes", "x_request_id_limit"):
-        if getattr(opts, name) < 0 or (name == "port" and opts.port > 65535):
-            print("error: invalid value %d for -%s" % (getattr(opts, name),
-                                                       name.replace("_", "-")))
-            return 1
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
