@@ -1439,7 +1439,9 @@ def check_payload_signature(body, secret, header, algorithm, prefix):
     for signature in signatures:
         if hmac.compare_digest(signature.encode("utf-8", "surrogateescape"), expected.encode()):
             return None
-    return SignatureError("invalid payload signature")  # the presented value is not logged
+    # Go's words, without the presented values (a correct MAC in other case would show it)
+    return SignatureError("invalid payload signatures [<redacted>]%s"
+                          % ("" if body else " on empty payload"))
 
 
 @functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
@@ -1508,7 +1510,7 @@ def check_scalr_signature(request, secret, now):
     mac.update(date.encode("utf-8", "surrogateescape"))
     if not hmac.compare_digest(provided.encode("utf-8", "surrogateescape"),
                                mac.hexdigest().encode()):
-        return False, SignatureError("invalid payload signature")
+        return False, SignatureError("invalid payload signature <redacted>")
     try:
         sent = parse_scalr_date(date)
     except ValueError as exc:
@@ -1527,7 +1529,7 @@ def rules_satisfied(hook, request):
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
-        return ok, None, "couldn't retrieve parameter %s" % err
+        return ok, None, "parameter node not found: %s" % err
     return False, err, None
 
 
@@ -2450,7 +2452,7 @@ class HookHandler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with app.in_flight():
             rid = app.request_id(head)
-            hook, raw_query, response = app.route(head)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr)
             if response is None:
                 response = self.trigger(rid, hook, raw_query)
             else:
@@ -2607,7 +2609,7 @@ class Pipeline:
                      head.get("Host"), head.method,
                      redact_target(head.target, response.secret_params))
 
-    def route(self, head):
+    def route(self, head, rid, remote_addr):
         """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
         target = head.target
         if target.startswith(("http://", "https://")):
@@ -2629,21 +2631,21 @@ class Pipeline:
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
             return None, None, Response(404, MSG_HOOK_NOT_FOUND)
         allowed = hook.allowed_methods or self.default_methods
         if allowed and head.method not in allowed:
-            log.info("HTTP %s method not allowed for hook %s", head.method, json.dumps(hook_id))
+            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
+                     json.dumps(hook_id))
             return None, None, Response(405)
         return hook, raw_query, None
 
     def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
         """The plain HookRequest the hook model sees; logs the match."""
-        if log.isEnabledFor(logging.INFO):
-            log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
-            log.info("[%s] %s got matched", rid, hook.id)
+        log.info("[%s] %s got matched", rid, hook.id)
         if self.opts.debug:
             shown = {name: ["<redacted>"] if name in hook.secret_headers else values
                      for name, values in head.headers.items()}
@@ -2718,19 +2720,18 @@ class Pipeline:
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            result = CommandResult(False, error=exc)
-        else:
-            for message in invocation.messages:
-                log.info("[%s] %s", request.id, message)
-            gate = None if slot_held else self.gate(hook)
+            return CommandResult(False, error=exc)  # as Go: nothing more is logged
+        for message in invocation.messages:
+            log.info("[%s] %s", request.id, message)
+        gate = None if slot_held else self.gate(hook)
+        if gate is not None:
+            gate.wait_turn()
+        try:
+            result = self.runner.run(invocation, request.id, hook.command_timeout, on_output,
+                                     keep_output)
+        finally:
             if gate is not None:
-                gate.wait_turn()
-            try:
-                result = self.runner.run(invocation, request.id, hook.command_timeout,
-                                         on_output, keep_output)
-            finally:
-                if gate is not None:
-                    gate.leave()
+                gate.leave()
         self.log_result(hook, request.id, result, on_output is None and keep_output)
         return result
 
