@@ -2090,7 +2090,6 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-WRITE_TIMEOUT_SECONDS = 60.0
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -2309,6 +2308,15 @@ def format_peer(address):
     return "@"  # Unix socket peers, as Go prints them
 
 
+def head_end(buf):
+    """Index just past the blank line ending the request head, or -1."""
+    crlf = buf.find(b"\r\n\r\n")
+    lf = buf.find(b"\n\n", 0, crlf if crlf >= 0 else len(buf))
+    if lf >= 0:
+        return lf + 2
+    return crlf + 4 if crlf >= 0 else -1
+
+
 def read_chunked(rfile, limit):
     """A chunked request body from rfile, capped at limit bytes; trailers are ignored."""
     body = bytearray()
@@ -2387,26 +2395,26 @@ class HookHandler(BaseHTTPRequestHandler):
                 return False
         except socket.timeout:
             return False
+        if self.head is not None:
+            sock.settimeout(app.header_timeout)  # also the body's per-read inactivity limit
         deadline = time.monotonic() + app.header_timeout
         head = bytearray()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("request head not complete in time")
-            sock.settimeout(remaining)
+        while True:  # usually once: the whole head came in one recv
             buffered = rfile.peek(1)  # what is buffered, or one recv
             if not buffered:
                 raise ConnectionResetError("client closed the connection")
-            newline = buffered.find(b"\n")
-            head += rfile.read(newline + 1 if newline >= 0 else len(buffered))
+            tail = bytes(head[-3:])
+            end = head_end(tail + buffered)
+            head += rfile.read(end - len(tail) if end >= 0 else len(buffered))
             if len(head) > MAX_HEADER_BYTES:
                 raise BadRequest(431, "request header too large")
-            if newline >= 0 and head.endswith((b"\n\n", b"\n\r\n")) and head.strip():
+            if end >= 0:
                 break
+            if time.monotonic() > deadline:
+                raise socket.timeout("request head not complete in time")
         self.head = parse_head(bytes(head))
         self.command, self.path = self.head.method, self.head.target
         self.request_version = self.head.version
-        sock.settimeout(app.header_timeout)  # the body's per-read inactivity limit
         return True
 
     def send_error(self, code, message=None, explain=None):
@@ -2459,7 +2467,6 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.skip_body(response)
             keep_alive = head.keep_alive() and not response.close and not app.stopping
             if not response.sent:
-                self.connection.settimeout(WRITE_TIMEOUT_SECONDS)
                 self.wfile.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
@@ -2499,7 +2506,6 @@ class HookHandler(BaseHTTPRequestHandler):
     def stream_to_client(self, data):
         """Streamed output: False once the client has gone (the command still runs on)."""
         try:
-            self.connection.settimeout(WRITE_TIMEOUT_SECONDS)
             self.wfile.write(data)
             return True
         except OSError:

@@ -863,3 +863,65 @@ def test_everything_runs_without_epoll_pipe2_and_pidfds(tmp_path):
         wait_until(bg_done.exists, what="background run")
         log = daemon.log()
         assert log.count("finished handling say") == 6 and "Traceback" not in log
+
+
+def child_count(pid):
+    """Processes whose parent is pid (the commands webhookd runs)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry, "rb") as handle:
+                    fields = handle.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            count += fields[1] == str(pid).encode()
+    return count
+
+
+def test_1000_concurrent_background_triggers_bounded_and_none_lost(tmp_path):
+    done = tmp_path / "done"
+    done.mkdir()
+    hooks = write_hooks(tmp_path / "hooks.json", [{
+        "id": "bg", "execute-command": "/bin/sh", "response-message": "queued",
+        "pass-arguments-to-command": [
+            {"source": "string", "name": "-c"},
+            {"source": "string", "name": 'sleep 0.05; : > "$1"'},
+            {"source": "string", "name": "sh"}, {"source": "url", "name": "f"}]}])
+    with start(hooks, "-max-connections", "32", "-max-async-runs", "16",
+               "-status-path", "/-/status", verbose=False) as daemon:
+        pid = daemon.proc.pid
+        base = thread_count(pid)
+        peaks, slowest_status, stop = {"threads": base, "children": 0}, [0.0], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peaks["threads"] = max(peaks["threads"], thread_count(pid))
+                peaks["children"] = max(peaks["children"], child_count(pid))
+                started = time.monotonic()
+                assert daemon.request("GET", "/-/status", timeout=10)[0] == 200
+                slowest_status[0] = max(slowest_status[0], time.monotonic() - started)
+                time.sleep(0.05)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            paths = ["/hooks/bg?f=%s" % (done / ("t%04d" % i)) for i in range(1000)]
+            answers = []
+
+            def client(chunk):
+                answers.extend(concurrent_gets(daemon.port, chunk, timeout=120))
+            clients = [threading.Thread(target=client, args=(paths[k::10],)) for k in range(10)]
+            for c in clients:
+                c.start()
+            for c in clients:
+                c.join(200)
+            assert answers.count((200, b"queued")) == 1000, set(map(str, answers))
+            wait_until(lambda: len(os.listdir(done)) == 1000, timeout=120,
+                       what="all 1000 runs")
+        finally:
+            stop.set()
+            sampler.join()
+        assert peaks["children"] <= 16, peaks
+        assert peaks["threads"] <= base + 32 + 16 + 4, (base, peaks)
+        assert slowest_status[0] < 1.0, slowest_status
+        assert "Traceback" not in daemon.log()

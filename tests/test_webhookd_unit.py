@@ -543,6 +543,8 @@ def test_hook_gate_is_fifo_and_bounded():
 
 def test_http_helpers():
     assert w.clean_path("/hooks/a//b/../c/") == "/hooks/a/c/" and w.clean_path("") == "/"
+    assert w.head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nbody") == 24
+    assert w.head_end(b"GET / HTTP/1.1\nA: b\n\nbody") == 21 and w.head_end(b"GET /") == -1
     head = w.parse_head(b"\r\nPOST /x?y HTTP/1.0\r\nx-a: 1\r\nX-A: 2\r\nConnection: keep-alive"
                         b"\r\n\r\n")
     assert (head.method, head.target, head.headers["X-A"]) == ("POST", "/x?y", ["1", "2"])
