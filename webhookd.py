@@ -2090,6 +2090,7 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
+WRITE_TIMEOUT_SECONDS = 60.0
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -2317,8 +2318,9 @@ def head_end(buf):
     return crlf + 4 if crlf >= 0 else -1
 
 
-def read_chunked(rfile, limit):
-    """A chunked request body from rfile, capped at limit bytes; trailers are ignored."""
+def read_chunked(rfile, limit, progress):
+    """A chunked request body from rfile, capped at limit bytes; trailers are ignored.
+    progress() is called after each chunk (it renews the read deadline)."""
     body = bytearray()
 
     def line():
@@ -2344,8 +2346,38 @@ def read_chunked(rfile, limit):
         if len(chunk) < size:
             raise ConnectionResetError("client closed the connection")
         body += chunk
+        progress()
         if line().strip():
             raise BodyError("malformed chunked encoding", bytes(body))
+
+
+class Deadlines:
+    """Ends connections that overstay a deadline: one thread shuts their sockets down, so that
+    the sockets stay blocking (a socket timeout costs a poll() before every recv and send)."""
+
+    TICK_SECONDS = 0.25
+
+    def __init__(self):
+        self.due = {}  # socket -> monotonic time
+        threading.Thread(target=self._watch, name="deadlines", daemon=True).start()
+
+    def set(self, sock, seconds):
+        self.due[sock] = time.monotonic() + seconds
+
+    def clear(self, sock):
+        self.due.pop(sock, None)
+
+    def _watch(self):
+        while True:
+            time.sleep(self.TICK_SECONDS)
+            now = time.monotonic()
+            for sock, when in list(self.due.items()):
+                if when <= now and self.due.get(sock) == when:
+                    self.due.pop(sock, None)
+                    try:  # the plain socket's shutdown: a TLS one is woken up the same way
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
 
 class HookHandler(BaseHTTPRequestHandler):
@@ -2369,9 +2401,15 @@ class HookHandler(BaseHTTPRequestHandler):
         if self.request.family != socket.AF_UNIX:
             self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if server.tls_context is not None:
-            self.request.settimeout(server.app.header_timeout)
-            self.request = server.tls_context.wrap_socket(self.request, server_side=True)
+            self.request = server.tls_context.wrap_socket(self.request, server_side=True,
+                                                          do_handshake_on_connect=False)
+            server.deadlines.set(self.request, server.app.header_timeout)
+            self.request.do_handshake()
         BaseHTTPRequestHandler.setup(self)
+
+    def finish(self):
+        self.server.deadlines.clear(self.connection)
+        BaseHTTPRequestHandler.finish(self)
 
     def handle_one_request(self):
         self.close_connection = True
@@ -2388,16 +2426,13 @@ class HookHandler(BaseHTTPRequestHandler):
         before a later request's first byte) and check it as Go does; False: nothing to serve
         on this connection."""
         rfile, sock, app = self.rfile, self.connection, self.server.app
+        deadlines = self.server.deadlines
         # a new connection must start its request in time; an idle keep-alive one may wait
-        sock.settimeout(app.header_timeout if self.head is None else KEEPALIVE_IDLE_SECONDS)
-        try:
-            if not rfile.peek(1):
-                return False
-        except socket.timeout:
+        deadlines.set(sock, app.header_timeout if self.head is None else KEEPALIVE_IDLE_SECONDS)
+        if not rfile.peek(1):
             return False
         if self.head is not None:
-            sock.settimeout(app.header_timeout)  # also the body's per-read inactivity limit
-        deadline = time.monotonic() + app.header_timeout
+            deadlines.set(sock, app.header_timeout)
         head = bytearray()
         while True:  # usually once: the whole head came in one recv
             buffered = rfile.peek(1)  # what is buffered, or one recv
@@ -2410,9 +2445,8 @@ class HookHandler(BaseHTTPRequestHandler):
                 raise BadRequest(431, "request header too large")
             if end >= 0:
                 break
-            if time.monotonic() > deadline:
-                raise socket.timeout("request head not complete in time")
         self.head = parse_head(bytes(head))
+        deadlines.set(sock, app.header_timeout)  # renewed by each read of the body
         self.command, self.path = self.head.method, self.head.target
         self.request_version = self.head.version
         return True
@@ -2423,7 +2457,7 @@ class HookHandler(BaseHTTPRequestHandler):
         exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
         log.info("bad request from %s: %s", self.remote_addr, exc)
         try:
-            self.connection.settimeout(1.0)
+            self.server.deadlines.set(self.connection, 1.0)
             self.wfile.write(exc.response())
             self.connection.shutdown(socket.SHUT_WR)
             deadline, drained = time.monotonic() + 1.0, 0
@@ -2448,11 +2482,18 @@ class HookHandler(BaseHTTPRequestHandler):
         app = self.server.app
         size = app.body_length(self.head)
         if size is None:
-            return read_chunked(self.rfile, app.max_body)
-        body = self.rfile.read(size)
-        if len(body) < size:
-            raise ConnectionResetError("client closed the connection")
-        return body
+            return read_chunked(self.rfile, app.max_body, self.renew_read_deadline)
+        body = bytearray()
+        while len(body) < size:
+            chunk = self.rfile.read1(min(size - len(body), 1 << 16))  # at most one recv
+            if not chunk:
+                raise ConnectionResetError("client closed the connection")
+            body += chunk
+            self.renew_read_deadline()
+        return bytes(body)
+
+    def renew_read_deadline(self):
+        self.server.deadlines.set(self.connection, self.server.app.header_timeout)
 
     def serve(self):
         """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
@@ -2467,6 +2508,7 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.skip_body(response)
             keep_alive = head.keep_alive() and not response.close and not app.stopping
             if not response.sent:
+                self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
                 self.wfile.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
@@ -2493,6 +2535,7 @@ class HookHandler(BaseHTTPRequestHandler):
         except BodyError as exc:  # as upstream: logged, the hook runs with what was read
             log.info("error reading the request body: %s", exc)
             body, broken = exc.partial, True
+        self.server.deadlines.clear(self.connection)  # the command may take its time
         request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
         try:
             response = app.trigger(head, hook, request, self.stream_to_client)
@@ -2506,6 +2549,7 @@ class HookHandler(BaseHTTPRequestHandler):
     def stream_to_client(self, data):
         """Streamed output: False once the client has gone (the command still runs on)."""
         try:
+            self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
             self.wfile.write(data)
             return True
         except OSError:
@@ -2522,6 +2566,7 @@ class HookServer(ThreadingHTTPServer):
     def __init__(self, listener, app, slots, tls_context):
         socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
         self.socket, self.app, self.slots, self.tls_context = listener, app, slots, tls_context
+        self.deadlines = Deadlines()
 
     def process_request(self, request, client_address):
         while not self.slots.acquire(timeout=0.5):
