@@ -15,9 +15,10 @@ polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`
 ``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
 ``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
-``-max-workers``, ``-max-async-runs``) and a JSON ``-status-path``.
+``-max-async-runs``) and a JSON ``-status-path``.
 
-Python 3.9+ standard library only.  Request pipeline::
+Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
+(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
 """

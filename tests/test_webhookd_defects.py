@@ -1,33 +1,17 @@
 """The defects of issue 11 and the command-line errors of issue 17, each through the real
 interface: against Debian's webhook too where Go has the behaviour (the `runner` fixture)."""
-import json
 import os
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
 import support
+from test_webhookd_features import wait_until, write_hooks
 from test_webhookd_parity import runner  # noqa: F401 - the fixture: webhook and webhookd
 
 TRACEBACK = "Traceback (most recent call last)"
-
-
-def write_hooks(path, hooks):
-    path.write_text(json.dumps(hooks))
-    return path
-
-
-def wait_until(condition, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 def webhookd(*args, **kwargs):
