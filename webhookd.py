@@ -3056,11 +3056,22 @@ def drop_privileges(uid, gid):
     os.setuid(uid)
 
 
+def process_exists(pid):
+    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or an id no process can have
+    return True
+
+
 def write_pidfile(path):
     try:
         with open(path) as handle:
             old = handle.read().strip()
-        if old.isdigit() and os.path.exists("/proc/%s" % old) and int(old) != os.getpid():
+        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
             raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
                              % path)
     except OSError:

@@ -266,3 +266,20 @@ def test_version_names_webhookd():
     p = webhookd("-version")
     assert p.returncode == 0
     assert p.stdout == "webhookd version %s (webhook 2.8.0 compatible)\n" % w.__version__
+
+
+def test_pidfile_of_a_running_process_is_refused_a_stale_one_replaced(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "x", "execute-command": "/bin/true"}])
+    pidfile = tmp_path / "w.pid"
+    pidfile.write_text(str(os.getpid()))  # this test's process: running
+    p = webhookd("-hooks", hooks, "-ip", "127.0.0.1", "-port", support.free_port(),
+                 "-pidfile", pidfile)
+    assert p.returncode == 1 and "pid file found" in p.stdout + p.stderr
+    gone = subprocess.Popen(["/bin/true"])
+    gone.wait()
+    pidfile.write_text(str(gone.pid))  # a process that has exited
+    port = support.free_port()
+    argv = support.python_cmd(support.WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port",
+                              port, "-pidfile", pidfile)
+    with support.Daemon(argv, port) as d:
+        wait_until(lambda: pidfile.read_text() == str(d.proc.pid), what="the new pidfile")
