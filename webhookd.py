@@ -3287,25 +3287,26 @@ def serve(opts):
 
     cleanup = []
     app = Pipeline(opts, registry)
-    try:
-        listeners, where = open_listeners(opts, environ)
-    except (OSError, OverflowError, ValueError) as exc:
-        message = "error listening on port: listen %s: %s" % (
-            "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-            getattr(exc, "strerror", None) or exc)
-        log.error("%s", message)
-        print(message)
-        return 1
-    if opts.socket and where.startswith("unix:"):
-        cleanup.append(opts.socket)
     tls_context = None
-    try:  # a start that fails from here on leaves no socket file or pidfile behind
-        if opts.pidfile:
+    try:  # a start that fails leaves no socket file or pidfile behind
+        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
             try:
                 write_pidfile(opts.pidfile)
             except OSError as exc:
                 raise SystemExit("Error creating pidfile: %s" % exc) from None
             cleanup.append(opts.pidfile)
+        try:
+            listeners, where = open_listeners(opts, environ)
+        except (OSError, OverflowError, ValueError) as exc:
+            message = "error listening on port: listen %s: %s" % (
+                "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                getattr(exc, "strerror", None) or exc)
+            log.error("%s", message)
+            print(message)
+            remove_paths(cleanup)
+            return 1
+        if opts.socket and where.startswith("unix:"):
+            cleanup.append(opts.socket)
         if opts.secure:
             tls_context = make_tls_context(opts)
         if opts.setuid and opts.setgid:
