@@ -2390,11 +2390,6 @@ class HookHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
 
-    def __getattr__(self, name):
-        if name.startswith("do_"):  # every method reaches the pipeline; a hook decides
-            return self.serve
-        raise AttributeError(name)
-
     def setup(self):
         server = self.server
         self.head = None
@@ -2416,7 +2411,7 @@ class HookHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             if self.parse_request():
-                getattr(self, "do_" + self.command)()
+                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
         except BadRequest as exc:
             self.send_error(exc.status, exc)
         except (OSError, ValueError):  # the client went away or stalled: nothing to answer
