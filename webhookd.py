@@ -15,32 +15,46 @@ polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`
 ``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
 ``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
-``-max-workers``, ``-max-async-runs``) and a JSON ``-status-path``.
+``-max-async-runs``) and a JSON ``-status-path``.
 
-Python 3.9+ standard library only.  Request pipeline::
+Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
+(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
 """
 
+import argparse
+import base64
+import binascii
+import calendar
+import contextlib
 import errno
 import functools
-import heapq
+import hmac
+import ipaddress
 import itertools
 import json
 import logging
+import logging.handlers
 import os
 import queue
+import random
 import re
+import resource
 import select
 import signal
 import socket
+import socketserver
 import stat
-import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.parse
 from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from xml.parsers import expat
 
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
 VERSION = "2.8.0"  # the adnanh/webhook release whose behaviour webhookd reproduces
@@ -109,10 +123,8 @@ GO_CIPHER_SUITES = {
 }
 
 log = logging.getLogger("webhookd")
-
-
 # ---------------------------------------------------------------------------
-# Configuration: command-line flags with Go `flag` semantics
+# Command line: argparse built from one flag table, after a normalisation of Go's spellings
 # ---------------------------------------------------------------------------
 
 class Flag:
@@ -145,13 +157,12 @@ FLAGS = [
          "running at once; further triggers wait in order"),
     Flag("max-body-bytes", "int", 25 * 1024 * 1024, "webhookd: largest request body accepted; "
          "larger ones get 413 (0: no limit)"),
-    Flag("max-connections", "int", 1024, "webhookd: open client connections at most; further "
-         "connections wait in the listen backlog"),
+    Flag("max-connections", "int", 1024, "webhookd: client connections served at once (a "
+         "thread each); further connections wait in the listen backlog"),
     Flag("max-multipart-mem", "int", 1048576, "maximum memory in bytes for parsing multipart form "
          "data before disk caching"),
-    Flag("max-workers", "int", 64, "webhookd: threads handling requests at most (a command "
-         "holds one while it runs if its output streams or its request came over TLS or with a "
-         "chunked, large or 100-continue body)"),
+    Flag("max-workers", "int", 64, "webhookd: accepted for compatibility with webhookd 2; "
+         "-max-connections bounds the request threads"),
     Flag("nopanic", "bool", False, "do not panic if hooks cannot be loaded when webhook is not "
          "running in verbose mode"),
     Flag("pidfile", "string", "", "create PID file at the given path"),
@@ -166,14 +177,16 @@ FLAGS = [
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
          "the hooks prefix); off when empty"),
-    Flag("template", "bool", False, "parse hooks file as a Go template"),
+    Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
+         "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
+         "any other template action is a load error"),
     Flag("tls-min-version", "string", "1.2", "minimum TLS version (1.0, 1.1, 1.2, 1.3)"),
     Flag("urlprefix", "string", "hooks", "url prefix to use for served hooks "
          "(protocol://yourserver:port/PREFIX/:hook-id)"),
     Flag("validate", "bool", False, "webhookd: check the hooks files (fields, types, regexes, ip "
          "ranges, commands, directories, duplicate ids), list every problem, exit 0 or 1"),
     Flag("verbose", "bool", False, "show verbose output"),
-    Flag("version", "bool", False, "display webhook version and quit"),
+    Flag("version", "bool", False, "display webhookd's version and quit"),
     Flag("x-request-id", "bool", False, "use X-Request-Id header, if present, as request ID"),
     Flag("x-request-id-limit", "int", 0, "truncate X-Request-Id header to limit; default no limit"),
 ]
@@ -186,14 +199,6 @@ class UsageError(Exception):
 
 class HelpRequested(Exception):
     """-h or -help: usage on stderr, exit status 0."""
-
-
-class Options:
-    """Parsed command-line values, one attribute per flag (dashes become underscores)."""
-
-    def __init__(self):
-        for flag in FLAGS:
-            setattr(self, flag.attr, [] if flag.kind == "list" else flag.default)
 
 
 def parse_go_bool(text):
@@ -234,59 +239,85 @@ def parse_header_flag(text):
     return (name, value)
 
 
-def parse_flags(argv):
-    """Parse argv (without the program name) the way Go's flag package does.
+def go_value_type(flag, convert):
+    """An argparse `type` that reports a bad value in the words of Go's flag package."""
+    def parse(text):
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError('invalid value "%s" for flag -%s: %s'
+                                             % (text, flag.name, exc)) from None
+    return parse
 
-    Flags are `-f` or `--f`, values `-f v` or `-f=v`, booleans only `-f` / `-f=false`; parsing
-    stops at the first non-flag argument or at `--` (the rest is ignored, as upstream).
-    """
-    opts = Options()
-    i = 0
+
+class GoFlagParser(argparse.ArgumentParser):
+    """argparse with Go's usage text and error sentences."""
+
+    def error(self, message):
+        raise UsageError(re.sub(r"^argument -[\w-]+: ", "", message))
+
+    def format_help(self):
+        return usage_text(self.prog)
+
+
+def build_parser(program):
+    parser = GoFlagParser(prog=program, add_help=False, allow_abbrev=False)
+    converters = {"int": parse_go_int, "string": str}
+    for flag in FLAGS:
+        option = "-" + flag.name
+        if flag.kind == "bool":
+            parser.add_argument(option, dest=flag.attr, action="store_true", help=flag.help)
+            parser.add_argument("-no-" + flag.name, dest=flag.attr, action="store_false",
+                                help=argparse.SUPPRESS)  # only normalise_argv emits it
+        elif flag.kind == "list":
+            convert = parse_header_flag if flag.name == "header" else str
+            parser.add_argument(option, dest=flag.attr, action="append", default=[],
+                                type=go_value_type(flag, convert), help=flag.help)
+        else:
+            parser.add_argument(option, dest=flag.attr, default=flag.default,
+                                type=go_value_type(flag, converters[flag.kind]), help=flag.help)
+    return parser
+
+
+def normalise_argv(argv):
+    """Go `flag` spellings -> argparse's: `--f` is `-f`, values become `-f=v`, `-b=false` for a
+    boolean becomes a hidden `-no-b`; parsing stops at the first non-flag argument or `--`
+    (the rest is ignored, as upstream)."""
+    out, i = [], 0
     while i < len(argv):
         arg = argv[i]
-        if len(arg) < 2 or arg[0] != "-":
+        if len(arg) < 2 or arg[0] != "-" or arg == "--":
             break
-        dashes = 2 if arg[1] == "-" else 1
-        if dashes == 2 and len(arg) == 2:
-            break
-        name = arg[dashes:]
+        name = arg[2:] if arg[1] == "-" else arg[1:]
         if not name or name[0] in "-=":
             raise UsageError("bad flag syntax: %s" % arg)
         i += 1
-        value, has_value = None, False
-        if "=" in name[1:]:
-            eq = name.index("=", 1)
-            name, value, has_value = name[:eq], name[eq + 1:], True
+        name, has_value, value = name.partition("=")
         flag = FLAGS_BY_NAME.get(name)
         if flag is None:
             if name in ("h", "help"):
                 raise HelpRequested()
             raise UsageError("flag provided but not defined: -%s" % name)
         if flag.kind == "bool":
-            if has_value:
-                try:
-                    setattr(opts, flag.attr, parse_go_bool(value))
-                except ValueError:
-                    raise UsageError('invalid boolean value "%s" for -%s: parse error'
-                                     % (value, name)) from None
-            else:
-                setattr(opts, flag.attr, True)
+            try:
+                on = parse_go_bool(value) if has_value else True
+            except ValueError:
+                raise UsageError('invalid boolean value "%s" for -%s: parse error'
+                                 % (value, name)) from None
+            out.append(("-" if on else "-no-") + name)
             continue
         if not has_value:
             if i >= len(argv):
                 raise UsageError("flag needs an argument: -%s" % name)
             value = argv[i]
             i += 1
-        try:
-            if flag.kind == "int":
-                setattr(opts, flag.attr, parse_go_int(value))
-            elif flag.kind == "list":
-                item = parse_header_flag(value) if name == "header" else value
-                getattr(opts, flag.attr).append(item)
-            else:
-                setattr(opts, flag.attr, value)
-        except ValueError as exc:
-            raise UsageError('invalid value "%s" for flag -%s: %s' % (value, name, exc)) from None
+        out.append("-%s=%s" % (name, value))
+    return out
+
+
+def parse_flags(argv):
+    """The options of argv (without the program name), read as Go's flag package reads them."""
+    opts = build_parser(PROGRAM).parse_args(normalise_argv(argv))
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     return opts
@@ -305,7 +336,6 @@ def usage_text(program):
             text += " (default %d)" % flag.default
         lines.append(text)
     return "\n".join(lines) + "\n"
-
 
 # ---------------------------------------------------------------------------
 # Hooks files: template expansion (pure)
@@ -678,7 +708,7 @@ class Hook:
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
-            problems.warn(where, "no execute-command")
+            problems.error(where, "no execute-command: the hook cannot run")
 
 
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
@@ -710,11 +740,12 @@ def redact_target(target, names):
     path, sep, query = target.partition("?")
     if not names or not sep:
         return target
-    pairs = []
-    for pair in query.split("&"):
-        key = pair.partition("=")[0]
-        pairs.append(key + "=<redacted>" if go_unescape(key, True) in names else pair)
-    return path + "?" + "&".join(pairs)
+    parts = re.split("([&;])", query)  # the separators kept in place, `;` included
+    for i in range(0, len(parts), 2):
+        key = parts[i].partition("=")[0]
+        if go_unescape(key, True) in names:
+            parts[i] = key + "=<redacted>"
+    return path + "?" + "".join(parts)
 
 
 def describe(index, obj):
@@ -1112,7 +1143,6 @@ def parse_xml_payload(body):
     if declared and declared.group(1).lower() not in (b"utf-8", b"utf8"):
         raise PayloadError("error parsing XML payload: unsupported encoding %s"
                            % declared.group(1).decode("ascii", "replace"))
-    from xml.parsers import expat  # only needed for XML payloads
     parser = expat.ParserCreate()
     parser.buffer_text = True
     stack, done = [], []
@@ -1378,7 +1408,6 @@ def evaluate_match(rule, request):
     if err is not None:
         return False, err
     if kind == "value":
-        import hmac  # lazily: loading libcrypto costs ~4 MiB of idle memory
         return hmac.compare_digest(value.encode("utf-8", "surrogateescape"),
                                    rule.value.encode("utf-8", "surrogateescape")), None
     if kind == "regex":
@@ -1406,18 +1435,18 @@ def check_payload_signature(body, secret, header, algorithm, prefix):
     """None when one of the signatures in header is the lower-case hex HMAC of body."""
     if not secret:
         return RuleError("signature validation secret can not be empty")
-    import hmac
     expected = hmac.new(secret.encode("utf-8", "surrogateescape"), body, algorithm).hexdigest()
     signatures = extract_signatures(header, prefix)
     for signature in signatures:
         if hmac.compare_digest(signature.encode("utf-8", "surrogateescape"), expected.encode()):
             return None
-    return SignatureError("invalid payload signature")  # the presented value is not logged
+    # Go's words, without the presented values (a correct MAC in other case would show it)
+    return SignatureError("invalid payload signatures [<redacted>]%s"
+                          % ("" if body else " on empty payload"))
 
 
 @functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
 def parse_cidr(text):
-    import ipaddress  # only needed by ip-whitelist rules
     if "/" not in text:
         text += "/32"
     address, _, bits = text.partition("/")
@@ -1430,7 +1459,6 @@ def parse_cidr(text):
 
 
 def check_ip_whitelist(remote_addr, ip_range):
-    import ipaddress
     host = remote_addr.strip(" []")
     if ":" in host:
         host = host[:host.rindex(":")].strip(" []")
@@ -1443,6 +1471,9 @@ def check_ip_whitelist(remote_addr, ip_range):
         if network is None:
             return False, RuleError("invalid CIDR address: %s" % text)
         if address.version != network.version:
+            if address.version == 4 and network.network_address.ipv4_mapped is not None:
+                if ipaddress.IPv6Address("::ffff:" + str(address)) in network:
+                    return True, None
             mapped = getattr(address, "ipv4_mapped", None)
             if mapped is not None and mapped in network:
                 return True, None
@@ -1459,7 +1490,6 @@ MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", 
 
 def parse_scalr_date(text):
     """time.Parse("Mon 02 Jan 2006 15:04:05 MST"); an unknown zone counts as UTC, as in Go."""
-    import calendar
     match = GO_DATE.match(text)
     if not match or match.group(2) not in MONTHS:
         raise ValueError("parsing time %s: cannot parse" % json.dumps(text))
@@ -1477,12 +1507,11 @@ def check_scalr_signature(request, secret, now):
     if not secret:
         return False, RuleError("signature validation signing key can not be empty")
     provided, date = headers["X-Signature"], headers["Date"]
-    import hmac
     mac = hmac.new(secret.encode("utf-8", "surrogateescape"), request.body, "sha1")
     mac.update(date.encode("utf-8", "surrogateescape"))
     if not hmac.compare_digest(provided.encode("utf-8", "surrogateescape"),
                                mac.hexdigest().encode()):
-        return False, SignatureError("invalid payload signature")
+        return False, SignatureError("invalid payload signature <redacted>")
     try:
         sent = parse_scalr_date(date)
     except ValueError as exc:
@@ -1501,7 +1530,7 @@ def rules_satisfied(hook, request):
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
-        return ok, None, "couldn't retrieve parameter %s" % err
+        return ok, None, "parameter node not found: %s" % err
     return False, err, None
 
 
@@ -1548,8 +1577,6 @@ def lookup_all(args, request, purpose, messages):
 def go_base64_decode(data):
     """base64.StdEncoding.DecodeString: strict padding, newlines skipped; on an error, the
     bytes of the complete groups before it (as Go returns them) and the error."""
-    import base64  # only needed by pass-file-to-command with base64decode
-    import binascii
     data = data.replace(b"\r", b"").replace(b"\n", b"")
     try:
         return base64.b64decode(data, validate=True), None
@@ -1575,6 +1602,8 @@ def env_entry(name, value):
 def build_invocation(hook, request):
     """argv/env/files from the request (pure except for the PATH lookup).  Raises OSError when
     the command cannot be found, as upstream checks that first."""
+    if not hook.execute_command:  # Go would try to execute the working directory
+        raise OSError(errno.ENOENT, "hook has no execute-command")
     executable = look_path(hook.execute_command, hook.working_directory)
     messages = []
     argv = [os_bytes(hook.execute_command)]
@@ -1588,12 +1617,17 @@ def build_invocation(hook, request):
     for arg, value in lookup_all(hook.pass_files, request, " for file", messages):
         if value is None:
             continue
+        envname = arg.envname or "HOOK_" + arg.name.upper()
+        if "/" in envname:  # a temp file name outside the folder: Go refuses it, so do we
+            messages.append("error creating temp file [createtemp %s: pattern contains path "
+                            "separator]" % envname)
+            continue
         data = os_bytes(value)
         if arg.base64decode:
             data, error = go_base64_decode(data)
             if error:
                 messages.append("error decoding string [%s]" % error)
-        file_pairs.append((arg.envname or "HOOK_" + arg.name.upper(), data))
+        file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
                       messages)
 
@@ -1602,8 +1636,6 @@ def write_temp_files(invocation):
     """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)]."""
     if not invocation.file_pairs:
         return []
-    import random  # only needed by hooks that pass files
-    import tempfile
     directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
     written = []
     try:
@@ -1639,6 +1671,10 @@ def remove_paths(paths):
             pass
 
 
+# ---------------------------------------------------------------------------
+# Runs: one way to run a command, on subprocess
+# ---------------------------------------------------------------------------
+
 class CommandResult:
     """How a run ended: `started` False if it never ran; `returncode`; `timed_out`."""
 
@@ -1651,378 +1687,15 @@ class CommandResult:
         return self.started and self.returncode == 0 and not self.timed_out
 
 
-class Child:
-    """A command started by Spawner: the subset of Popen that CommandRunner uses."""
-
-    def __init__(self, pid):
-        self.pid, self.returncode = pid, None
-
-    def wait(self, timeout=None):
-        if self.returncode is not None:
-            return self.returncode
-        if timeout is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-            return self.returncode
-        deadline, delay = time.monotonic() + timeout, 0.0005
-        while self.poll() is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise subprocess.TimeoutExpired(self.pid, timeout)
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.05)
-        return self.returncode
-
-    def poll(self):
-        """The exit code once the process has exited (it is reaped then), else None."""
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-
-class Spawner:
-    """posix_spawn(3) called through ctypes.  CPython 3.11's subprocess holds the GIL while the
-    vfork()ed child execs (about a millisecond), which stalls every other thread; a ctypes call
-    releases the GIL, so workers and the log writer go on while a command starts (the loop
-    thread waits: about 0.2 ms for /bin/true, more on a busy machine).  The child gets its own
-    session, stdin/stdout/stderr as given, SIGPIPE/SIGXFSZ reset to default as Popen does, and
-    no other descriptors (Python opens everything close-on-exec)."""
-
-    SETSIGDEF, SETSIGMASK, SETSID = 0x04, 0x08, 0x80  # glibc's POSIX_SPAWN_* flags
-
-    def __init__(self):
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            raise OSError("not glibc: its posix_spawn flags and layouts are not known here")
-        import ctypes  # only needed once a command runs
-        self.ctypes = ctypes
-        self.libc = libc = ctypes.CDLL(None, use_errno=True)
-        for name in ("posix_spawn", "posix_spawn_file_actions_init",
-                     "posix_spawn_file_actions_adddup2", "posix_spawn_file_actions_addchdir_np",
-                     "posix_spawn_file_actions_destroy", "posix_spawnattr_init",
-                     "posix_spawnattr_setflags", "posix_spawnattr_setsigdefault",
-                     "posix_spawnattr_setsigmask", "sigemptyset", "sigaddset"):
-            getattr(libc, name)  # AttributeError: not glibc-like; Popen is used instead
-        # the same attributes for every command: set up once
-        self.attributes = attributes = ctypes.create_string_buffer(1024)  # > glibc's struct
-        libc.posix_spawnattr_init(attributes)
-        self.reset_signals = self._sigset(signal.SIGPIPE, signal.SIGXFSZ)
-        self.no_signals = self._sigset()
-        libc.posix_spawnattr_setsigdefault(attributes, self.reset_signals)
-        libc.posix_spawnattr_setsigmask(attributes, self.no_signals)
-        libc.posix_spawnattr_setflags(attributes, ctypes.c_short(
-            self.SETSIGDEF | self.SETSIGMASK | self.SETSID))
-
-    def _sigset(self, *signums):
-        sigset = self.ctypes.create_string_buffer(256)  # larger than any sigset_t
-        self.libc.sigemptyset(sigset)
-        for signum in signums:
-            self.libc.sigaddset(sigset, int(signum))
-        return sigset
-
-    def c_strings(self, items):
-        """A list of bytes as the NULL-terminated char *[] of argv/envp; prepared once, an
-        environment can be given to spawn() again and again."""
-        if any(b"\0" in item for item in items):
-            raise ValueError("embedded null byte")
-        return (self.ctypes.c_char_p * (len(items) + 1))(*items, None)
-
-    def spawn(self, executable, argv, env, cwd, stdin_fd, stdout_fd):
-        """Start executable (bytes) with argv and env (lists of bytes, or c_strings() of them);
-        returns a Child."""
-        if b"\0" in executable:
-            raise ValueError("embedded null byte")
-        argv = self.c_strings(argv)
-        if isinstance(env, list):
-            env = self.c_strings(env)
-        ctypes, libc = self.ctypes, self.libc
-        actions = ctypes.create_string_buffer(1024)  # larger than the glibc structure
-        libc.posix_spawn_file_actions_init(actions)
-        try:
-            for source, target in ((stdin_fd, 0), (stdout_fd, 1), (stdout_fd, 2)):
-                libc.posix_spawn_file_actions_adddup2(actions, source, target)
-            if cwd:
-                libc.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd))
-            pid = ctypes.c_int()
-            error = libc.posix_spawn(ctypes.byref(pid), executable, actions, self.attributes,
-                                     argv, env)
-        finally:
-            libc.posix_spawn_file_actions_destroy(actions)
-        if error:
-            raise OSError(error, os.strerror(error))
-        return Child(pid.value)
-
-
-def environment_list(env):
-    """An environment mapping as execve() wants it: [b"NAME=value"]."""
-    pairs = []
-    for name, value in env.items():
-        name = os.fsencode(name)
-        if b"=" in name or not name:
-            raise ValueError("illegal environment variable name")
-        pairs.append(name + b"=" + os.fsencode(value))
-    return pairs
-
-
-class StartedCommand:
-    """A command CommandRunner.launch started: its process, the read end of the pipe its
-    stdout and stderr share (None when the output is discarded), its temp files."""
-
-    __slots__ = ("proc", "output", "files", "request_id")
-
-    def __init__(self, files, request_id):
-        self.proc = self.output = None
-        self.files, self.request_id = files, request_id
-
-
-class CommandRunner:
-    """Runs invocations: argv (never a shell), stdin /dev/null, stdout+stderr in one pipe, its
-    own process group (so a timeout or shutdown can stop the whole tree)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.processes = set()
-        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)  # opened once, not per run
-        self.spawner = None  # created with the first command; False: not available here
-        self.inherited_env = None
-        self.watchable = None  # see can_watch(); decided with the first command
-
-    def start(self, invocation, env, stdout_fd):
-        """Start the command: through Spawner where the C library allows, else Popen."""
-        if self.spawner is None:
-            self.spawner = self._make_spawner()
-        if self.spawner:
-            if env is None:  # our own environment: converted once, it does not change
-                if self.inherited_env is None:
-                    self.inherited_env = self.spawner.c_strings(environment_list(os.environ))
-                env_list = self.inherited_env
-            else:
-                env_list = environment_list(env)
-            return self.spawner.spawn(os.fsencode(invocation.executable), invocation.argv,
-                                      env_list, invocation.cwd, self.devnull, stdout_fd)
-        return subprocess.Popen(invocation.argv, executable=invocation.executable,
-                                cwd=invocation.cwd, env=env, stdin=self.devnull,
-                                stdout=stdout_fd, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-    @staticmethod
-    def _make_spawner():
-        try:
-            return Spawner()
-        except (ImportError, OSError, AttributeError, ValueError):
-            return False
-
-    def can_watch(self):
-        """True when a run can be waited for without a thread (WatchedRun): its process is a
-        plain child started by Spawner, and the kernel has pidfds (Linux 5.3+)."""
-        if self.watchable is None:
-            if self.spawner is None:
-                self.spawner = self._make_spawner()
-            watchable = False
-            if self.spawner and hasattr(os, "pidfd_open"):
-                try:
-                    os.close(os.pidfd_open(os.getpid()))
-                    watchable = True
-                except OSError:  # ENOSYS: an older kernel
-                    pass
-            self.watchable = watchable
-        return self.watchable
-
-    def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
-        """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives
-        when given, else it is collected into the result (or discarded when keep_output is
-        False)."""
-        started = self.launch(invocation, request_id, keep_output or on_output is not None)
-        if isinstance(started, CommandResult):
-            return started
-        return self.wait(started, timeout, on_output)
-
-    def launch(self, invocation, request_id, keep_output):
-        """Write the temp files, log, start the command with its output in a pipe (or
-        discarded): a StartedCommand, or the CommandResult of a command that did not start."""
-        try:
-            files = write_temp_files(invocation)
-        except OSError as exc:
-            return CommandResult(False, error=exc)
-        env = None  # inherit our environment as is: cheaper than copying it
-        if invocation.env_pairs or files:
-            env = dict(os.environ)
-            env.update(invocation.env_pairs)
-            env.update(env_entry(name, os.fsencode(path)) for name, path in files)
-        if log.isEnabledFor(logging.INFO):
-            for envname, path in files:
-                log.info("[%s] writing env %s file %s", request_id, envname, path)
-            log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
-                     "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
-                     invocation.executable,
-                     go_quote_list(invocation.argv),
-                     "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
-                     invocation.cwd or "")
-        started = StartedCommand(files, request_id)
-        try:
-            # a bare pipe (not Popen's file object around it): stdout and stderr share it
-            write_end = self.devnull
-            if keep_output:
-                started.output, write_end = os.pipe2(os.O_CLOEXEC)
-            try:
-                started.proc = self.start(invocation, env, write_end)
-            finally:
-                if started.output is not None:
-                    os.close(write_end)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
-            self.finish(started)  # ValueError: a NUL byte in argv/env
-            return CommandResult(False, error=exc)
-        with self.lock:
-            self.processes.add(started.proc)
-        return started
-
-    def wait(self, started, timeout, on_output=None):
-        """Block until a launched run has ended: read its output, reap it, finish()."""
-        try:
-            if started.output is None:
-                return self._wait(started.proc, timeout)
-            return self._collect(started.proc, started.output, timeout, on_output)
-        finally:
-            self.finish(started)
-
-    def finish(self, started):
-        """After a run (or a failed start): forget the process, close the pipe, remove the
-        temp files."""
-        with self.lock:
-            self.processes.discard(started.proc)
-        if started.output is not None:
-            os.close(started.output)
-        for _, path in started.files:
-            log.info("[%s] removing file %s", started.request_id, path)
-        remove_files(started.files)
-
-    def _wait(self, proc, timeout):
-        try:
-            return CommandResult(True, proc.wait(timeout))
-        except subprocess.TimeoutExpired:
-            self.stop(proc)
-            return CommandResult(True, proc.wait(), timed_out=True)
-
-    def _collect(self, proc, fd, timeout, on_output):
-        chunks = []
-        sink = on_output or chunks.append
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poller = select.poll() if deadline is not None else None
-        if poller:
-            poller.register(fd, select.POLLIN | select.POLLHUP)
-        timed_out = False
-        while True:
-            if poller:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not poller.poll(remaining * 1000):
-                    if time.monotonic() >= deadline:
-                        timed_out = True
-                        self.stop(proc)
-                        deadline, poller = None, None
-                    continue
-            try:
-                chunk = os.read(fd, 65536)
-            except InterruptedError:
-                continue
-            if not chunk:
-                break
-            sink(chunk)
-        returncode = proc.wait()
-        return CommandResult(True, returncode, b"".join(chunks), timed_out)
-
-    def stop(self, proc):
-        """SIGTERM to the process group, SIGKILL after a grace period."""
-        signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(KILL_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
-        signal_group(proc, signal.SIGKILL)
-
-    def kill_all(self):
-        with self.lock:
-            running = list(self.processes)
-        for proc in running:
-            signal_group(proc, signal.SIGKILL)
-
-
-class WatchedRun:
-    """Waits for a launched command without a thread, as CommandRunner.wait does with one: the
-    connection loop watches the output pipe (non-blocking) and a pidfd of the process (readable
-    once it has exited), and keeps the command-timeout and the kill grace period as timers.
-    on_done(CommandResult) runs in the loop thread once the output has ended and the process
-    has been reaped.  Raises OSError (nothing registered) when the loop cannot watch it."""
-
-    def __init__(self, runner, started, loop, timeout, on_done):
-        self.runner, self.started, self.loop, self.on_done = runner, started, loop, on_done
-        self.proc = started.proc
-        self.chunks = []
-        self.timed_out = False
-        self.timer = None
-        self.pidfd = os.pidfd_open(self.proc.pid)
-        self.reading = started.output is not None
-        try:
-            loop.watch(self.pidfd, self._reap)
-            if self.reading:
-                os.set_blocking(started.output, False)
-                loop.watch(started.output, self._read)
-        except OSError:
-            if self.reading:
-                os.set_blocking(started.output, True)
-            loop.unwatch(self.pidfd)
-            os.close(self.pidfd)
-            raise
-        if timeout is not None:
-            self.timer = loop.call_later(timeout, self._time_out)
-
-    def _read(self):
-        try:
-            chunk = os.read(self.started.output, 65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        if chunk:
-            self.chunks.append(chunk)
-            return
-        self.loop.unwatch(self.started.output)
-        self.reading = False
-        self._end()
-
-    def _reap(self):
-        if self.proc.poll() is None:
-            return
-        self.loop.unwatch(self.pidfd)
-        os.close(self.pidfd)
-        self.pidfd = None
-        if self.timed_out and self.timer is not None:  # as stop(): once the leader has gone
-            self.loop.cancel(self.timer)
-            self.timer = None
-            signal_group(self.proc, signal.SIGKILL)
-        self._end()
-
-    def _time_out(self):
-        """As CommandRunner.stop: SIGTERM to the group, SIGKILL when its leader has exited or
-        the grace period is over; the output is read until it ends."""
-        self.timed_out = True
-        self.timer = None
-        signal_group(self.proc, signal.SIGTERM)
-        if self.pidfd is None:
-            signal_group(self.proc, signal.SIGKILL)
-        else:
-            self.timer = self.loop.call_later(KILL_GRACE_SECONDS, self._kill)
-
-    def _kill(self):
-        self.timer = None
-        signal_group(self.proc, signal.SIGKILL)
-
-    def _end(self):
-        if self.reading or self.pidfd is not None:
-            return
-        if self.timer is not None:
-            self.loop.cancel(self.timer)
-            self.timer = None
-        self.runner.finish(self.started)
-        self.on_done(CommandResult(True, self.proc.returncode, b"".join(self.chunks),
-                                   self.timed_out))
+def command_environment(pairs):
+    """Our environment plus the hook's variables as bytes; a name set again moves to its last
+    position with its last value, as Go's exec does."""
+    env = dict(os.environb)
+    for name, value in pairs:
+        key = os.fsencode(name)
+        env.pop(key, None)
+        env[key] = value
+    return env
 
 
 def signal_group(proc, signum):
@@ -2038,45 +1711,169 @@ def go_quote_list(items):
                           for item in items) + "]"
 
 
+def wait_readable(fd, seconds):
+    """Whether fd became readable within the time; poll() where the system has it (select()
+    cannot watch descriptors above FD_SETSIZE)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(seconds * 1000.0))
+    return bool(select.select([fd], [], [], seconds)[0])
+
+
+class Runner:
+    """The one way a command runs: argv (never a shell), stdin /dev/null, stdout and stderr in one
+    pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
+    removed afterwards.  Remembers the running processes for kill_all()."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.processes = set()
+        self.active = 0  # runs not yet cleaned up (temp files removed)
+
+    def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
+        """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives when
+        given, else it is collected into the result (or discarded unless keep_output)."""
+        with self.lock:
+            self.active += 1
+        try:
+            files = write_temp_files(invocation)
+        except OSError as exc:
+            self._done()
+            return CommandResult(False, error=exc)
+        try:
+            return self._run(invocation, files, request_id, timeout, on_output,
+                             keep_output or on_output is not None)
+        finally:
+            for _, path in files:
+                log.info("[%s] removing file %s", request_id, path)
+            remove_files(files)
+            self._done()
+
+    def _done(self):
+        with self.lock:
+            self.active -= 1
+
+    def _run(self, invocation, files, request_id, timeout, on_output, capture):
+        file_pairs = [env_entry(name, os.fsencode(path)) for name, path in files]
+        env = None  # our environment as it is, unless the hook adds to it
+        if invocation.env_pairs or files:
+            env = command_environment(invocation.env_pairs + file_pairs)
+        if log.isEnabledFor(logging.INFO):
+            for envname, path in files:
+                log.info("[%s] writing env %s file %s", request_id, envname, path)
+            log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
+                     "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
+                     invocation.executable, go_quote_list(invocation.argv),
+                     "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
+                     invocation.cwd or "")
+        try:
+            proc = subprocess.Popen(
+                invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL
+            return CommandResult(False, error=exc)
+        with self.lock:
+            self.processes.add(proc)
+        try:
+            return self._wait(proc, timeout, on_output)
+        finally:
+            with self.lock:
+                self.processes.discard(proc)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def _wait(self, proc, timeout, on_output):
+        """Read the output until it ends, applying the timeout; then reap the process."""
+        chunks = []
+        sink = on_output or chunks.append
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        if proc.stdout is None:
+            try:
+                return CommandResult(True, proc.wait(timeout))
+            except subprocess.TimeoutExpired:
+                self.stop(proc)
+                return CommandResult(True, proc.wait(), timed_out=True)
+        fd = proc.stdout.fileno()
+        while True:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not wait_readable(fd, remaining):
+                    if time.monotonic() >= deadline:
+                        timed_out, deadline = True, None
+                        self.stop(proc)
+                    continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            sink(chunk)
+        return CommandResult(True, proc.wait(), b"".join(chunks), timed_out)
+
+    @staticmethod
+    def stop(proc):
+        """SIGTERM to the process group, SIGKILL once its leader has gone or after a grace."""
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(KILL_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        signal_group(proc, signal.SIGKILL)
+
+    def kill_all(self):
+        with self.lock:
+            running = list(self.processes)
+        for proc in running:
+            signal_group(proc, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------------------
-# Concurrency: bounded worker pools and per-hook FIFO gates
+# Runs in the background and per-hook FIFO gates
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
 
 
-class WorkerPool:
-    """At most `size` daemon threads, started on demand; extra jobs wait in FIFO order."""
+class BackgroundRuns:
+    """The one bounded queue of background runs: at most `size` threads, started on demand;
+    further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused."""
 
-    def __init__(self, size, name):
-        self.size, self.name = max(1, size), name
+    def __init__(self, size):
+        self.size = max(1, size)
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
-        self.threads = 0
+        self.threads = self.backlog = 0
 
-    def submit(self, job, *args):
-        self.jobs.put((job, args))
+    def reserve(self):
+        """Count one more run in the backlog; False when it is full."""
+        with self.lock:
+            if self.backlog >= ASYNC_BACKLOG_LIMIT:
+                return False
+            self.backlog += 1
+            return True
+
+    def submit(self, job):
+        """Queue a reserved job; an idle thread, or a new one below the bound, runs it."""
+        self.jobs.put(job)
         if self.idle.acquire(blocking=False):
             return
         with self.lock:
-            if self.threads < self.size:
-                self.threads += 1
-                threading.Thread(target=self._work, name="%s-%d" % (self.name, self.threads),
-                                 daemon=True).start()
-
-    def busy(self):
-        """True when jobs wait and the pool cannot start a thread for them (a job queued
-        while a thread is being started or woken is not a reason to stop lingering)."""
-        return self.threads >= self.size and not self.jobs.empty()
+            if self.threads >= self.size:
+                return
+            self.threads += 1
+        threading.Thread(target=self._work, name="run-%d" % self.threads, daemon=True).start()
 
     def _work(self):
         while True:
-            job, args = self.jobs.get()
+            job = self.jobs.get()
             try:
-                job(*args)
-            except Exception:  # a bug in one job must not kill the worker
-                log.exception("unexpected error in %s", self.name)
+                job()
+            except Exception:  # a bug in one run must not kill the thread
+                log.exception("unexpected error in a background run")
+            with self.lock:
+                self.backlog -= 1
             self.idle.release()
 
 
@@ -2294,7 +2091,6 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-LINGER_SECONDS = 0.1  # a worker waits this long for the next keep-alive request before parking
 WRITE_TIMEOUT_SECONDS = 60.0
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
@@ -2323,15 +2119,6 @@ class BodyError(Exception):
     def __init__(self, message, partial):
         Exception.__init__(self, message)
         self.partial = partial
-
-
-def head_end(buf):
-    """Index just past the blank line ending the request head, or -1."""
-    crlf = buf.find(b"\r\n\r\n")
-    lf = buf.find(b"\n\n", 0, crlf if crlf >= 0 else len(buf))
-    if lf >= 0:
-        return lf + 2
-    return crlf + 4 if crlf >= 0 else -1
 
 
 class RequestHead:
@@ -2505,403 +2292,308 @@ def clean_path(path):
 
 
 def go_escape_path(path):
-    import urllib.parse  # only needed for redirects of unclean paths
     return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~")
 
 
 # ---------------------------------------------------------------------------
-# Connections: a selector thread parks idle connections and gives cheap answers, workers
-# serve the rest
+# HTTP: http.server glue (one handler, a bounded threading server)
 # ---------------------------------------------------------------------------
 
-class Connection:
-    """One client connection: socket, peer address as Go prints it, unread bytes.
-
-    Sockets stay in blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) instead of
-    Python socket timeouts: each recv or send is then a single system call and a single release
-    of the GIL, which keeps per-request latency low when several threads are busy.
-    """
-
-    __slots__ = ("sock", "remote_addr", "buf", "deadline", "tls", "poller", "closed")
-
-    def __init__(self, sock, remote_addr, read_timeout):
-        self.sock, self.remote_addr, self.tls = sock, remote_addr, False
-        self.buf = bytearray()
-        self.deadline = 0.0
-        self.poller = None
-        self.closed = False
-        sock.settimeout(None)
-        for option, seconds in ((socket.SO_RCVTIMEO, read_timeout),
-                                (socket.SO_SNDTIMEO, WRITE_TIMEOUT_SECONDS)):
-            whole = int(seconds)
-            sock.setsockopt(socket.SOL_SOCKET, option,
-                            struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-    def recv_more(self):
-        """One recv (waits at most the read timeout); the peer closing is an error here."""
-        data = self.sock.recv(65536)
-        if not data:
-            raise ConnectionResetError("client closed the connection")
-        self.buf += data
-
-    def wait_readable(self, seconds):
-        if self.tls and self.sock.pending():
-            return True
-        if self.poller is None:
-            self.poller = select.poll()
-            self.poller.register(self.sock.fileno(), select.POLLIN)
-        return bool(self.poller.poll(seconds * 1000.0))
-
-    def read_exact(self, size):
-        while len(self.buf) < size:
-            self.recv_more()
-        data = bytes(self.buf[:size])
-        del self.buf[:size]
-        return data
-
-    def read_line(self, limit=4096):
-        while True:
-            end = self.buf.find(b"\n")
-            if end >= 0:
-                line = bytes(self.buf[:end + 1])
-                del self.buf[:end + 1]
-                return line
-            if len(self.buf) > limit:
-                raise BadRequest(400, "chunk header too long")
-            self.recv_more()
-
-    def read_chunked(self, limit):
-        body = bytearray()
-        while True:
-            # as Go: hex digits only (int() would also take `-5`, `0x5`, ` 5`, `5_0`)
-            line = self.read_line().rstrip(b" \t\r\n").split(b";")[0]
-            if not CHUNK_SIZE.fullmatch(line):
-                raise BodyError("invalid byte in chunk length", bytes(body))
-            size = int(line, 16)
-            if len(body) + size > limit:
-                raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
-            if size == 0:
-                while self.read_line().strip():
-                    pass  # trailers are ignored
-                return bytes(body)
-            body += self.read_exact(size)
-            if self.read_line().strip():
-                raise BodyError("malformed chunked encoding", bytes(body))
-
-    def send(self, data):
-        self.sock.sendall(data)
-
-    def close(self):
-        """Close once; returns False if it was already closed."""
-        if self.closed:
-            return False
-        self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        return True
-
-
 def format_peer(address):
+    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
+    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
     if isinstance(address, tuple) and len(address) >= 2:
         host = address[0]
+        if host.lower().startswith("::ffff:") and "." in host:
+            host = host[7:]
         return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
     return "@"  # Unix socket peers, as Go prints them
 
 
-CALLS_PER_TURN = 8  # call_soon callbacks per loop turn (a command start blocks while it spawns)
+def head_end(buf):
+    """Index just past the blank line ending the request head, or -1."""
+    crlf = buf.find(b"\r\n\r\n")
+    lf = buf.find(b"\n\n", 0, crlf if crlf >= 0 else len(buf))
+    if lf >= 0:
+        return lf + 2
+    return crlf + 4 if crlf >= 0 else -1
 
 
-class Timers:
-    """Callbacks due at monotonic times, for the loop thread only: a heap where a cancelled
-    entry stays until it comes up (or until cancelled entries are the larger part)."""
+def read_chunked(rfile, limit, progress):
+    """A chunked request body from rfile, capped at limit bytes; trailers are ignored.
+    progress() is called after each chunk (it renews the read deadline)."""
+    body = bytearray()
+
+    def line():
+        text = rfile.readline(4097)
+        if not text.endswith(b"\n"):
+            if len(text) > 4096:
+                raise BadRequest(400, "chunk header too long")
+            raise ConnectionResetError("client closed the connection")
+        return text
+    while True:
+        # as Go: hex digits only (int() would also take `-5`, `0x5`, ` 5`, `5_0`)
+        size_text = line().rstrip(b" \t\r\n").split(b";")[0]
+        if not CHUNK_SIZE.fullmatch(size_text):
+            raise BodyError("invalid byte in chunk length", bytes(body))
+        size = int(size_text, 16)
+        if len(body) + size > limit:
+            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+        if size == 0:
+            while line().strip():
+                pass
+            return bytes(body)
+        chunk = rfile.read(size)
+        if len(chunk) < size:
+            raise ConnectionResetError("client closed the connection")
+        body += chunk
+        progress()
+        if line().strip():
+            raise BodyError("malformed chunked encoding", bytes(body))
+
+
+class Deadlines:
+    """Ends connections that overstay a deadline: one thread shuts their sockets down, so that
+    the sockets stay blocking (a socket timeout costs a poll() before every recv and send)."""
+
+    TICK_SECONDS = 0.25
 
     def __init__(self):
-        self.heap = []
-        self.order = itertools.count()  # equal times: first added, first run
-        self.cancelled = 0
+        self.due = {}  # socket -> monotonic time
+        threading.Thread(target=self._watch, name="deadlines", daemon=True).start()
 
-    def add(self, when, callback):
-        entry = [when, next(self.order), callback]
-        heapq.heappush(self.heap, entry)
-        return entry
+    def set(self, sock, seconds):
+        self.due[sock] = time.monotonic() + seconds
 
-    def cancel(self, entry):
-        if entry[2] is None:
-            return
-        entry[2] = None
-        self.cancelled += 1
-        if self.cancelled > 64 and self.cancelled * 2 > len(self.heap):
-            # long command-timeouts of runs that ended early must not pile up
-            self.heap = [e for e in self.heap if e[2] is not None]
-            heapq.heapify(self.heap)
-            self.cancelled = 0
+    def clear(self, sock):
+        self.due.pop(sock, None)
 
-    def next_due(self):
-        """The time of the next live callback, or None."""
-        while self.heap and self.heap[0][2] is None:
-            heapq.heappop(self.heap)
-            self.cancelled -= 1
-        return self.heap[0][0] if self.heap else None
-
-    def run_due(self, now, call):
-        while self.heap and self.heap[0][0] <= now:
-            entry = heapq.heappop(self.heap)
-            callback, entry[2] = entry[2], None
-            if callback is None:
-                self.cancelled -= 1
-            else:
-                call(callback)
-
-
-class ConnectionLoop(threading.Thread):
-    """Accepts connections and reads request heads without holding a worker thread: a slow or
-    idle client costs a file descriptor, not a thread.  A complete request is served right
-    here (Server.serve_in_loop) when nothing has to block: answers that run no command,
-    background runs, and captured commands, whose output pipe and exit this thread waits for
-    (WatchedRun) like the rest.  Anything else goes to the pool."""
-
-    def __init__(self, server, listeners):
-        threading.Thread.__init__(self, name="connections", daemon=True)
-        self.server = server
-        self.listeners = {l.fileno(): l for l in listeners}
-        self.epoll = select.epoll()
-        self.parked = {}
-        self.lock = threading.Lock()
-        self.open_count = 0
-        self.accept_paused = False
-        self.stopping = False
-        self.watched = {}  # fd -> callback: pipes and pidfds of the commands of WatchedRuns
-        self.timers = Timers()
-        self.calls = deque()  # callbacks from call_soon, run after the events at hand
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)  # a full pipe means a wake-up is pending anyway
-        self.epoll.register(self.wake_r, select.EPOLLIN)
-        for fd, listener in self.listeners.items():
-            listener.setblocking(False)
-            self.epoll.register(fd, select.EPOLLIN)
-
-    def run(self):
-        next_sweep = time.monotonic() + 1.0
+    def _watch(self):
         while True:
-            timeout = 1.0 if self.parked or self.accept_paused else -1
-            due = self.timers.next_due()
-            if self.calls:
-                timeout = 0
-            elif due is not None:
-                left = max(0.0, due - time.monotonic())
-                timeout = left if timeout < 0 else min(timeout, left)
-            try:
-                events = self.epoll.poll(timeout)
-            except InterruptedError:
-                continue
-            for fd, _ in events:
-                if fd == self.wake_r:
-                    try:
-                        os.read(self.wake_r, 512)
+            time.sleep(self.TICK_SECONDS)
+            now = time.monotonic()
+            for sock, when in list(self.due.items()):
+                if when <= now and self.due.get(sock) == when:
+                    self.due.pop(sock, None)
+                    try:  # the plain socket's shutdown: a TLS one is woken up the same way
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
                     except OSError:
                         pass
-                elif fd in self.listeners:
-                    self._accept(self.listeners[fd])
-                else:
-                    conn = self.parked.pop(fd, None)
-                    if conn is not None:
-                        self._readable(conn)
-                    elif fd in self.watched:
-                        self._call(self.watched[fd])
-            for _ in range(min(len(self.calls), CALLS_PER_TURN)):
-                self._call(self.calls.popleft())
-            now = time.monotonic()
-            self.timers.run_due(now, self._call)
-            if self.stopping and (self.listeners or self.parked):
-                self._close_listeners()  # the thread goes on: runs may still finish here
-                self._close_parked()
-            if now >= next_sweep:
-                next_sweep = now + 1.0
-                for fd, conn in list(self.parked.items()):
-                    if conn.deadline <= now and self.parked.pop(fd, None) is conn:
-                        self.close(conn)
-                self._resume_accepting()  # after an accept error, retried once a second
 
-    def _accept(self, listener):
-        while not self.accept_paused:
-            try:
-                sock, address = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                log.error("accept: %s", exc)
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    with self.lock:  # the listener stays readable: retrying now would spin
-                        self._pause_accepting()
-                return
-            with self.lock:
-                self.open_count += 1
-                if self.open_count >= self.server.max_connections:
-                    self._pause_accepting()
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, format_peer(address), self.server.header_timeout)
-            if self.server.tls_context is not None:
-                self.server.workers.submit(self.server.serve_tls, conn)
-            else:
-                self.park(conn, time.monotonic() + self.server.header_timeout, register=True)
 
-    def _pause_accepting(self):
-        self.accept_paused = True
-        for fd in self.listeners:
-            self.epoll.modify(fd, 0)
+class HookHandler(BaseHTTPRequestHandler):
+    """One client connection: thin glue between the socket and the Pipeline.  Overrides the
+    documented hooks where Go's server behaves differently: the head is read against one
+    deadline and checked as Go checks it (parse_request), malformed requests get Go's answers
+    (send_error), `100 Continue` is sent only when the body is wanted (handle_expect_100), any
+    method is served, and each answer is one write with no Server header."""
 
-    def _readable(self, conn):
-        was_empty = not conn.buf
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        server = self.server
+        self.head = None
+        self.remote_addr = format_peer(self.client_address)
+        if self.request.family != socket.AF_UNIX:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if server.tls_context is not None:
+            self.request = server.tls_context.wrap_socket(self.request, server_side=True,
+                                                          do_handshake_on_connect=False)
+            server.deadlines.set(self.request, server.app.header_timeout)
+            self.request.do_handshake()
+        BaseHTTPRequestHandler.setup(self)
+
+    def finish(self):
+        self.server.deadlines.clear(self.connection)
+        BaseHTTPRequestHandler.finish(self)
+
+    def handle_one_request(self):
+        self.close_connection = True
         try:
-            data = conn.sock.recv(65536, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            self.park(conn, conn.deadline)
-            return
+            if self.parse_request():
+                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
+        except BadRequest as exc:
+            self.send_error(exc.status, exc)
+        except (OSError, ValueError):  # the client went away or stalled: nothing to answer
+            pass
+
+    def parse_request(self):
+        """Read the head (-read-header-timeout for all of it, plus the keep-alive idle time
+        before a later request's first byte) and check it as Go does; False: nothing to serve
+        on this connection."""
+        rfile, sock, app = self.rfile, self.connection, self.server.app
+        deadlines = self.server.deadlines
+        # a new connection must start its request in time; an idle keep-alive one may wait
+        deadlines.set(sock, app.header_timeout if self.head is None else KEEPALIVE_IDLE_SECONDS)
+        if not rfile.peek(1):
+            return False
+        if self.head is not None:
+            deadlines.set(sock, app.header_timeout)
+        head = bytearray()
+        while True:  # usually once: the whole head came in one recv
+            buffered = rfile.peek(1)  # what is buffered, or one recv
+            if not buffered:
+                raise ConnectionResetError("client closed the connection")
+            tail = bytes(head[-3:])
+            end = head_end(tail + buffered)
+            head += rfile.read(end - len(tail) if end >= 0 else len(buffered))
+            if len(head) > MAX_HEADER_BYTES:
+                raise BadRequest(431, "request header too large")
+            if end >= 0:
+                break
+        self.head = parse_head(bytes(head))
+        deadlines.set(sock, app.header_timeout)  # renewed by each read of the body
+        self.command, self.path = self.head.method, self.head.target
+        self.request_version = self.head.version
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
+        client is still sending is read for a moment so it gets the answer, not a reset."""
+        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+        log.info("bad request from %s: %s", self.remote_addr, exc)
+        try:
+            self.server.deadlines.set(self.connection, 1.0)
+            self.wfile.write(exc.response())
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline, drained = time.monotonic() + 1.0, 0
+            while drained < MAX_HEADER_BYTES and time.monotonic() < deadline:
+                chunk = self.connection.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
         except OSError:
-            data = b""
-        if not data:
-            self.close(conn)
+            pass
+        self.close_connection = True
+
+    def handle_expect_100(self):
+        self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return True
+
+    def log_message(self, format, *args):
+        log.info("%s: " + format, self.remote_addr, *args)
+
+    def read_body(self):
+        """The body by Content-Length or chunked, capped at -max-body-bytes."""
+        app = self.server.app
+        size = app.body_length(self.head)
+        if size is None:
+            return read_chunked(self.rfile, app.max_body, self.renew_read_deadline)
+        body = bytearray()
+        while len(body) < size:
+            chunk = self.rfile.read1(min(size - len(body), 1 << 16))  # at most one recv
+            if not chunk:
+                raise ConnectionResetError("client closed the connection")
+            body += chunk
+            self.renew_read_deadline()
+        return bytes(body)
+
+    def renew_read_deadline(self):
+        self.server.deadlines.set(self.connection, self.server.app.header_timeout)
+
+    def serve(self):
+        """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
+        app, head = self.server.app, self.head
+        started = time.monotonic()
+        with app.in_flight():
+            rid = app.request_id(head)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr)
+            if response is None:
+                response = self.trigger(rid, hook, raw_query)
+            else:
+                self.skip_body(response)
+            keep_alive = head.keep_alive() and not response.close and not app.stopping
+            if not response.sent:
+                self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
+                self.wfile.write(serialize_response(response, head, keep_alive))
+        self.close_connection = not keep_alive
+        app.log_access(rid, head, response, started)
+
+    def skip_body(self, response):
+        """An answer that does not need the body: read past it, or close if the client waits
+        for `100 Continue`."""
+        if self.head.get("Expect").lower() == "100-continue":
+            response.close = True
             return
-        conn.buf += data
-        if head_end(conn.buf) >= 0:
-            self.serve(conn)
-        elif len(conn.buf) > MAX_HEADER_BYTES:
-            self.server.workers.submit(self.server.reject, conn,
-                                       BadRequest(431, "request header too large"))
+        try:
+            self.read_body()
+        except BodyError:
+            response.close = True
+
+    def trigger(self, rid, hook, raw_query):
+        app, head = self.server.app, self.head
+        if head.get("Expect").lower() == "100-continue":
+            app.body_length(head)  # a body we would refuse is refused before it is sent
+            self.handle_expect_100()
+        broken = False
+        try:
+            body = self.read_body()
+        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
+            log.info("error reading the request body: %s", exc)
+            body, broken = exc.partial, True
+        self.server.deadlines.clear(self.connection)  # the command may take its time
+        request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
+        try:
+            response = app.trigger(head, hook, request, self.stream_to_client)
+        except Exception:  # a bug must cost one 500, not a hung connection
+            log.exception("unexpected error handling %s %s", head.method, head.target)
+            response = Response(500, b"500 Internal Server Error", close=True)
+        response.close = response.close or broken
+        response.secret_params = hook.secret_params
+        return response
+
+    def stream_to_client(self, data):
+        """Streamed output: False once the client has gone (the command still runs on)."""
+        try:
+            self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
+            self.wfile.write(data)
+            return True
+        except OSError:
+            return False
+
+
+class HookServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), with a
+    thread per connection bounded in process_request: at -max-connections, accepting waits and
+    new connections wait in the listen backlog."""
+
+    daemon_threads = True
+
+    def __init__(self, listener, app, slots, tls_context):
+        socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
+        self.socket, self.app, self.slots, self.tls_context = listener, app, slots, tls_context
+        self.deadlines = Deadlines()
+
+    def process_request(self, request, client_address):
+        while not self.slots.acquire(timeout=0.5):
+            if self.app.stopping:
+                self.shutdown_request(request)
+                return
+        threading.Thread(target=self.serve_connection, args=(request, client_address),
+                         daemon=True).start()
+
+    def serve_connection(self, request, client_address):
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # e.g. a failed TLS handshake
+            log.info("connection from %s: %s", format_peer(client_address), exc)
         else:
-            deadline = time.monotonic() + self.server.header_timeout if was_empty \
-                else conn.deadline
-            self.park(conn, deadline)
-
-    def serve(self, conn):
-        """Server.serve_in_loop: the complete requests in conn's buffer."""
-        try:
-            self.server.serve_in_loop(conn)
-        except Exception:  # a bug must cost one connection, not this thread
-            log.exception("unexpected error answering %s", conn.remote_addr)
-            self.close(conn)
-
-    def _call(self, callback):
-        try:
-            callback()
-        except Exception:  # a bug must cost one request, not this thread
-            log.exception("unexpected error in the connection loop")
-
-    # -- for WatchedRun and the server: descriptors, timers, calls from other threads -----
-
-    def watch(self, fd, callback):
-        """callback() in this thread whenever fd is readable, until unwatch(fd)."""
-        self.epoll.register(fd, select.EPOLLIN)
-        self.watched[fd] = callback
-
-    def unwatch(self, fd):
-        self.watched.pop(fd, None)
-        try:
-            self.epoll.unregister(fd)
-        except OSError:
-            pass
-
-    def call_later(self, delay, callback):
-        """callback() in this thread after delay seconds; returns a handle for cancel()."""
-        return self.timers.add(time.monotonic() + delay, callback)
-
-    def cancel(self, timer):
-        self.timers.cancel(timer)
-
-    def call_soon(self, callback):
-        """callback() in this thread soon; may be called from any thread."""
-        self.calls.append(callback)
-        if threading.get_ident() != self.ident:
-            try:
-                os.write(self.wake_w, b"x")
-            except BlockingIOError:
-                pass
-
-    def park(self, conn, deadline, register=False):
-        """Hand a connection (back) to this thread until its next request head is complete."""
-        if self.stopping:
-            self.close(conn)
-            return
-        conn.deadline = deadline
-        fd = conn.sock.fileno()
-        self.parked[fd] = conn
-        try:
-            if register:
-                self.epoll.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
-            else:
-                self.epoll.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
-        except OSError:
-            self.parked.pop(fd, None)
-            self.close(conn)
-
-    def close(self, conn):
-        if not conn.close():
-            return
-        with self.lock:
-            self.open_count -= 1
-        self._resume_accepting()
-
-    def _resume_accepting(self):
-        """Accept again when paused and below -max-connections."""
-        with self.lock:
-            if self.accept_paused and self.open_count < self.server.max_connections \
-                    and not self.stopping:
-                self.accept_paused = False
-                for fd in self.listeners:
-                    self.epoll.modify(fd, select.EPOLLIN)
-
-    def stop(self):
-        """Stop accepting and close idle connections (done by this thread, woken up here);
-        busy ones close after their answer."""
-        self.stopping = True
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass
-
-    def _close_listeners(self):
-        with self.lock:  # _resume_accepting in a worker must not touch a closed listener
-            listeners, self.listeners = self.listeners, {}
-        for fd, listener in listeners.items():
-            self.epoll.unregister(fd)
-            listener.close()
-
-    def _close_parked(self):
-        for fd in list(self.parked):
-            conn = self.parked.pop(fd, None)
-            if conn is not None:
-                self.close(conn)
+            log.exception("unexpected error serving %s", format_peer(client_address))
 
 
 # ---------------------------------------------------------------------------
-# The server: routing and the hook pipeline
+# Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
 # ---------------------------------------------------------------------------
 
-INLINE_BODY_LIMIT = 64 << 10  # bodies up to this size, already read, may be answered inline
-INLINE_REQUESTS_PER_TURN = 16  # then a long pipeline goes to a worker: other clients wait less
-
-
-class Exchange:
-    """One request in flight: its head, what decide() found, and the answer once known."""
-
-    __slots__ = ("head", "rid", "keep_alive", "started", "hook", "request", "headers",
-                 "broken", "response")
-
-    def __init__(self, head, rid, keep_alive):
-        self.head, self.rid, self.keep_alive = head, rid, keep_alive
-        self.started = time.monotonic()
-        self.hook = self.request = self.headers = self.response = None
-        self.broken = False  # the body broke off: answer, then close
-
-
-class Server:
-    """Routes requests and runs hooks: find hook -> parse payload -> check rules (decide) ->
-    build argv/env -> run (act) -> respond.  decide() never blocks once the body is in the
-    buffer, so the loop thread runs it for small requests and answers those that end there."""
+class Pipeline:
+    """What a request does, with no socket in sight: route() finds the hook (or the plain
+    answer), trigger() parses the payload, checks the rules, builds argv/env and runs the
+    command in the hook's mode.  Also counts what is in flight for the graceful stop."""
 
     def __init__(self, opts, registry):
         self.opts = opts
@@ -2910,275 +2602,34 @@ class Server:
         self.response_headers = {canonical_header(n): v for n, v in opts.header}
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
-        self.status_path = opts.status_path
         self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
         self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
             else NO_TIMEOUT
-        self.max_connections = max(1, opts.max_connections)
-        self.workers = WorkerPool(opts.max_workers, "worker")
-        self.async_runs = WorkerPool(opts.max_async_runs, "command")  # where no WatchedRun
-        self.async_slots = HookGate(max(1, opts.max_async_runs))  # background runs at once
-        self.runner = CommandRunner()
-        self.tls_context = None
-        self.loop = None
+        self.runner = Runner()
+        self.background = BackgroundRuns(opts.max_async_runs)
         self.stopping = False
-        self.busy = 0
-        self.async_backlog = 0  # background runs accepted and not finished
-        self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
+        self.busy = 0  # requests and background runs not finished: the graceful stop waits
         self.busy_lock = threading.Lock()
+        self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
-        self.debug = opts.debug
 
-    # -- bookkeeping for the graceful stop -------------------------------------------------
-
-    def enter_busy(self):
+    @contextlib.contextmanager
+    def in_flight(self):
         with self.busy_lock:
             self.busy += 1
-
-    def leave_busy(self):
-        with self.busy_lock:
-            self.busy -= 1
-
-    # -- connections -------------------------------------------------------------------------
-
-    def serve(self, conn):
-        """Serve requests on conn while they come; park it when it goes idle."""
         try:
-            while True:
-                end = head_end(conn.buf)
-                if end < 0:
-                    if len(conn.buf) > MAX_HEADER_BYTES:
-                        raise BadRequest(431, "request header too large")
-                    if conn.buf and time.monotonic() > conn.deadline:
-                        raise ConnectionResetError("request head not complete in time")
-                    if not self.linger(conn):
-                        return
-                    continue
-                head_bytes = bytes(conn.buf[:end])
-                del conn.buf[:end]
-                if not self.handle(conn, head_bytes) or self.stopping:
-                    break
-                conn.deadline = time.monotonic() + self.header_timeout
-                if not conn.buf and not self.linger(conn):
-                    return
-        except BadRequest as exc:
-            self.reject(conn, exc)
-            return
-        except (OSError, ValueError):
-            pass
-        self.loop.close(conn)
-
-    def linger(self, conn):
-        """Wait briefly in this thread for more of the next request, else park the connection
-        with the selector.  TLS connections stay with their worker.  True: bytes arrived."""
-        if conn.tls:
-            wait = self.header_timeout if conn.buf else KEEPALIVE_IDLE_SECONDS
-        else:
-            wait = 0.0 if self.workers.busy() else LINGER_SECONDS
-        if wait and conn.wait_readable(wait):
-            if not conn.buf:
-                conn.deadline = time.monotonic() + self.header_timeout
-            conn.recv_more()
-            return True
-        if conn.tls:
-            raise ConnectionResetError("idle TLS connection")
-        if conn.buf:
-            self.loop.park(conn, conn.deadline)
-        else:
-            self.loop.park(conn, time.monotonic() + KEEPALIVE_IDLE_SECONDS)
-        return False
-
-    def serve_tls(self, conn):
-        try:
-            conn.sock = self.tls_context.wrap_socket(conn.sock, server_side=True,
-                                                     do_handshake_on_connect=False)
-            conn.tls = True
-            conn.sock.do_handshake()
-        except (OSError, ValueError) as exc:
-            log.info("TLS handshake with %s failed: %s", conn.remote_addr, exc)
-            self.loop.close(conn)
-            return
-        conn.deadline = time.monotonic() + self.header_timeout
-        self.serve(conn)
-
-    def reject(self, conn, exc):
-        log.info("bad request from %s: %s", conn.remote_addr, exc)
-        try:
-            conn.send(exc.response())
-            # half-close and read what the client is still sending, so that it can read the
-            # answer instead of getting a reset for unread data
-            conn.sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + 1.0
-            drained = 0
-            while drained < MAX_HEADER_BYTES and time.monotonic() < deadline:
-                if not conn.wait_readable(deadline - time.monotonic()):
-                    break
-                chunk = conn.sock.recv(65536)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-        self.loop.close(conn)
-
-    def handle(self, conn, head_bytes):
-        """One request on conn: returns True to keep the connection open."""
-        exchange = self.begin(parse_head(head_bytes))
-        try:
-            self.step(self.decide, conn, exchange)
-        except BaseException:
-            self.leave_busy()
-            raise
-        self.complete(conn, exchange)
-        return exchange.keep_alive
-
-    def complete(self, conn, exchange, unsent=None):
-        """act (when decide() left a command to run) -> send the answer, or the `unsent` rest
-        of it -> log the request."""
-        try:
-            if unsent is None:
-                if exchange.response is None:
-                    self.step(self.act, conn, exchange)
-                unsent = self.answer_bytes(exchange)
-            if unsent:
-                conn.send(unsent)
+            yield
         finally:
-            self.leave_busy()
-        self.log_request(exchange)
+            with self.busy_lock:
+                self.busy -= 1
 
-    def begin(self, head):
-        exchange = Exchange(head, self.request_id(head), head.keep_alive() and not self.stopping)
-        self.enter_busy()
-        return exchange
-
-    def step(self, work, conn, exchange):
-        """decide or act; a bug must cost one 500, not a hung connection."""
-        try:
-            work(conn, exchange)
-        except (BadRequest, OSError):
-            raise
-        except Exception:
-            log.exception("unexpected error handling %s %s", exchange.head.method,
-                          exchange.head.target)
-            exchange.response = Response(500, b"500 Internal Server Error", close=True)
-
-    def answer_bytes(self, exchange):
-        """The serialized answer (b"" when it was streamed while the command ran)."""
-        response = exchange.response
-        if response.close:
-            exchange.keep_alive = False
-        if response.sent:
-            return b""
-        return serialize_response(response, exchange.head, exchange.keep_alive)
-
-    def log_request(self, exchange):
-        if log.isEnabledFor(logging.INFO):
-            head, response = exchange.head, exchange.response
-            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", exchange.rid, response.status,
-                     len(response.body), (time.monotonic() - exchange.started) * 1000.0,
-                     head.get("Host"), head.method,
-                     redact_target(head.target, response.secret_params))
-
-    # -- answering in the loop thread --------------------------------------------------------
-
-    def serve_in_loop(self, conn):
-        """Loop thread: answer the complete requests in conn.buf, in order, with non-blocking
-        sends.  Anything that could block (a body still to come, TLS, streamed output, a
-        full socket buffer) goes to a worker together with the connection, at the request
-        where it happens.  A captured command keeps the connection in this thread: its end
-        answers the request and serves the next ones (act_in_loop)."""
-        for _ in range(INLINE_REQUESTS_PER_TURN):
-            end = head_end(conn.buf)
-            if end < 0:
-                break
-            head = self.inline_head(conn, end)
-            if head is None:
-                self.workers.submit(self.serve, conn)
-                return
-            del conn.buf[:end]
-            exchange = self.begin(head)
-            try:
-                self.step(self.decide, conn, exchange)
-                if exchange.response is None and self.acts_in_loop(exchange.hook):
-                    self.step(self.act_in_loop, conn, exchange)
-                    if exchange.response is None:
-                        return  # the command runs; its end carries on with conn
-            except BadRequest as exc:
-                self.leave_busy()
-                self.workers.submit(self.reject, conn, exc)
-                return
-            except (OSError, ValueError):
-                self.leave_busy()
-                self.loop.close(conn)
-                return
-            if exchange.response is None:  # a command runs in a worker
-                self.workers.submit(self.resume, conn, exchange)
-                return
-            if not self.send_in_loop(conn, exchange):
-                return
-        else:
-            if head_end(conn.buf) >= 0:  # a long pipeline: the rest is served by a worker
-                self.workers.submit(self.serve, conn)
-                return
-        if len(conn.buf) > MAX_HEADER_BYTES:
-            self.workers.submit(self.reject, conn, BadRequest(431, "request header too large"))
-        elif conn.buf:
-            self.loop.park(conn, conn.deadline)
-        else:
-            self.loop.park(conn, time.monotonic() + KEEPALIVE_IDLE_SECONDS)
-
-    def send_in_loop(self, conn, exchange):
-        """Loop thread: send the answer without blocking (the rest from a worker) and log the
-        request.  True when conn stays with this thread for its next request."""
-        answer = self.answer_bytes(exchange)
-        try:
-            sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self.leave_busy()
-            self.loop.close(conn)
-            return False
-        if sent < len(answer):
-            self.workers.submit(self.resume, conn, exchange, answer[sent:])
-            return False
-        self.leave_busy()
-        self.log_request(exchange)
-        if not exchange.keep_alive or self.stopping:
-            self.loop.close(conn)
-            return False
-        conn.deadline = time.monotonic() + self.header_timeout
-        return True
-
-    def inline_head(self, conn, end):
-        """The parsed head when the loop thread can answer this request without blocking:
-        plain TCP, no 100-continue, a small Content-Length body already in the buffer.
-        None sends the request the usual way (a worker; malformed heads are refused there)."""
-        if conn.tls:
-            return None
-        try:
-            head = parse_head(bytes(conn.buf[:end]))
-            size = self.body_length(head)
-        except BadRequest:
-            return None
-        if size is None or size > INLINE_BODY_LIMIT or len(conn.buf) - end < size \
-                or "Expect" in head.headers:
-            return None
-        return head
-
-    def resume(self, conn, exchange, unsent=None):
-        """Worker: finish a request the loop thread began (run its command, or send the rest
-        of its answer), then serve the connection as usual."""
-        try:
-            self.complete(conn, exchange, unsent)
-        except (OSError, ValueError):
-            self.loop.close(conn)
-            return
-        if not exchange.keep_alive or self.stopping:
-            self.loop.close(conn)
-            return
-        conn.deadline = time.monotonic() + self.header_timeout
-        self.serve(conn)
+    def request_id(self, head):
+        if self.opts.x_request_id:
+            given = head.get("X-Request-Id")
+            if given:
+                limit = self.opts.x_request_id_limit
+                return given[:limit] if limit > 0 else given
+        return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
 
     def body_length(self, head):
         """The declared body size (None: chunked); a bad or too large one is refused."""
@@ -3198,59 +2649,14 @@ class Server:
             raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
         return size
 
-    def read_body(self, conn, head):
-        """The request body; Content-Length or chunked; capped at -max-body-bytes."""
-        size = self.body_length(head)
-        return conn.read_chunked(self.max_body) if size is None else conn.read_exact(size)
+    def log_access(self, rid, head, response, started):
+        if log.isEnabledFor(logging.INFO):
+            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
+                     len(response.body), (time.monotonic() - started) * 1000.0,
+                     head.get("Host"), head.method,
+                     redact_target(head.target, response.secret_params))
 
-    def decide(self, conn, exchange):
-        """find hook -> read the body -> parse payload -> check rules: sets exchange.response
-        for a plain answer, else leaves it None with what act() needs to run the command."""
-        head = exchange.head
-        expects_continue = head.get("Expect").lower() == "100-continue"
-        hook, raw_query, answer = self.find_hook(head)
-        if answer is not None:
-            exchange.response = self.without_body(conn, head, answer, expects_continue)
-            return
-        if expects_continue:
-            self.body_length(head)  # a body we would refuse is refused before it is sent
-            conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-        try:
-            body = self.read_body(conn, head)
-        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
-            log.info("error reading the request body: %s", exc)
-            body, exchange.broken = exc.partial, True
-        exchange.hook = hook
-        self.check_hook(conn, exchange, raw_query, body)
-        if exchange.response is not None:
-            self.finish_hook_response(exchange)
-
-    def act(self, conn, exchange):
-        """build argv/env -> run -> respond, in one of three modes."""
-        hook, request, headers = exchange.hook, exchange.request, exchange.headers
-        success = self.status_or_200(hook.success_status, request.id, hook)
-        if hook.stream_output:
-            response = self.run_streamed(conn, exchange.head, hook, request, headers, success)
-        elif hook.capture_output:
-            response = self.captured_response(hook, self.run_command(hook, request), headers,
-                                              success)
-        elif not self.run_async(hook, request):
-            log.info("[%s] %d background runs waiting already: %s refused", request.id,
-                     ASYNC_BACKLOG_LIMIT, hook.id)
-            response = Response(503, MSG_BACKLOG_FULL, headers)
-        else:
-            response = Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
-                                headers)
-        exchange.response = response
-        self.finish_hook_response(exchange)
-
-    @staticmethod
-    def finish_hook_response(exchange):
-        response = exchange.response
-        response.close = response.close or exchange.broken
-        response.secret_params = exchange.hook.secret_params
-
-    def find_hook(self, head):
+    def route(self, head, rid, remote_addr):
         """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
         target = head.target
         if target.startswith(("http://", "https://")):
@@ -3267,89 +2673,76 @@ class Server:
             return None, None, Response(301, b"", {"Location": location})
         if path == "/":
             return None, None, Response(200, b"OK")
-        if self.status_path and path == self.status_path:
+        if self.opts.status_path and path == self.opts.status_path:
             return None, None, self.status_response(head)
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
             return None, None, Response(404, MSG_HOOK_NOT_FOUND)
         allowed = hook.allowed_methods or self.default_methods
         if allowed and head.method not in allowed:
-            log.info("HTTP %s method not allowed for hook %s", head.method, json.dumps(hook_id))
+            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
+                     json.dumps(hook_id))
             return None, None, Response(405)
         return hook, raw_query, None
 
-    def without_body(self, conn, head, response, expects_continue):
-        """Answer without needing the body: skip it, or close if the client waits for 100."""
-        if expects_continue:
-            response.close = True
-        else:
-            try:
-                self.read_body(conn, head)
-            except BodyError:
-                response.close = True
-        return response
-
-    def request_id(self, head):
-        if self.opts.x_request_id:
-            given = head.get("X-Request-Id")
-            if given:
-                limit = self.opts.x_request_id_limit
-                return given[:limit] if limit > 0 else given
-        return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
-
-    # -- the hook pipeline ---------------------------------------------------------------
-
-    def check_hook(self, conn, exchange, raw_query, body):
-        """parse payload -> check rules, once the hook is found and its method allowed."""
-        head, rid, hook = exchange.head, exchange.rid, exchange.hook
-        if log.isEnabledFor(logging.INFO):
-            log.info("[%s] incoming HTTP %s request from %s", rid, head.method, conn.remote_addr)
-            log.info("[%s] %s got matched", rid, hook.id)
-        if self.debug:
+    def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
+        """The plain HookRequest the hook model sees; logs the match."""
+        log.info("[%s] %s got matched", rid, hook.id)
+        if self.opts.debug:
             shown = {name: ["<redacted>"] if name in hook.secret_headers else values
                      for name, values in head.headers.items()}
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
                       redact_target(head.target, hook.secret_params), head.version, shown,
                       len(body))
-        headers = dict(self.response_headers)
-        request_content_type = head.get("Content-Type")
-        request = HookRequest(rid, head.method, conn.remote_addr,
-                              {k: v[0] for k, v in head.headers.items()
-                               if k not in ("Host", "Transfer-Encoding")},
-                              parse_query(raw_query)[0], body,
-                              hook.incoming_content_type or request_content_type)
-        # parse payload
+        return HookRequest(rid, head.method, remote_addr,
+                           {k: v[0] for k, v in head.headers.items()
+                            if k not in ("Host", "Transfer-Encoding")},
+                           parse_query(raw_query)[0], body,
+                           hook.incoming_content_type or head.get("Content-Type"))
+
+    def trigger(self, head, hook, request, stream):
+        """parse payload -> check rules -> build argv/env -> run -> the Response."""
+        rid, headers = request.id, dict(self.response_headers)
         try:
-            messages = parse_payload(request, hook, request_content_type)
+            messages = parse_payload(request, hook, head.get("Content-Type"))
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
-            exchange.response = Response(500, MSG_MULTIPART_ERROR, headers)
-            return
+            return Response(500, MSG_MULTIPART_ERROR, headers)
         messages += apply_json_parameters(hook, request)
         for message in messages:
             log.info("[%s] %s", rid, message)
 
-        # check rules
         satisfied, error, note = rules_satisfied(hook, request)
         if note:
             log.info("[%s] %s", rid, note)
         if error is not None:
             log.info("[%s] error evaluating hook: %s", rid, error)
-            exchange.response = Response(500, MSG_RULES_ERROR, headers)
-        elif not satisfied:
+            return Response(500, MSG_RULES_ERROR, headers)
+        if not satisfied:
             log.info("[%s] %s got matched, but didn't get triggered because the trigger rules "
                      "were not satisfied", rid, hook.id)
-            exchange.response = Response(self.status_or_200(hook.mismatch_status, rid, hook),
-                                         MSG_RULES_NOT_SATISFIED, headers)
-        else:
-            log.info("[%s] %s hook triggered successfully", rid, hook.id)
-            for name, value in hook.response_headers:
-                headers[canonical_header(name)] = value
-            exchange.request, exchange.headers = request, headers
+            return Response(self.status_or_200(hook.mismatch_status, rid, hook),
+                            MSG_RULES_NOT_SATISFIED, headers)
+        log.info("[%s] %s hook triggered successfully", rid, hook.id)
+        for name, value in hook.response_headers:
+            headers[canonical_header(name)] = value
+
+        success = self.status_or_200(hook.success_status, rid, hook)
+        if hook.stream_output:
+            return self.run_streamed(stream, head, hook, request, headers, success)
+        if hook.capture_output:
+            return self.captured_response(hook, self.run(hook, request), headers, success)
+        if not self.run_in_background(hook, request):
+            log.info("[%s] %d background runs waiting already: %s refused", rid,
+                     ASYNC_BACKLOG_LIMIT, hook.id)
+            return Response(503, MSG_BACKLOG_FULL, headers)
+        return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
+                        headers)
 
     @staticmethod
     def status_or_200(code, rid, hook):
@@ -3361,9 +2754,12 @@ class Server:
                  "defaulting to 200", rid, hook.id, code)
         return 200
 
-    def invocation(self, hook, request):
-        """build argv/env, logged: an Invocation, or the CommandResult of a command that
-        cannot be found."""
+    def gate(self, hook):
+        return self.registry.gate(hook.id) or HookGate(0)
+
+    def run(self, hook, request, on_output=None, keep_output=True, slot_held=False):
+        """build argv/env -> wait for a max-concurrency turn (unless the caller has one) ->
+        run -> log: a CommandResult."""
         try:
             invocation = build_invocation(hook, request)
         except OSError as exc:
@@ -3371,17 +2767,9 @@ class Server:
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            return CommandResult(False, error=exc)
+            return CommandResult(False, error=exc)  # as Go: nothing more is logged
         for message in invocation.messages:
             log.info("[%s] %s", request.id, message)
-        return invocation
-
-    def run_command(self, hook, request, on_output=None, keep_output=True, slot_held=False):
-        """build argv/env -> wait for a max-concurrency slot (unless the caller holds one) ->
-        run -> log: a CommandResult."""
-        invocation = self.invocation(hook, request)
-        if isinstance(invocation, CommandResult):
-            return invocation
         gate = None if slot_held else self.gate(hook)
         if gate is not None:
             gate.wait_turn()
@@ -3419,144 +2807,40 @@ class Server:
         body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
         return Response(500, body, headers)
 
-    def gate(self, hook):
-        return self.registry.gate(hook.id) or HookGate(0)
-
-    def run_async(self, hook, request):
-        """Default mode: answer now; the run waits for its max-concurrency slot and then for
-        one of the -max-async-runs background slots without holding a thread, then runs:
-        waited for by the loop thread where it can watch processes, else in the background
-        pool.  False if the backlog is full."""
-        with self.busy_lock:
-            if self.async_backlog >= ASYNC_BACKLOG_LIMIT:
-                return False
-            self.async_backlog += 1
-        self.enter_busy()
+    def run_in_background(self, hook, request):
+        """Default mode: answer now; the run waits for its max-concurrency turn holding no
+        thread, then for a -max-async-runs thread.  False if the backlog is full."""
+        if not self.background.reserve():
+            return False
         gate = self.gate(hook)
-        keep_output = log.isEnabledFor(logging.INFO)  # a background run's output is only logged
-
-        def dropped():
-            stopping = self.stopping
-            if stopping:
-                log.info("[%s] stopping: queued run of %s dropped", request.id, hook.id)
-            return stopping
-
-        def release():
-            gate.leave()
-            with self.busy_lock:
-                self.async_backlog -= 1
-            self.leave_busy()
-
-        if self.runner.can_watch():
-            def finished(_result=None):
-                self.async_slots.leave()
-                release()
-
-            def start():  # loop thread
-                if dropped():
-                    finished()
-                    return
-                try:
-                    self.run_in_loop(hook, request, keep_output, finished, slot_held=True)
-                except Exception:  # a bug must not keep the run counted forever
-                    log.exception("unexpected error starting %s", hook.id)
-                    finished()
-            gate.enter(lambda: self.async_slots.enter(
-                functools.partial(self.loop.call_soon, start)))
-            return True
+        with self.busy_lock:
+            self.busy += 1
 
         def job():
             try:
-                if not dropped():
-                    self.run_command(hook, request, keep_output=keep_output, slot_held=True)
+                if self.stopping:
+                    log.info("[%s] stopping: queued run of %s dropped", request.id, hook.id)
+                else:
+                    self.run(hook, request, keep_output=log.isEnabledFor(logging.INFO),
+                             slot_held=True)
             finally:
-                release()
-        gate.enter(lambda: self.async_runs.submit(job))
+                gate.leave()
+                with self.busy_lock:
+                    self.busy -= 1
+        gate.enter(lambda: self.background.submit(job))
         return True
 
-    # -- commands waited for in the loop thread ----------------------------------------------
-
-    def acts_in_loop(self, hook):
-        """Whether act() may run in the loop thread: a background run is only scheduled there,
-        a captured one needs processes the loop can watch; streamed output needs a worker."""
-        if hook.stream_output:
-            return False
-        return not hook.capture_output or self.runner.can_watch()
-
-    def act_in_loop(self, conn, exchange):
-        """Loop thread: act() without blocking.  A captured command is started and waited for
-        here; exchange.response stays None until it has ended, then its answer is sent and the
-        connection served on from here."""
-        hook, request, headers = exchange.hook, exchange.request, exchange.headers
-        if not hook.capture_output:
-            self.act(conn, exchange)
-            return
-        success = self.status_or_200(hook.success_status, request.id, hook)
-
-        def finished(result):
-            exchange.response = self.captured_response(hook, result, headers, success)
-            self.finish_hook_response(exchange)
-            if self.send_in_loop(conn, exchange):
-                self.loop.serve(conn)
-        self.run_in_loop(hook, request, True, finished)
-
-    def run_in_loop(self, hook, request, keep_output, on_done, slot_held=False):
-        """run_command without a thread, in the loop thread: build argv/env -> wait for a
-        max-concurrency slot (unless the caller holds one) holding nothing -> start -> the loop
-        waits for the end -> log -> on_done(result), in the loop thread; after this returns
-        unless slot_held (act_in_loop's caller is still serving the connection)."""
-        invocation = self.invocation(hook, request)
-        if isinstance(invocation, CommandResult):
-            self.loop.call_soon(functools.partial(on_done, invocation))
-            return
-        gate = None if slot_held else self.gate(hook)
-
-        def finished(result):
-            if gate is not None:
-                gate.leave()
-            self.log_result(hook, request.id, result, keep_output)
-            on_done(result)
-
-        def start():
-            try:
-                started = self.runner.launch(invocation, request.id, keep_output)
-            except Exception as exc:  # a bug must cost one run, not a request left hanging
-                log.exception("unexpected error starting %s", hook.id)
-                started = CommandResult(False, error=exc)
-            if isinstance(started, CommandResult):
-                finished(started)
-                return
-            try:
-                WatchedRun(self.runner, started, self.loop, hook.command_timeout, finished)
-            except OSError:  # no descriptor left for a pidfd: a worker waits instead
-                self.workers.submit(self.wait_in_worker, started, hook.command_timeout, finished)
-        if gate is None:
-            start()
-        else:
-            gate.enter(functools.partial(self.loop.call_soon, start))
-
-    def wait_in_worker(self, started, timeout, on_done):
-        try:
-            result = self.runner.wait(started, timeout)
-        except Exception as exc:  # a bug must cost one run, not a request left hanging
-            log.exception("unexpected error waiting for a command")
-            result = CommandResult(False, error=exc)
-        self.loop.call_soon(functools.partial(on_done, result))
-
-    def run_streamed(self, conn, head, hook, request, headers, success):
+    def run_streamed(self, stream, head, hook, request, headers, success):
         """stream-command-output: chunked output while the command runs.  A failed or timed
         out run ends without the closing chunk, so the client sees an incomplete response."""
         chunked = head.version == "HTTP/1.1"
+        with_body = head.method != "HEAD"
         state = {"head_sent": False, "client_gone": False}
         headers.setdefault("Content-Type", TEXT_PLAIN)
 
         def send(data):
-            if state["client_gone"]:
-                return  # keep draining: a deploy is not cut short by a client hanging up
-            try:
-                conn.send(data)
-            except OSError:
-                state["client_gone"] = True
+            if not state["client_gone"]:  # else keep draining: a deploy is not cut short
+                state["client_gone"] = not stream(data)
 
         def send_head():
             lines = ["HTTP/1.1 %d %s" % (success, GO_STATUS_TEXT[success])]
@@ -3569,22 +2853,19 @@ class Server:
         def on_output(chunk):
             if not state["head_sent"]:
                 send_head()
-            if head.method != "HEAD":
+            if with_body:
                 send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
 
-        result = self.run_command(hook, request, on_output)
+        result = self.run(hook, request, on_output)
         if not result.started:
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
         if not state["head_sent"]:
             send_head()
-        with_body = head.method != "HEAD"
         if result.ok and chunked and with_body:
             send(b"0\r\n\r\n")
         keep_alive = result.ok and (chunked or not with_body) and not state["client_gone"]
         return Response(success, b"", headers, close=not keep_alive, sent=True)
-
-    # -- status page ---------------------------------------------------------------------
 
     def status_response(self, head):
         if head.method not in ("GET", "HEAD"):
@@ -3600,6 +2881,7 @@ class Server:
             "status": "degraded" if degraded else "ok",
             "version": VERSION,
             "implementation": "webhookd.py",
+            "webhookd_version": __version__,
             "started": iso_time(self.started),
             "uptime_seconds": round(now - self.started, 3),
             "hooks_loaded": self.registry.count(),
@@ -3670,6 +2952,10 @@ def inherited_listeners(environ):
 # Process setup: logging, listeners, TLS, privileges, pidfile
 # ---------------------------------------------------------------------------
 
+class LogFileError(Exception):
+    """-logfile cannot be opened: Go's sentence, exit status 1."""
+
+
 def setup_logging(opts):
     """Upstream logs nothing without -verbose; with it, `[webhook] date time message`, written
     by a thread of its own: a request never waits for stderr or the log file."""
@@ -3677,13 +2963,16 @@ def setup_logging(opts):
         log.setLevel(logging.CRITICAL + 1)
         log.propagate = False
         return None
-    from logging import handlers  # only needed when logging (a plain import would rebind logging)
 
-    class RecordQueueHandler(handlers.QueueHandler):
+    class RecordQueueHandler(logging.handlers.QueueHandler):
         def prepare(self, record):
             return record  # formatted by the logging thread, not by the request
     if opts.logfile:
-        fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise LogFileError('error opening log file "%s": open %s: %s'
+                               % (opts.logfile, opts.logfile, go_errno_text(exc))) from None
         target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
                                                  errors="backslashreplace"))
     else:
@@ -3691,12 +2980,18 @@ def setup_logging(opts):
     target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
                                           "%Y/%m/%d %H:%M:%S"))
     records = queue.SimpleQueue()
-    listener = handlers.QueueListener(records, target)
+    listener = logging.handlers.QueueListener(records, target)
     log.addHandler(RecordQueueHandler(records))
     log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
     log.propagate = False
     listener.start()
     return listener
+
+
+def go_errno_text(exc):
+    """An OSError's reason as Go words it (lower case, as its syscall errors read)."""
+    text = exc.strerror or str(exc)
+    return text[:1].lower() + text[1:]
 
 
 def open_listeners(opts, environ):
@@ -3750,25 +3045,28 @@ def make_tls_context(opts):
     return context
 
 
-# Imported only when first needed (idle memory, start-up time); before -setuid drops privileges
-# they are imported at once, since the new user may not be able to read Python's library.
-LAZY_MODULES = ("base64", "binascii", "calendar", "ctypes", "difflib", "hmac", "ipaddress",
-                "random", "tempfile", "urllib.parse", "xml.parsers.expat")
-
-
 def drop_privileges(uid, gid):
-    for name in LAZY_MODULES:
-        __import__(name)
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
+
+
+def process_exists(pid):
+    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or an id no process can have
+    return True
 
 
 def write_pidfile(path):
     try:
         with open(path) as handle:
             old = handle.read().strip()
-        if old.isdigit() and os.path.exists("/proc/%s" % old) and int(old) != os.getpid():
+        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
             raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
                              % path)
     except OSError:
@@ -3781,24 +3079,8 @@ def write_pidfile(path):
         handle.write(str(os.getpid()))
 
 
-def close_inherited_fds_on_exec():
-    """Descriptors this process inherited (from a shell, a supervisor) must not reach the hook
-    commands: Popen closed them in the child, posix_spawn relies on close-on-exec."""
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return
-    for fd in fds:
-        if fd > 2:
-            try:
-                os.set_inheritable(fd, False)
-            except OSError:
-                pass  # the descriptor of the directory listing itself, already closed
-
-
 def raise_fd_limit():
     """Go raises the soft open-files limit to the hard one at start; so do we."""
-    import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
@@ -3846,8 +3128,8 @@ class SignalQueue:
 class Daemon:
     """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
 
-    def __init__(self, opts, registry, server, notifier, signals, cleanup_paths):
-        self.opts, self.registry, self.server = opts, registry, server
+    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
+        self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
         self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
 
     def run(self):
@@ -3864,14 +3146,16 @@ class Daemon:
                     stop_deadline = self.begin_stop(signum)
                 else:
                     log.info("second stop signal: killing running commands")
-                    self.server.runner.kill_all()
+                    self.app.runner.kill_all()
+                    self.wait_for_cleanup()
                     return self.finish()
             if stop_deadline is not None:
-                if self.server.busy == 0 or time.monotonic() >= stop_deadline:
-                    if self.server.busy:
+                if self.app.busy == 0 or time.monotonic() >= stop_deadline:
+                    if self.app.busy:
                         log.info("shutdown timeout: killing %d running command(s)",
-                                 len(self.server.runner.processes))
-                        self.server.runner.kill_all()
+                                 len(self.app.runner.processes))
+                        self.app.runner.kill_all()
+                        self.wait_for_cleanup()
                     return self.finish()
             elif self.opts.hotreload:
                 changed = self.registry.poll()
@@ -3880,6 +3164,12 @@ class Daemon:
                     self.registry.load(changed)
                     self.notifier.notify("READY=1")
 
+    def wait_for_cleanup(self):
+        """Killed runs remove their temp files as they end: give them a moment to."""
+        deadline = time.monotonic() + 2.0
+        while self.app.runner.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def reload(self, reason):
         log.info("caught %s signal; reloading hooks", reason)
         self.notifier.reloading()
@@ -3887,13 +3177,15 @@ class Daemon:
         self.notifier.notify("READY=1")
 
     def begin_stop(self, signum):
-        self.server.stopping = True
-        self.server.loop.stop()  # no new connections from here on
+        self.app.stopping = True
+        for server in self.servers:  # no new connections from here on
+            server.shutdown()
+            server.server_close()
         self.notifier.notify("STOPPING=1")
         name = "interrupt" if signum == signal.SIGINT else "terminated"
         log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
                  "running request(s) and command(s)", name, self.opts.shutdown_timeout,
-                 self.server.busy)
+                 self.app.busy)
         return time.monotonic() + max(0, self.opts.shutdown_timeout)
 
     def finish(self):
@@ -3921,6 +3213,13 @@ def run_validate(opts):
     return 1 if errors else 0
 
 
+def fail(message):
+    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
+    the exit status 1."""
+    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
+    return 1
+
+
 def main(argv=None):
     """Parse the command line, then validate, print something, or serve.  Exit status."""
     argv = sys.argv if argv is None else argv
@@ -3934,7 +3233,7 @@ def main(argv=None):
         sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
         return 2
     if opts.version:
-        print("%s version %s" % (PROGRAM, VERSION))
+        print("webhookd version %s (webhook %s compatible)" % (__version__, VERSION))
         return 0
     if opts.list_cipher_suites:
         for name in GO_CIPHER_SUITES:
@@ -3951,8 +3250,10 @@ def main(argv=None):
         print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/"
               % (opts.status_path, opts.urlprefix))
         return 1
-
-    listener_thread = setup_logging(opts)
+    try:
+        listener_thread = setup_logging(opts)
+    except LogFileError as exc:
+        return fail(str(exc))
     try:
         return serve(opts)
     finally:
@@ -3966,7 +3267,6 @@ def serve(opts):
     log.info("version %s starting", VERSION)
     environ = os.environ
     notifier = Notifier(environ)
-    close_inherited_fds_on_exec()
     raise_fd_limit()
     registry = Registry(opts.hooks, opts.template)
     try:
@@ -3981,27 +3281,29 @@ def serve(opts):
         return 1
 
     cleanup = []
-    server = Server(opts, registry)
-    try:
-        listeners, where = open_listeners(opts, environ)
-    except (OSError, OverflowError, ValueError) as exc:
-        message = "error listening on port: listen %s: %s" % (
-            "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-            getattr(exc, "strerror", None) or exc)
-        log.error("%s", message)
-        print(message)
-        return 1
-    if opts.socket and where.startswith("unix:"):
-        cleanup.append(opts.socket)
-    try:  # a start that fails from here on leaves no socket file or pidfile behind
-        if opts.pidfile:
+    app = Pipeline(opts, registry)
+    tls_context = None
+    try:  # a start that fails leaves no socket file or pidfile behind
+        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
             try:
                 write_pidfile(opts.pidfile)
             except OSError as exc:
                 raise SystemExit("Error creating pidfile: %s" % exc) from None
             cleanup.append(opts.pidfile)
+        try:
+            listeners, where = open_listeners(opts, environ)
+        except (OSError, OverflowError, ValueError) as exc:
+            message = "error listening on port: listen %s: %s" % (
+                "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                getattr(exc, "strerror", None) or exc)
+            log.error("%s", message)
+            print(message)
+            remove_paths(cleanup)
+            return 1
+        if opts.socket and where.startswith("unix:"):
+            cleanup.append(opts.socket)
         if opts.secure:
-            server.tls_context = make_tls_context(opts)
+            tls_context = make_tls_context(opts)
         if opts.setuid and opts.setgid:
             try:
                 drop_privileges(opts.setuid, opts.setgid)
@@ -4010,13 +3312,14 @@ def serve(opts):
     except SystemExit:
         remove_paths(cleanup)
         raise
-    daemon = Daemon(opts, registry, server, notifier, signals, cleanup)
-    server.loop = ConnectionLoop(server, listeners)
-    server.loop.start()
+    slots = threading.BoundedSemaphore(max(1, opts.max_connections))
+    servers = [HookServer(listener, app, slots, tls_context) for listener in listeners]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
     scheme = "https" if opts.secure else "http"
-    log.info("serving hooks on %s://%s%s{id}", scheme, where, server.prefix)
+    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return daemon.run()
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
     python3 bench/stub_server.py search --port N   # a stand-in search backend for searchkeys
     python3 bench/stub_server.py proxy --port N --upstream URL  # searchkeys' floor
 
-``floor``: a bare ``http.server`` handler that does nothing but answer — every GET gets
-404 ``Hook not found.`` — with HTTP/1.1 keep-alive, the threading server and TCP_NODELAY. It is the
-fastest a webhook runner built on ``http.server`` can be on this machine.
+``floor``: the design card's floor, a bare ``http.server`` + ``subprocess`` runner with no logic:
+``/hooks/exec-sync`` runs ``/bin/true`` and answers its output (200), ``/hooks/exec-async`` starts
+it and answers at once, every other GET gets 404 ``Hook not found.``; HTTP/1.1 keep-alive, the
+threading server, TCP_NODELAY, one write per answer. It is the fastest a webhook runner built on
+``http.server`` and ``subprocess`` can be on this machine.
 
 ``search``: answers every GET/POST with a small fixed Meilisearch-shaped search result, so that a
 request through ``searchkeys.py serve --upstream`` can be compared with the same request sent to
@@ -19,6 +21,7 @@ per thread), so the guard's cost can be told from the cost of the standard libra
 import argparse
 import http.client
 import json
+import subprocess
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,6 +55,20 @@ class QuietKeepAliveHandler(BaseHTTPRequestHandler):
 
 class FloorHandler(QuietKeepAliveHandler):
     response = canned_response(404, "Not Found", "text/plain; charset=utf-8", b"Hook not found.")
+
+    def _respond(self):
+        if self.path == "/hooks/exec-sync":
+            done = subprocess.run(["/bin/true"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.wfile.write(canned_response(200, "OK", "text/plain", done.stdout))
+        elif self.path == "/hooks/exec-async":
+            proc = subprocess.Popen(["/bin/true"], stdin=subprocess.DEVNULL)
+            threading.Thread(target=proc.wait, daemon=True).start()
+            self.wfile.write(canned_response(200, "OK", "text/plain", b""))
+        else:
+            QuietKeepAliveHandler._respond(self)
+
+    do_GET = do_POST = _respond
 
 
 SEARCH_RESULT = json.dumps({

@@ -61,9 +61,11 @@ LEAK_PATTERN = re.compile(rb'Traceback \(most recent call last\)|File "[^"]+", l
                           rb'|\b[A-Z][A-Za-z]*(?:Error|Exception)\b')
 
 MIB = 1024 * 1024
-# webhookd's own thread ceiling with default flags: -max-workers 64 request threads, -max-async-runs
-# 64 command threads, plus a few fixed ones (main, acceptor, reloader, logger); 32 is generous.
-THREAD_BOUND = 64 + 64 + 32
+# webhookd's own thread ceiling: a thread per connection served at once (-max-connections, 64 where
+# a test floods it, the 30 slow clients otherwise), -max-async-runs 64 background runs, plus a few
+# fixed ones (main, acceptor, logger); 32 is generous.
+FLOOD_CONNECTIONS = 64
+THREAD_BOUND = FLOOD_CONNECTIONS + 64 + 32
 
 
 # ============================================================================
@@ -781,7 +783,8 @@ def run_concurrent_triggers(workdir, n, seed=SEED):
     kinds = ["cap"] * 4 + ["file"] * 3 + ["async"] * 3 + ["serial", "abort"]
     plan += [rng.choice(kinds) for _ in range(n - len(plan))]
     rng.shuffle(plan)
-    with start_webhookd(hooks, "-verbose", env={"TMPDIR": str(tmp)}, cwd=workdir) as daemon:
+    with start_webhookd(hooks, "-verbose", "-max-connections", str(FLOOD_CONNECTIONS),
+                        env={"TMPDIR": str(tmp)}, cwd=workdir) as daemon:
         pid = daemon.proc.pid
         for _ in range(3):
             assert_still_serving(daemon, "warm-up")

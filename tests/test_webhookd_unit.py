@@ -4,7 +4,6 @@ import hashlib
 import hmac
 import json
 import os
-import select
 import threading
 import time
 
@@ -69,7 +68,7 @@ def test_usage_text_lists_flags_like_go():
 
 def test_main_version_and_exit_codes(capsys):
     assert w.main(["webhookd.py", "-version"]) == 0
-    assert capsys.readouterr().out == "webhook version 2.8.0\n"
+    assert capsys.readouterr().out == "webhookd version %s (webhook 2.8.0 compatible)\n" % w.__version__
     assert w.main(["webhookd.py", "-nosuch"]) == 2
     assert "flag provided but not defined" in capsys.readouterr().err
     assert w.main(["webhookd.py", "-setuid", "1"]) == 1
@@ -469,144 +468,46 @@ def test_build_invocation(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_spawner_runs_commands_like_popen(tmp_path):
-    spawner = w.Spawner()
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        child = spawner.spawn(b"/bin/sh", [b"sh", b"-c", b'echo "$1|$X|$(pwd)"; echo err >&2; '
-                                                        b'ps -o sid= -p $$; exit 3', b"sh", b"a"],
-                              [b"X=env", b"PATH=/usr/bin:/bin"], str(tmp_path), devnull,
-                              write_end)
-        os.close(write_end)
-        output = b""
-        while True:
-            chunk = os.read(read_end, 4096)
-            if not chunk:
-                break
-            output += chunk
-    finally:
-        os.close(read_end)
-        os.close(devnull)
-    assert child.wait() == 3 and child.wait(0) == 3
-    lines = output.decode().split()
-    assert lines[:2] == ["a|env|%s" % tmp_path, "err"]
-    assert int(lines[2]) == child.pid  # a session of its own
-    with pytest.raises(ValueError):
-        spawner.spawn(b"/bin/true", [b"a\0b"], [], None, 0, 1)
-    with pytest.raises(OSError):
-        spawner.spawn(b"/bin/true", [b"true"], [], str(tmp_path / "missing"), 0, 1)
-    with pytest.raises(ValueError):
-        w.environment_list({"A=B": "c"})
-    sleeper = spawner.spawn(b"/bin/sleep", [b"sleep", b"5"], [], None, 0, 1)
-    with pytest.raises(w.subprocess.TimeoutExpired):
-        sleeper.wait(0.1)
-    os.kill(sleeper.pid, 9)
-    assert sleeper.wait() == -9
+def invocation(argv, env_pairs=(), file_pairs=(), cwd=None):
+    argv = [a.encode() for a in argv]
+    return w.Invocation(argv[0].decode(), argv, list(env_pairs), list(file_pairs), cwd, [])
 
 
-@pytest.mark.parametrize("through", ["posix_spawn", "popen"])
-def test_command_runner_both_ways_of_starting(tmp_path, through):
-    runner = w.CommandRunner()
-    if through == "popen":
-        runner.spawner = False  # what a non-glibc system gets
-    script = b'echo out; echo err >&2; echo "$1|$HOOK_X|$(pwd)|${HOME:+home}"; exit 4'
-    run = w.Invocation("/bin/sh", [b"sh", b"-c", script, b"sh", b"arg"], [("HOOK_X", b"x")],
-                       [("HOOK_F", b"file data")], str(tmp_path), [])
-    result = runner.run(run, "id")
-    assert (result.started, result.returncode, result.timed_out) == (True, 4, False)
-    home = "home" if os.environ.get("HOME") else ""
-    assert result.output == ("out\nerr\narg|x|%s|%s\n" % (tmp_path, home)).encode()
-    assert runner.run(run, "id", keep_output=False).output == b""
-    assert not list(tmp_path.iterdir())  # the pass-file temp file is gone
-    sleeper = w.Invocation("/bin/sleep", [b"sleep", b"30"], [], [], None, [])
+def test_runner_collects_streams_and_times_out(tmp_path):
+    runner = w.Runner()
+    result = runner.run(invocation(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]), "r")
+    assert (result.started, result.returncode, result.output) == (True, 3, b"out\nerr\n")
+    chunks = []
+    result = runner.run(invocation(["/bin/sh", "-c", "printf a; sleep 0.1; printf b"]), "r",
+                        on_output=chunks.append)
+    assert result.ok and b"".join(chunks) == b"ab" and result.output == b""
     started = time.monotonic()
-    assert runner.run(sleeper, "id", timeout=0.2).timed_out
-    assert time.monotonic() - started < 10
-    for broken in (w.Invocation("/bin/true", [b"true"], [], [], str(tmp_path / "nope"), []),
-                   w.Invocation("/bin/true", [b"tr\0ue"], [], [], None, []),
-                   w.Invocation("/bin/true", [b"true"], [("A=B", b"c")], [], None, [])):
-        assert not runner.run(broken, "id").started
-
-
-class MiniLoop:
-    """What WatchedRun needs from the connection loop, driven by select() here."""
-
-    def __init__(self):
-        self.watched, self.timers = {}, w.Timers()
-
-    def watch(self, fd, callback):
-        self.watched[fd] = callback
-
-    def unwatch(self, fd):
-        del self.watched[fd]
-
-    def call_later(self, delay, callback):
-        return self.timers.add(time.monotonic() + delay, callback)
-
-    def cancel(self, timer):
-        self.timers.cancel(timer)
-
-    def run_until(self, condition, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, "loop did not finish"
-            for fd in select.select(list(self.watched), [], [], 0.05)[0]:
-                if fd in self.watched:
-                    self.watched[fd]()
-            self.timers.run_due(time.monotonic(), lambda callback: callback())
-
-
-def test_watched_run_ends_as_command_runner_run_does(tmp_path):
-    runner, loop = w.CommandRunner(), MiniLoop()
-
-    def watched(invocation, keep_output=True, timeout=None):
-        results = []
-        started = runner.launch(invocation, "id", keep_output)
-        w.WatchedRun(runner, started, loop, timeout, results.append)
-        loop.run_until(lambda: results)
-        assert not loop.watched and not runner.processes and loop.timers.next_due() is None
-        return results[0]
-
-    script = b'echo out; echo err >&2; cat "$HOOK_F"; exit 3'
-    run = w.Invocation("/bin/sh", [b"sh", b"-c", script], [], [("HOOK_F", b"file data")],
-                       str(tmp_path), [])
-    result = watched(run)
-    assert (result.started, result.returncode, result.timed_out) == (True, 3, False)
-    assert result.output == b"out\nerr\nfile data"
-    assert not list(tmp_path.iterdir())  # the pass-file temp file is gone
-    assert watched(run, keep_output=False).output == b""
-    assert watched(run, timeout=60).returncode == 3  # its timer is cancelled (checked above)
-    # the leader ignores SIGTERM: SIGKILL after the grace period (shortened here)
-    stubborn = w.Invocation("/bin/sh", [b"sh", b"-c", b"trap '' TERM; echo up; sleep 30"], [],
-                            [], None, [])
-    grace, w.KILL_GRACE_SECONDS = w.KILL_GRACE_SECONDS, 0.3
-    try:
-        result = watched(stubborn, timeout=0.2)
-    finally:
-        w.KILL_GRACE_SECONDS = grace
-    assert (result.timed_out, result.returncode, result.output) == (True, -9, b"up\n")
-    sleeper = w.Invocation("/bin/sleep", [b"sleep", b"30"], [], [], None, [])
-    result = watched(sleeper, keep_output=False, timeout=0.2)
+    result = runner.run(invocation(["/bin/sh", "-c", "echo begun; sleep 30"]), "r", timeout=0.3)
+    assert result.timed_out and result.output == b"begun\n" and time.monotonic() - started < 5
+    result = runner.run(invocation(["/bin/sleep", "30"]), "r", timeout=0.2, keep_output=False)
     assert (result.timed_out, result.returncode) == (True, -15)
+    assert not runner.processes
+    missing = runner.run(invocation([str(tmp_path / "nothing")]), "r")
+    assert not missing.started and missing.error is not None
 
 
-def test_timers_run_in_order_and_drop_cancelled_ones():
-    timers, ran = w.Timers(), []
-    later = timers.add(5.0, lambda: ran.append("later"))
-    timers.add(1.0, lambda: ran.append("b"))
-    timers.add(1.0, lambda: ran.append("c"))  # the same time: in the order added
-    timers.cancel(later)
-    timers.cancel(later)
-    assert timers.next_due() == 1.0
-    timers.run_due(0.5, lambda callback: callback())
-    assert ran == []
-    timers.run_due(10.0, lambda callback: callback())
-    assert ran == ["b", "c"] and timers.next_due() is None
-    handles = [timers.add(100.0 + i, ran.append) for i in range(200)]
-    for handle in handles[:150]:  # runs that ended before their command-timeout
-        timers.cancel(handle)
-    assert len(timers.heap) < 200 and timers.next_due() == 250.0
+def test_runner_environment_last_definition_wins_in_its_position(tmp_path):
+    # defect 5: as Go's exec, a name set twice keeps the last value, in the last position
+    pairs = [("HOOK_A", b"first"), ("HOOK_B", b"b"), ("HOOK_A", b"second")]
+    result = w.Runner().run(invocation(["/usr/bin/env"], env_pairs=pairs), "r")
+    names = [line.split(b"=")[0] for line in result.output.splitlines()]
+    assert b"HOOK_A=second" in result.output.splitlines()
+    assert b"HOOK_A=first" not in result.output.splitlines()
+    assert names.index(b"HOOK_A") > names.index(b"HOOK_B") and names.count(b"HOOK_A") == 1
+
+
+def test_runner_removes_temp_files_and_passes_their_paths(tmp_path):
+    inv = invocation(["/bin/sh", "-c", 'cat "$PAYLOAD"; echo; echo "$PAYLOAD"'],
+                     file_pairs=[("PAYLOAD", b"secret body")], cwd=str(tmp_path))
+    result = w.Runner().run(inv, "r")
+    body, path = result.output.decode().splitlines()
+    assert body == "secret body" and os.path.dirname(path) == str(tmp_path)
+    assert not os.listdir(tmp_path)
 
 
 def test_go_base64_decode():
