@@ -1,0 +1,350 @@
+"""YAML hooks files: the reader's edge cases (unit), loading through parse_hooks, and
+differential tests against Debian's webhook 2.8.0 (the same files, the same requests).
+
+Scalar expectations were checked against /usr/bin/webhook first (a hook that passes the scalar
+as a `string` argument to printf shows the string webhook ends up with); the differential tests
+at the bottom keep checking them.
+"""
+import json
+import math
+
+import pytest
+
+import webhookd as w
+
+load = w.load_yaml
+
+
+def error_of(text):
+    with pytest.raises(w.YamlError) as info:
+        load(text)
+    return info.value
+
+
+# ----------------------------------------------------------------------------
+# Scalars: YAML 1.1 resolution as go-yaml v2 does it
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [
+    ("yes", True), ("Yes", True), ("YES", True), ("y", True), ("Y", True), ("on", True),
+    ("On", True), ("true", True), ("True", True), ("no", False), ("N", False), ("off", False),
+    ("OFF", False), ("false", False), ("yEs", "yEs"), ("ture", "ture"),
+    ("~", None), ("null", None), ("Null", None), ("NULL", None), ("", None), ("nUll", "nUll"),
+    ("0", 0), ("-0", 0), ("+12", 12), ("1_000", 1000), ("0777", 511), ("0o17", 15),
+    ("0x1F", 31), ("0X1f", 31), ("-0x10", -16), ("0b101", 5), ("-0b11", -3),
+    ("9223372036854775807", 2 ** 63 - 1), ("18446744073709551615", 2 ** 64 - 1),
+    ("08", 8.0), ("1.5", 1.5), (".5", 0.5), ("-.5", -0.5), ("1e+3", 1000.0), ("1E-2", 0.01),
+    ("1e3", "1e3"), ("1.0e3", "1.0e3"), ("99999999999999999999", 1e20),
+    ("+18446744073709551615", 1.8446744073709552e19),
+    (".inf", math.inf), ("-.Inf", -math.inf), ("+.INF", math.inf),
+    ("1e+999", "1e+999"), ("0x", "0x"), ("-", "-"), ("1.2.3", "1.2.3"), ("_1", "_1"),
+    ("2024-01-02", "2024-01-02"), ("12:30", "12:30"), ("<<x", "<<x"),
+])
+def test_plain_scalars_resolve_as_go_yaml_v2(text, value):
+    got = w.resolve_plain(text)
+    assert got == value and type(got) is type(value)
+
+
+def test_nan_resolves_to_a_float_nan():
+    assert math.isnan(w.resolve_plain(".nan")) and w.resolve_plain(".Nan") == ".Nan"
+
+
+@pytest.mark.parametrize("value, text", [
+    (1.5, "1.5"), (0.1, "0.1"), (1.10, "1.1"), (3.14159265358979, "3.1415927"),
+    (1e10, "1e+10"), (123456.0, "123456"), (1234567.0, "1.234567e+06"), (0.0001, "0.0001"),
+    (0.00001, "1e-05"), (16777217.0, "1.6777216e+07"), (1e20, "1e+20"), (-2.5, "-2.5"),
+    (0.0, "0"), (-0.0, "-0"), (math.inf, "+Inf"), (-math.inf, "-Inf"), (math.nan, "NaN"),
+    (1e300, "+Inf"), (100.0, "100"),
+])
+def test_floats_become_strings_in_go_float32_form(value, text):
+    assert w.go_float32_text(value) == text
+
+
+def test_quoted_and_block_scalars_are_never_resolved():
+    assert load("a: 'yes'\nb: \"1\"\nc: |\n  on\nd: >-\n  12\n") == \
+        {"a": "yes", "b": "1", "c": "on\n", "d": "12"}
+
+
+def test_keys_become_strings_as_upstream_writes_them():
+    assert load("1: a\ntrue: b\nyes: c\n1.5: d\n0x10: e\n") == \
+        {"1": "a", "true": "c", "1.5": "d", "16": "e"}
+    assert "unsupported map key null" in str(error_of("~: x\n"))
+
+
+# ----------------------------------------------------------------------------
+# Block structure
+# ----------------------------------------------------------------------------
+
+def test_nested_mappings_and_sequences_by_indentation():
+    text = ("- id: a\n"
+            "  trigger-rule:\n"
+            "    and:\n"
+            "      - match: {type: value, value: x}\n"
+            "      -   match:\n"
+            "            type: regex\n"
+            "- - nested\n"
+            "  - list\n"
+            "-\n"
+            "- id: b   # comment\n")
+    assert load(text) == [
+        {"id": "a", "trigger-rule": {"and": [{"match": {"type": "value", "value": "x"}},
+                                             {"match": {"type": "regex"}}]}},
+        ["nested", "list"], None, {"id": "b"}]
+
+
+def test_sequences_not_indented_under_their_key():
+    assert load("a:\n- 1\n- 2\nb:\n  - 3\nc:\n") == {"a": [1, 2], "b": [3], "c": None}
+
+
+def test_multi_line_plain_scalars_fold():
+    assert load("a: one\n  two\n\n  three\n   four # c\nb: x\n") == \
+        {"a": "one two\nthree four", "b": "x"}
+    assert load("- a\n  b\n- c\n") == ["a b", "c"]
+
+
+def test_comments_blank_lines_and_a_byte_order_mark():
+    assert load("\ufeff# top\n\n- a # one\n#x\n\n- 'b' #two\n") == ["a", "b"]
+    assert load("a: b#c\nd: '#'\n") == {"a": "b#c", "d": "#"}
+
+
+def test_document_markers_for_one_document():
+    assert load("%YAML 1.1\n---\n- a\n...\n# done\n") == ["a"]
+    assert load("--- |\n  text\n") == "text\n"
+    assert load("--- [a, b]\n") == ["a", "b"]
+    assert load("# nothing\n") is None
+
+
+def test_lines_of_keys_and_items_are_kept():
+    data = load("# c\n- id: a\n  x:\n    - 1\n\n    - 2\n- id: b\n")
+    assert data.lines == [2, 7]
+    assert data[0].lines == {"id": 2, "x": 3} and data[0]["x"].lines == [4, 6]
+
+
+# ----------------------------------------------------------------------------
+# Flow collections
+# ----------------------------------------------------------------------------
+
+def test_flow_collections_with_trailing_commas_comments_and_lines():
+    text = ('[ {"id": "a", "n": [1, 2, ],}, # trailing commas\n'
+            '  {id: b, tags: [x, "y z"], empty: {}, e2: []},\n'
+            '  {"k":1, "m" : null},\n'
+            ']\n')
+    assert load(text) == [{"id": "a", "n": [1, 2]},
+                          {"id": "b", "tags": ["x", "y z"], "empty": {}, "e2": []},
+                          {"k": 1, "m": None}]
+
+
+def test_flow_odd_entries():
+    assert load("[a: b, c]") == [{"a": "b"}, "c"]
+    assert load("{a, b: , c: d}") == {"a": None, "b": None, "c": "d"}
+    assert load("[one\n  two, three]") == ["one two", "three"]
+
+
+def test_json_is_read_like_json():
+    doc = {"a": [1, -2, 3.5, True, False, None, "x\u00e9\n\"\\"], "b": {"c": {}}}
+    assert load(json.dumps(doc)) == doc
+    assert load(json.dumps(doc, indent="\t")) == doc
+
+
+# ----------------------------------------------------------------------------
+# Quoted scalars
+# ----------------------------------------------------------------------------
+
+def test_single_quotes():
+    assert load("a: 'it''s # not a comment'\nb: ''\n") == {"a": "it's # not a comment", "b": ""}
+    assert load("a: 'one\n  two\n\n  three '\n") == {"a": "one two\nthree "}
+
+
+def test_double_quote_escapes():
+    text = r'a: "\t|\n|\\|\"|\x41|\u00e9|\U0001F600|\0|\e|\ |\_"'
+    assert load(text + "\n") == {"a": "\t|\n|\\|\"|A|\u00e9|\U0001F600|\0|\x1b| |\xa0"}
+
+
+def test_double_quote_line_folding_and_escaped_breaks():
+    assert load('a: "one\n  two\n\n  three\\\n  four\\ \n  five"\n') == \
+        {"a": "one two\nthreefour  five"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('a: "\\/"\n', "found unknown escape character"),      # JSON's \/ is not YAML 1.1
+    ('a: "\\q"\n', "found unknown escape character"),
+    ('a: "\\ud83d\\ude00"\n', "found invalid Unicode character escape code"),
+    ('a: "\\x4"\n', "did not find expected hexdecimal number"),
+    ('a: "open\n', "found unexpected end of stream"),
+])
+def test_bad_double_quoted_scalars(text, message):
+    assert message in str(error_of(text))
+
+
+# ----------------------------------------------------------------------------
+# Block scalars
+# ----------------------------------------------------------------------------
+
+def test_literal_block_scalars_with_chomping():
+    text = ("clip: |\n  a\n   b\n\n  c\n\n\n"
+            "strip: |-\n  a\n\n"
+            "keep: |+\n  a\n\n\n"
+            "empty: |\n"
+            "last: |\n  end")
+    assert load(text) == {"clip": "a\n b\n\nc\n", "strip": "a", "keep": "a\n\n\n",
+                          "empty": "", "last": "end"}
+
+
+def test_folded_block_scalars():
+    text = ("f: >\n  one\n  two\n\n  three\n    indented\n  four\n"
+            "g: >-  # comment\n  x\n  y\n")
+    assert load(text) == {"f": "one two\nthree\n  indented\nfour\n", "g": "x y"}
+
+
+def test_indentation_indicators():
+    assert load("a: |2\n    kept\n  b\n") == {"a": "  kept\nb\n"}
+    assert load("- |1-\n   x\n") == ["  x"]
+    assert load("a: >+2\n   x\n\n") == {"a": " x\n\n"}
+    assert "indentation indicator equal to 0" in str(error_of("a: |0\n  x\n"))
+
+
+def test_block_scalar_ends_at_a_less_indented_line():
+    assert load("a: |\n    x\n    y\nb: >\n z\n") == {"a": "x\ny\n", "b": "z\n"}
+
+
+# ----------------------------------------------------------------------------
+# Anchors, aliases, merge keys
+# ----------------------------------------------------------------------------
+
+def test_anchors_and_aliases_share_a_rule():
+    text = ("- id: a\n"
+            "  trigger-rule: &rule\n"
+            "    match: {type: value, value: &v secret}\n"
+            "- id: b\n"
+            "  trigger-rule: *rule\n"
+            "  response-message: *v\n"
+            "- &item [1, 2]\n"
+            "- *item\n")
+    data = load(text)
+    assert data[1]["trigger-rule"] == {"match": {"type": "value", "value": "secret"}}
+    assert data[1]["response-message"] == "secret" and data[3] == [1, 2]
+    assert "unknown anchor 'nope'" in str(error_of("a: *nope\n"))
+
+
+def test_merge_keys_apply_in_order_as_go_yaml_v2():
+    text = ("base: &base {a: 1, b: 2}\n"
+            "more: &more {b: 3, c: 4}\n"
+            "one:\n  a: 0\n  <<: *base\n  c: 9\n"
+            "two:\n  <<: [*base, *more]\n")
+    data = load(text)
+    assert data["one"] == {"a": 1, "b": 2, "c": 9}
+    assert data["two"] == {"a": 1, "b": 2, "c": 4}
+    assert load("a: {'<<': x}\n") == {"a": {"<<": "x"}}
+
+
+# ----------------------------------------------------------------------------
+# Errors name the line and column of the mistake; unsupported YAML is refused
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, line, column, message", [
+    ("a: !!str x\n", 1, 4, "tags are not supported"),
+    ("- !custom x\n", 1, 3, "tags are not supported"),
+    ("- a\n---\n- b\n", 2, 1, "several YAML documents"),
+    ("? a\n: b\n", 1, 1, "complex mapping keys"),
+    ("[a]: b\n", 1, 1, "complex mapping keys"),
+    ("- {a: 1}: b\n", 1, 3, "complex mapping keys"),
+    ("a: b: c\n", 1, 5, "mapping values are not allowed"),
+    ("a: 1\n  b: 2\n", 2, 4, "mapping values are not allowed"),
+    ("a:\n\t- b\n", 2, 2, "tab character"),
+    ("{a:1}\n", 1, 3, "found unexpected ':'"),
+    ("- [a, b\n- c\n", 3, 1, "did not find expected ',' or ']'"),
+    ('[{"id": "a" "x": 1}]\n', 1, 13, "did not find expected ',' or '}'"),
+    ("a:\n  - b\n c: d\n", 3, 2, "bad indentation"),
+    ("- a\n b\n- c\n  d: e\n", 4, 4, "mapping values are not allowed"),
+    ("%TAG ! tag:x,2000:\n---\na\n", 1, 1, "directives"),
+    ("a: b\n- c\n", 2, 1, "did not find expected key"),
+    ('a: "x" y\n', 1, 8, "did not find expected key"),
+    ("a: [x,, y]\n", 1, 7, "did not find expected node content"),
+    ("a: |x\n", 1, 4, "did not find expected comment or line break"),
+    ("x: @y\n", 1, 4, "cannot start any token"),
+    ("- a\n- b\nc\n", 3, 1, "did not find expected <document start>"),
+])
+def test_errors_point_at_the_mistake(text, line, column, message):
+    exc = error_of(text)
+    assert (exc.line, exc.column) == (line, column) and message in exc.message, str(exc)
+
+
+# ----------------------------------------------------------------------------
+# Loading hooks files (parse_hooks): JSON fast path, YAML, messages with lines
+# ----------------------------------------------------------------------------
+
+HOOKS_YAML = """\
+# deploy hooks
+- id: deploy
+  execute-command: /bin/true
+  http-methods: [post]
+  trigger-rule:
+    match: &secret
+      type: value
+      value: 12
+      parameter: {source: header, name: X-Token}
+  pass-arguments-to-command:
+  - source: string
+    name: on
+- id: y
+  execute-command: /bin/true
+  trigger-rule: {match: *secret}
+  success-http-response-code: 201.0
+"""
+
+
+def test_yaml_hooks_load_with_values_as_upstream_sees_them():
+    hooks, problems = w.parse_hooks(HOOKS_YAML, "h.yaml")
+    assert problems.items == []
+    deploy, second = hooks
+    assert deploy.allowed_methods == ("POST",)
+    assert deploy.trigger_rule[1].value == "12" and deploy.pass_arguments[0].name == "true"
+    assert second.id == "true"  # YAML 1.1: `y` is a boolean, written back as "true"
+    assert second.trigger_rule[1].parameter.name == "X-Token"
+    assert second.success_status == 201
+
+
+def test_unknown_fields_and_bad_values_are_reported_with_their_line():
+    text = HOOKS_YAML.replace("  http-methods:", "  execute-comand: x\n  http-methods:")
+    text = text.replace("source: header", "source: headr")
+    _, problems = w.parse_hooks(text, "h.yaml")
+    messages = [m for _, m in problems.items]
+    assert "h.yaml:4: hook 0 (\"deploy\"): unknown field 'execute-comand'" in messages[0]
+    assert any(m.startswith("h.yaml:10: hook 0 (\"deploy\").trigger-rule.match.parameter: "
+                            "unknown source 'headr'") for m in messages), messages
+    bad = HOOKS_YAML.replace("201.0", "'201'")
+    with pytest.raises(w.HooksFileError) as info:
+        w.parse_hooks(bad, "h.yaml")
+    assert str(info.value).startswith("h.yaml:16: hook 1.success-http-response-code: "
+                                      "expected an integer, got string")
+    with pytest.raises(w.HooksFileError, match="h.yaml:16: .*expected an integer"):
+        w.parse_hooks(HOOKS_YAML.replace("201.0", "201.5"), "h.yaml")
+
+
+def test_json_problems_get_lines_too():
+    text = '[\n  {"id": "a",\n   "execute-comand": "x"}\n]\n'
+    _, problems = w.parse_hooks(text, "h.json")
+    assert problems.items[0][1].startswith("h.json:3: hook 0 (\"a\"): unknown field")
+    with pytest.raises(w.HooksFileError, match=r'^h.json:2: hook 0 \("a"\).http-methods: '):
+        w.parse_hooks('[{"id": "a",\n "http-methods": "POST"}]', "h.json")
+
+
+def test_json_keeps_upstream_scalars():
+    hooks, _ = w.parse_hooks(
+        '[{"id": "a", "execute-command": "/bin/true", "response-message": 1e5,'
+        ' "trigger-rule": {"match": {"type": "value", "value": 1.10,'
+        ' "parameter": {"source": "string", "name": 10}}}}]', "h.json")
+    assert hooks[0].response_message == "1e5"  # go-yaml: no sign after e, not a float
+    assert hooks[0].trigger_rule[1].value == "1.1"
+    assert hooks[0].trigger_rule[1].parameter.name == "10"
+
+
+def test_lenient_json_and_broken_files():
+    hooks, _ = w.parse_hooks('[ # hooks\n {"id": "a",},\n]', "h.json")
+    assert [h.id for h in hooks] == ["a"]
+    with pytest.raises(w.HooksFileError, match=r"^h.json:1:16: found unknown escape character"):
+        w.parse_hooks('[{"id": "a", "x\\/": 1}]', "h.json")
+    with pytest.raises(w.HooksFileError, match=r"^h.yaml:3:14: mapping values are not allowed"):
+        w.parse_hooks("- id: a\n  execute-command: /bin/true\n  response: a: b\n", "h.yaml")
+    with pytest.raises(w.HooksFileError, match="h.yaml: expected an array"):
+        w.parse_hooks("id: a\n", "h.yaml")
