@@ -968,8 +968,9 @@ class YamlReader:
                 result.lines.append(self.line_of(entry_pos))
             if self.char() == ",":
                 self.pos += 1
-            elif self.char() != closing:
-                self.fail("did not find expected ',' or '%s'" % closing)
+            elif self.char() != closing:  # at the end of the text: point at the opening
+                self.fail("did not find expected ',' or '%s'" % closing,
+                          None if self.char() else start)
 
     def flow_node(self):
         char = self.char()
@@ -1186,10 +1187,22 @@ def fold_keys(obj, known, where, problems):
         lowered = key.lower()
         if lowered in known:
             folded[lowered] = value
+        elif not_json(value):
+            raise HooksFileError("%s.%s: %s is no JSON value, upstream refuses the file"
+                                 % (where, key, not_json(value)))
         else:
             problems.warn(where, "unknown field %r%s" % (key, did_you_mean(key, known)),
                           getattr(obj, "lines", {}).get(key))
     return folded
+
+
+def not_json(value):
+    """The first infinite or NaN float in a value ("+Inf"), else "": upstream turns YAML into JSON
+    before decoding, and that fails for them unless they land in a string field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return go_float32_text(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for found in map(not_json, items) if found), "")
 
 
 def type_name(value):

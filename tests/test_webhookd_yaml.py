@@ -252,7 +252,7 @@ def test_merge_keys_apply_in_order_as_go_yaml_v2():
     ("a: 1\n  b: 2\n", 2, 4, "mapping values are not allowed"),
     ("a:\n\t- b\n", 2, 2, "tab character"),
     ("{a:1}\n", 1, 3, "found unexpected ':'"),
-    ("- [a, b\n- c\n", 3, 1, "did not find expected ',' or ']'"),
+    ("- [a, b\n- c\n", 1, 3, "did not find expected ',' or ']'"),
     ('[{"id": "a" "x": 1}]\n', 1, 13, "did not find expected ',' or '}'"),
     ("a:\n  - b\n c: d\n", 3, 2, "bad indentation"),
     ("- a\n b\n- c\n  d: e\n", 4, 4, "mapping values are not allowed"),
@@ -348,3 +348,122 @@ def test_lenient_json_and_broken_files():
         w.parse_hooks("- id: a\n  execute-command: /bin/true\n  response: a: b\n", "h.yaml")
     with pytest.raises(w.HooksFileError, match="h.yaml: expected an array"):
         w.parse_hooks("id: a\n", "h.yaml")
+
+
+def test_values_upstream_cannot_write_as_json_are_refused():
+    with pytest.raises(w.HooksFileError, match=r'h.yaml:3: hook 0 \("a"\).x: \+Inf is no JSON'):
+        w.parse_hooks("- id: a\n  execute-command: /bin/true\n  x: [1, .inf]\n", "h.yaml")
+    hooks, _ = w.parse_hooks("- id: a\n  response-message: .inf\n", "h.yaml")
+    assert hooks[0].response_message == "+Inf"
+
+
+# ----------------------------------------------------------------------------
+# Through the daemon: reload, SIGHUP, several -hooks, -template, -validate
+# ----------------------------------------------------------------------------
+
+import signal  # noqa: E402  (the black-box half of the file)
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import support  # noqa: E402
+
+ECHO_SCRIPT = """\
+import os, sys
+args = [a for a in sys.argv[1:]]
+if args:
+    print("arg: " + " ".join(args))
+env = sorted("%s=%s" % kv for kv in os.environ.items() if kv[0].startswith("HOOK_")
+             or kv[0] == "PUSHER")
+if env:
+    print("env: " + " ".join(env))
+code = [a[5:] for a in args if a.startswith("exit=")]
+sys.exit(int(code[0]) if code else 0)
+"""
+
+
+def echo_command(folder):
+    """An executable that prints its argv and hook environment (like upstream's hookecho)."""
+    script = folder / "hookecho"
+    script.write_text("#!%s\n%s" % (sys.executable, ECHO_SCRIPT))
+    script.chmod(0o755)
+    return str(script)
+
+
+def webhookd(*args, port=None):
+    port = port or support.free_port()
+    argv = support.python_cmd(support.WEBHOOKD, *map(str, args), "-ip", "127.0.0.1",
+                              "-port", str(port))
+    return support.Daemon(argv, port, timeout=20.0)
+
+
+def wait_for(check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def yaml_hook(hook_id, message):
+    return ("- id: %s\n  execute-command: /bin/true\n  response-message: >-\n    %s\n"
+            % (hook_id, message))
+
+
+def test_yaml_files_reload_keep_old_hooks_when_broken_and_load_with_json(tmp_path):
+    one, two = tmp_path / "one.yaml", tmp_path / "two.json"
+    one.write_text(yaml_hook("first", "one\n    line"))
+    two.write_text('[{"id": "second", "execute-command": "/bin/true",'
+                   ' "response-message": "json", }, # lenient\n]')
+    with webhookd("-hooks", one, "-hooks", two, "-hotreload", "-verbose") as d:
+        assert d.request("GET", "/hooks/first")[::2] == (200, b"one line")
+        assert d.request("GET", "/hooks/second")[::2] == (200, b"json")
+        one.write_text(yaml_hook("third", "three"))
+        assert wait_for(lambda: d.request("GET", "/hooks/third")[0] == 200)
+        assert d.request("GET", "/hooks/first")[0] == 404
+        one.write_text(yaml_hook("fourth", "four") + "  bad: [\n")
+        assert wait_for(lambda: "one.yaml:5:8: did not find expected ',' or ']'" in d.log())
+        assert d.request("GET", "/hooks/third")[::2] == (200, b"three")
+        d.proc.send_signal(signal.SIGSTOP)  # edit unseen by the poller, then ask by SIGHUP
+        try:
+            one.write_text(yaml_hook("fifth", "five"))
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        d.signal(signal.SIGHUP)
+        assert wait_for(lambda: d.request("GET", "/hooks/fifth")[0] == 200)
+
+
+def test_template_is_expanded_before_the_yaml_is_read(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text("- id: t\n  execute-command: /bin/true\n"
+                     "  response-message: \"{{ getenv \"GREETING\" | js }}\"\n"
+                     "  trigger-rule:\n    match:\n      type: value\n"
+                     "      value: {{ getenv \"TOKEN\" }}\n"
+                     "      parameter: {source: url, name: token}\n")
+    port = support.free_port()
+    argv = support.python_cmd(support.WEBHOOKD, "-template", "-hooks", hooks, "-ip",
+                              "127.0.0.1", "-port", str(port))
+    with support.Daemon(argv, port, env={"GREETING": 'say "hi"', "TOKEN": "0x1F"}) as d:
+        assert d.request("GET", "/hooks/t?token=31")[::2] == (200, b'say "hi"')
+        assert d.request("GET", "/hooks/t?token=0x1F")[::2] == \
+            (200, b"Hook rules were not satisfied.")
+
+
+def test_validate_names_lines_in_yaml_files(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text("- id: a\n  execute-command: /bin/true\n\n  trigger-rule:\n"
+                     "    match: {type: value, value: x, parameter: {source: url, nme: t}}\n"
+                     "  include-command-output: true\n")
+    out = subprocess.run(support.python_cmd(support.WEBHOOKD, "-validate", "-hooks", hooks),
+                         capture_output=True, text=True, timeout=30)
+    assert "%s:5: hook 0 (\"a\").trigger-rule.match.parameter: unknown field 'nme'" % hooks \
+        in out.stdout
+    assert "%s:6: hook 0 (\"a\"): unknown field 'include-command-output' (did you mean " \
+        "'include-command-output-in-response'?)" % hooks in out.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("- id: a\n  execute-command: /bin/true\n  http-methods: [POST\n")
+    out = subprocess.run(support.python_cmd(support.WEBHOOKD, "-validate", "-hooks", broken),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "error: %s:3:17: did not find expected ',' or ']'" % broken in out.stdout
