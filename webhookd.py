@@ -634,9 +634,12 @@ class YamlReader:
         if column == -1 and text.startswith("...", self.pos):
             self.pos += 3
             column = self.next_content()
+        if column == -1 and text.startswith("---", self.pos):
+            marker = self.pos
+            self.pos += 3  # an empty document after it changes nothing (upstream reads one)
+            if self.next_content() != -1 or self.pos < len(text):
+                self.fail("several YAML documents in one file are not supported", marker)
         if self.pos < len(text):
-            if column == -1 and text.startswith("---", self.pos):
-                self.fail("several YAML documents in one file are not supported")
             self.fail("did not find expected <document start>")
         return value
 

@@ -112,6 +112,7 @@ def test_document_markers_for_one_document():
     assert load("--- |\n  text\n") == "text\n"
     assert load("--- [a, b]\n") == ["a", "b"]
     assert load("# nothing\n") is None
+    assert load("- a\n---\n# empty\n") == ["a"]
 
 
 def test_lines_of_keys_and_items_are_kept():
@@ -467,3 +468,225 @@ def test_validate_names_lines_in_yaml_files(tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
     assert "error: %s:3:17: did not find expected ',' or ']'" % broken in out.stdout
+
+
+# ----------------------------------------------------------------------------
+# Differential: the same files and requests on Debian's webhook and webhookd.py
+# ----------------------------------------------------------------------------
+
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+import re  # noqa: E402
+
+UPSTREAM = support.ROOT.parent / "shared" / "senders-fixtures" / "adnanh-webhook"
+needs_webhook = pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="webhook not installed")
+needs_upstream = pytest.mark.skipif(not UPSTREAM.is_dir(), reason="../shared is absent")
+
+
+def start_both(hooks_path):
+    """Debian's webhook and webhookd.py, each serving `hooks_path`."""
+    daemons = []
+    for prefix in ([support.WEBHOOK_BIN], support.python_cmd(support.WEBHOOKD)):
+        port = support.free_port()
+        argv = prefix + ["-hooks", str(hooks_path), "-verbose", "-ip", "127.0.0.1",
+                         "-port", str(port)]
+        daemons.append(support.Daemon(argv, port, timeout=20.0))
+    return daemons
+
+
+def answers(daemon, requests):
+    """(status, selected headers, body) of each request; a peer's port is not compared."""
+    out = []
+    for method, path, headers, body in requests:
+        status, got_headers, data = daemon.request(method, path, body, headers)
+        data = re.sub(rb"127\.0\.0\.1:\d+", b"127.0.0.1:PORT", data)
+        out.append((path, status, got_headers.get("x-info"), data))
+    return out
+
+
+def same_answers(hooks_path, requests):
+    go, py = start_both(hooks_path)
+    with go, py:
+        expected, got = answers(go, requests), answers(py, requests)
+        for want, have in zip(expected, got):
+            assert have == want, "webhookd differs from webhook (logs:\n%s\n%s)" % (
+                go.log()[-2000:], py.log()[-2000:])
+    return got
+
+
+def signed(body, secret="mysecret"):
+    return "sha1=" + hmac.new(secret.encode(), body, hashlib.sha1).hexdigest()
+
+
+def upstream_requests():
+    """Requests in the spirit of upstream's webhook_test.go, one or more per hook."""
+    def body(name):
+        return (UPSTREAM / name).read_bytes()
+    github, gitlab = body("github-push.json"), body("gitlab-push.json")
+    as_json = {"Content-Type": "application/json"}
+    github_headers = dict(as_json, **{"X-Hub-Signature": signed(github)})
+    requests = [
+        ("POST", "/hooks/github", github_headers, github),
+        ("POST", "/hooks/github", dict(as_json, **{"X-Hub-Signature": signed(github, "x")}),
+         github),
+        ("GET", "/hooks/github", github_headers, github),
+        ("POST", "/hooks/github", as_json, b"{}"),
+        ("POST", "/hooks/github-multi-sig", github_headers, github),
+        ("POST", "/hooks/github-multi-sig-fail", github_headers, github),
+        ("POST", "/hooks/bitbucket", {"Content-Type": "application/x-www-form-urlencoded"},
+         body("bitbucket-form.txt")),
+        ("POST", "/hooks/bitbucket", as_json, b"{}"),
+        ("POST", "/hooks/gitlab", dict(as_json, **{"X-Gitlab-Event": "Push Hook"}), gitlab),
+        ("POST", "/hooks/gitlab", as_json, b"{}"),
+        ("POST", "/hooks/xml", {"Content-Type": "application/xml"}, body("app.xml")),
+        ("POST", "/hooks/txt-raw", {"Content-Type": "text/plain"}, body("txt-raw.txt")),
+        ("POST", "/hooks/sendgrid", as_json, body("sendgrid-processed.json")),
+        ("POST", "/hooks/sendgrid/dir", as_json, body("sendgrid-it-worked.json")),
+        ("POST", "/hooks/plex", {"Content-Type": "multipart/form-data; boundary=xxx"},
+         body("plex-multipart.txt")),
+        ("POST", "/hooks/issue-471", as_json, body("issue-471.json")),
+        ("POST", "/hooks/issue-471-and", as_json, body("issue-471.json")),
+        ("POST", "/hooks/empty-payload-signature", {"X-Hub-Signature": signed(b"")}, b""),
+        ("POST", "/hooks/request-source", as_json, b"{}"),
+        ("POST", "/hooks/nope", as_json, b"{}"),
+    ]
+    for hook_id in ("capture-command-output-on-success-not-by-default",
+                    "capture-command-output-on-success-yes-with-flag",
+                    "capture-command-output-on-error-not-by-default",
+                    "capture-command-output-on-error-yes-with-extra-flag",
+                    "static-params-ok", "warn-on-space"):
+        requests.append(("POST", "/hooks/" + hook_id, as_json, b"{}"))
+    return requests
+
+
+@needs_webhook
+@needs_upstream
+@pytest.mark.parametrize("name", ["hooks.yaml.tmpl", "hooks.json.tmpl"])
+def test_upstream_hooks_files_serve_the_same_answers(name, tmp_path):
+    text = (UPSTREAM / name).read_text().replace("{{ .Hookecho }}", echo_command(tmp_path))
+    hooks = tmp_path / name.replace(".tmpl", "")
+    hooks.write_text(text)
+    got = same_answers(hooks, upstream_requests())
+    statuses = {path: status for path, status, _, _ in got}
+    assert statuses["/hooks/nope"] == 404 and statuses["/hooks/warn-on-space"] == 500
+    first = got[0]
+    assert first[1] == 200 and first[3].startswith(b"arg: 1481a2de7b2a7d02428ad93446ab166be7793fbb")
+
+
+DOCS_STYLE_YAML = """\
+# Hooks the way the documentation writes them, plus YAML 1.1 corners.
+- id: redeploy
+  execute-command: {echo}
+  command-working-directory: /
+  include-command-output-in-response: true
+  response-headers:
+  - name: X-Info
+    value: 3.10
+  pass-arguments-to-command:
+  - source: payload
+    name: head_commit.id
+  - {{source: string, name: yes}}
+  - {{source: string, name: Off}}
+  - {{source: string, name: 0777}}
+  - {{source: string, name: 0x1F}}
+  - {{source: string, name: 1_000}}
+  - {{source: string, name: 1e3}}
+  - {{source: string, name: 1e+3}}
+  - {{source: string, name: 123456789.0}}
+  - {{source: string, name: .5}}
+  - {{source: string, name: ~}}
+  - {{source: string, name: 18446744073709551615}}
+  - {{source: string, name: "tab\\there \\u00e9"}}
+  - {{source: string, name: 'it''s'}}
+  pass-environment-to-command:
+  - source: payload
+    name: pusher.name
+    envname: PUSHER
+  trigger-rule: &token
+    and:
+    - match:
+        type: value
+        value: 42
+        parameter:
+          source: url
+          name: token
+    - not:
+        match: {{type: regex, regex: '^refs/tags/', parameter: {{source: payload, name: ref}}}}
+
+- id: notes
+  execute-command: {echo}
+  include-command-output-in-response: true
+  pass-arguments-to-command:
+  - source: string
+    name: |
+      literal
+        block
+  - source: string
+    name: >-
+      folded
+      text
+
+      kept
+  - source: string
+    name: plain
+      continued
+  trigger-rule: *token
+- id: off
+  execute-command: {echo}
+  response-message: the id is false
+  http-methods:
+  - post
+---
+"""
+
+LENIENT_JSON = """\
+[
+  # comments and trailing commas, as upstream's docs allow
+  {{
+    "id": "lenient",
+    "execute-command": "{echo}",
+    "include-command-output-in-response": true,
+    "pass-arguments-to-command": [
+      {{"source": "string", "name": 1.10}},
+      {{"source": "string", "name": 1e5}},
+      {{"source": "string", "name": 100.0}},
+      {{"source": "payload", "name": "list.1"}},
+    ],
+    "trigger-rule": {{"match": {{"type": "value", "value": 7,
+                     "parameter": {{"source": "payload", "name": "n"}}}}}},
+  }},
+]
+"""
+
+
+@needs_webhook
+def test_docs_style_yaml_serves_the_same_answers(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text(DOCS_STYLE_YAML.format(echo=echo_command(tmp_path)))
+    push = json.dumps({"head_commit": {"id": "abc"}, "pusher": {"name": "ann"},
+                       "ref": "refs/heads/main"})
+    tag = push.replace("refs/heads/main", "refs/tags/v1")
+    as_json = {"Content-Type": "application/json"}
+    got = same_answers(hooks, [
+        ("POST", "/hooks/redeploy?token=42", as_json, push),
+        ("POST", "/hooks/redeploy?token=41", as_json, push),
+        ("POST", "/hooks/redeploy?token=42", as_json, tag),
+        ("POST", "/hooks/notes?token=42", as_json, push),
+        ("POST", "/hooks/false", {}, ""),
+        ("GET", "/hooks/false", {}, ""),
+        ("POST", "/hooks/off", {}, ""),
+    ])
+    assert got[0][1:3] == (200, "3.1") and b"abc true false 511 31 1000 1e3 1000" in got[0][3]
+    assert got[4][1:] == (200, None, b"the id is false")
+
+
+@needs_webhook
+def test_lenient_json_serves_the_same_answers(tmp_path):
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(LENIENT_JSON.format(echo=echo_command(tmp_path)))
+    as_json = {"Content-Type": "application/json"}
+    got = same_answers(hooks, [
+        ("POST", "/hooks/lenient", as_json, '{"n": 7, "list": [1, 2.50]}'),
+        ("POST", "/hooks/lenient", as_json, '{"n": 8}'),
+    ])
+    assert got[0][1:] == (200, None, b"arg: 1.1 1e5 100 2.50\n")
