@@ -446,6 +446,9 @@ YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z")
 YAML_FLOW_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|:|[ \t]+#|[,?\[\]{}]|[ \t]*(?=\n)|[ \t]*\Z")
 YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
+YAML_LINE_SPACE = re.compile(r"[ \t]*")
+YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
+YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
 YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
 YAML_SINGLE_STOPS = re.compile(r"['\n]")
 # Markers no decoded text contains (surrogateescape yields only U+DC80..U+DCFF): an escaped
@@ -577,40 +580,39 @@ class YamlReader:
 
     def at_marker(self, pos):
         text = self.text
-        return (text.startswith(("---", "..."), pos) and self.column(pos) == 0
+        return (text.startswith(("---", "..."), pos) and (pos == 0 or text[pos - 1] == "\n")
                 and text[pos + 3:pos + 4] in ("", " ", "\t", "\n"))
 
     def skip_line_space(self):
-        text, pos = self.text, self.pos
-        while pos < len(text) and text[pos] in " \t":
-            pos += 1
-        if text[pos:pos + 1] == "#" and (pos == self.pos or pos == 0 or text[pos - 1] in " \t\n"):
+        """Skip blanks and a comment up to the end of the current line."""
+        text = self.text
+        pos = YAML_LINE_SPACE.match(text, self.pos).end()
+        if text.startswith("#", pos) and (pos == self.pos or text[pos - 1] in " \t\n"):
             end = text.find("\n", pos)
             pos = len(text) if end < 0 else end
         self.pos = pos
 
     def at_line_end(self):
         self.skip_line_space()
-        return self.char() in ("", "\n")
+        return self.pos >= len(self.text) or self.text[self.pos] == "\n"
 
     def next_content(self):
         """Skip blanks, comments and line breaks; the column of what follows, or -1 at the end
         of the document (end of text or a `---`/`...` marker)."""
-        text = self.text
-        while True:
+        self.skip_line_space()
+        text, pos = self.text, self.pos
+        if pos < len(text) and text[pos] == "\n":
+            self.pos = YAML_BLANK_LINES.match(text, pos + 1).end()
             self.skip_line_space()
-            if self.pos >= len(text):
-                return -1
-            if text[self.pos] != "\n":
-                break
-            self.pos += 1
-        start = self.line_starts[self.line_of(self.pos) - 1]
-        if self.pos > start and "\t" in text[start:self.pos] and \
-                not text[start:self.pos].strip(" \t"):
-            self.fail("found a tab character that violates indentation")
-        if self.at_marker(self.pos):
+            pos = self.pos
+            start = text.rfind("\n", 0, pos) + 1
+            if "\t" in text[start:pos] and pos < len(text):
+                self.fail("found a tab character that violates indentation")
+        else:
+            start = text.rfind("\n", 0, pos) + 1
+        if pos >= len(text) or self.at_marker(pos):
             return -1
-        return self.pos - start
+        return pos - start
 
     # -- document
     def document(self):
@@ -728,33 +730,19 @@ class YamlReader:
     def plain_continued(self, first, parent, flow=False):
         """Continue a plain scalar on more-indented lines (any line in flow context)."""
         lines, text = [first], self.text
-        while self.char() in (" ", "\t", "\n") and self.pos < len(text):
-            mark = self.pos
-            while self.char() in (" ", "\t"):
-                self.pos += 1
-            if self.char() != "\n":
-                self.pos = mark
+        while True:
+            more = YAML_CONTINUATION.match(text, self.pos)
+            if more is None or more.end() >= len(text):
                 break
-            blank = 0
-            while True:
-                self.pos += 1
-                line_start = self.pos
-                while self.char() in (" ", "\t"):
-                    self.pos += 1
-                if self.char() != "\n":
-                    break
-                blank += 1
-            indent = self.pos - line_start
-            stop = (self.pos >= len(text) or self.char() == "#" or self.at_marker(line_start)
-                    or (not flow and indent <= parent)
-                    or (flow and self.char() in ",]}:?"))
-            if stop:
-                self.pos = mark
+            line_start, pos = more.start(2), more.end()
+            if (text[pos] == "#" or self.at_marker(line_start)
+                    or (flow and text[pos] in ",]}:?") or (not flow and pos - line_start <= parent)):
                 break
+            self.pos = pos
             line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
             if flow and self.char() == ":" and not self.blank_after(1):
                 self.fail("found unexpected ':'")
-            lines.extend([""] * blank)
+            lines.extend([""] * more.group(1).count("\n"))
             lines.append(line)
         return fold_flow_lines(lines) if len(lines) > 1 else first
 
