@@ -621,7 +621,7 @@ class YamlReader:
         while column == 0 and text.startswith("%", self.pos):
             if not text.startswith("%YAML", self.pos):
                 self.fail("directives other than %YAML are not supported")
-            self.skip_line_space_to_end()
+            self.skip_to_line_end()
             column = self.next_content()
         value = None
         if column == -1 and text.startswith("---", self.pos):
@@ -645,7 +645,7 @@ class YamlReader:
             self.fail("did not find expected <document start>")
         return value
 
-    def skip_line_space_to_end(self):
+    def skip_to_line_end(self):
         end = self.text.find("\n", self.pos)
         self.pos = len(self.text) if end < 0 else end
 
