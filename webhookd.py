@@ -1197,8 +1197,10 @@ def not_json(value):
 
 
 def type_name(value):
-    return {dict: "object", list: "array", str: "string", bool: "boolean",
-            type(None): "null"}.get(type(value), "number")
+    for kind, name in ((dict, "object"), (list, "array"), (str, "string"), (bool, "boolean")):
+        if isinstance(value, kind):  # YamlMap and YamlList too
+            return name
+    return "null" if value is None else "number"
 
 
 def as_string(value, where):

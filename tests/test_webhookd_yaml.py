@@ -320,6 +320,9 @@ def test_unknown_fields_and_bad_values_are_reported_with_their_line():
                                       "expected an integer, got string")
     with pytest.raises(w.HooksFileError, match="h.yaml:16: .*expected an integer"):
         w.parse_hooks(HOOKS_YAML.replace("201.0", "201.5"), "h.yaml")
+    with pytest.raises(w.HooksFileError, match=r"h.yaml:11: .*\[0\]: expected an object, got array"):
+        w.parse_hooks(HOOKS_YAML.replace("  - source: string\n", "  - [x]\n  - source: string\n"),
+                      "h.yaml")
 
 
 def test_json_problems_get_lines_too():
@@ -690,3 +693,74 @@ def test_lenient_json_serves_the_same_answers(tmp_path):
         ("POST", "/hooks/lenient", as_json, '{"n": 8}'),
     ])
     assert got[0][1:] == (200, None, b"arg: 1.1 1e5 100 2.50\n")
+
+
+SCALAR_STYLES_YAML = """\
+- id: p
+  execute-command: /usr/bin/printf
+  include-command-output-in-response: true
+  pass-arguments-to-command:
+  - {source: string, name: '[%s]'}
+  - source: string
+    name: |
+      lit
+        more
+
+  - source: string
+    name: >
+      fold
+      ed
+
+      para
+        indented
+      back
+  - source: string
+    name: |+
+      keep
+
+
+  - source: string
+    name: |-
+      strip
+  - source: string
+    name: |2
+        two
+      one
+  - source: string
+    name: "dq \\
+      joined  \\t
+      next\\
+      \\ lead
+
+      x"
+  - source: string
+    name: 'sq
+      fold
+
+      end '
+  - source: string
+    name: plain
+      multi
+
+      line
+  - {source: string, name: "flowok"}
+  - <<: {source: string, name: merged}
+  - source: env
+    <<: {source: string, name: override}
+  - &anc {source: string, name: anchored}
+  - *anc
+  - source: string
+    name: >2-
+        deep
+      shallow
+- id: after
+  execute-command: /bin/true
+"""
+
+
+@needs_webhook
+def test_scalar_styles_merges_and_anchors_give_the_same_strings(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text(SCALAR_STYLES_YAML)
+    got = same_answers(hooks, [("GET", "/hooks/p", {}, ""), ("GET", "/hooks/after", {}, "")])
+    assert got[0][1] == 200 and got[0][3].startswith(b"[lit\n  more\n][fold ed\npara\n")
