@@ -5,11 +5,19 @@ Scalar expectations were checked against /usr/bin/webhook first (a hook that pas
 as a `string` argument to printf shows the string webhook ends up with); the differential tests
 at the bottom keep checking them.
 """
+import hashlib
+import hmac
 import json
 import math
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+import support
 import webhookd as w
 
 load = w.load_yaml
@@ -365,12 +373,6 @@ def test_values_upstream_cannot_write_as_json_are_refused():
 # Through the daemon: reload, SIGHUP, several -hooks, -template, -validate
 # ----------------------------------------------------------------------------
 
-import signal  # noqa: E402  (the black-box half of the file)
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import support  # noqa: E402
 
 ECHO_SCRIPT = """\
 import os, sys
@@ -477,9 +479,6 @@ def test_validate_names_lines_in_yaml_files(tmp_path):
 # Differential: the same files and requests on Debian's webhook and webhookd.py
 # ----------------------------------------------------------------------------
 
-import hashlib  # noqa: E402
-import hmac  # noqa: E402
-import re  # noqa: E402
 
 UPSTREAM = support.ROOT.parent / "shared" / "senders-fixtures" / "adnanh-webhook"
 needs_webhook = pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="webhook not installed")
