@@ -123,6 +123,11 @@ def test_document_markers_for_one_document():
     assert load("- a\n---\n# empty\n") == ["a"]
 
 
+def test_windows_line_ends():
+    assert load("- a: |\r\n    x\r\n  b: 'y\r\n    z'\r\n") == [{"a": "x\n", "b": "y z"}]
+    assert error_of("- a\r\n- b: c: d\r\n").line == 2
+
+
 def test_lines_of_keys_and_items_are_kept():
     data = load("# c\n- id: a\n  x:\n    - 1\n\n    - 2\n- id: b\n")
     assert data.lines == [2, 7]
@@ -373,10 +378,9 @@ def test_values_upstream_cannot_write_as_json_are_refused():
 # Through the daemon: reload, SIGHUP, several -hooks, -template, -validate
 # ----------------------------------------------------------------------------
 
-
 ECHO_SCRIPT = """\
 import os, sys
-args = [a for a in sys.argv[1:]]
+args = sys.argv[1:]
 if args:
     print("arg: " + " ".join(args))
 env = sorted("%s=%s" % kv for kv in os.environ.items() if kv[0].startswith("HOOK_")
