@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
@@ -122,7 +123,8 @@ def pick_pip_wheel(pypi_json, version):
         for item in releases[release]:
             if (item.get("packagetype") == "bdist_wheel" and item["filename"].endswith("-py3-none-any.whl")
                     and not item.get("yanked") and python_ok(item.get("requires_python"), version)):
-                return item["filename"], item["url"], item["digests"]["sha256"]
+                url = urllib.parse.urljoin(PYPI_PIP_JSON, item["url"])  # mirrors may answer relative URLs
+                return item["filename"], url, item["digests"]["sha256"]
     raise SetupError("PyPI lists no pip wheel for Python %s" % ".".join(map(str, version)))
 
 
