@@ -101,11 +101,12 @@ def python_ok(requires_python, version):
                 return False
             continue
         have = version[:len(wanted)] if op in ("==", "!=") else version
+        prefix = len(wanted) - 1  # ~=3.9 means >=3.9 and ==3.*
         width = max(len(have), len(wanted))
         have, wanted = have + (0,) * (width - len(have)), wanted + (0,) * (width - len(wanted))
         ok = {">=": have >= wanted, ">": have > wanted, "<=": have <= wanted, "<": have < wanted,
               "==": have == wanted, "!=": have != wanted,
-              "~=": have >= wanted and have[:len(wanted) - 1] == wanted[:len(wanted) - 1]}[op]
+              "~=": have >= wanted and have[:prefix] == wanted[:prefix]}[op]
         if not ok:
             return False
     return True
@@ -190,7 +191,7 @@ def fetch_pip_wheel(folder):
 
 
 def install_requirements(pip_argv):
-    run(pip_argv + ["install", "-r", REQUIREMENTS], "installing requirements-dev.txt into .venv")
+    run(pip_argv + ["install", "-q", "-r", REQUIREMENTS], "installing requirements-dev.txt into .venv")
     STAMP.write_text(requirements_digest() + "\n")
 
 
@@ -217,7 +218,7 @@ def prepare():
             try:
                 wheel = fetch_pip_wheel(folder)
                 # pip runs from inside its own wheel and installs itself too, for next time.
-                run([venv_python(), wheel / "pip", "install", wheel], "installing %s into .venv" % wheel.name)
+                run([venv_python(), wheel / "pip", "install", "-q", wheel], "installing %s into .venv" % wheel.name)
                 install_requirements([venv_python(), "-m", "pip"])
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
