@@ -1,12 +1,12 @@
 """The files a user installs as they are: the example hooks file, the two systemd units, the
 README's first commands and the deploy-user recipe. Each is tried through the real tools."""
-import configparser
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +39,18 @@ def start_webhookd(hooks, *flags, **popen):
                              "-verbose", *flags), port, **popen)
 
 
+def eventually(read, condition, timeout=10.0):
+    """read() once condition(read()) holds (a log line may follow its answer), else AssertionError."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not condition(value):
+        if time.monotonic() > deadline:
+            raise AssertionError(value)
+        time.sleep(0.05)
+        value = read()
+    return value
+
+
 # ---------------------------------------------------------------- webhook.conf.example
 
 def test_example_hooks_answer_only_requests_that_carry_their_secret():
@@ -55,8 +67,8 @@ def test_example_hooks_answer_only_requests_that_carry_their_secret():
         # With the (placeholder) token the rules pass: the deploy script is not installed here.
         assert daemon.request("POST", "/hooks/redeploy?branch=main",
                               headers={"X-Deploy-Token": "replace-with-a-long-random-token"})[0] == 500
-        log = daemon.log()
-    assert "deploy-site" in log and "loaded: github-push" in log
+        log = eventually(daemon.log, lambda text: "deploy-site" in text)
+    assert "loaded: github-push" in log
     assert "looks like an example placeholder" in log  # said at load too, not only by -validate
 
 
