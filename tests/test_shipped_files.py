@@ -171,6 +171,27 @@ def test_unit_passes_systemd_analyze_verify(name):
     assert name not in result.stderr, result.stderr
 
 
+def readme_section(title):
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(title)
+    return readme[start:readme.index("\n#", start + len(title))]
+
+
+@needs_systemd_analyze
+def test_readme_deploy_user_drop_in_passes_systemd_analyze_verify(tmp_path):
+    """The drop-in the README's recipe writes, next to the unit, as systemd will merge them."""
+    recipe = readme_section("### Run the hooks as a deploy user")
+    (printf_format,) = re.findall(r"printf '([^']*)'", recipe)
+    drop_in = subprocess.run(["printf", printf_format], capture_output=True, text=True).stdout
+    assert re.search(r"^User=deploy$", drop_in, re.M) and re.search(r"^Group=deploy$", drop_in, re.M)
+    shutil.copy(ROOT / "webhookd.service", tmp_path)
+    (tmp_path / "webhookd.service.d").mkdir()
+    (tmp_path / "webhookd.service.d" / "user.conf").write_text(drop_in)
+    result = subprocess.run(["systemd-analyze", "verify", "webhookd.service"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "webhookd" not in result.stderr, result.stderr
+
+
 def nobody_python():
     """/usr/bin/python3 if user nobody may run it (the unit's interpreter), else None."""
     python = "/usr/bin/python3"
