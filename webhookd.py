@@ -1374,6 +1374,9 @@ def parse_match(obj, where, problems):
         problems.warn(where, "deprecated type %r, use %r" % (kind, kind.replace("hash", "hmac")))
     if (kind in HMAC_TYPES or kind == "scalr-signature") and not rule.secret:
         problems.error(where, "empty secret (every request would get 500)")
+    for field in ("secret", "value"):
+        if looks_like_placeholder(obj.get(field)):
+            problems.warn(where, "the %s looks like an example placeholder: set a real one" % field)
     if kind == "ip-whitelist":
         for cidr in rule.ip_range.split():
             if parse_cidr(cidr) is None:
@@ -1381,6 +1384,17 @@ def parse_match(obj, where, problems):
     if kind not in ("ip-whitelist", "scalr-signature") and parameter is None:
         problems.error(where, "match without a parameter")
     return rule
+
+
+# Secrets that an example or a tutorial ships and nobody should serve with (the value is
+# never printed: a real secret that happens to match must not end up in a log).
+PLACEHOLDER_SECRET = re.compile(
+    r"(replace|change)[-_ ]?(me|this|with)|your[-_ ]?(secret|token|key|password)"
+    r"|^(my[-_ ]?)?(secret|token|password|example|todo)$|^x{3,}$|^<.*>$", re.IGNORECASE)
+
+
+def looks_like_placeholder(text):
+    return isinstance(text, str) and PLACEHOLDER_SECRET.search(text) is not None
 
 
 def parse_field(kind, value, where, problems):

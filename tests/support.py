@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WEBHOOKD = ROOT / "webhookd.py"
 SEARCHKEYS = ROOT / "searchkeys.py"
 WEBHOOK_BIN = shutil.which("webhook")  # Debian's adnanh/webhook, if installed
+# A sitecustomize.py that removes Linux-only names (select.epoll, os.pipe2, ...) and ctypes.
+PORTABLE = Path(__file__).resolve().parent / "portable"
 
 
 def free_port():
@@ -121,6 +123,11 @@ class Daemon:
             os.unlink(self._logfile.name)
         except OSError:
             pass
+
+
+def with_portable_path(pythonpath):
+    """PYTHONPATH with tests/portable first: a Python started with it lacks Linux-only names."""
+    return os.pathsep.join([str(PORTABLE)] + ([pythonpath] if pythonpath else []))
 
 
 def python_cmd(script, *args):

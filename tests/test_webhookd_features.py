@@ -104,34 +104,6 @@ def test_deployment_line_passes_url_argument_as_argv1(tmp_path):
         assert ran == "main|" + str(workdir)
 
 
-def test_example_hooks_file_loads_and_serves():
-    example = ROOT / "webhook.conf.example"
-    with start(example) as daemon:
-        status, _, body = daemon.request("GET", "/hooks/ping")
-        assert (status, body) == (200, b"pong\n")
-        # the deploy script is not installed here: a clear 500 and a clear log line
-        status, _, body = daemon.request("GET", "/hooks/redeploy?branch=main")
-        assert status == 500
-        assert daemon.request("GET", "/hooks/redeploy?branch=-rf")[2] == \
-            b"Hook rules were not satisfied."
-        wait_until(lambda: "deploy-site" in daemon.log(), what="log of the missing command")
-        assert "loaded: github-push" in daemon.log()
-
-
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
-def test_service_file_passes_systemd_analyze_verify():
-    unit = ROOT / "webhookd.service"
-    text = unit.read_text()
-    assert ("ExecStart=/usr/bin/python3 /usr/local/bin/webhookd.py -nopanic -hooks "
-            "/etc/webhook.conf -hotreload -verbose -port 9000") in text
-    assert "Type=notify" in text and "ExecReload=/bin/kill -HUP $MAINPID" in text
-    assert "Restart=on-failure" in text
-    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "webhookd.service" not in result.stderr, result.stderr
-
-
 # ---------------------------------------------------------------------------------------------
 # Hot reload, signals, typos, -validate
 # ---------------------------------------------------------------------------------------------

@@ -101,8 +101,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 def install_script(path, fixture):
     """Copy a fixture script as an executable with this interpreter in its #! line.
-    (-S skips site initialisation: the scripts need only the standard library.)"""
-    path.write_text("#!" + sys.executable + " -S\n" + (FIXTURES / fixture).read_text())
+    (-S skips site initialisation: the scripts need only the standard library.)
+    The #! line names a link to the interpreter next to the script: the interpreter's own path
+    (e.g. in a clone's .venv) may hold a space or be longer than the kernel reads of a #! line."""
+    python = path.parent / "python"
+    if not python.exists():
+        python.symlink_to(sys.executable)
+    path.write_text("#!" + str(python) + " -S\n" + (FIXTURES / fixture).read_text())
     path.chmod(0o755)
     return path
 

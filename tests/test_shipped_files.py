@@ -1,0 +1,302 @@
+"""The files a user installs as they are: the example hooks file, the two systemd units, the
+README's first commands and the deploy-user recipe. Each is tried through the real tools."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import support
+from support import SEARCHKEYS, WEBHOOKD, Daemon, free_port, python_cmd
+
+ROOT = WEBHOOKD.parent
+EXAMPLE = ROOT / "webhook.conf.example"
+NOBODY = 65534
+
+
+def unit(name):
+    """A unit file as {section: {option: [values]}} (options may repeat)."""
+    sections, current = {}, None
+    for line in (ROOT / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        option, _, value = line.partition("=")
+        current.setdefault(option.strip(), []).append(value.strip())
+    return sections
+
+
+def start_webhookd(hooks, *flags, **popen):
+    port = free_port()
+    return Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                             "-verbose", *flags), port, **popen)
+
+
+def eventually(read, condition, timeout=10.0):
+    """read() once condition(read()) holds (a log line may follow its answer), else AssertionError."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not condition(value):
+        if time.monotonic() > deadline:
+            raise AssertionError(value)
+        time.sleep(0.05)
+        value = read()
+    return value
+
+
+# ---------------------------------------------------------------- webhook.conf.example
+
+def test_example_hooks_answer_only_requests_that_carry_their_secret():
+    with start_webhookd(EXAMPLE) as daemon:
+        assert daemon.request("GET", "/hooks/ping")[::2] == (200, b"pong\n")
+        not_satisfied = b"Hook rules were not satisfied."
+        assert daemon.request("POST", "/hooks/redeploy?branch=main")[::2] == (200, not_satisfied)
+        assert daemon.request("POST", "/hooks/redeploy?branch=main",
+                              headers={"X-Deploy-Token": "guess"})[::2] == (200, not_satisfied)
+        assert daemon.request("GET", "/hooks/redeploy?branch=main")[0] == 405
+        push = json.dumps({"ref": "refs/heads/main", "head_commit": {"id": "abc"}})
+        assert daemon.request("POST", "/hooks/github-push", body=push,
+                              headers={"Content-Type": "application/json"})[::2] == (200, not_satisfied)
+        # With the (placeholder) token the rules pass: the deploy script is not installed here.
+        assert daemon.request("POST", "/hooks/redeploy?branch=main",
+                              headers={"X-Deploy-Token": "replace-with-a-long-random-token"})[0] == 500
+        log = eventually(daemon.log, lambda text: "deploy-site" in text)
+    assert "loaded: github-push" in log
+    assert "looks like an example placeholder" in log  # said at load too, not only by -validate
+
+
+def secrets_in(rule):
+    """The secrets a rule tree checks: HMAC/scalr secrets and values compared with a header."""
+    if not rule:
+        return []
+    found = []
+    for key in ("and", "or"):
+        for item in rule.get(key) or []:
+            found += secrets_in(item)
+    match = rule.get("match") or {}
+    if match.get("secret"):
+        found.append(match["secret"])
+    if match.get("type") == "value" and (match.get("parameter") or {}).get("source") == "header":
+        found.append(match["value"])
+    return found
+
+
+def test_every_example_hook_is_safe_to_expose_as_shipped():
+    for hook in json.loads(EXAMPLE.read_text()):
+        if secrets_in(hook.get("trigger-rule")):
+            continue
+        # Without a secret a hook may only run a fixed command that no request can steer.
+        passed = hook.get("pass-arguments-to-command", []) + hook.get("pass-environment-to-command", []) \
+            + hook.get("pass-file-to-command", [])
+        assert all(arg["source"] == "string" for arg in passed), hook["id"]
+        assert hook["id"] == "ping", hook["id"]
+
+
+def validate(path):
+    result = subprocess.run(python_cmd(WEBHOOKD, "-validate", "-hooks", path), capture_output=True,
+                            text=True, timeout=30)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("secret", ["replace-with-the-secret-set-in-the-github-webhook", "changeme",
+                                    "CHANGE_ME", "your-secret-here", "mysecret", "xxxxxxxx", "<token>"])
+def test_validate_warns_about_a_placeholder_secret_without_printing_it(tmp_path, secret):
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(json.dumps([{"id": "push", "execute-command": "/bin/true", "trigger-rule": {
+        "match": {"type": "payload-hmac-sha256", "secret": secret,
+                  "parameter": {"source": "header", "name": "X-Hub-Signature-256"}}}}]))
+    code, out = validate(hooks)
+    assert code == 0, out  # a warning, not an error: the file still works
+    assert 'hook 0 ("push")' in out and "the secret looks like an example placeholder" in out, out
+    assert secret not in out
+
+
+def test_validate_is_quiet_about_real_secrets_and_ordinary_values(tmp_path):
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(json.dumps([{"id": "deploy", "execute-command": "/bin/true", "trigger-rule": {"and": [
+        {"match": {"type": "value", "value": "3f9a1c0e7b5d42a8a6c1e0f4d2b7c9e1",
+                   "parameter": {"source": "header", "name": "X-Deploy-Token"}}},
+        {"match": {"type": "value", "value": "refs/heads/main", "parameter": {"source": "payload", "name": "ref"}}},
+        {"match": {"type": "payload-hmac-sha1", "secret": "Zx81-kq0P-maintenance-webhook",
+                   "parameter": {"source": "header", "name": "X-Hub-Signature"}}}]}}]))
+    code, out = validate(hooks)
+    assert code == 0 and "placeholder" not in out and "0 warning(s)" in out, out
+
+
+# ---------------------------------------------------------------- webhookd.service
+
+# With User= these imply NoNewPrivileges=yes (systemd.exec(5)): sudo in a deploy script fails.
+IMPLY_NO_NEW_PRIVILEGES = {
+    "NoNewPrivileges", "DynamicUser", "LockPersonality", "MemoryDenyWriteExecute", "PrivateDevices",
+    "ProtectClock", "ProtectHostname", "ProtectKernelLogs", "ProtectKernelModules",
+    "ProtectKernelTunables", "RestrictAddressFamilies", "RestrictNamespaces", "RestrictRealtime",
+    "RestrictSUIDSGID", "SystemCallArchitectures", "SystemCallFilter", "SystemCallLog"}
+# A private mount namespace, read-only trees, hidden cgroups or devices: podman's container
+# mounts and networks, global npm/pip installs, app unit files under /etc.
+BREAK_DEPLOYS = {
+    "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateUsers", "PrivateMounts", "PrivateNetwork",
+    "ProtectControlGroups", "ProtectProc", "ProcSubset", "ReadOnlyPaths", "InaccessiblePaths",
+    "TemporaryFileSystem", "MountFlags", "CapabilityBoundingSet", "AmbientCapabilities",
+    "RootDirectory", "RootImage", "IPAddressDeny"}
+
+
+def test_webhookd_unit_has_nothing_that_breaks_a_deploy():
+    service = unit("webhookd.service")["Service"]
+    assert not IMPLY_NO_NEW_PRIVILEGES & set(service), IMPLY_NO_NEW_PRIVILEGES & set(service)
+    assert not BREAK_DEPLOYS & set(service), BREAK_DEPLOYS & set(service)
+    assert "User" not in service  # root like Debian's unit; a deploy user is a drop-in (README)
+    assert service["ExecStart"] == ["/usr/bin/python3 /usr/local/bin/webhookd.py -nopanic -hooks "
+                                    "/etc/webhook.conf -hotreload -verbose -port 9000"]
+    assert service["Type"] == ["notify"] and service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    assert service["Restart"] == ["on-failure"]
+
+
+needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                           reason="systemd-analyze missing (apt-get install systemd)")
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("name", ["webhookd.service", "searchkeys.service"])
+def test_unit_passes_systemd_analyze_verify(name):
+    result = subprocess.run(["systemd-analyze", "verify", str(ROOT / name)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert name not in result.stderr, result.stderr
+
+
+def readme_section(title):
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(title)
+    return readme[start:readme.index("\n#", start + len(title))]
+
+
+@needs_systemd_analyze
+def test_readme_deploy_user_drop_in_passes_systemd_analyze_verify(tmp_path):
+    """The drop-in the README's recipe writes, next to the unit, as systemd will merge them."""
+    recipe = readme_section("### Run the hooks as a deploy user")
+    (printf_format,) = re.findall(r"printf '([^']*)'", recipe)
+    drop_in = subprocess.run(["printf", printf_format], capture_output=True, text=True).stdout
+    assert re.search(r"^User=deploy$", drop_in, re.M) and re.search(r"^Group=deploy$", drop_in, re.M)
+    shutil.copy(ROOT / "webhookd.service", tmp_path)
+    (tmp_path / "webhookd.service.d").mkdir()
+    (tmp_path / "webhookd.service.d" / "user.conf").write_text(drop_in)
+    result = subprocess.run(["systemd-analyze", "verify", "webhookd.service"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "webhookd" not in result.stderr, result.stderr
+
+
+def nobody_python():
+    """/usr/bin/python3 if user nobody may run it (the unit's interpreter), else None."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.access(python, os.X_OK):
+        return None
+    check = subprocess.run([python, "-c", "pass"], preexec_fn=as_nobody, capture_output=True)
+    return python if check.returncode == 0 else None
+
+
+def as_nobody():
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+@pytest.fixture
+def public_dir():
+    """A scratch folder any user may enter (pytest's own tmp_path lives under a 0700 folder)."""
+    with support.scratch_dir("webhookd-deploy-user-") as path:
+        path.chmod(0o755)  # as /usr/local/bin and /etc are
+        yield path
+
+
+def test_deploy_user_recipe_serves_the_hooks_file(public_dir):
+    """README's recipe: webhookd.py installed 0755, the hooks file root:<deploy group> 0640, the
+    service run as the deploy user. Here user and group nobody stand in for deploy."""
+    python = nobody_python()
+    if python is None:
+        pytest.skip("needs root and a /usr/bin/python3 that user nobody may run")
+    tmp_path = public_dir
+    installed = tmp_path / "webhookd.py"
+    shutil.copy(WEBHOOKD, installed)
+    installed.chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    os.chown(site, NOBODY, NOBODY)  # the deploy user owns what it deploys
+    conf = tmp_path / "webhook.conf"
+    conf.write_text(json.dumps([{"id": "deploy", "execute-command": "/usr/bin/touch",
+                                 "command-working-directory": str(site),
+                                 "include-command-output-in-response": True,
+                                 "pass-arguments-to-command": [{"source": "string", "name": "deployed"}]}]))
+    os.chown(conf, 0, NOBODY)
+    conf.chmod(0o640)
+    port = free_port()
+    # Started the way systemd starts it with User= and Group= in a drop-in.
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([python, str(installed), "-nopanic", "-hooks", str(conf), "-hotreload",
+                                 "-verbose", "-ip", "127.0.0.1", "-port", str(port)], cwd="/",
+                                preexec_fn=as_nobody, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        try:
+            support.wait_for_port(port, proc)
+        except RuntimeError:
+            raise AssertionError(log.read_text())
+        status, _, _ = support.request(port, "POST", "/hooks/deploy")
+        assert status == 200, log.read_text()
+        assert (site / "deployed").exists() and (site / "deployed").stat().st_uid == NOBODY
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------- searchkeys.service
+
+def test_searchkeys_unit_keeps_keys_out_of_argv_and_the_store_in_its_state_directory():
+    service = unit("searchkeys.service")["Service"]
+    assert service["EnvironmentFile"] == ["/etc/searchkeys/searchkeys.env"]
+    (execstart,) = service["ExecStart"]
+    assert "--master-key" not in execstart and "--upstream-key" not in execstart
+    (state,) = service["StateDirectory"]
+    assert re.search(r"--store /var/lib/%s/\S+" % state, execstart), execstart
+    assert service["Type"] == ["simple"]  # searchkeys.py does not send sd_notify
+    assert "--upstream http://127.0.0.1:7701" in execstart
+
+
+def test_searchkeys_unit_command_line_serves_with_keys_from_the_environment(tmp_path):
+    """The unit's ExecStart, with this clone's file, a scratch store and a free port."""
+    (execstart,) = unit("searchkeys.service")["Service"]["ExecStart"]
+    argv = execstart.split()
+    assert argv[:2] == ["/usr/bin/python3", "/usr/local/bin/searchkeys.py"]
+    argv = [sys.executable, str(SEARCHKEYS)] + [
+        str(tmp_path / "keys.json") if a.startswith("/var/lib/") else a for a in argv[2:]]
+    port = free_port()
+    backend_port = free_port()
+    argv = [a.replace("127.0.0.1:7701", "127.0.0.1:%d" % backend_port) for a in argv]
+    env = {"MEILI_MASTER_KEY": "unit-test-master-key-0123456789", "SEARCHKEYS_UPSTREAM_KEY": "backend-key"}
+    with Daemon(argv + ["--port", str(port)], port, env=env) as daemon:
+        assert daemon.request("GET", "/health")[0] == 200
+        assert daemon.request("GET", "/keys")[0] == 401
+        status, _, body = daemon.request("GET", "/keys", headers={
+            "Authorization": "Bearer unit-test-master-key-0123456789"})
+        assert status == 200 and json.loads(body)["total"] >= 1
+    assert (tmp_path / "keys.json").exists()
+
+
+# ---------------------------------------------------------------- README
+
+def test_ci_runs_the_readme_test_command_as_written():
+    readme = (ROOT / "README.md").read_text()
+    first_block = re.search(r"```sh\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
+    assert commands[0].startswith("python3 webhookd.py -hooks webhook.conf.example -ip 127.0.0.1")
+    test_command = commands[1]
+    assert test_command.startswith("python3 tests/run.py")
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci
