@@ -25,6 +25,7 @@ Python 3.9+ standard library only.  Request pipeline::
 import argparse
 import base64
 import binascii
+import bisect
 import calendar
 import contextlib
 import errno
@@ -35,6 +36,7 @@ import itertools
 import json
 import logging
 import logging.handlers
+import math
 import os
 import queue
 import random
@@ -427,6 +429,670 @@ def expand_template(text, filename, environ=None):
 
 
 # ---------------------------------------------------------------------------
+# Hooks files: YAML reader (pure)
+# ---------------------------------------------------------------------------
+# Upstream reads every hooks file with go-yaml v2 (YAML 1.1) and turns the result into JSON before
+# decoding it.  `load_yaml(text)` returns the same JSON-like values for the YAML hooks files use:
+# block and flow collections, the three scalar styles, block scalars, anchors, aliases and merge
+# keys.  What it does not read (tags, several documents, complex keys) is refused by line, never
+# read differently.
+
+class YamlError(ValueError):
+    """A YAML text that cannot be read; `line` and `column` count from 1."""
+
+    def __init__(self, message, line, column):
+        ValueError.__init__(self, "%d:%d: %s" % (line, column, message))
+        self.message, self.line, self.column = message, line, column
+
+
+class YamlMap(dict):
+    """A mapping read from YAML; `lines[key]` is the line the key is on."""
+
+    __slots__ = ("lines",)
+
+
+class YamlList(list):
+    """A sequence read from YAML; `lines[i]` is the line item i starts on."""
+
+    __slots__ = ("lines",)
+
+
+YAML_CONSTANTS = {"": None, "~": None, "null": None, "Null": None, "NULL": None,
+                  ".nan": float("nan"), ".NaN": float("nan"), ".NAN": float("nan")}
+YAML_CONSTANTS.update(dict.fromkeys(("y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE",
+                                     "on", "On", "ON"), True))
+YAML_CONSTANTS.update(dict.fromkeys(("n", "N", "no", "No", "NO", "false", "False", "FALSE",
+                                     "off", "Off", "OFF"), False))
+for _sign, _value in (("", float("inf")), ("+", float("inf")), ("-", float("-inf"))):
+    YAML_CONSTANTS.update(dict.fromkeys((_sign + ".inf", _sign + ".Inf", _sign + ".INF"), _value))
+YAML_GO_INT = re.compile(r"([-+]?)(0[xX][0-9a-fA-F]+|0[bB][01]+|0[oO][0-7]+|0[0-7]*|[1-9][0-9]*)\Z")
+YAML_FLOAT = re.compile(r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+][0-9]+)?\Z")
+YAML_DOT_FLOAT = re.compile(r"\.[0-9]+(?:[eE][-+]?[0-9]+)?\Z")
+YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n", "v": "\v",
+                "f": "\f", "r": "\r", "e": "\x1b", " ": " ", '"': '"', "'": "'", "\\": "\\",
+                "N": "\x85", "_": "\xa0", "L": "\u2028", "P": "\u2029"}
+YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z")
+YAML_FLOW_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|:|[ \t]+#|[,?\[\]{}]|[ \t]*(?=\n)|[ \t]*\Z")
+YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
+YAML_LINE_SPACE = re.compile(r"[ \t]*")
+YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
+YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
+YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
+YAML_SINGLE_STOPS = re.compile(r"['\n]")
+# Markers no decoded text contains (surrogateescape yields only U+DC80..U+DCFF): an escaped
+# blank to keep at a line's edge, and an escaped line break.
+YAML_KEEP, YAML_ESCAPED_BREAK = "\ud800", "\ud801"
+
+
+def resolve_plain(text):
+    """A plain (unquoted) scalar as go-yaml v2 resolves it: None, bool, int, float or str.
+    YAML 1.1: `yes`/`on`/`y` are true, `0777` is octal, `1_000` is 1000, `1e3` stays a string."""
+    if text in YAML_CONSTANTS:
+        return YAML_CONSTANTS[text]
+    first = text[:1]
+    if first == "." and YAML_DOT_FLOAT.match(text):
+        value = float(text)
+        return text if math.isinf(value) else value
+    if not first or first not in "+-0123456789":
+        return text
+    plain = text.replace("_", "")
+    number = YAML_GO_INT.match(plain)
+    if number:
+        sign, digits = number.groups()
+        base = {"x": 16, "b": 2, "o": 8}.get(digits[1:2].lower(), 8 if digits[:1] == "0" else 10)
+        magnitude = int(digits[2:] if base != 10 and digits[1:2].isalpha() else digits, base)
+        value = -magnitude if sign == "-" else magnitude
+        if -2 ** 63 <= value < 2 ** 63 or (not sign and value < 2 ** 64):
+            return value
+    if YAML_FLOAT.match(plain):
+        value = float(plain)
+        if not math.isinf(value):
+            return value
+    return text
+
+
+def go_float32_text(value):
+    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
+    if value != value:
+        return "NaN"
+    try:
+        single = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        single = value * math.inf
+    if math.isinf(single):
+        return "+Inf" if single > 0 else "-Inf"
+    if single == 0:
+        return "-0" if math.copysign(1, single) < 0 else "0"
+    for precision in range(1, 10):
+        shortest = "%.*e" % (precision - 1, single)
+        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
+            break
+    mantissa, exponent = shortest.split("e")
+    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
+    digits = digits.replace(".", "").rstrip("0") or "0"
+    exponent = int(exponent)
+    if exponent < -4 or exponent >= 6:
+        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
+    if exponent < 0:
+        return sign + "0." + "0" * (-exponent - 1) + digits
+    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
+    fraction = digits[exponent + 1:]
+    return sign + whole + ("." + fraction if fraction else "")
+
+
+def yaml_key_text(key):
+    """A mapping key as text, as upstream turns keys into JSON object names."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    if isinstance(key, int) and key < 2 ** 63:
+        return str(key)
+    if isinstance(key, float):
+        return {"+Inf": ".inf", "-Inf": "-.inf", "NaN": ".nan"}.get(go_float32_text(key),
+                                                                      go_float32_text(key))
+    raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
+
+
+def fold_flow_lines(lines):
+    """Join the lines of a quoted or flow scalar: one break is a space, n empty lines n breaks."""
+    out, breaks = [lines[0].rstrip(" \t")], 0
+    for index in range(1, len(lines)):
+        last = index == len(lines) - 1
+        line = lines[index].lstrip(" \t") if last else lines[index].strip(" \t")
+        if not line and not last:
+            breaks += 1
+            continue
+        out.append("\n" * breaks if breaks else " ")
+        out.append(line)
+        breaks = 0
+    return "".join(out)
+
+
+def load_yaml(text):
+    """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
+    int, float, bool, None).  Raises YamlError naming the line and column."""
+    return YamlReader(text).document()
+
+
+class YamlReader:
+    """Recursive descent over the text; `pos` is an offset, indentation counts columns."""
+
+    def __init__(self, text):
+        self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+        self.pos = 0
+        self.anchors = {}
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
+
+    # -- positions and errors
+    def where(self, pos):
+        line = bisect.bisect_right(self.line_starts, pos)
+        return line, pos - self.line_starts[line - 1] + 1
+
+    def line_of(self, pos):
+        return bisect.bisect_right(self.line_starts, pos)
+
+    def column(self, pos):
+        return pos - self.line_starts[self.line_of(pos) - 1]
+
+    def fail(self, message, pos=None):
+        line, column = self.where(self.pos if pos is None else pos)
+        raise YamlError(message, line, column)
+
+    def char(self, offset=0):
+        return self.text[self.pos + offset:self.pos + offset + 1]
+
+    def blank_after(self, offset):
+        return self.char(offset) in ("", " ", "\t", "\n")
+
+    def at_marker(self, pos):
+        text = self.text
+        return (text.startswith(("---", "..."), pos) and (pos == 0 or text[pos - 1] == "\n")
+                and text[pos + 3:pos + 4] in ("", " ", "\t", "\n"))
+
+    def skip_line_space(self):
+        """Skip blanks and a comment up to the end of the current line."""
+        text = self.text
+        pos = YAML_LINE_SPACE.match(text, self.pos).end()
+        if text.startswith("#", pos) and (pos == self.pos or text[pos - 1] in " \t\n"):
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+        self.pos = pos
+
+    def at_line_end(self):
+        self.skip_line_space()
+        return self.pos >= len(self.text) or self.text[self.pos] == "\n"
+
+    def next_content(self):
+        """Skip blanks, comments and line breaks; the column of what follows, or -1 at the end
+        of the document (end of text or a `---`/`...` marker)."""
+        self.skip_line_space()
+        text, pos = self.text, self.pos
+        if pos < len(text) and text[pos] == "\n":
+            self.pos = YAML_BLANK_LINES.match(text, pos + 1).end()
+            self.skip_line_space()
+            pos = self.pos
+            start = text.rfind("\n", 0, pos) + 1
+            if "\t" in text[start:pos] and pos < len(text):
+                self.fail("found a tab character that violates indentation")
+        else:
+            start = text.rfind("\n", 0, pos) + 1
+        if pos >= len(text) or self.at_marker(pos):
+            return -1
+        return pos - start
+
+    # -- document
+    def document(self):
+        text = self.text
+        column = self.next_content()
+        while column == 0 and text.startswith("%", self.pos):
+            if not text.startswith("%YAML", self.pos):
+                self.fail("directives other than %YAML are not supported")
+            self.skip_to_line_end()
+            column = self.next_content()
+        value = None
+        if column == -1 and text.startswith("---", self.pos):
+            self.pos += 3
+            if not self.at_line_end():
+                value = self.node(-1, True)
+            elif self.next_content() >= 0:
+                value = self.node(-1, True)
+        elif column >= 0:
+            value = self.node(-1, True)
+        column = self.next_content()
+        if column == -1 and text.startswith("...", self.pos):
+            self.pos += 3
+            column = self.next_content()
+        if column == -1 and text.startswith("---", self.pos):
+            marker = self.pos
+            self.pos += 3  # an empty document after it changes nothing (upstream reads one)
+            if self.next_content() != -1 or self.pos < len(text):
+                self.fail("several YAML documents in one file are not supported", marker)
+        if self.pos < len(text):
+            self.fail("did not find expected <document start>")
+        return value
+
+    def skip_to_line_end(self):
+        end = self.text.find("\n", self.pos)
+        self.pos = len(self.text) if end < 0 else end
+
+    # -- block context
+    def node(self, parent, can_be_key):
+        """The node at `pos`, inside a block indented `parent` columns; `can_be_key`: it may open
+        a block mapping (it does not follow a key on the same line)."""
+        char, start = self.char(), self.pos
+        if char == "!":
+            self.fail("tags are not supported")
+        if char == "&":
+            name = self.anchor_name()
+            if self.at_line_end():
+                column = self.next_content()
+                if column > parent:
+                    value = self.node(parent, True)
+                elif column == parent and self.char() == "-" and self.blank_after(1) and \
+                        not can_be_key:
+                    value = self.block_sequence(column)
+                else:
+                    value = None
+            else:
+                value = self.node(parent, False)
+            self.anchors[name] = value
+            return value
+        if char == "*":
+            value = self.alias()
+            self.skip_line_space()
+            if self.char() == ":":
+                self.fail("aliases as mapping keys are not supported")
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char == "-" and self.blank_after(1):
+            if not can_be_key:
+                self.fail("block sequence entries are not allowed in this context")
+            return self.block_sequence(self.column(start))
+        if char == "?" and self.blank_after(1):
+            self.fail("complex mapping keys (?) are not supported")
+        if char in "[{":
+            value = self.flow_collection()
+            self.skip_line_space()
+            if self.char() == ":":
+                self.fail("complex mapping keys (a collection as key) are not supported", start)
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char in "|>":
+            return self.block_scalar(parent)
+        if char in ("'", '"'):
+            value = self.quoted()
+            if self.line_of(self.pos) == self.line_of(start):
+                self.skip_line_space()
+                if self.char() == ":" and self.blank_after(1):
+                    if not can_be_key:
+                        self.fail("mapping values are not allowed in this context")
+                    return self.block_mapping(self.column(start), value, start)
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char == ":" and self.blank_after(1):
+            self.fail("a mapping key is missing (null keys are not supported)")
+        if char in ",]}#@`%":
+            self.fail("found character that cannot start any token")
+        text, key_like = self.plain_line(YAML_PLAIN_END)
+        if key_like:
+            if not can_be_key:
+                self.fail("mapping values are not allowed in this context")
+            return self.block_mapping(self.column(start), resolve_plain(text), start)
+        text = self.plain_continued(text, parent)
+        if self.char() == ":":
+            self.fail("mapping values are not allowed in this context")
+        return resolve_plain(text)
+
+    def plain_line(self, pattern):
+        """A plain scalar's text up to the end of its first line; (text, followed by `: `)."""
+        end = pattern.search(self.text, self.pos)
+        text = self.text[self.pos:end.start()]
+        self.pos = end.start()
+        return text, self.text.startswith(":", self.pos)
+
+    def plain_continued(self, first, parent, flow=False):
+        """Continue a plain scalar on more-indented lines (any line in flow context)."""
+        lines, text = [first], self.text
+        while True:
+            more = YAML_CONTINUATION.match(text, self.pos)
+            if more is None or more.end() >= len(text):
+                break
+            line_start, pos = more.start(2), more.end()
+            if (text[pos] == "#" or self.at_marker(line_start)
+                    or (flow and text[pos] in ",]}:?") or (not flow and pos - line_start <= parent)):
+                break
+            self.pos = pos
+            line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
+            if flow and self.char() == ":" and not self.blank_after(1):
+                self.fail("found unexpected ':'")
+            lines.extend([""] * more.group(1).count("\n"))
+            lines.append(line)
+        return fold_flow_lines(lines) if len(lines) > 1 else first
+
+    def block_mapping(self, column, key, key_pos):
+        result = YamlMap()
+        result.lines = {}
+        while True:
+            self.pos += 1  # the ':'
+            if self.at_line_end():
+                content = self.next_content()
+                if content > column:
+                    value = self.node(column, True)
+                elif content == column and self.char() == "-" and self.blank_after(1):
+                    value = self.block_sequence(column)
+                else:
+                    value = None
+            else:
+                value = self.node(column, False)
+            self.store(result, key, value, key_pos)
+            content = self.next_content()
+            if content < column:
+                return result
+            if content > column:
+                self.fail("bad indentation of a mapping entry")
+            key_pos = self.pos
+            key = self.mapping_key()
+
+    def mapping_key(self):
+        char = self.char()
+        if char in ("'", '"'):
+            key = self.quoted()
+            self.skip_line_space()
+        elif char == "?" and self.blank_after(1):
+            self.fail("complex mapping keys (?) are not supported")
+        elif char in "[{":
+            self.fail("complex mapping keys (a collection as key) are not supported")
+        elif char in "&*!":
+            self.fail("anchors, aliases and tags on mapping keys are not supported")
+        elif char == "-" and self.blank_after(1):
+            self.fail("did not find expected key")
+        elif char == ":" and self.blank_after(1):
+            self.fail("a mapping key is missing (null keys are not supported)")
+        else:
+            text, _ = self.plain_line(YAML_PLAIN_END)
+            key = resolve_plain(text)
+        if not (self.char() == ":" and self.blank_after(1)):
+            self.fail("could not find expected ':'")
+        return key
+
+    def store(self, mapping, key, value, key_pos):
+        """Set one entry; a plain `<<` merges mappings in as go-yaml v2 does (in order)."""
+        if key == "<<" and self.text.startswith("<<", key_pos):
+            sources = value if isinstance(value, list) else [value]
+            for source in reversed(sources):
+                if not isinstance(source, dict):
+                    self.fail("map merge requires map or sequence of maps as the value",
+                              key_pos)
+                for name, item in source.items():
+                    mapping[name] = item
+                    mapping.lines[name] = source.lines.get(name, self.line_of(key_pos))
+            return
+        try:
+            name = yaml_key_text(key)
+        except ValueError as exc:
+            self.fail(str(exc), key_pos)
+        mapping[name] = value
+        mapping.lines[name] = self.line_of(key_pos)
+
+    def block_sequence(self, column):
+        result = YamlList()
+        result.lines = []
+        while True:
+            result.lines.append(self.line_of(self.pos))
+            self.pos += 1  # the '-'
+            if self.at_line_end():
+                item = self.node(column, True) if self.next_content() > column else None
+            else:
+                item = self.node(column, True)
+            result.append(item)
+            content = self.next_content()
+            if content < column or (content == column and not (
+                    self.char() == "-" and self.blank_after(1))):
+                return result
+            if content > column:
+                self.fail("bad indentation of a sequence entry")
+
+    def block_scalar(self, parent):
+        """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
+        indentation (1-9) indicators, folded and chomped as go-yaml v2 does."""
+        start, text = self.pos, self.text
+        folded = text[start] == ">"
+        self.pos += 1
+        chomping, increment = "clip", 0
+        for _ in range(2):
+            char = self.char()
+            if char in ("+", "-") and chomping == "clip":
+                chomping = "keep" if char == "+" else "strip"
+            elif char in "0123456789" and char and not increment:
+                if char == "0":
+                    self.fail("found an indentation indicator equal to 0")
+                increment = int(char)
+            else:
+                break
+            self.pos += 1
+        if self.char() not in ("", " ", "\t", "\n") or not self.at_line_end():
+            self.fail("did not find expected comment or line break", start)
+        indent = (parent + increment if parent >= 0 else increment) if increment else 0
+        pos = self.pos + 1
+        if not indent:
+            deepest, probe = 0, pos
+            while probe < len(text):
+                end = text.find("\n", probe)
+                line = text[probe:len(text) if end < 0 else end]
+                deepest = max(deepest, len(line) - len(line.lstrip(" ")))
+                if line.strip(" ") or end < 0:
+                    break
+                probe = end + 1
+            indent = max(deepest, parent + 1, 1)
+        entries, breaks, last_break = [], 0, False
+        while pos < len(text):
+            end = text.find("\n", pos)
+            end = len(text) if end < 0 else end
+            line = text[pos:end]
+            if line.strip(" ") and len(line) - len(line.lstrip(" ")) < indent:
+                break
+            if len(line) > indent:
+                entries.append((breaks, line[indent:]))
+                breaks, last_break = 0, end < len(text)
+            elif end < len(text):
+                breaks += 1
+            self.pos, pos = end, end + 1
+        pieces, previous_blank = [], False
+        for index, (before, content) in enumerate(entries):
+            blank = content[:1] in (" ", "\t")
+            if index:
+                if folded and not previous_blank and not blank:
+                    pieces.append("" if before else " ")
+                else:
+                    pieces.append("\n")
+            pieces.append("\n" * before)
+            pieces.append(content)
+            previous_blank = blank
+        if last_break and chomping != "strip":
+            pieces.append("\n")
+        if chomping == "keep":
+            pieces.append("\n" * breaks)
+        return "".join(pieces)
+
+    # -- flow context and scalars
+    def anchor_name(self):
+        match = YAML_ANCHOR.match(self.text, self.pos + 1)
+        if match is None or not self.blank_after(match.end() - self.pos) and \
+                self.text[match.end()] not in ",[]{}":
+            self.fail("did not find expected alphabetic or numeric character")
+        self.pos = match.end()
+        return match.group()
+
+    def alias(self):
+        start = self.pos
+        name = self.anchor_name()
+        if name not in self.anchors:
+            self.fail("unknown anchor '%s' referenced" % name, start)
+        return self.anchors[name]
+
+    def flow_space(self):
+        text = self.text
+        while True:
+            while self.pos < len(text) and text[self.pos] in " \t\n":
+                self.pos += 1
+            if self.char() == "#" and text[self.pos - 1] in " \t\n":
+                end = text.find("\n", self.pos)
+                self.pos = len(text) if end < 0 else end
+            else:
+                return
+
+    def flow_collection(self):
+        start, mapping = self.pos, self.char() == "{"
+        closing = "}" if mapping else "]"
+        result = YamlMap() if mapping else YamlList()
+        result.lines = {} if mapping else []
+        self.pos += 1
+        while True:
+            self.flow_space()
+            if self.char() == closing:
+                self.pos += 1
+                return result
+            if not self.char():
+                self.fail("did not find expected ',' or '%s'" % closing, start)
+            if self.char() == "?" and self.blank_after(1):
+                self.fail("complex mapping keys (?) are not supported")
+            entry_pos = self.pos
+            value = self.flow_node()
+            self.flow_space()
+            if self.char() == ":" or mapping:
+                if isinstance(value, (list, dict)):
+                    self.fail("complex mapping keys (a collection as key) are not supported",
+                              entry_pos)
+                key, value = value, None
+                if self.char() == ":":
+                    self.pos += 1
+                    self.flow_space()
+                    if self.char() not in (",", closing):
+                        value = self.flow_node()
+                        self.flow_space()
+                pair = result if mapping else YamlMap()
+                if not mapping:
+                    pair.lines = {}
+                self.store(pair, key, value, entry_pos)
+                if not mapping:
+                    result.append(pair)
+                    result.lines.append(self.line_of(entry_pos))
+            else:
+                result.append(value)
+                result.lines.append(self.line_of(entry_pos))
+            if self.char() == ",":
+                self.pos += 1
+            elif self.char() != closing:  # at the end of the text: point at the opening
+                self.fail("did not find expected ',' or '%s'" % closing,
+                          None if self.char() else start)
+
+    def flow_node(self):
+        char = self.char()
+        if char in "[{":
+            return self.flow_collection()
+        if char in ("'", '"'):
+            return self.quoted()
+        if char == "&":
+            name = self.anchor_name()
+            self.flow_space()
+            value = None if self.char() in (",", "]", "}", ":") else self.flow_node()
+            self.anchors[name] = value
+            return value
+        if char == "*":
+            return self.alias()
+        if char == "!":
+            self.fail("tags are not supported")
+        if char == "-" and self.blank_after(1):
+            self.fail("block sequence entries are not allowed in this context")
+        if not char or char in ",]}#|>@`%" or (char in "?:" and self.blank_after(1)):
+            self.fail("did not find expected node content")
+        text, _ = self.plain_line(YAML_FLOW_PLAIN_END)
+        if self.char() == ":" and not self.blank_after(1):
+            self.fail("found unexpected ':'")
+        return resolve_plain(self.plain_continued(text, -1, flow=True))
+
+    def quoted(self):
+        """A single- or double-quoted scalar (with YAML escapes), folded over lines."""
+        start, text = self.pos, self.text
+        quote = text[start]
+        stops = YAML_DOUBLE_STOPS if quote == '"' else YAML_SINGLE_STOPS
+        out, pos, lines = [], start + 1, []
+        while True:
+            found = stops.search(text, pos)
+            if found is None:
+                self.fail("found unexpected end of stream while scanning a quoted scalar", start)
+            end = found.start()
+            out.append(text[pos:end])
+            char = text[end]
+            if char == quote:
+                if quote == "'" and text.startswith("''", end):
+                    out.append("'")
+                    pos = end + 2
+                    continue
+                pos = end + 1
+                break
+            if char == "\n":
+                lines.append("".join(out))
+                out, pos = [], end + 1
+                if self.at_marker(pos):
+                    self.fail("found unexpected document indicator", pos)
+                continue
+            escape = text[end + 1:end + 2]
+            if escape == "\n":
+                out.append(YAML_ESCAPED_BREAK)
+                lines.append("".join(out))
+                out, pos = [], end + 2
+            elif escape in YAML_ESCAPES and escape:
+                value = YAML_ESCAPES[escape]
+                out.append(YAML_KEEP + value + YAML_KEEP if value in " \t" else value)
+                pos = end + 2
+            elif escape in YAML_HEX_ESCAPES and escape:
+                width = YAML_HEX_ESCAPES[escape]
+                digits = text[end + 2:end + 2 + width]
+                if len(digits) < width or not all(c in "0123456789abcdefABCDEF" for c in digits):
+                    self.fail("did not find expected hexdecimal number", end)
+                code = int(digits, 16)
+                if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+                    self.fail("found invalid Unicode character escape code", end)
+                out.append(chr(code))
+                pos = end + 2 + width
+            else:
+                self.fail("found unknown escape character", end)
+        self.pos = pos
+        lines.append("".join(out))
+        return join_quoted(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
+
+
+def join_quoted(lines):
+    """Fold the lines of a quoted scalar: a break is a space, n empty lines are n breaks, an
+    escaped break joins without a space; escaped blanks at a line's edge are kept."""
+    out, breaks, joined, last = [], 0, False, len(lines) - 1
+    for index, line in enumerate(lines):
+        escaped_break = index < last and line.endswith(YAML_ESCAPED_BREAK)
+        if escaped_break:
+            line = line[:-1]
+        if index:
+            line = line.lstrip(" \t")
+        if index < last and not escaped_break:
+            line = line.rstrip(" \t")
+        line = line.replace(YAML_KEEP, "")
+        if 0 < index < last and not line:
+            breaks += 1
+            continue
+        if index:
+            out.append("\n" * breaks if breaks else ("" if joined else " "))
+        out.append(line)
+        breaks, joined = 0, escaped_break
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------
 # Hook model, loading and validation (pure)
 # ---------------------------------------------------------------------------
 
@@ -472,17 +1138,50 @@ EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "ar
 
 
 class Problems:
-    """Warnings and errors found while loading a hooks file, each with where it was found."""
+    """Warnings and errors found while loading a hooks file, each with where it was found (and
+    on which line, when the file was read by the YAML reader)."""
 
-    def __init__(self, filename):
-        self.filename = filename
+    def __init__(self, filename, data=None):
+        self.filename, self.data = filename, data
         self.items = []  # (severity, message)
 
-    def warn(self, where, message):
-        self.items.append(("warning", "%s: %s: %s" % (self.filename, where, message)))
+    def at(self, where, line=None):
+        line = where_line(self.data, where) if line is None else line
+        return "%s:%d: %s" % (self.filename, line, where) if line else \
+            "%s: %s" % (self.filename, where)
+
+    def warn(self, where, message, line=None):
+        self.items.append(("warning", "%s: %s" % (self.at(where, line), message)))
 
     def error(self, where, message):
-        self.items.append(("error", "%s: %s: %s" % (self.filename, where, message)))
+        self.items.append(("error", "%s: %s" % (self.at(where), message)))
+
+
+WHERE_HOOK = re.compile(r'hook (\d+)(?: \("(?:[^"\\]|\\.)*"\))?')
+WHERE_STEP = re.compile(r"\.([a-z-]+)|\[(\d+)\]")
+
+
+def where_line(data, where):
+    """The line of the value a message's `where` (`hook 2 ("id").trigger-rule.and[0]`) names,
+    when the data came from the YAML reader; None otherwise."""
+    found = WHERE_HOOK.match(where)
+    if found is None or not isinstance(data, YamlList) or int(found.group(1)) >= len(data):
+        return None
+    node, line, pos = data[int(found.group(1))], data.lines[int(found.group(1))], found.end()
+    for step in WHERE_STEP.finditer(where, pos):
+        if step.start() != pos:
+            break
+        if step.group(1) and isinstance(node, YamlMap):
+            keys = [key for key in node if key.lower() == step.group(1)]
+            if not keys:
+                break
+            line, node = node.lines[keys[-1]], node[keys[-1]]
+        elif step.group(2) and isinstance(node, YamlList) and int(step.group(2)) < len(node):
+            line, node = node.lines[int(step.group(2))], node[int(step.group(2))]
+        else:
+            break
+        pos = step.end()
+    return line
 
 
 def did_you_mean(name, known):
@@ -508,24 +1207,44 @@ def fold_keys(obj, known, where, problems):
         lowered = key.lower()
         if lowered in known:
             folded[lowered] = value
+        elif not_json(value):
+            raise HooksFileError("%s.%s: %s is no JSON value, upstream refuses the file"
+                                 % (where, key, not_json(value)))
         else:
-            problems.warn(where, "unknown field %r%s" % (key, did_you_mean(key, known)))
+            problems.warn(where, "unknown field %r%s" % (key, did_you_mean(key, known)),
+                          getattr(obj, "lines", {}).get(key))
     return folded
 
 
+def not_json(value):
+    """The first infinite or NaN float in a value ("+Inf"), else "": upstream turns YAML into JSON
+    before decoding, and that fails for them unless they land in a string field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return go_float32_text(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for found in map(not_json, items) if found), "")
+
+
 def type_name(value):
-    return {dict: "object", list: "array", str: "string", bool: "boolean",
-            type(None): "null"}.get(type(value), "number")
+    for kind, name in ((dict, "object"), (list, "array"), (str, "string"), (bool, "boolean")):
+        if isinstance(value, kind):  # YamlMap and YamlList too
+            return name
+    return "null" if value is None else "number"
 
 
 def as_string(value, where):
-    """Strings as is; numbers and booleans as their JSON text (upstream's YAML parser does so)."""
+    """Strings as is; null, numbers and booleans as upstream's YAML layer turns them into strings
+    (null is "", floats are written in Go's shortest float32 form: 1.10 -> "1.1")."""
     if isinstance(value, str):
         return value
+    if value is None:
+        return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return go_float32_text(value)
     raise HooksFileError("%s: expected a string, got %s" % (where, type_name(value)))
 
 
@@ -604,9 +1323,9 @@ def parse_argument(obj, where, problems):
     base64decode = obj.get("base64decode") or False
     if not isinstance(base64decode, bool):
         raise HooksFileError("%s.base64decode: expected a boolean" % where)
-    arg = Argument(as_string(obj.get("source") or "", where + ".source"),
-                   as_string(obj.get("name") or "", where + ".name"),
-                   as_string(obj.get("envname") or "", where + ".envname"), base64decode)
+    arg = Argument(as_string(obj.get("source"), where + ".source"),
+                   as_string(obj.get("name"), where + ".name"),
+                   as_string(obj.get("envname"), where + ".envname"), base64decode)
     if arg.source not in SOURCES:
         problems.error(where, "unknown source %r%s"
                        % (arg.source, did_you_mean(arg.source, SOURCES)))
@@ -637,7 +1356,7 @@ def parse_rule(obj, where, problems):
 
 def parse_match(obj, where, problems):
     obj = fold_keys(obj, MATCH_FIELDS, where, problems)
-    fields = {key: as_string(obj.get(key) or "", "%s.%s" % (where, key))
+    fields = {key: as_string(obj.get(key), "%s.%s" % (where, key))
               for key in ("type", "value", "regex", "secret", "ip-range")}
     parameter = obj.get("parameter")
     parameter = (parse_argument(parameter, where + ".parameter", problems)
@@ -670,7 +1389,9 @@ def parse_field(kind, value, where, problems):
             raise HooksFileError("%s: expected a boolean, got %s" % (where, type_name(value)))
         return value
     if kind in ("int", "posint"):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e21:
+            value = int(value)  # upstream writes 200.0 as JSON 200 before decoding it
+        if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**63:
             raise HooksFileError("%s: expected an integer, got %s" % (where, type_name(value)))
         if kind == "posint" and value < 1:
             raise HooksFileError("%s: must be at least 1" % where)
@@ -690,8 +1411,8 @@ def parse_field(kind, value, where, problems):
     for i, item in enumerate(value):
         here = "%s[%d]" % (where, i)
         item = fold_keys(item, ("name", "value"), here, problems)
-        headers.append((as_string(item.get("name") or "", here + ".name"),
-                        as_string(item.get("value") or "", here + ".value")))
+        headers.append((as_string(item.get("name"), here + ".name"),
+                        as_string(item.get("value"), here + ".value")))
     return tuple(headers)
 
 
@@ -752,21 +1473,52 @@ def describe(index, obj):
         "hook %d" % index
 
 
+# JSON escapes go-yaml v2 refuses: such a file goes through the YAML reader to fail as upstream.
+JSON_ONLY_ESCAPE = re.compile(r"\\(?:/|u[dD][89abAB])")
+
+
+def hooks_data(text, filename):
+    """The value in a hooks file's text: (data, read_as_json).  JSON is tried first (fast);
+    anything else is read as YAML.  Scalars resolve as upstream's go-yaml v2 resolves them,
+    for JSON too (`1e5` is a string there)."""
+    try:
+        data = json.loads(text, parse_int=resolve_plain, parse_float=resolve_plain,
+                          parse_constant=str)
+        if "\\" not in text or not JSON_ONLY_ESCAPE.search(text):
+            return data, True
+    except ValueError:
+        pass
+    try:
+        return load_yaml(text), False
+    except YamlError as exc:
+        raise HooksFileError("%s:%d:%d: %s" % (filename, exc.line, exc.column, exc.message)) \
+            from None
+
+
 def parse_hooks(text, filename):
-    """Parse the text of a hooks file: (list of Hook, Problems).  Raises HooksFileError."""
-    problems = Problems(filename)
+    """Parse the text of a hooks file (JSON or YAML): (list of Hook, Problems).  Raises
+    HooksFileError.  Problems in a JSON file are located by reading it again as YAML."""
     if not text.strip():
         raise HooksFileError("%s: file is empty" % filename)
+    data, read_as_json = hooks_data(text, filename)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        hint = ""
-        if text.lstrip()[:1] not in ("[", "{"):
-            hint = " (hooks files must be JSON; YAML is not supported)"
-        raise HooksFileError("%s:%d:%d: %s%s" % (filename, exc.lineno, exc.colno, exc.msg, hint)) \
-            from None
+        hooks, problems = build_hooks(data, filename)
+        if not problems.items or not read_as_json:
+            return hooks, problems
+    except HooksFileError:
+        if not read_as_json:
+            raise
+    try:
+        data = load_yaml(text)  # the same values, now with the line of each
+    except YamlError:
+        pass
+    return build_hooks(data, filename)
+
+
+def build_hooks(data, filename):
+    problems = Problems(filename, data)
     if not isinstance(data, list):
-        raise HooksFileError("%s: expected a JSON array of hooks, got %s"
+        raise HooksFileError("%s: expected an array (a YAML sequence) of hooks, got %s"
                              % (filename, type_name(data)))
     hooks, seen = [], set()
     for index, obj in enumerate(data):
@@ -774,7 +1526,9 @@ def parse_hooks(text, filename):
         try:
             hook = Hook(obj, where, problems)
         except HooksFileError as exc:
-            raise HooksFileError("%s: %s" % (filename, exc)) from None
+            line = where_line(data, str(exc))
+            raise HooksFileError("%s%s: %s" % (filename, ":%d" % line if line else "", exc)) \
+                from None
         if hook.id in seen:
             problems.error(where, "duplicate id %r in this file (the first one wins)" % hook.id)
         seen.add(hook.id)

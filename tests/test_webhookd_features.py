@@ -248,7 +248,7 @@ def test_validate_lists_every_problem_and_exits_1(tmp_path):
     assert "0 error(s)" in result.stdout
 
     broken = tmp_path / "broken.json"
-    broken.write_text('[{"id": 1,}]')
+    broken.write_text('[{"id": "a" "x"}]')  # a trailing comma would be fine (YAML)
     result = subprocess.run(python_cmd(WEBHOOKD, "-validate", "-hooks", broken),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "broken.json:1:" in result.stdout

@@ -112,12 +112,10 @@ def test_wrong_types_are_load_errors(hook, message):
 def test_json_errors_carry_line_and_column():
     with pytest.raises(w.HooksFileError) as info:
         w.parse_hooks('[\n {"id": "a",\n  "x" 1}\n]', "f.json")
-    assert str(info.value).startswith("f.json:3:7: Expecting ':' delimiter")
-    with pytest.raises(w.HooksFileError, match="YAML is not supported"):
-        w.parse_hooks("- id: a\n", "f.yaml")
+    assert str(info.value).startswith("f.json:3:7: did not find expected ',' or '}'")
     with pytest.raises(w.HooksFileError, match="empty"):
         w.parse_hooks("  \n", "f.json")
-    with pytest.raises(w.HooksFileError, match="expected a JSON array"):
+    with pytest.raises(w.HooksFileError, match="expected an array"):
         w.parse_hooks('{"id": "a"}', "f.json")
 
 
