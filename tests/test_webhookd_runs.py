@@ -10,27 +10,15 @@ import http.client
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
-import sys
 import time
 
 import pytest
 
 import webhookd
 from support import WEBHOOKD, Daemon, free_port, python_cmd
-
-
-def write_hooks(path, hooks):
-    path.write_text(json.dumps(hooks))
-    return path
-
-
-def script(path, body):
-    path.write_text("#!/bin/sh\n" + body)
-    path.chmod(0o755)
-    return str(path)
+from test_webhookd_features import script, unix_request, wait_until, write_hooks
 
 
 def hook(hook_id, command, **extra):
@@ -42,16 +30,6 @@ def start(hooks_file, *flags, port=None):
     argv = python_cmd(WEBHOOKD, "-hooks", hooks_file, "-ip", "127.0.0.1", "-port", str(port),
                       "-verbose", "-status-path", "/status", *flags)
     return Daemon(argv, port)
-
-
-def wait_until(condition, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 def get_json(daemon, path, headers=None):
@@ -298,17 +276,9 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def unix_get(path, target, headers=b""):
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(15)
-        sock.connect(path)
-        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s\r\n"
-                     % (target.encode(), headers))
-        data = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+    """(status, body) of one GET over the Unix socket."""
+    data = unix_request(path, b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s\r\n"
+                        % (target.encode(), headers))
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
