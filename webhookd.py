@@ -177,7 +177,8 @@ FLAGS = [
          "across restarts; in memory when empty"),
     Flag("runs-follow", "string", "", "webhookd: print the output of this run in -runs-dir, "
          "following it until the run ends, and exit (0 if it succeeded)"),
-    Flag("runs-keep", "int", 50, "webhookd: runs kept per hook, oldest dropped first"),
+    Flag("runs-keep", "int", 50, "webhookd: runs kept per hook, oldest dropped first (0: no run "
+         "history, no run ids)"),
     Flag("runs-max-bytes", "int", 64 * 1024 * 1024, "webhookd: total size of the kept runs "
          "(records and output), oldest dropped first"),
     Flag("runs-max-output", "int", 1024 * 1024, "webhookd: output kept per run; beyond it the "
@@ -2737,7 +2738,7 @@ class RunStore:
     """The run records, newest last, bounded; and the one thread writing them to -runs-dir."""
 
     def __init__(self, keep, max_bytes, max_output, directory=None):
-        self.keep, self.max_bytes, self.max_output = max(1, keep), max_bytes, max(1, max_output)
+        self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
         self.directory = directory
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
@@ -2751,7 +2752,10 @@ class RunStore:
     # -- the run path --------------------------------------------------------
 
     def open(self, hook_id, request):
-        """A queued record for a run about to be triggered by request; its id."""
+        """A queued record for a run about to be triggered by request; its id (None when
+        -runs-keep is 0: no history)."""
+        if not self.keep:
+            return None
         now = time.time()
         record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "queued",
                             "queued_at": iso_time(now), "remote_addr": request.remote_addr,
@@ -3112,7 +3116,7 @@ class RunsPage:
 def runs_options_problem(opts):
     """A sentence if the run-history flags are unusable; reads -status-token-file."""
     for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
-        if getattr(opts, name) <= 0:
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
             return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
     if opts.status_token_file:
         try:
@@ -3967,7 +3971,9 @@ class Pipeline:
         log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        headers["X-Webhookd-Run"] = self.runs.open(hook.id, request)
+        run_id = self.runs.open(hook.id, request)
+        if run_id:
+            headers["X-Webhookd-Run"] = run_id
 
         success = self.status_or_200(hook.success_status, rid, hook)
         if hook.stream_output:
@@ -3976,7 +3982,7 @@ class Pipeline:
             return self.captured_response(hook, self.run(hook, request), headers, success)
         if not self.run_in_background(hook, request):
             self.runs.discard(request)
-            del headers["X-Webhookd-Run"]
+            headers.pop("X-Webhookd-Run", None)
             log.info("[%s] %d background runs waiting already: %s refused", rid,
                      ASYNC_BACKLOG_LIMIT, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)

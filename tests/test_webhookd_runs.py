@@ -360,3 +360,11 @@ def test_run_outcome(result, stopping, expected):
 ])
 def test_is_loopback_peer(peer, loopback):
     assert webhookd.is_loopback_peer(peer) is loopback
+
+
+def test_runs_keep_0_turns_history_off(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("ok", "/bin/echo")])
+    with start(hooks, "-runs-keep", "0") as daemon:
+        status, headers, _ = daemon.request("GET", "/hooks/ok")
+        assert status == 200 and "x-webhookd-run" not in headers
+        assert get_json(daemon, "/status/runs") == []
