@@ -2681,6 +2681,7 @@ RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed",
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 512  # what a record counts for besides its output, in -runs-max-bytes
+RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error")
@@ -2742,6 +2743,7 @@ class RunStore:
         self.directory = directory
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
+        self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
         self.pending = {}  # HookRequest -> RunRecord, from the trigger to the start of the run
         self.size = 0
         self.writes = queue.SimpleQueue()
@@ -2762,9 +2764,8 @@ class RunStore:
                             "request_id": request.id})
         record.cap, record.tail, record.queued_ts = self.max_output, bytearray(), now
         with self.changed:
-            self.records[record.id] = record
+            self._add(record)
             self.pending[request] = record
-            self.size += record.kept_bytes
             self._retain(record.hook)
             self._save(record)
         return record.id
@@ -2809,7 +2810,7 @@ class RunStore:
             started = getattr(record, "started_ts", None)
             record.duration_ms = None if started is None else int((now - started) * 1000)
             self._save(record)
-            self._retain(record.hook)
+            self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
             self.changed.notify_all()
 
     def output_sink(self, record, on_output, keep_output):
@@ -2890,10 +2891,16 @@ class RunStore:
 
     # -- bounds --------------------------------------------------------------
 
+    def _add(self, record):
+        self.records[record.id] = record
+        self.by_hook.setdefault(record.hook, deque()).append(record)
+        self.size += record.kept_bytes
+
     def _retain(self, hook_id):
         """Drop the oldest ended runs beyond -runs-keep for this hook and -runs-max-bytes."""
-        of_hook = [r for r in self.records.values() if r.hook == hook_id]
-        for record in of_hook[:max(0, len(of_hook) - self.keep)]:
+        of_hook = self.by_hook.get(hook_id, ())
+        excess = len(of_hook) - self.keep
+        for record in list(itertools.islice(of_hook, 0, max(0, excess))):
             if record.state in RUN_ENDED:
                 self._drop(record)
         if self.size > self.max_bytes:
@@ -2905,6 +2912,10 @@ class RunStore:
 
     def _drop(self, record):
         del self.records[record.id]
+        of_hook = self.by_hook[record.hook]
+        of_hook.remove(record)  # the oldest, near the left end
+        if not of_hook:
+            del self.by_hook[record.hook]
         self.size -= record.kept_bytes
         if self.directory is not None:
             self.writes.put(("delete", record))
@@ -2941,30 +2952,44 @@ class RunStore:
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
         with self.changed:
             for record in loaded:
-                self.records[record.id] = record
-                self.size += record.kept_bytes
+                self._add(record)
                 if record.version:
                     self.writes.put(("record", record))
             for hook_id in {r.hook for r in loaded}:
                 self._retain(hook_id)
 
     def _write_loop(self):
+        """Write in batches, RUNS_WRITE_DELAY apart: a short run's three states and its
+        output cost one record write and one output write."""
         while True:
-            kind, record = self.writes.get()
-            if kind == "flush":
-                record.set()
-                continue
-            try:
-                if kind == "record":
-                    self._write_record(record)
-                elif kind == "output":
-                    self._write_output(record)
-                else:
-                    remove_paths([self._path(record, ".json"), self._path(record, ".log")])
-            except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
-                with self.changed:
-                    record.storage_error = "not saved to %s: %s" % (self.directory,
-                                                                    exc.strerror or exc)
+            batch = [self.writes.get()]
+            time.sleep(RUNS_WRITE_DELAY)
+            while True:
+                try:
+                    batch.append(self.writes.get_nowait())
+                except queue.Empty:
+                    break
+            done = set()
+            for kind, record in batch:
+                if (kind, id(record)) not in done:
+                    done.add((kind, id(record)))
+                    self._write(kind, record)
+
+    def _write(self, kind, record):
+        if kind == "flush":
+            record.set()
+            return
+        try:
+            if kind == "record":
+                self._write_record(record)
+            elif kind == "output":
+                self._write_output(record)
+            else:
+                remove_paths([self._path(record, ".json"), self._path(record, ".log")])
+        except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
+            with self.changed:
+                record.storage_error = "not saved to %s: %s" % (self.directory,
+                                                                exc.strerror or exc)
 
     def _write_record(self, record):
         with self.changed:
@@ -2973,7 +2998,9 @@ class RunStore:
             version, document = record.version, record.as_dict()
             final_tail = bytes(record.tail) if record.state in RUN_ENDED \
                 and record.tail is not None else None
-        if final_tail is not None:  # the log holds exactly the kept tail from now on
+            on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
+                final_tail or b"")
+        if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
             write_private_file(self._path(record, ".log"), final_tail)
         write_private_file(self._path(record, ".json"),
                            (json.dumps(document, sort_keys=True) + "\n").encode())
