@@ -2985,7 +2985,8 @@ class RunStore:
             elif kind == "output":
                 self._write_output(record)
             else:
-                remove_paths([self._path(record, ".json"), self._path(record, ".log")])
+                remove_paths([self._path(record, suffix) for suffix in (
+                    (".json", ".log") if record.output_bytes else (".json",))])
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
             with self.changed:
                 record.storage_error = "not saved to %s: %s" % (self.directory,
