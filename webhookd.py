@@ -2863,10 +2863,11 @@ class RunStore:
                 return data, record.output_bytes, ended
         try:
             with open(self._path(record, ".log"), "rb") as handle:
-                data = handle.read()
+                data = handle.read()[-record.cap:]
         except OSError:
             data = b""
-        return data[-record.cap:], record.output_bytes, True
+        start = max(0, record.output_bytes - len(data))
+        return data[max(0, position - start):], record.output_bytes, True
 
     def follow(self, record, position, stopped, timeout=1.0):
         """Wait for output past `position`, the end of the run, or `timeout` seconds."""
@@ -2948,6 +2949,9 @@ class RunStore:
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
                 record.version = 1  # saved again by the writer
+                with contextlib.suppress(OSError):  # output saved after the record was
+                    logged = os.stat(self._path(record, ".log")).st_size
+                    record.output_bytes = max(record.output_bytes, logged)
             loaded.append(record)
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
         with self.changed:
