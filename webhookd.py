@@ -2736,20 +2736,19 @@ class RunRecord:
 
 
 class RunStore:
-    """The run records, newest last, bounded; and the one thread writing them to -runs-dir."""
+    """The run records, oldest first, bounded; saved to -runs-dir by RunFiles when given."""
 
     def __init__(self, keep, max_bytes, max_output, directory=None):
         self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
-        self.directory = directory
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
         self.pending = {}  # HookRequest -> RunRecord, from the trigger to the start of the run
         self.size = 0
-        self.writes = queue.SimpleQueue()
-        if directory is not None:
+        self.files = None if directory is None else RunFiles(directory, self)
+        if self.files is not None:
             self._load()
-            threading.Thread(target=self._write_loop, name="runs-writer", daemon=True).start()
+            self.files.start()
 
     # -- the run path --------------------------------------------------------
 
@@ -2797,9 +2796,9 @@ class RunStore:
                 del tail[:len(tail) - record.cap]
                 record.output_truncated = True
             self.size += record.kept_bytes
-            if self.directory is not None and not record.queued_output:
+            if self.files is not None and not record.queued_output:
                 record.queued_output = True  # one write pending per run: the tail holds the rest
-                self.writes.put(("output", record))
+                self.files.put("output", record)
             self.changed.notify_all()
 
     def ended(self, record, result, stopping):
@@ -2861,11 +2860,7 @@ class RunStore:
                 start = record.output_bytes - len(record.tail)
                 data = bytes(record.tail[max(0, position - start):])
                 return data, record.output_bytes, ended
-        try:
-            with open(self._path(record, ".log"), "rb") as handle:
-                data = handle.read()[-record.cap:]
-        except OSError:
-            data = b""
+        data = self.files.read_log(record)
         start = max(0, record.output_bytes - len(data))
         return data[max(0, position - start):], record.output_bytes, True
 
@@ -2877,7 +2872,8 @@ class RunStore:
                 self.changed.wait(timeout)
 
     def flush(self, timeout=2.0):
-        """At exit: wait (bounded) for the runs being ended and for the disk writer."""
+        """At exit: wait (bounded) for the runs being ended, mark those that never started
+        `killed`, and wait for the disk writer."""
         deadline = time.monotonic() + timeout
         with self.changed:
             while any(r.state == "running" for r in self.records.values()):
@@ -2885,10 +2881,12 @@ class RunStore:
                 if remaining <= 0:
                     break
                 self.changed.wait(remaining)
-        if self.directory is not None:
-            done = threading.Event()
-            self.writes.put(("flush", done))
-            done.wait(max(0.0, deadline - time.monotonic()))
+            for record in self.records.values():
+                if record.state == "queued":  # dropped by the stop before its turn came
+                    record.state, record.ended_at = "killed", iso_time(time.time())
+                    self._save(record)
+        if self.files is not None:
+            self.files.flush(deadline)
 
     # -- bounds --------------------------------------------------------------
 
@@ -2918,21 +2916,58 @@ class RunStore:
         if not of_hook:
             del self.by_hook[record.hook]
         self.size -= record.kept_bytes
-        if self.directory is not None:
-            self.writes.put(("delete", record))
+        if self.files is not None:
+            self.files.put("delete", record)
 
     # -- the disk ------------------------------------------------------------
 
-    def _path(self, record, suffix):
-        return os.path.join(self.directory, record.id + suffix)
-
     def _save(self, record):
         record.version += 1
-        if self.directory is not None:
-            self.writes.put(("record", record))
+        if self.files is not None:
+            self.files.put("record", record)
 
     def _load(self):
-        """Read the records of earlier runs; those that were going when we died are
+        loaded = self.files.load(self.max_output)
+        with self.changed:
+            for record in loaded:
+                self._add(record)
+                if record.version:
+                    self.files.put("record", record)
+            for hook_id in {r.hook for r in loaded}:
+                self._retain(hook_id)
+
+
+class RunFiles:
+    """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
+    0600, written by one thread of its own from a queue of (kind, record)."""
+
+    def __init__(self, directory, store):
+        self.directory, self.store, self.changed = directory, store, store.changed
+        self.writes = queue.SimpleQueue()
+
+    def start(self):
+        threading.Thread(target=self._write_loop, name="runs-writer", daemon=True).start()
+
+    def put(self, kind, record):
+        self.writes.put((kind, record))
+
+    def path(self, record, suffix):
+        return os.path.join(self.directory, record.id + suffix)
+
+    def read_log(self, record):
+        try:
+            with open(self.path(record, ".log"), "rb") as handle:
+                return handle.read()[-record.cap:]
+        except OSError:
+            return b""
+
+    def flush(self, deadline):
+        done = threading.Event()
+        self.put("flush", done)
+        done.wait(max(0.0, deadline - time.monotonic()))
+
+    def load(self, cap):
+        """The records of earlier runs, oldest first; those that were going when we died are
         `interrupted`.  An unreadable record is skipped, never fatal."""
         loaded = []
         for name in os.listdir(self.directory):
@@ -2945,22 +2980,16 @@ class RunStore:
             except (OSError, ValueError, TypeError, AttributeError) as exc:
                 log.info("run history: skipping %s: %s", name, exc)
                 continue
-            record.cap = self.max_output
+            record.cap = cap
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
                 record.version = 1  # saved again by the writer
                 with contextlib.suppress(OSError):  # output saved after the record was
-                    logged = os.stat(self._path(record, ".log")).st_size
+                    logged = os.stat(self.path(record, ".log")).st_size
                     record.output_bytes = max(record.output_bytes, logged)
             loaded.append(record)
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
-        with self.changed:
-            for record in loaded:
-                self._add(record)
-                if record.version:
-                    self.writes.put(("record", record))
-            for hook_id in {r.hook for r in loaded}:
-                self._retain(hook_id)
+        return loaded
 
     def _write_loop(self):
         """Write in batches, RUNS_WRITE_DELAY apart: a short run's three states and its
@@ -2989,7 +3018,7 @@ class RunStore:
             elif kind == "output":
                 self._write_output(record)
             else:
-                remove_paths([self._path(record, suffix) for suffix in (
+                remove_paths([self.path(record, suffix) for suffix in (
                     (".json", ".log") if record.output_bytes else (".json",))])
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
             with self.changed:
@@ -2998,7 +3027,7 @@ class RunStore:
 
     def _write_record(self, record):
         with self.changed:
-            if record.saved_version >= record.version or record.id not in self.records:
+            if record.saved_version >= record.version or record.id not in self.store.records:
                 return
             version, document = record.version, record.as_dict()
             final_tail = bytes(record.tail) if record.state in RUN_ENDED \
@@ -3006,8 +3035,8 @@ class RunStore:
             on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
-            write_private_file(self._path(record, ".log"), final_tail)
-        write_private_file(self._path(record, ".json"),
+            write_private_file(self.path(record, ".log"), final_tail)
+        write_private_file(self.path(record, ".json"),
                            (json.dumps(document, sort_keys=True) + "\n").encode())
         with self.changed:
             record.saved_version = version
@@ -3026,16 +3055,17 @@ class RunStore:
             data = bytes(record.tail if rewrite else record.tail[len(record.tail) - fresh:])
             record.disk_total = record.output_bytes
         if rewrite:
-            write_private_file(self._path(record, ".log"), data)
+            write_private_file(self.path(record, ".log"), data)
             record.disk_size = len(data)
         else:
-            fd = os.open(self._path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                          0o600)
             try:
                 os.write(fd, data)
             finally:
                 os.close(fd)
             record.disk_size += len(data)
+
 
 
 def write_private_file(path, data):

@@ -215,17 +215,21 @@ def test_runs_dir_is_private_and_survives_a_restart(tmp_path):
 
 def test_run_cut_by_shutdown_is_killed_and_one_cut_by_kill_9_is_interrupted(tmp_path):
     hooks = write_hooks(tmp_path / "hooks.json", [
-        hook("long", script(tmp_path / "long.sh", "echo begun\nexec sleep 60\n"))])
+        hook("long", script(tmp_path / "long.sh", "echo begun\nexec sleep 60\n"),
+             **{"max-concurrency": 1})])
     runs_dir = tmp_path / "runs"
     port = free_port()
     with start(hooks, "-runs-dir", runs_dir, "-shutdown-timeout", "1", port=port) as daemon:
         killed = trigger(daemon, "long")
         wait_until(lambda: printed(daemon, killed, 6), what="output")
+        never_started = trigger(daemon, "long")  # waits for its max-concurrency turn
         daemon.signal(signal.SIGTERM)
         assert daemon.proc.wait(20) == 0
     with start(hooks, "-runs-dir", runs_dir, port=port) as daemon:
         record = get_json(daemon, "/status/runs/" + killed)
         assert record["state"] == "killed" and record["signal"] == "SIGKILL"
+        record = get_json(daemon, "/status/runs/" + never_started)
+        assert record["state"] == "killed" and record["started_at"] is None
         interrupted = trigger(daemon, "long")
         wait_until(lambda: printed(daemon, interrupted, 6), what="output")
         time.sleep(0.5)  # the writer thread saves what the record holds
