@@ -372,3 +372,21 @@ def test_runs_keep_0_turns_history_off(tmp_path):
         status, headers, _ = daemon.request("GET", "/hooks/ok")
         assert status == 200 and "x-webhookd-run" not in headers
         assert get_json(daemon, "/status/runs") == []
+
+
+def test_a_failing_runs_dir_never_fails_a_trigger(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("ok", "/bin/echo", **{"include-command-output-in-response": True,
+                                   "pass-arguments-to-command": [
+                                       {"source": "string", "name": "still runs"}]})])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        runs_dir.rmdir()
+        runs_dir.write_text("not a folder any more")  # every write fails from now on
+        status, headers, body = daemon.request("GET", "/hooks/ok")
+        assert (status, body) == (200, b"still runs\n")
+        run_id = headers["x-webhookd-run"]
+        record = wait_until(lambda: get_json(daemon, "/status/runs/" + run_id)["storage_error"],
+                            what="the record to say what was not saved")
+        assert "not saved" in record
+        assert get_json(daemon, "/status/runs/" + run_id)["state"] == "succeeded"
