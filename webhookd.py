@@ -2722,6 +2722,7 @@ class RunRecord:
         self.output_bytes = self.output_bytes or 0
         self.output_truncated = bool(self.output_truncated)
         self.tail = None  # output bytes kept in memory (None: only on disk)
+        self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
 
@@ -2761,7 +2762,7 @@ class RunStore:
         record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "queued",
                             "queued_at": iso_time(now), "remote_addr": request.remote_addr,
                             "request_id": request.id})
-        record.cap, record.tail, record.queued_ts = self.max_output, bytearray(), now
+        record.cap, record.tail = self.max_output, bytearray()
         with self.changed:
             self._add(record)
             self.pending[request] = record
@@ -2806,7 +2807,7 @@ class RunStore:
         with self.changed:
             record.state, record.exit_code, record.signal = run_outcome(result, stopping)
             record.ended_at = iso_time(now)
-            started = getattr(record, "started_ts", None)
+            started = record.started_ts
             record.duration_ms = None if started is None else int((now - started) * 1000)
             self._save(record)
             self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
