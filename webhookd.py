@@ -3088,13 +3088,13 @@ def open_runs_dir(path):
     return path
 
 
-def is_loopback_peer(address):
-    """A TCP client on this machine's loopback.  Unix socket peers are not: a reverse proxy
-    usually sits behind such a socket, passing on clients from anywhere."""
-    if not (isinstance(address, tuple) and address and isinstance(address[0], str)):
-        return False
+def is_loopback_peer(remote_addr):
+    """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
+    on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
+    behind such a socket, passing on clients from anywhere."""
+    host = remote_addr.rpartition(":")[0].strip("[]").split("%")[0]
     try:
-        ip = ipaddress.ip_address(address[0].split("%")[0])
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
     mapped = getattr(ip, "ipv4_mapped", None)
@@ -3117,18 +3117,18 @@ class RunsPage:
     def wants(self, path):
         return path == self.prefix or path.startswith(self.prefix + "/")
 
-    def allowed(self, head, peer):
+    def allowed(self, head, remote_addr):
         if self.token:
             scheme, _, given = head.get("Authorization").partition(" ")
             if scheme.lower() == "bearer" and hmac.compare_digest(
                     given.strip().encode("utf-8", "surrogateescape"), self.token.encode()):
                 return True
-        return is_loopback_peer(peer)
+        return is_loopback_peer(remote_addr)
 
-    def answer(self, head, path, raw_query, peer, stream, stopped):
+    def answer(self, head, path, raw_query, remote_addr, stream, stopped):
         if head.method not in ("GET", "HEAD"):
             return Response(405)
-        if not self.allowed(head, peer):
+        if not self.allowed(head, remote_addr):
             return json_response(403, {"error": "run history is served to loopback clients or "
                                                 "with Authorization: Bearer <-status-token>"})
         parts = path[len(self.prefix):].split("/")[1:]
@@ -3796,7 +3796,7 @@ class HookHandler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with app.in_flight():
             rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, self.client_address,
+            hook, raw_query, response = app.route(head, self.remote_addr,
                                                   self.stream_to_client)
             if response is None:
                 response = self.trigger(rid, hook, raw_query)
@@ -3956,7 +3956,7 @@ class Pipeline:
                      head.get("Host"), head.method,
                      redact_target(head.target, response.secret_params))
 
-    def route(self, head, peer=None, stream=None):
+    def route(self, head, remote_addr="@", stream=None):
         """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
         target = head.target
         if target.startswith(("http://", "https://")):
@@ -3976,7 +3976,7 @@ class Pipeline:
         if self.opts.status_path and path == self.opts.status_path:
             return None, None, self.status_response(head)
         if self.opts.status_path and self.runs_page.wants(path):
-            return None, None, self.runs_page.answer(head, path, raw_query, peer, stream,
+            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
                                                      lambda: self.stopping)
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
