@@ -383,6 +383,7 @@ def test_a_failing_runs_dir_never_fails_a_trigger(tmp_path):
         assert "not saved" in record
         assert get_json(daemon, "/status/runs/" + run_id)["state"] == "succeeded"
 
+
 def test_runs_keep_0_turns_history_off(tmp_path):
     hooks = write_hooks(tmp_path / "hooks.json", [hook("ok", "/bin/echo")])
     with start(hooks, "-runs-keep", "0") as daemon:
