@@ -4549,6 +4549,12 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
+    problem = runs_options_problem(opts)
+    if problem:
+        print("error: " + problem)
+        return 1
+    if opts.runs or opts.runs_follow:
+        return runs_command(opts)
     if (opts.setuid != 0) != (opts.setgid != 0):
         print("error: setuid and setgid options must be used together")
         return 1
@@ -4564,12 +4570,6 @@ def main(argv=None):
             print("error: invalid value %d for -%s" % (getattr(opts, name),
                                                        name.replace("_", "-")))
             return 1
-    problem = runs_options_problem(opts)
-    if problem:
-        print("error: " + problem)
-        return 1
-    if opts.runs or opts.runs_follow:
-        return runs_command(opts)
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
