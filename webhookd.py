@@ -172,6 +172,18 @@ FLAGS = [
     Flag("port", "int", 9000, "port the webhook should serve hooks on"),
     Flag("read-header-timeout", "int", 10, "webhookd: seconds a client may take to send the "
          "request line and headers (also the body's per-read inactivity limit; 0: no limit)"),
+    Flag("runs", "bool", False, "webhookd: list the runs recorded in -runs-dir, newest first, "
+         "and exit"),
+    Flag("runs-dir", "string", "", "webhookd: keep run records and output in this folder (0700) "
+         "across restarts; in memory when empty"),
+    Flag("runs-follow", "string", "", "webhookd: print the output of this run in -runs-dir, "
+         "following it until the run ends, and exit (0 if it succeeded)"),
+    Flag("runs-keep", "int", 50, "webhookd: runs kept per hook, oldest dropped first (0: no run "
+         "history, no run ids)"),
+    Flag("runs-max-bytes", "int", 64 * 1024 * 1024, "webhookd: total size of the kept runs "
+         "(records and output), oldest dropped first"),
+    Flag("runs-max-output", "int", 1024 * 1024, "webhookd: output kept per run; beyond it the "
+         "tail is kept"),
     Flag("secure", "bool", False, "use HTTPS instead of HTTP"),
     Flag("setgid", "int", 0, "set group ID after opening listening port; must be used with setuid"),
     Flag("setuid", "int", 0, "set user ID after opening listening port; must be used with setgid"),
@@ -180,6 +192,9 @@ FLAGS = [
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
          "the hooks prefix); off when empty"),
+    Flag("status-token", "string", "", "webhookd: serve run history under -status-path to "
+         "any client sending Authorization: Bearer <token> (else loopback clients only)"),
+    Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
          "any other template action is a load error"),
@@ -2692,6 +2707,602 @@ class HookGate:
 
 
 # ---------------------------------------------------------------------------
+# Run history: run records, the bounded store (memory or -runs-dir), what HTTP and -runs show
+# ---------------------------------------------------------------------------
+# Every triggered run gets a RunRecord: its state and the tail of its output.  The store keeps
+# them bounded (-runs-keep per hook, -runs-max-bytes in all) in memory, and with -runs-dir also
+# as `<id>.json` + `<id>.log` files written by one thread of their own, so a slow or full disk
+# never holds up a trigger: the record then says what was not saved.
+
+RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted")
+RUN_ENDED = frozenset(RUN_STATES[2:])
+RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
+RUN_RECORD_BYTES = 512  # what a record counts for besides its output, in -runs-max-bytes
+RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
+RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
+              "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
+              "output_truncated", "storage_error")
+
+
+def new_run_id(now):
+    """Sortable by time, unique without coordination: `20261123T214700Z-9f3a0c1e`."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + os.urandom(4).hex()
+
+
+def run_outcome(result, stopping):
+    """(state, exit_code, signal name) of a CommandResult; a run ended by a signal while we
+    stop was killed by the shutdown."""
+    if not result.started:
+        return "failed", None, None
+    code = result.returncode
+    name = None
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+    if result.timed_out:
+        return "timed-out", code, name
+    if code == 0:
+        return "succeeded", 0, None
+    if name is not None and stopping:
+        return "killed", code, name
+    return "failed", code, name
+
+
+class RunRecord:
+    """One run: the fields of RUN_FIELDS, the kept tail of its output, and `version`, bumped on
+    every change so the disk writer saves each record once however often it changed."""
+
+    def __init__(self, fields):
+        self.__dict__.update({name: fields.get(name) for name in RUN_FIELDS})
+        self.output_bytes = self.output_bytes or 0
+        self.output_truncated = bool(self.output_truncated)
+        self.tail = None  # output bytes kept in memory (None: only on disk)
+        self.started_ts = None
+        self.version = self.saved_version = self.disk_total = self.disk_size = 0
+        self.queued_output = False
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name in RUN_FIELDS}
+
+    @property
+    def kept_bytes(self):
+        return RUN_RECORD_BYTES + min(self.output_bytes, self.cap)
+
+    cap = 0  # set by the store
+
+
+class RunStore:
+    """The run records, oldest first, bounded; saved to -runs-dir by RunFiles when given."""
+
+    def __init__(self, keep, max_bytes, max_output, directory=None):
+        self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
+        self.changed = threading.Condition()  # held for every change; followers wait on it
+        self.records = {}  # id -> RunRecord, in creation order
+        self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
+        self.pending = {}  # HookRequest -> RunRecord, from the trigger to the start of the run
+        self.size = 0
+        self.files = None if directory is None else RunFiles(directory, self)
+        if self.files is not None:
+            self._load()
+            self.files.start()
+
+    # -- the run path --------------------------------------------------------
+
+    def open(self, hook_id, request):
+        """A queued record for a run about to be triggered by request; its id (None when
+        -runs-keep is 0: no history)."""
+        if not self.keep:
+            return None
+        now = time.time()
+        record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "queued",
+                            "queued_at": iso_time(now), "remote_addr": request.remote_addr,
+                            "request_id": request.id})
+        record.cap, record.tail = self.max_output, bytearray()
+        with self.changed:
+            self._add(record)
+            self.pending[request] = record
+            self._retain(record.hook)
+            self._save(record)
+        return record.id
+
+    def discard(self, request):
+        """The trigger ran nothing after all (e.g. the background backlog is full)."""
+        with self.changed:
+            record = self.pending.pop(request, None)
+            if record is not None:
+                self._drop(record)
+
+    def claim(self, request):
+        with self.changed:
+            return self.pending.pop(request, None)
+
+    def started(self, record):
+        with self.changed:
+            record.state, record.started_ts = "running", time.time()
+            record.started_at = iso_time(record.started_ts)
+            self._save(record)
+
+    def output(self, record, chunk):
+        with self.changed:
+            self.size -= record.kept_bytes
+            tail = record.tail
+            tail += chunk
+            record.output_bytes += len(chunk)
+            if len(tail) > record.cap:
+                del tail[:len(tail) - record.cap]
+                record.output_truncated = True
+            self.size += record.kept_bytes
+            if self.files is not None and not record.queued_output:
+                record.queued_output = True  # one write pending per run: the tail holds the rest
+                self.files.put("output", record)
+            self.changed.notify_all()
+
+    def ended(self, record, result, stopping):
+        now = time.time()
+        with self.changed:
+            record.state, record.exit_code, record.signal = run_outcome(result, stopping)
+            record.ended_at = iso_time(now)
+            started = record.started_ts
+            record.duration_ms = None if started is None else int((now - started) * 1000)
+            self._save(record)
+            self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
+            self.changed.notify_all()
+
+    def output_sink(self, record, on_output, keep_output):
+        """(on_output for Runner.run, chunks collected for the caller or None): every chunk
+        also goes to the record, whatever the caller does with it."""
+        collected = [] if on_output is None and keep_output else None
+        forward = on_output or (collected.append if collected is not None else None)
+
+        def sink(chunk):
+            self.output(record, chunk)
+            if forward is not None:
+                forward(chunk)
+        return sink, collected
+
+    # -- reading -------------------------------------------------------------
+
+    def get(self, run_id):
+        with self.changed:
+            return self.records.get(run_id)
+
+    def listing(self, hook=None, state=None, limit=100):
+        with self.changed:
+            found = []
+            for record in reversed(list(self.records.values())):
+                if (hook is None or record.hook == hook) and (state is None
+                                                              or record.state == state):
+                    found.append(record.as_dict())
+                    if len(found) >= limit:
+                        break
+            return found
+
+    def last_per_hook(self):
+        """hook id -> a summary of its newest run, for the status page."""
+        last = {}
+        with self.changed:
+            for record in self.records.values():
+                last[record.hook] = {name: getattr(record, name) for name in (
+                    "id", "state", "exit_code", "signal", "queued_at", "started_at",
+                    "ended_at", "duration_ms")}
+        return last
+
+    def read_output(self, record, position=0):
+        """(bytes from `position` on, the position after them, ended?); a position older than
+        the kept tail starts at the tail."""
+        with self.changed:
+            ended = record.state in RUN_ENDED
+            if record.tail is not None:
+                start = record.output_bytes - len(record.tail)
+                data = bytes(record.tail[max(0, position - start):])
+                return data, record.output_bytes, ended
+        data = self.files.read_log(record)
+        start = max(0, record.output_bytes - len(data))
+        return data[max(0, position - start):], record.output_bytes, True
+
+    def follow(self, record, position, stopped, timeout=1.0):
+        """Wait for output past `position`, the end of the run, or `timeout` seconds."""
+        with self.changed:
+            if record.output_bytes == position and record.state not in RUN_ENDED \
+                    and not stopped():
+                self.changed.wait(timeout)
+
+    def flush(self, timeout=2.0):
+        """At exit: wait (bounded) for the runs being ended, mark those that never started
+        `killed`, and wait for the disk writer."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while any(r.state == "running" for r in self.records.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.changed.wait(remaining)
+            for record in self.records.values():
+                if record.state == "queued":  # dropped by the stop before its turn came
+                    record.state, record.ended_at = "killed", iso_time(time.time())
+                    self._save(record)
+        if self.files is not None:
+            self.files.flush(deadline)
+
+    # -- bounds --------------------------------------------------------------
+
+    def _add(self, record):
+        self.records[record.id] = record
+        self.by_hook.setdefault(record.hook, deque()).append(record)
+        self.size += record.kept_bytes
+
+    def _retain(self, hook_id):
+        """Drop the oldest ended runs beyond -runs-keep for this hook and -runs-max-bytes."""
+        of_hook = self.by_hook.get(hook_id, ())
+        excess = len(of_hook) - self.keep
+        for record in list(itertools.islice(of_hook, 0, max(0, excess))):
+            if record.state in RUN_ENDED:
+                self._drop(record)
+        if self.size > self.max_bytes:
+            for record in list(self.records.values()):
+                if self.size <= self.max_bytes:
+                    break
+                if record.state in RUN_ENDED:
+                    self._drop(record)
+
+    def _drop(self, record):
+        del self.records[record.id]
+        of_hook = self.by_hook[record.hook]
+        of_hook.remove(record)  # the oldest, near the left end
+        if not of_hook:
+            del self.by_hook[record.hook]
+        self.size -= record.kept_bytes
+        if self.files is not None:
+            self.files.put("delete", record)
+
+    # -- the disk ------------------------------------------------------------
+
+    def _save(self, record):
+        record.version += 1
+        if self.files is not None:
+            self.files.put("record", record)
+
+    def _load(self):
+        loaded = self.files.load(self.max_output)
+        with self.changed:
+            for record in loaded:
+                self._add(record)
+                if record.version:
+                    self.files.put("record", record)
+            for hook_id in {r.hook for r in loaded}:
+                self._retain(hook_id)
+
+
+class RunFiles:
+    """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
+    0600, written by one thread of its own from a queue of (kind, record)."""
+
+    def __init__(self, directory, store):
+        self.directory, self.store, self.changed = directory, store, store.changed
+        self.writes = queue.SimpleQueue()
+
+    def start(self):
+        threading.Thread(target=self._write_loop, name="runs-writer", daemon=True).start()
+
+    def put(self, kind, record):
+        self.writes.put((kind, record))
+
+    def path(self, record, suffix):
+        return os.path.join(self.directory, record.id + suffix)
+
+    def read_log(self, record):
+        try:
+            with open(self.path(record, ".log"), "rb") as handle:
+                return handle.read()[-record.cap:]
+        except OSError:
+            return b""
+
+    def flush(self, deadline):
+        done = threading.Event()
+        self.put("flush", done)
+        done.wait(max(0.0, deadline - time.monotonic()))
+
+    def load(self, cap):
+        """The records of earlier runs, oldest first; those that were going when we died are
+        `interrupted`.  An unreadable record is skipped, never fatal."""
+        loaded = []
+        for name in os.listdir(self.directory):
+            if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
+                continue
+            try:
+                with open(os.path.join(self.directory, name), "rb") as handle:
+                    fields = json.loads(handle.read())
+                record = RunRecord(fields)
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                log.info("run history: skipping %s: %s", name, exc)
+                continue
+            record.cap = cap
+            if record.state not in RUN_ENDED:
+                record.state = "interrupted"
+                record.version = 1  # saved again by the writer
+                with contextlib.suppress(OSError):  # output saved after the record was
+                    logged = os.stat(self.path(record, ".log")).st_size
+                    record.output_bytes = max(record.output_bytes, logged)
+            loaded.append(record)
+        loaded.sort(key=lambda r: (r.queued_at or "", r.id))
+        return loaded
+
+    def _write_loop(self):
+        """Write in batches, RUNS_WRITE_DELAY apart: a short run's three states and its
+        output cost one record write and one output write."""
+        while True:
+            batch = [self.writes.get()]
+            time.sleep(RUNS_WRITE_DELAY)
+            while True:
+                try:
+                    batch.append(self.writes.get_nowait())
+                except queue.Empty:
+                    break
+            done = set()
+            for kind, record in batch:
+                if (kind, id(record)) not in done:
+                    done.add((kind, id(record)))
+                    self._write(kind, record)
+
+    def _write(self, kind, record):
+        if kind == "flush":
+            record.set()
+            return
+        try:
+            if kind == "record":
+                self._write_record(record)
+            elif kind == "output":
+                self._write_output(record)
+            else:
+                remove_paths([self.path(record, suffix) for suffix in (
+                    (".json", ".log") if record.output_bytes else (".json",))])
+        except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
+            with self.changed:
+                record.storage_error = "not saved to %s: %s" % (self.directory,
+                                                                exc.strerror or exc)
+
+    def _write_record(self, record):
+        with self.changed:
+            if record.saved_version >= record.version or record.id not in self.store.records:
+                return
+            version, document = record.version, record.as_dict()
+            final_tail = bytes(record.tail) if record.state in RUN_ENDED \
+                and record.tail is not None else None
+            on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
+                final_tail or b"")
+        if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
+            write_private_file(self.path(record, ".log"), final_tail)
+        write_private_file(self.path(record, ".json"),
+                           (json.dumps(document, sort_keys=True) + "\n").encode())
+        with self.changed:
+            record.saved_version = version
+            if final_tail is not None:
+                record.tail = None  # served from the file from now on
+
+    def _write_output(self, record):
+        """Append what came since the last write; once the log holds twice the cap, rewrite it
+        with the kept tail (a reader following the file sees it shrink)."""
+        with self.changed:
+            record.queued_output = False
+            if record.tail is None:
+                return
+            fresh = record.output_bytes - record.disk_total
+            rewrite = record.disk_size + fresh > 2 * record.cap or fresh > len(record.tail)
+            data = bytes(record.tail if rewrite else record.tail[len(record.tail) - fresh:])
+            record.disk_total = record.output_bytes
+        if rewrite:
+            write_private_file(self.path(record, ".log"), data)
+            record.disk_size = len(data)
+        else:
+            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                         0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            record.disk_size += len(data)
+
+
+
+def write_private_file(path, data):
+    """Replace path with data atomically (a temp file 0600, then rename)."""
+    temp = path + ".tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
+def open_runs_dir(path):
+    """The -runs-dir folder, created 0700 (and made 0700 if it was not)."""
+    os.makedirs(path, 0o700, exist_ok=True)
+    if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def is_loopback_peer(remote_addr):
+    """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
+    on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
+    behind such a socket, passing on clients from anywhere."""
+    host = remote_addr.rpartition(":")[0].strip("[]").split("%")[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def json_response(status, document):
+    body = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+    return Response(status, body, {"Content-Type": "application/json",
+                                   "Cache-Control": "no-store"})
+
+
+class RunsPage:
+    """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to loopback
+    clients or bearers of -status-token."""
+
+    def __init__(self, store, status_path, token):
+        self.store, self.prefix, self.token = store, status_path + "/runs", token
+
+    def wants(self, path):
+        return path == self.prefix or path.startswith(self.prefix + "/")
+
+    def allowed(self, head, remote_addr):
+        if self.token:
+            scheme, _, given = head.get("Authorization").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                    given.strip().encode("utf-8", "surrogateescape"), self.token.encode()):
+                return True
+        return is_loopback_peer(remote_addr)
+
+    def answer(self, head, path, raw_query, remote_addr, stream, stopped):
+        if head.method not in ("GET", "HEAD"):
+            return Response(405)
+        if not self.allowed(head, remote_addr):
+            return json_response(403, {"error": "run history is served to loopback clients or "
+                                                "with Authorization: Bearer <-status-token>"})
+        parts = path[len(self.prefix):].split("/")[1:]
+        if not parts:
+            return self.listing(raw_query)
+        record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
+        if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
+            return json_response(404, {"error": "run not found"})
+        if len(parts) == 1:
+            return json_response(200, record.as_dict())
+        return self.output(head, record, stream, stopped)
+
+    def listing(self, raw_query):
+        query = parse_query(raw_query)[0]
+        limit = query.get("limit", "100")
+        if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
+            return json_response(400, {"error": "limit must be a whole number from 1 to 10000"})
+        state = query.get("state")
+        if state is not None and state not in RUN_STATES:
+            return json_response(400, {"error": "state must be one of " + ", ".join(RUN_STATES)})
+        return json_response(200, self.store.listing(query.get("hook"), state,
+                                                     int(limit)))
+
+    def output(self, head, record, stream, stopped):
+        """The kept output; while the run goes on, streamed (chunked) until it ends."""
+        headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
+                   "X-Content-Type-Options": "nosniff"}
+        data, position, ended = self.store.read_output(record)
+        if ended or head.method == "HEAD" or stream is None:
+            return Response(200, data, headers)
+        chunked = head.version == "HTTP/1.1"
+        lines = ["HTTP/1.1 200 OK"] + header_lines(headers) + [
+            "Date: " + http_date(), "Transfer-Encoding: chunked" if chunked
+            else "Connection: close", "", ""]
+        alive = stream("\r\n".join(lines).encode())
+        while alive:
+            if data:
+                alive = stream(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            if ended or stopped():
+                break
+            self.store.follow(record, position, stopped)
+            data, position, ended = self.store.read_output(record, position)
+        if alive and chunked:
+            alive = stream(b"0\r\n\r\n")
+        return Response(200, b"", headers, close=not (alive and chunked), sent=True)
+
+
+def runs_options_problem(opts):
+    """A sentence if the run-history flags are unusable; reads -status-token-file."""
+    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
+            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+    if opts.status_token_file:
+        try:
+            with open(opts.status_token_file, encoding="utf-8") as handle:
+                opts.status_token = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return "cannot read -status-token-file %s: %s" % (opts.status_token_file, exc)
+        if not opts.status_token:
+            return "-status-token-file %s is empty" % opts.status_token_file
+    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
+        return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if opts.runs_dir:
+        try:
+            open_runs_dir(opts.runs_dir)
+        except OSError as exc:
+            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, exc.strerror or exc)
+    return None
+
+
+def make_run_store(opts):
+    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
+                    opts.runs_dir or None)
+
+
+# The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
+
+def runs_command(opts, out=None):
+    """-runs / -runs-follow ID on the records in -runs-dir; exit status (follow: 0 if the run
+    succeeded)."""
+    out = out or sys.stdout
+    directory = opts.runs_dir
+    if opts.runs_follow:
+        return follow_run_file(directory, opts.runs_follow, out)
+    records = []
+    for name in os.listdir(directory):
+        if name.endswith(".json") and RUN_ID.fullmatch(name[:-5]):
+            try:
+                with open(os.path.join(directory, name), "rb") as handle:
+                    records.append(json.loads(handle.read()))
+            except (OSError, ValueError):
+                continue
+    records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
+    out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
+                                                   "MS", "HOOK"))
+    for r in records:
+        exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
+            r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
+    out.flush()
+    return 0
+
+
+def follow_run_file(directory, run_id, out):
+    """Print a run's output as tail -f would, until its record says it ended."""
+    if not RUN_ID.fullmatch(run_id) or not os.path.exists(os.path.join(directory,
+                                                                       run_id + ".json")):
+        sys.stderr.write("no run %s in %s\n" % (run_id, directory))
+        return 1
+    log_path = os.path.join(directory, run_id + ".log")
+    position, state = 0, None
+    while True:
+        try:
+            with open(os.path.join(directory, run_id + ".json"), "rb") as handle:
+                state = json.loads(handle.read()).get("state")
+        except (OSError, ValueError):
+            pass  # being replaced: read it next time
+        try:
+            with open(log_path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size < position:  # rewritten with the kept tail
+                    out.write("\n[webhookd: earlier output dropped, the tail follows]\n")
+                    position = 0
+                handle.seek(position)
+                data = handle.read()
+        except OSError:
+            data = b""
+        position += len(data)
+        getattr(out, "buffer", out).write(data)
+        out.flush()
+        if state in RUN_ENDED:
+            return 0 if state == "succeeded" else 1
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------
 # Hook registry and hot reload
 # ---------------------------------------------------------------------------
 
@@ -3266,7 +3877,8 @@ class HookHandler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with app.in_flight():
             rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr,
+                                                  self.stream_to_client)
             if response is None:
                 response = self.trigger(rid, hook, raw_query)
             else:
@@ -3381,6 +3993,8 @@ class Pipeline:
         self.busy_lock = threading.Lock()
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
+        self.runs = make_run_store(opts)
+        self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -3425,7 +4039,7 @@ class Pipeline:
                      head.get("Host"), head.method,
                      redact_target(head.target, response.secret_params))
 
-    def route(self, head, rid, remote_addr):
+    def route(self, head, rid, remote_addr, stream=None):
         """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
         target = head.target
         if target.startswith(("http://", "https://")):
@@ -3444,6 +4058,9 @@ class Pipeline:
             return None, None, Response(200, b"OK")
         if self.opts.status_path and path == self.opts.status_path:
             return None, None, self.status_response(head)
+        if self.opts.status_path and self.runs_page.wants(path):
+            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
+                                                     lambda: self.stopping)
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
@@ -3500,6 +4117,9 @@ class Pipeline:
         log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
+        run_id = self.runs.open(hook.id, request)
+        if run_id:
+            headers["X-Webhookd-Run"] = run_id
 
         success = self.status_or_200(hook.success_status, rid, hook)
         if hook.stream_output:
@@ -3507,6 +4127,8 @@ class Pipeline:
         if hook.capture_output:
             return self.captured_response(hook, self.run(hook, request), headers, success)
         if not self.run_in_background(hook, request):
+            self.runs.discard(request)
+            headers.pop("X-Webhookd-Run", None)
             log.info("[%s] %d background runs waiting already: %s refused", rid,
                      ASYNC_BACKLOG_LIMIT, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)
@@ -3529,6 +4151,7 @@ class Pipeline:
     def run(self, hook, request, on_output=None, keep_output=True, slot_held=False):
         """build argv/env -> wait for a max-concurrency turn (unless the caller has one) ->
         run -> log: a CommandResult."""
+        record = self.runs.claim(request)
         try:
             invocation = build_invocation(hook, request)
         except OSError as exc:
@@ -3536,18 +4159,29 @@ class Pipeline:
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            return CommandResult(False, error=exc)  # as Go: nothing more is logged
+            result = CommandResult(False, error=exc)
+            if record is not None:
+                self.runs.ended(record, result, self.stopping)
+            return result  # as Go: nothing more is logged
         for message in invocation.messages:
             log.info("[%s] %s", request.id, message)
         gate = None if slot_held else self.gate(hook)
         if gate is not None:
             gate.wait_turn()
+        sink, collected = on_output, None
+        if record is not None:
+            self.runs.started(record)
+            sink, collected = self.runs.output_sink(record, on_output, keep_output)
         try:
-            result = self.runner.run(invocation, request.id, hook.command_timeout, on_output,
+            result = self.runner.run(invocation, request.id, hook.command_timeout, sink,
                                      keep_output)
         finally:
             if gate is not None:
                 gate.leave()
+        if collected is not None:
+            result.output = b"".join(collected)
+        if record is not None:
+            self.runs.ended(record, result, self.stopping)
         self.log_result(hook, request.id, result, on_output is None and keep_output)
         return result
 
@@ -3658,6 +4292,7 @@ class Pipeline:
             "last_load": iso_time(self.registry.last_load),
             "last_reload_failed": self.registry.last_reload_failed,
             "load_errors": errors,
+            "last_runs": self.runs.last_per_hook(),
             "runs": runs,
             "runs_in_progress": sum(r["running"] for r in runs.values()),
             "runs_queued": sum(r["queued"] for r in runs.values()),
@@ -3958,6 +4593,7 @@ class Daemon:
         return time.monotonic() + max(0, self.opts.shutdown_timeout)
 
     def finish(self):
+        self.app.runs.flush()
         remove_paths(self.cleanup_paths)
         log.info("exiting")
         return 0
@@ -4010,6 +4646,12 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
+    problem = runs_options_problem(opts)
+    if problem:
+        print("error: " + problem)
+        return 1
+    if opts.runs or opts.runs_follow:
+        return runs_command(opts)
     if (opts.setuid != 0) != (opts.setgid != 0):
         print("error: setuid and setgid options must be used together")
         return 1
