@@ -211,7 +211,8 @@ class ThrowawayRoot:
             (path / "stubs" / stub).chmod(0o755)
 
     def dpkg(self, *args):
-        env = dict(os.environ, PATH=f"{self.path / 'stubs'}:{os.environ['PATH']}")
+        # dpkg wants ldconfig and start-stop-daemon, which a non-login PATH may lack
+        env = dict(os.environ, PATH=f"{self.path / 'stubs'}:{os.environ['PATH']}:/usr/sbin:/sbin")
         run = subprocess.run(["dpkg", f"--root={self.path}", "--log=/dev/null", "--force-not-root",
                               "--force-script-chrootless", "--force-depends", *args],
                              capture_output=True, text=True, env=env, timeout=60)

@@ -151,9 +151,9 @@ def test_retention_per_hook_and_total_size(tmp_path):
         hook("b", "/bin/true")])
     runs_dir = tmp_path / "runs"
     with start(hooks, "-runs-keep", "3", "-runs-dir", runs_dir) as daemon:
-        ids = [trigger(daemon, "a") for _ in range(5)]
-        for run_id in ids[2:]:
-            ended(daemon, run_id)
+        # one after another: retention drops the oldest *finished* runs, so runs ending out of
+        # order on a loaded machine would make "the oldest" ambiguous
+        ids = [ended(daemon, trigger(daemon, "a"))["id"] for _ in range(5)]
         b = ended(daemon, trigger(daemon, "b"))
         assert [r["id"] for r in get_json(daemon, "/status/runs?hook=a")] == ids[:1:-1]
         assert daemon.request("GET", "/status/runs/" + ids[0])[0] == 404
