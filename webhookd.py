@@ -3125,6 +3125,10 @@ def open_runs_dir(path):
     return path
 
 
+# Headers a reverse proxy adds: a loopback peer sending one speaks for a client elsewhere.
+RELAY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-Ip")  # canonical, as heads keep them
+
+
 def is_loopback_peer(remote_addr):
     """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
     on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
@@ -3160,7 +3164,9 @@ class RunsPage:
             if scheme.lower() == "bearer" and hmac.compare_digest(
                     given.strip().encode("utf-8", "surrogateescape"), self.token.encode()):
                 return True
-        return is_loopback_peer(remote_addr)
+        # a reverse proxy on this machine relays clients from anywhere: they are not local
+        relayed = any(head.get(name) for name in RELAY_HEADERS)
+        return is_loopback_peer(remote_addr) and not relayed
 
     def answer(self, head, path, raw_query, remote_addr, stream, stopped):
         if head.method not in ("GET", "HEAD"):
