@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """webhookd.py -- a drop-in replacement for adnanh/webhook 2.8.0, in one file.
 
-It serves the hooks of a webhook hooks file (a JSON array of hook objects) over HTTP:
+It serves the hooks of webhook hooks files (JSON, or YAML read as Go's webhook reads it) over HTTP:
 ``GET/POST /hooks/<id>`` finds the hook, parses the payload, checks the trigger rules, builds the
 command's argv and environment from the request, runs the command (never through a shell) and
 answers with the same status codes and bodies as the Go original.  The command line is the
@@ -15,7 +15,9 @@ polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`
 ``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
 ``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
-``-max-async-runs``) and a JSON ``-status-path``.
+``-max-async-runs``), a JSON ``-status-path`` and a run history under it: every run gets an id
+(``X-Webhookd-Run``), a state and its output, in memory or under ``-runs-dir``, read at
+``<status-path>/runs`` or with ``-runs``/``-runs-follow``.
 
 Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
 (glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
