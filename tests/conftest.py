@@ -8,9 +8,10 @@ for p in (HERE, HERE.parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-# The portability pass (TESTS_PORTABLE=1, run by .ci/run): every process the tests start
+# Portability, on by default (TESTS_PORTABLE=0 turns it off): every process the tests start
 # inherits this environment, so each tool runs with tests/portable/sitecustomize.py loaded,
-# as it would on macOS or FreeBSD. The test process itself is left as it is.
-if os.environ.get("TESTS_PORTABLE") == "1":
+# lacking what macOS or FreeBSD lack. Neither tool uses those names, so one run checks both the
+# behaviour and the portability. The test process itself is left as it is.
+if os.environ.get("TESTS_PORTABLE", "1") == "1":
     import support
     os.environ["PYTHONPATH"] = support.with_portable_path(os.environ.get("PYTHONPATH"))

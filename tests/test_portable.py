@@ -1,7 +1,7 @@
 """The portability pass: the tools run by the tests lack what macOS and FreeBSD lack.
 
-``TESTS_PORTABLE=1 python3 tests/run.py`` (a step of .ci/run) runs the suite with
-tests/portable/sitecustomize.py loaded into every process the tests start.
+The suite runs with tests/portable/sitecustomize.py loaded into every process the tests start
+(unless ``TESTS_PORTABLE=0``).
 """
 import json
 import os
@@ -58,7 +58,7 @@ def test_the_portable_python_still_runs_the_sitecustomize_it_hides(tmp_path):
     assert out.stdout.strip() == "ran", out.stderr
 
 
-@pytest.mark.skipif(os.environ.get("TESTS_PORTABLE") != "1", reason="only in the portability pass")
+@pytest.mark.skipif(os.environ.get("TESTS_PORTABLE", "1") != "1", reason="TESTS_PORTABLE=0")
 def test_in_the_portability_pass_daemons_run_without_linux_only_names(tmp_path):
     port = free_port()
     (tmp_path / "probe.py").write_text(PROBE)
