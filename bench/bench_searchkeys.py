@@ -25,6 +25,7 @@ and the targets met or missed; keeps a copy in bench/results/. Progress goes to 
 """
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -301,8 +302,11 @@ def start_nginx(workdir, name, listen, searchkeys, backend):
     for folder in (workdir, prefix):
         folder.chmod(0o755)  # nginx's workers may run as another user
     text = (common.ROOT / "searchkeys-nginx.conf.example").read_text()
-    if searchkeys is None:
-        text = "\n".join(line for line in text.splitlines() if "auth_request" not in line)
+    if searchkeys is None:  # without what asks searchkeys or relays its refusals
+        text = re.sub(r"\n\s*location @searchkeys_refused \{.*?return 500;\n\s*\}", "", text,
+                      flags=re.S)
+        text = "\n".join(line for line in text.splitlines()
+                         if "auth_request" not in line and "@searchkeys_refused" not in line)
     for placeholder, value in (("listen", f"{common.HOST}:{listen}"),
                                ("searchkeys", searchkeys or f"{common.HOST}:9"),
                                ("backend", backend), ("backend_key", UPSTREAM_KEY)):
