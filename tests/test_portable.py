@@ -1,4 +1,4 @@
-"""The portability pass: the tools run by the tests lack what macOS and FreeBSD lack.
+"""The portability check: the tools run by the tests lack what macOS and FreeBSD lack.
 
 The suite runs with tests/portable/sitecustomize.py loaded into every process the tests start
 (unless ``TESTS_PORTABLE=0``).
@@ -59,7 +59,7 @@ def test_the_portable_python_still_runs_the_sitecustomize_it_hides(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TESTS_PORTABLE", "1") != "1", reason="TESTS_PORTABLE=0")
-def test_in_the_portability_pass_daemons_run_without_linux_only_names(tmp_path):
+def test_daemons_started_by_the_tests_run_without_linux_only_names(tmp_path):
     port = free_port()
     (tmp_path / "probe.py").write_text(PROBE)
     with Daemon([sys.executable, str(tmp_path / "probe.py"), str(port)], port) as daemon:
