@@ -596,8 +596,9 @@ def load_yaml(text):
     return YamlReader(text).document()
 
 
-class YamlReader:
-    """Recursive descent over the text; `pos` is an offset, indentation counts columns."""
+class YamlScanner:
+    """The cursor under YamlReader: `pos` is an offset into the text; positions for errors,
+    blanks, comments and line ends, and the scalars (plain, quoted and block)."""
 
     def __init__(self, text):
         self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
@@ -606,6 +607,7 @@ class YamlReader:
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
 
     # -- positions and errors
+
     def where(self, pos):
         line = bisect.bisect_right(self.line_starts, pos)
         return line, pos - self.line_starts[line - 1] + 1
@@ -663,6 +665,160 @@ class YamlReader:
         return pos - start
 
     # -- document
+
+    def skip_to_line_end(self):
+        end = self.text.find("\n", self.pos)
+        self.pos = len(self.text) if end < 0 else end
+
+    # -- block context
+
+    def plain_line(self, pattern):
+        """A plain scalar's text up to the end of its first line; (text, followed by `: `)."""
+        end = pattern.search(self.text, self.pos)
+        text = self.text[self.pos:end.start()]
+        self.pos = end.start()
+        return text, self.text.startswith(":", self.pos)
+
+    def plain_continued(self, first, parent, flow=False):
+        """Continue a plain scalar on more-indented lines (any line in flow context)."""
+        lines, text = [first], self.text
+        while True:
+            more = YAML_CONTINUATION.match(text, self.pos)
+            if more is None or more.end() >= len(text):
+                break
+            line_start, pos = more.start(2), more.end()
+            if (text[pos] == "#" or self.at_marker(line_start)
+                    or (flow and text[pos] in ",]}:?")
+                    or (not flow and pos - line_start <= parent)):
+                break
+            self.pos = pos
+            line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
+            if flow and self.char() == ":" and not self.blank_after(1):
+                self.fail("found unexpected ':'")
+            lines.extend([""] * more.group(1).count("\n"))
+            lines.append(line)
+        return fold_flow_lines(lines) if len(lines) > 1 else first
+
+    def block_scalar(self, parent):
+        """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
+        indentation (1-9) indicators, folded and chomped as go-yaml v2 does."""
+        start, text = self.pos, self.text
+        folded = text[start] == ">"
+        self.pos += 1
+        chomping, increment = "clip", 0
+        for _ in range(2):
+            char = self.char()
+            if char in ("+", "-") and chomping == "clip":
+                chomping = "keep" if char == "+" else "strip"
+            elif char in "0123456789" and char and not increment:
+                if char == "0":
+                    self.fail("found an indentation indicator equal to 0")
+                increment = int(char)
+            else:
+                break
+            self.pos += 1
+        if self.char() not in ("", " ", "\t", "\n") or not self.at_line_end():
+            self.fail("did not find expected comment or line break", start)
+        indent = (parent + increment if parent >= 0 else increment) if increment else 0
+        pos = self.pos + 1
+        if not indent:
+            deepest, probe = 0, pos
+            while probe < len(text):
+                end = text.find("\n", probe)
+                line = text[probe:len(text) if end < 0 else end]
+                deepest = max(deepest, len(line) - len(line.lstrip(" ")))
+                if line.strip(" ") or end < 0:
+                    break
+                probe = end + 1
+            indent = max(deepest, parent + 1, 1)
+        entries, breaks, last_break = [], 0, False
+        while pos < len(text):
+            end = text.find("\n", pos)
+            end = len(text) if end < 0 else end
+            line = text[pos:end]
+            if line.strip(" ") and len(line) - len(line.lstrip(" ")) < indent:
+                break
+            if len(line) > indent:
+                entries.append((breaks, line[indent:]))
+                breaks, last_break = 0, end < len(text)
+            elif end < len(text):
+                breaks += 1
+            self.pos, pos = end, end + 1
+        pieces, previous_blank = [], False
+        for index, (before, content) in enumerate(entries):
+            blank = content[:1] in (" ", "\t")
+            if index:
+                if folded and not previous_blank and not blank:
+                    pieces.append("" if before else " ")
+                else:
+                    pieces.append("\n")
+            pieces.append("\n" * before)
+            pieces.append(content)
+            previous_blank = blank
+        if last_break and chomping != "strip":
+            pieces.append("\n")
+        if chomping == "keep":
+            pieces.append("\n" * breaks)
+        return "".join(pieces)
+
+    # -- flow context and scalars
+
+    def quoted(self):
+        """A single- or double-quoted scalar (with YAML escapes), folded over lines."""
+        start, text = self.pos, self.text
+        quote = text[start]
+        stops = YAML_DOUBLE_STOPS if quote == '"' else YAML_SINGLE_STOPS
+        out, pos, lines = [], start + 1, []
+        while True:
+            found = stops.search(text, pos)
+            if found is None:
+                self.fail("found unexpected end of stream while scanning a quoted scalar", start)
+            end = found.start()
+            out.append(text[pos:end])
+            char = text[end]
+            if char == quote:
+                if quote == "'" and text.startswith("''", end):
+                    out.append("'")
+                    pos = end + 2
+                    continue
+                pos = end + 1
+                break
+            if char == "\n":
+                lines.append("".join(out))
+                out, pos = [], end + 1
+                if self.at_marker(pos):
+                    self.fail("found unexpected document indicator", pos)
+                continue
+            escape = text[end + 1:end + 2]
+            if escape == "\n":
+                out.append(YAML_ESCAPED_BREAK)
+                lines.append("".join(out))
+                out, pos = [], end + 2
+            elif escape in YAML_ESCAPES and escape:
+                value = YAML_ESCAPES[escape]
+                out.append(YAML_KEEP + value + YAML_KEEP if value in " \t" else value)
+                pos = end + 2
+            elif escape in YAML_HEX_ESCAPES and escape:
+                width = YAML_HEX_ESCAPES[escape]
+                digits = text[end + 2:end + 2 + width]
+                if len(digits) < width or not all(c in "0123456789abcdefABCDEF" for c in digits):
+                    self.fail("did not find expected hexdecimal number", end)
+                code = int(digits, 16)
+                if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+                    self.fail("found invalid Unicode character escape code", end)
+                out.append(chr(code))
+                pos = end + 2 + width
+            else:
+                self.fail("found unknown escape character", end)
+        self.pos = pos
+        lines.append("".join(out))
+        return join_quoted(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
+
+
+class YamlReader(YamlScanner):
+    """Recursive descent over the structure: documents, nodes, block and flow collections,
+    anchors and aliases; indentation counts columns."""
+
     def document(self):
         text = self.text
         column = self.next_content()
@@ -693,11 +849,6 @@ class YamlReader:
             self.fail("did not find expected <document start>")
         return value
 
-    def skip_to_line_end(self):
-        end = self.text.find("\n", self.pos)
-        self.pos = len(self.text) if end < 0 else end
-
-    # -- block context
     def node(self, parent, can_be_key):
         """The node at `pos`, inside a block indented `parent` columns; `can_be_key`: it may open
         a block mapping (it does not follow a key on the same line)."""
@@ -767,32 +918,6 @@ class YamlReader:
         if self.char() == ":":
             self.fail("mapping values are not allowed in this context")
         return resolve_plain(text)
-
-    def plain_line(self, pattern):
-        """A plain scalar's text up to the end of its first line; (text, followed by `: `)."""
-        end = pattern.search(self.text, self.pos)
-        text = self.text[self.pos:end.start()]
-        self.pos = end.start()
-        return text, self.text.startswith(":", self.pos)
-
-    def plain_continued(self, first, parent, flow=False):
-        """Continue a plain scalar on more-indented lines (any line in flow context)."""
-        lines, text = [first], self.text
-        while True:
-            more = YAML_CONTINUATION.match(text, self.pos)
-            if more is None or more.end() >= len(text):
-                break
-            line_start, pos = more.start(2), more.end()
-            if (text[pos] == "#" or self.at_marker(line_start)
-                    or (flow and text[pos] in ",]}:?") or (not flow and pos - line_start <= parent)):
-                break
-            self.pos = pos
-            line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
-            if flow and self.char() == ":" and not self.blank_after(1):
-                self.fail("found unexpected ':'")
-            lines.extend([""] * more.group(1).count("\n"))
-            lines.append(line)
-        return fold_flow_lines(lines) if len(lines) > 1 else first
 
     def block_mapping(self, column, key, key_pos):
         result = YamlMap()
@@ -877,69 +1002,6 @@ class YamlReader:
             if content > column:
                 self.fail("bad indentation of a sequence entry")
 
-    def block_scalar(self, parent):
-        """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
-        indentation (1-9) indicators, folded and chomped as go-yaml v2 does."""
-        start, text = self.pos, self.text
-        folded = text[start] == ">"
-        self.pos += 1
-        chomping, increment = "clip", 0
-        for _ in range(2):
-            char = self.char()
-            if char in ("+", "-") and chomping == "clip":
-                chomping = "keep" if char == "+" else "strip"
-            elif char in "0123456789" and char and not increment:
-                if char == "0":
-                    self.fail("found an indentation indicator equal to 0")
-                increment = int(char)
-            else:
-                break
-            self.pos += 1
-        if self.char() not in ("", " ", "\t", "\n") or not self.at_line_end():
-            self.fail("did not find expected comment or line break", start)
-        indent = (parent + increment if parent >= 0 else increment) if increment else 0
-        pos = self.pos + 1
-        if not indent:
-            deepest, probe = 0, pos
-            while probe < len(text):
-                end = text.find("\n", probe)
-                line = text[probe:len(text) if end < 0 else end]
-                deepest = max(deepest, len(line) - len(line.lstrip(" ")))
-                if line.strip(" ") or end < 0:
-                    break
-                probe = end + 1
-            indent = max(deepest, parent + 1, 1)
-        entries, breaks, last_break = [], 0, False
-        while pos < len(text):
-            end = text.find("\n", pos)
-            end = len(text) if end < 0 else end
-            line = text[pos:end]
-            if line.strip(" ") and len(line) - len(line.lstrip(" ")) < indent:
-                break
-            if len(line) > indent:
-                entries.append((breaks, line[indent:]))
-                breaks, last_break = 0, end < len(text)
-            elif end < len(text):
-                breaks += 1
-            self.pos, pos = end, end + 1
-        pieces, previous_blank = [], False
-        for index, (before, content) in enumerate(entries):
-            blank = content[:1] in (" ", "\t")
-            if index:
-                if folded and not previous_blank and not blank:
-                    pieces.append("" if before else " ")
-                else:
-                    pieces.append("\n")
-            pieces.append("\n" * before)
-            pieces.append(content)
-            previous_blank = blank
-        if last_break and chomping != "strip":
-            pieces.append("\n")
-        if chomping == "keep":
-            pieces.append("\n" * breaks)
-        return "".join(pieces)
-
-    # -- flow context and scalars
     def anchor_name(self):
         match = YAML_ANCHOR.match(self.text, self.pos + 1)
         if match is None or not self.blank_after(match.end() - self.pos) and \
@@ -1035,58 +1097,6 @@ class YamlReader:
         if self.char() == ":" and not self.blank_after(1):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
-
-    def quoted(self):
-        """A single- or double-quoted scalar (with YAML escapes), folded over lines."""
-        start, text = self.pos, self.text
-        quote = text[start]
-        stops = YAML_DOUBLE_STOPS if quote == '"' else YAML_SINGLE_STOPS
-        out, pos, lines = [], start + 1, []
-        while True:
-            found = stops.search(text, pos)
-            if found is None:
-                self.fail("found unexpected end of stream while scanning a quoted scalar", start)
-            end = found.start()
-            out.append(text[pos:end])
-            char = text[end]
-            if char == quote:
-                if quote == "'" and text.startswith("''", end):
-                    out.append("'")
-                    pos = end + 2
-                    continue
-                pos = end + 1
-                break
-            if char == "\n":
-                lines.append("".join(out))
-                out, pos = [], end + 1
-                if self.at_marker(pos):
-                    self.fail("found unexpected document indicator", pos)
-                continue
-            escape = text[end + 1:end + 2]
-            if escape == "\n":
-                out.append(YAML_ESCAPED_BREAK)
-                lines.append("".join(out))
-                out, pos = [], end + 2
-            elif escape in YAML_ESCAPES and escape:
-                value = YAML_ESCAPES[escape]
-                out.append(YAML_KEEP + value + YAML_KEEP if value in " \t" else value)
-                pos = end + 2
-            elif escape in YAML_HEX_ESCAPES and escape:
-                width = YAML_HEX_ESCAPES[escape]
-                digits = text[end + 2:end + 2 + width]
-                if len(digits) < width or not all(c in "0123456789abcdefABCDEF" for c in digits):
-                    self.fail("did not find expected hexdecimal number", end)
-                code = int(digits, 16)
-                if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
-                    self.fail("found invalid Unicode character escape code", end)
-                out.append(chr(code))
-                pos = end + 2 + width
-            else:
-                self.fail("found unknown escape character", end)
-        self.pos = pos
-        lines.append("".join(out))
-        return join_quoted(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
-
 
 def join_quoted(lines):
     """Fold the lines of a quoted scalar: a break is a space, n empty lines are n breaks, an
@@ -4120,7 +4130,7 @@ class Pipeline:
         if not satisfied:
             log.info("[%s] %s got matched, but didn't get triggered because the trigger rules "
                      "were not satisfied", rid, hook.id)
-            return Response(self.status_or_200(hook.mismatch_status, rid, hook),
+            return Response(status_or_200(hook.mismatch_status, rid, hook),
                             MSG_RULES_NOT_SATISFIED, headers)
         log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
@@ -4129,11 +4139,11 @@ class Pipeline:
         if run_id:
             headers["X-Webhookd-Run"] = run_id
 
-        success = self.status_or_200(hook.success_status, rid, hook)
+        success = status_or_200(hook.success_status, rid, hook)
         if hook.stream_output:
             return self.run_streamed(stream, head, hook, request, headers, success)
         if hook.capture_output:
-            return self.captured_response(hook, self.run(hook, request), headers, success)
+            return captured_response(hook, self.run(hook, request), headers, success)
         if not self.run_in_background(hook, request):
             self.runs.discard(request)
             headers.pop("X-Webhookd-Run", None)
@@ -4142,16 +4152,6 @@ class Pipeline:
             return Response(503, MSG_BACKLOG_FULL, headers)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
-
-    @staticmethod
-    def status_or_200(code, rid, hook):
-        if not code:
-            return 200
-        if code in GO_STATUS_TEXT and code >= 200:
-            return code
-        log.info("[%s] %s got matched, but the configured return code %d is unknown - "
-                 "defaulting to 200", rid, hook.id, code)
-        return 200
 
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
@@ -4190,33 +4190,8 @@ class Pipeline:
             result.output = b"".join(collected)
         if record is not None:
             self.runs.ended(record, result, self.stopping)
-        self.log_result(hook, request.id, result, on_output is None and keep_output)
+        log_result(hook, request.id, result, on_output is None and keep_output)
         return result
-
-    def log_result(self, hook, rid, result, output_collected):
-        if not result.started:
-            log.info("[%s] error occurred: %s", rid, result.error)
-        else:
-            if output_collected:
-                log.info("[%s] command output: %s", rid,
-                         result.output.decode("utf-8", "replace"))
-            if result.timed_out:
-                log.info("[%s] error occurred: command timed out after %gs; process group "
-                         "stopped", rid, hook.command_timeout)
-            elif result.returncode:
-                log.info("[%s] error occurred: %s", rid, describe_exit(result.returncode))
-        log.info("[%s] finished handling %s", rid, hook.id)
-
-    @staticmethod
-    def captured_response(hook, result, headers, success):
-        """The answer of include-command-output-in-response, once the command has ended."""
-        if result.ok:
-            return Response(success, result.output, headers)
-        headers["Content-Type"] = TEXT_PLAIN
-        if result.timed_out:
-            return Response(504, MSG_TIMED_OUT, headers)
-        body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
-        return Response(500, body, headers)
 
     def run_in_background(self, hook, request):
         """Default mode: answer now; the run waits for its max-concurrency turn holding no
@@ -4308,6 +4283,44 @@ class Pipeline:
         body = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
         return Response(200, body, {"Content-Type": "application/json",
                                     "Cache-Control": "no-store"})
+
+
+def status_or_200(code, rid, hook):
+    """A hook's configured status, or 200 (logged) for a code Go's StatusText lacks, as upstream."""
+    if not code:
+        return 200
+    if code in GO_STATUS_TEXT and code >= 200:
+        return code
+    log.info("[%s] %s got matched, but the configured return code %d is unknown - "
+             "defaulting to 200", rid, hook.id, code)
+    return 200
+
+
+def log_result(hook, rid, result, output_collected):
+    """Upstream's log lines for a finished (or failed) run."""
+    if not result.started:
+        log.info("[%s] error occurred: %s", rid, result.error)
+    else:
+        if output_collected:
+            log.info("[%s] command output: %s", rid,
+                     result.output.decode("utf-8", "replace"))
+        if result.timed_out:
+            log.info("[%s] error occurred: command timed out after %gs; process group "
+                     "stopped", rid, hook.command_timeout)
+        elif result.returncode:
+            log.info("[%s] error occurred: %s", rid, describe_exit(result.returncode))
+    log.info("[%s] finished handling %s", rid, hook.id)
+
+
+def captured_response(hook, result, headers, success):
+    """The answer of include-command-output-in-response, once the command has ended."""
+    if result.ok:
+        return Response(success, result.output, headers)
+    headers["Content-Type"] = TEXT_PLAIN
+    if result.timed_out:
+        return Response(504, MSG_TIMED_OUT, headers)
+    body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
+    return Response(500, body, headers)
 
 
 def describe_exit(returncode):
