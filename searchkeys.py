@@ -1650,19 +1650,21 @@ def _capped(value, cap):
 
 def cap_search_object(query, cap):
     """A search query object (POST search/similar body, one multi-search
-    query, a federation) asking for at most `cap` hits: `hitsPerPage` when
-    it pages by page, else `limit` (Meilisearch's default 20 made explicit
-    when the cap is lower)."""
+    query, a federation) asking for at most `cap` hits. Meilisearch pages by
+    `hitsPerPage` when `page` or `hitsPerPage` is set (null is unset), else
+    by `limit`: that count is capped (its default 20 made explicit when the
+    cap is lower), and the other one too when it is given."""
     if not isinstance(query, dict):
         return query
-    field = "hitsPerPage" if ("page" in query or "hitsPerPage" in query) else "limit"
-    wanted = query.get(field, DEFAULT_SEARCH_LIMIT)
-    if wanted is None:  # null means the default, as Meilisearch reads it
-        wanted = DEFAULT_SEARCH_LIMIT
-    capped = _capped(wanted, cap)
-    if capped == query.get(field, DEFAULT_SEARCH_LIMIT):
+    paged = query.get("page") is not None or query.get("hitsPerPage") is not None
+    field, other = ("hitsPerPage", "limit") if paged else ("limit", "hitsPerPage")
+    wanted = query.get(field)
+    capped = {field: _capped(DEFAULT_SEARCH_LIMIT if wanted is None else wanted, cap)}
+    if query.get(other) is not None:
+        capped[other] = _capped(query[other], cap)
+    if all(query.get(name, DEFAULT_SEARCH_LIMIT) == count for name, count in capped.items()):
         return query
-    return dict(query, **{field: capped})
+    return dict(query, **capped)
 
 
 def cap_multi_search(body, cap):
@@ -2030,9 +2032,15 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid):
+    def delete(self, key_or_uid, by_master=True):
+        """Delete a key. One with restrictions only by the master key: else
+        an admin key could delete it and create it again (same uid, same
+        value) without them."""
         with self._lock:
             key = self.find(key_or_uid)
+            if key.restrictions is not None and not by_master:
+                raise ApiError(403, "invalid_api_key", "Only the master key can delete a key "
+                               "that has restrictions.", "auth")
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -2505,12 +2513,18 @@ def filter_index_list(principal, answer, offset, limit):
                 total=len(allowed))
 
 
-def filter_stats(principal, answer):
-    """GET /stats for a restricted key: only its indexes."""
+def filter_stats(principal, answer, covered):
+    """GET /stats for a restricted key: only its indexes, and upstream's
+    `lastUpdate` over them: the latest `updatedAt` of `covered` (the
+    backend's index objects the key covers), null for none."""
     if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
         return answer
-    return dict(answer, indexes={uid: stats for uid, stats in answer["indexes"].items()
-                                 if principal.may_use_index(uid)})
+    updates = [(instant.ns, text) for instant, text in (
+        (parse_expires_at(i.get("updatedAt")) if isinstance(i.get("updatedAt"), str) else None,
+         i.get("updatedAt")) for i in covered) if instant is not None]
+    return dict(answer, lastUpdate=max(updates)[1] if updates else None,
+                indexes={uid: stats for uid, stats in answer["indexes"].items()
+                         if principal.may_use_index(uid)})
 
 
 def restrict_task_query(query, allowed_uids):
@@ -2539,15 +2553,44 @@ def check_task_answer(principal, task_id, answer):
     return answer
 
 
+# Task kinds of one index (upstream's Kind::related_to_one_index); a batch
+# of other kinds (a swap, a dump...) is never shown to a restricted key.
+ONE_INDEX_TASK_KINDS = frozenset((
+    "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
+    "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
+
+
 def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a restricted key: every index of the batch must
-    be covered."""
+    """GET /batches/{id} for a restricted key: as upstream (and as GET
+    /batches lists it), a batch of one-index tasks with at least one
+    covered index."""
     stats = answer.get("stats") if isinstance(answer, dict) else None
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
-    if not isinstance(uids, dict) or not uids or \
-            not all(principal.may_use_index(uid) for uid in uids):
+    kinds = stats.get("types") if isinstance(stats, dict) else None
+    if not isinstance(uids, dict) or not any(principal.may_use_index(uid) for uid in uids) \
+            or not isinstance(kinds, dict) or not ONE_INDEX_TASK_KINDS.issuperset(kinds):
         raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
     return answer
+
+
+# The parameters that select tasks to delete or cancel (upstream's
+# TaskDeletionOrCancelationQuery::is_empty), and its refusal when none is given.
+TASK_FILTERS = frozenset((
+    "uids", "batchUids", "canceledBy", "types", "statuses", "indexUids", "afterEnqueuedAt",
+    "beforeEnqueuedAt", "afterStartedAt", "beforeStartedAt", "afterFinishedAt",
+    "beforeFinishedAt"))
+
+
+def check_task_filters(query, verb):
+    """DELETE /tasks, POST /tasks/cancel: upstream's 400 without a filter
+    (the guard would otherwise add one: "every task of my indexes")."""
+    names = {name for name, _ in urllib.parse.parse_qsl(query, keep_blank_values=True)}
+    if not names & TASK_FILTERS:
+        raise ApiError(400, "missing_task_filters", "Query parameters to filter the tasks to %s "
+                       "are missing. Available query parameters are: `uids`, `indexUids`, "
+                       "`statuses`, `types`, `canceledBy`, `beforeEnqueuedAt`, "
+                       "`afterEnqueuedAt`, `beforeStartedAt`, `afterStartedAt`, "
+                       "`beforeFinishedAt`, `afterFinishedAt`." % verb)
 
 
 def _uid_shown(text):
@@ -2571,15 +2614,19 @@ class Restriction:
     def index(self):
         return self.params.get("index_uid")
 
-    def allowed_indexes(self):
-        """The uids of the backend's indexes the principal covers."""
+    def covered_indexes(self):
+        """The backend's index objects (uid, updatedAt...) the principal covers."""
         status, answer = self.upstream.fetch_json(
             "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
         if status != 200 or not isinstance(answer, dict):
             raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
-        return [i["uid"] for i in answer.get("results", ())
+        return [i for i in answer.get("results", ())
                 if isinstance(i, dict) and isinstance(i.get("uid"), str)
                 and self.principal.may_use_index(i["uid"])]
+
+    def allowed_indexes(self):
+        """The uids of the backend's indexes the principal covers."""
+        return [i["uid"] for i in self.covered_indexes()]
 
 
 # When a rule applies: to any restricted principal, only to a tenant token
@@ -2619,12 +2666,25 @@ def _task_listing_query(restriction):
     return restrict_task_query(restriction.query, restriction.allowed_indexes())
 
 
+def _task_change_query(verb):
+    def query(restriction):
+        check_task_filters(restriction.query, verb)
+        return _task_listing_query(restriction)
+    return query
+
+
 def _task_documents_query(restriction):
-    """A task's documents, only if the principal covers the task's index."""
+    """A task's documents, only once the backend showed the task, on an
+    index the principal covers; its refusal (a bad uid...) is relayed."""
     task_id = restriction.params["task_id"]
     status, task = restriction.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
-    if status == 200:
-        check_task_answer(restriction.principal, task_id, task)
+    if status != 200 and status < 500 and isinstance(task, dict) \
+            and all(isinstance(task.get(f), str) for f in ("message", "code", "type")):
+        raise ApiError(status, task["code"], task["message"], task["type"])
+    if status != 200:
+        raise upstream_unreachable(restriction.upstream, "asking for task %s answered %s"
+                                   % (_uid_shown(task_id), status))
+    check_task_answer(restriction.principal, task_id, task)
     return restriction.query
 
 
@@ -2645,11 +2705,12 @@ HANDLER_RULES = {
     ("GET", "/indexes/{index_uid}/search"): _SEARCH_QUERY_RULE,
     ("GET", "/indexes/{index_uid}/similar"): _SEARCH_QUERY_RULE,
     ("GET", "/indexes"): Rule(RESTRICTED, query=_index_page_query, answer=_index_page_answer),
-    ("GET", "/stats"): Rule(RESTRICTED, answer=lambda r, a: filter_stats(r.principal, a)),
+    ("GET", "/stats"): Rule(RESTRICTED, answer=lambda r, a: filter_stats(
+        r.principal, a, r.covered_indexes())),
     ("GET", "/tasks"): _TASK_LISTING_RULE,
     ("GET", "/batches"): _TASK_LISTING_RULE,
-    ("DELETE", "/tasks"): _TASK_LISTING_RULE,
-    ("POST", "/tasks/cancel"): _TASK_LISTING_RULE,
+    ("DELETE", "/tasks"): Rule(RESTRICTED, query=_task_change_query("delete")),
+    ("POST", "/tasks/cancel"): Rule(RESTRICTED, query=_task_change_query("cancel")),
     ("GET", "/tasks/{task_id}"): Rule(RESTRICTED, answer=lambda r, a: check_task_answer(
         r.principal, r.params["task_id"], a)),
     ("GET", "/batches/{batch_id}"): Rule(RESTRICTED, answer=lambda r, a: check_batch_answer(
@@ -2687,8 +2748,8 @@ class KeysApi:
     def __init__(self, store):
         self.store = store
 
-    def handle(self, request, method, params, query):
-        """(status, JSON value or None) for an authorized /keys request."""
+    def handle(self, request, principal, method, params, query):
+        """(status, JSON value or None) for a /keys request `principal` may make."""
         segment = params.get("key")
         if method == "GET" and segment is None:
             offset, limit = validate_list_query(query)
@@ -2698,7 +2759,7 @@ class KeysApi:
         if method == "GET":
             return 200, self.store.find(segment).to_json()
         if method == "DELETE":
-            self._write(self.store.delete, segment)
+            self._write(self.store.delete, segment, principal.key is None)
             return 204, None
         body = request.read_json_body()
         if method == "POST":
@@ -3104,6 +3165,9 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-a
                         "transfer-encoding", "upgrade"))
 # Request headers the proxy sets itself.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect"}
+# Meilisearch believes these from its network peers (a remote's search, an
+# import): a caller must not send them with our backend key.
+NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
 # Answer headers not relayed as is: this hop frames the body itself, and a
 # filtered answer is re-encoded as plain JSON.
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
@@ -3203,7 +3267,8 @@ class Upstream:
     def headers_for(self, incoming, keep_encoding=True):
         """The caller's headers minus hop-by-hop ones and its credential, plus ours."""
         dropped = NOT_FORWARDED if keep_encoding else NOT_FORWARDED | {"accept-encoding"}
-        headers = _kept_headers(incoming, dropped)
+        headers = [(name, value) for name, value in _kept_headers(incoming, dropped)
+                   if not name.lower().startswith(NETWORK_HEADER_PREFIXES)]
         headers.append(("Host", self.host_header))
         if self.authorization:
             headers.append(("Authorization", self.authorization))
@@ -3378,7 +3443,8 @@ class Service:
         pattern, actions, index, params = route
         principal = self.gate.check(request, actions, index)
         if pattern in ("/keys", "/keys/{key}"):
-            status, value = self.keys_api.handle(request, method, params, request.query)
+            status, value = self.keys_api.handle(request, principal, method, params,
+                                                 request.query)
             return Response.json(status, value)
         return self.forward(request, principal, pattern, params)
 
@@ -3403,7 +3469,8 @@ class Service:
         if rule is not None:
             restriction = Restriction(principal, params, request.query, upstream)
             if rule.query is not None:
-                target = request.path + "?" + rule.query(restriction)
+                query = rule.query(restriction)
+                target = request.path + ("?" + query if query else "")
             if rule.answer is not None:
                 answer_filter = functools.partial(rule.answer, restriction)
         target, body = cap_hits(principal, (method, pattern), target, body, request.body)
@@ -3431,7 +3498,10 @@ class Service:
         if not uri:
             raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
                               "`X-Original-Method`) of the request to authorize.")
-        method = (request.headers.get("X-Original-Method") or "GET").strip().upper()
+        method = (request.headers.get("X-Original-Method") or "").strip().upper()
+        if not method:  # judged as a GET, a POST adding documents would pass as a read
+            raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
+                              "`X-Original-URI`) of the request to authorize.")
         route = match_route(method, path_segments(origin_form(uri)))
         if route is None or route == "method":
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."

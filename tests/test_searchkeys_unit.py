@@ -920,8 +920,14 @@ def test_list_answers_are_filtered_for_restricted_keys():
               "offset": 0, "limit": 1000000, "total": 5}
     assert sk.filter_index_list(scoped, answer, 1, 5) == {
         "results": [{"uid": "movies2"}, {"uid": "shows"}], "offset": 1, "limit": 5, "total": 3}
-    stats = {"databaseSize": 1, "indexes": {"books": {}, "movies": {"n": 1}}}
-    assert sk.filter_stats(scoped, stats) == {"databaseSize": 1, "indexes": {"movies": {"n": 1}}}
+    stats = {"databaseSize": 1, "lastUpdate": "2026-01-01T00:00:00Z",
+             "indexes": {"books": {}, "movies": {"n": 1}}}
+    covered = [{"uid": "movies", "updatedAt": "2025-01-01T00:00:00.5Z"},
+               {"uid": "movies2", "updatedAt": "2025-01-01T00:00:00Z"}]
+    assert sk.filter_stats(scoped, stats, covered) == {
+        "databaseSize": 1, "lastUpdate": "2025-01-01T00:00:00.5Z",
+        "indexes": {"movies": {"n": 1}}}
+    assert sk.filter_stats(scoped, stats, [])["lastUpdate"] is None
 
 
 def test_task_routes_are_limited_to_the_keys_indexes():
@@ -944,8 +950,13 @@ def test_task_routes_are_limited_to_the_keys_indexes():
     with pytest.raises(sk.ApiError) as info:  # upstream shows the task uid it parsed
         sk.check_task_answer(scoped, "+007", {"indexUid": "books"})
     assert info.value.message == "Task `7` not found."
-    assert sk.check_batch_answer(scoped, "3", {"stats": {"indexUids": {"movies": 1}}})
-    for batch in ({"stats": {"indexUids": {"movies": 1, "books": 1}}}, {"stats": {}}):
+    one_index = {"documentAdditionOrUpdate": 2}
+    for uids in ({"movies": 1}, {"movies": 1, "books": 1}):  # any covered index, as upstream
+        assert sk.check_batch_answer(scoped, "3", {"stats": {"indexUids": uids,
+                                                             "types": one_index}})
+    for batch in ({"stats": {"indexUids": {"books": 1}, "types": one_index}},
+                  {"stats": {"indexUids": {"movies": 1}, "types": {"indexSwap": 1}}},
+                  {"stats": {"indexUids": {"movies": 1}}}, {"stats": {}}):
         with pytest.raises(sk.ApiError) as info:
             sk.check_batch_answer(scoped, "3", batch)
         assert (info.value.code, info.value.message) == ("batch_not_found", "Batch `3` not found.")
