@@ -65,7 +65,7 @@ import urllib.request
 __version__ = "1.0"
 
 # =============================================================================
-# Constants: actions, wildcard expansion, index scopes, routes
+# Constants: actions, wildcard expansion, index scopes
 # =============================================================================
 
 # The 58 action names, in upstream's declaration order (the order used in
@@ -157,96 +157,6 @@ IMMUTABLE_FIELDS = ("uid", "actions", "indexes", "expiresAt", "createdAt", "upda
 LIST_PARAMETERS = ("offset", "limit")
 
 PUBLIC = ()  # the "actions" of a route anyone may call
-
-
-def _settings_resources():
-    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
-    put_names = (
-        "filterable-attributes", "sortable-attributes", "displayed-attributes",
-        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
-        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
-        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
-        "prefix-search", "foreign-keys",
-    )
-    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
-    resources = []
-    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
-        for name in names:
-            resources.append(("/indexes/{index_uid}/settings/" + name, {
-                "GET": ("settings.get",), verb: ("settings.update",),
-                "DELETE": ("settings.update",)}))
-    return resources
-
-
-# The route table of Meilisearch 1.50 (spec §8) as data: (path pattern,
-# {method: required actions}). Like actix, the first resource whose path
-# matches wins; a method it lacks is a 405. "{index_uid}" segments are checked
-# against the key's index patterns; other "{...}" segments match anything.
-ROUTES = tuple([
-    ("/health", {"GET": PUBLIC}),
-    ("/", {"GET": PUBLIC}),
-    ("/version", {"GET": ("version",)}),
-    ("/stats", {"GET": ("stats.get",)}),
-    ("/keys", {"GET": ("keys.get",), "POST": ("keys.create",)}),
-    ("/keys/{key}", {"GET": ("keys.get",), "PATCH": ("keys.update",),
-                     "DELETE": ("keys.delete",)}),
-    ("/indexes", {"GET": ("indexes.get",), "POST": ("indexes.create",)}),
-    ("/indexes/{index_uid}", {"GET": ("indexes.get",), "PATCH": ("indexes.update",),
-                              "DELETE": ("indexes.delete",)}),
-    ("/indexes/{index_uid}/stats", {"GET": ("stats.get",)}),
-    ("/indexes/{index_uid}/fields", {"POST": ("fields.post",)}),
-    ("/indexes/{index_uid}/compact", {"POST": ("indexes.compact",)}),
-    ("/indexes/{index_uid}/search", {"GET": ("search",), "POST": ("search",)}),
-    ("/indexes/{index_uid}/facet-search", {"POST": ("search",)}),
-    ("/indexes/{index_uid}/similar", {"GET": ("search",), "POST": ("search",)}),
-    ("/indexes/{index_uid}/documents", {
-        "GET": ("documents.get",), "POST": ("documents.add",), "PUT": ("documents.add",),
-        "DELETE": ("documents.delete",)}),
-    ("/indexes/{index_uid}/documents/delete-batch", {"POST": ("documents.delete",)}),
-    ("/indexes/{index_uid}/documents/delete", {"POST": ("documents.delete",)}),
-    ("/indexes/{index_uid}/documents/edit", {"POST": ("documents.*",)}),
-    ("/indexes/{index_uid}/documents/fetch", {"POST": ("documents.get",)}),
-    ("/indexes/{index_uid}/documents/{document_id}", {
-        "GET": ("documents.get",), "DELETE": ("documents.delete",)}),
-    ("/indexes/{index_uid}/settings", {
-        "GET": ("settings.get",), "PATCH": ("settings.update",),
-        "DELETE": ("settings.update",)}),
-] + _settings_resources() + [
-    ("/multi-search", {"POST": ("search",)}),
-    ("/swap-indexes", {"POST": ("indexes.swap",)}),
-    ("/render-template", {"POST": ("settings.get", "documents.get")}),
-    ("/tasks", {"GET": ("tasks.get",), "DELETE": ("tasks.delete",)}),
-    ("/tasks/cancel", {"POST": ("tasks.cancel",)}),
-    ("/tasks/compact", {"POST": ("tasks.compact",)}),
-    ("/tasks/{task_id}", {"GET": ("tasks.get",)}),
-    ("/tasks/{task_id}/documents", {"GET": ("tasks.get",)}),
-    ("/batches", {"GET": ("tasks.get",)}),
-    ("/batches/{batch_id}", {"GET": ("tasks.get",)}),
-    ("/dumps", {"POST": ("dumps.create",)}),
-    ("/snapshots", {"POST": ("snapshots.create",)}),
-    ("/metrics", {"GET": ("metrics.get",)}),
-    ("/logs/stream", {"POST": ("metrics.get",), "DELETE": ("metrics.get",)}),
-    ("/logs/stderr", {"POST": ("metrics.get",)}),
-    ("/experimental-features", {"GET": ("experimental.get",),
-                                "PATCH": ("experimental.update",)}),
-    ("/export", {"POST": ("export",)}),
-    ("/network", {"GET": ("network.get",), "PATCH": ("network.update",)}),
-    ("/network/control", {"POST": ("network.update",)}),
-    ("/webhooks", {"GET": ("webhooks.get",), "POST": ("webhooks.create",)}),
-    ("/webhooks/{webhook_uuid}", {"GET": ("webhooks.get",), "PATCH": ("webhooks.update",),
-                                  "DELETE": ("webhooks.delete",)}),
-    ("/dynamic-search-rules", {"POST": ("dynamicSearchRules.get",),
-                               "DELETE": ("dynamicSearchRules.delete",)}),
-    ("/dynamic-search-rules/{rule_uid}", {
-        "GET": ("dynamicSearchRules.get",), "PATCH": ("dynamicSearchRules.update",),
-        "DELETE": ("dynamicSearchRules.delete",)}),
-    ("/chats", {"GET": ("chats.get",)}),
-    ("/chats/{workspace}", {"GET": ("chats.get",), "DELETE": ("chats.delete",)}),
-    ("/chats/{workspace}/settings", {
-        "GET": ("chatsSettings.get",), "PATCH": ("chatsSettings.update",),
-        "DELETE": ("chatsSettings.update",)}),
-    ("/chats/{workspace}/chat/completions", {"POST": ("chatCompletions",)}),
-])
 
 # The four keys created whenever the store is empty at startup, in creation
 # order (listed newest first, so Search comes first in GET /keys).
@@ -425,7 +335,7 @@ class Principal:
         self.rules = rules
 
     @property
-    def unrestricted(self):
+    def unscoped(self):
         return self.key is None or (self.key.is_global and self.rules is None)
 
     def index_refusal(self, index):
@@ -476,17 +386,16 @@ def match_route(method, segments):
     """Find the route of a request path given as decoded segments (see
     path_segments).
 
-    Returns (pattern, actions, index_uid, params) when the route exists,
-    "method" when the path exists but not for this method, None when no
-    route has the path.
+    Returns (Route, index_uid, params) when the route exists, "method" when
+    the path exists but not for this method, None when no route has the path.
     """
-    for pattern, parts, methods in _ROUTES_BY_SHAPE.get(segments[:1] + (len(segments),), ()):
+    for parts, methods in _ROUTES_BY_SHAPE.get(segments[:1] + (len(segments),), ()):
         params = _match_segments(parts, segments)
         if params is None:
             continue
         if method not in methods:
             return "method"
-        return pattern, methods[method], params.get("index_uid"), params
+        return methods[method], params.get("index_uid"), params
     return None
 
 
@@ -504,17 +413,18 @@ def _match_segments(parts, segments):
     return params
 
 
-def _routes_by_shape():
-    """Routes grouped by (first segment, segment count), in table order:
-    a request is matched against a handful of routes, not all of them."""
+def _routes_by_shape(routes):
+    """(path parts, {method: Route}) of each pattern, grouped by (first
+    segment, segment count), in table order: a request is matched against a
+    handful of patterns, not all of them."""
+    by_pattern = {}
+    for route in routes:
+        by_pattern.setdefault(route.pattern, {})[route.method] = route
     shapes = {}
-    for pattern, methods in ROUTES:
+    for pattern, methods in by_pattern.items():
         parts = tuple(pattern.split("/")[1:]) if pattern != "/" else ()
-        shapes.setdefault(parts[:1] + (len(parts),), []).append((pattern, parts, methods))
+        shapes.setdefault(parts[:1] + (len(parts),), []).append((parts, methods))
     return shapes
-
-
-_ROUTES_BY_SHAPE = _routes_by_shape()
 
 
 def path_segments(raw_path):
@@ -1916,7 +1826,6 @@ class KeyStore:
     """
 
     def __init__(self, master_key=None, path=None, log=None):
-        self.master_key = master_key
         self.derive = key_deriver(master_key) if master_key is not None else None
         self.log = log or (lambda message: None)
         self.clock = Clock()
@@ -2436,7 +2345,7 @@ def check_index_creation(principal, index, body):
     return body
 
 
-def restrict_multi_search(principal, index, body):
+def scope_multi_search(principal, index, body):
     """POST /multi-search (federated or not): every query's indexUid must be
     covered; a tenant token's filters are fused into each query."""
     queries = body.get("queries") if isinstance(body, dict) else None
@@ -2464,12 +2373,12 @@ def check_index_swap(principal, index, body):
     return body
 
 
-def restrict_search_body(principal, index, body):
+def scope_search_body(principal, index, body):
     """POST search, facet-search, similar on one index: fuse the token's filter."""
     return with_tenant_filter(body, principal.rules, index)
 
 
-def restrict_search_query(principal, index, query):
+def scope_search_query(principal, index, query):
     """GET search/similar: the token's filter fused with the `filter`
     parameter, which upstream reads as JSON when it parses as JSON (a JSON
     `null` included) and as a string otherwise."""
@@ -2527,7 +2436,7 @@ def filter_stats(principal, answer, covered):
                          if principal.may_use_index(uid)})
 
 
-def restrict_task_query(query, allowed_uids):
+def scope_task_query(query, allowed_uids):
     """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
     `indexUids` parameter to the indexes the key covers. With none left,
     name an index that cannot exist, so the backend matches nothing."""
@@ -2599,7 +2508,7 @@ def _uid_shown(text):
     return text if number is None else number
 
 
-class Restriction:
+class RuleContext:
     """What a handler rule sees of one request: the principal, the route's
     parameters and query string, and the backend (some rules ask it which
     indexes exist)."""
@@ -2629,112 +2538,323 @@ class Restriction:
         return [i["uid"] for i in self.covered_indexes()]
 
 
-# When a rule applies: to any restricted principal, only to a tenant token
-# whose rules filter the route's index, or never forwarded for such principals.
-RESTRICTED, TOKEN_FILTER, UNENFORCEABLE = "restricted", "token filter", "unenforceable"
+# When a rule applies: to any scoped principal, only to a tenant token whose
+# rules filter the route's index, or never forwarded for such principals.
+SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
 
 
 class Rule(collections.namedtuple("Rule", "when body query answer")):
     """A handler rule: `body(principal, index, json)` checks or rewrites the
-    JSON body; `query(restriction)` returns the query string to forward;
-    `answer(restriction, json)` checks or filters a 200 answer."""
+    JSON body; `query(context)` returns the query string to forward;
+    `answer(context, json)` checks or filters a 200 answer."""
 
     def __new__(cls, when, body=None, query=None, answer=None):
         return super().__new__(cls, when, body, query, answer)
 
     def applies(self, principal, index):
-        if principal.unrestricted:
+        if principal.unscoped:
             return False
         if self.when == TOKEN_FILTER:
             return index is not None and tenant_filter(principal.rules, index) is not None
         return True
 
 
-def _index_page_query(restriction):
-    paging = all_indexes_query(restriction.query)
-    return restriction.query if paging is None else paging[0]  # else the backend explains
+def _index_page_query(context):
+    paging = all_indexes_query(context.query)
+    return context.query if paging is None else paging[0]  # else the backend explains
 
 
-def _index_page_answer(restriction, answer):
-    paging = all_indexes_query(restriction.query)
+def _index_page_answer(context, answer):
+    paging = all_indexes_query(context.query)
     if paging is None:
         return answer
-    return filter_index_list(restriction.principal, answer, paging[1], paging[2])
+    return filter_index_list(context.principal, answer, paging[1], paging[2])
 
 
-def _task_listing_query(restriction):
-    return restrict_task_query(restriction.query, restriction.allowed_indexes())
+def _task_listing_query(context):
+    return scope_task_query(context.query, context.allowed_indexes())
 
 
 def _task_change_query(verb):
-    def query(restriction):
-        check_task_filters(restriction.query, verb)
-        return _task_listing_query(restriction)
+    def query(context):
+        check_task_filters(context.query, verb)
+        return _task_listing_query(context)
     return query
 
 
-def _task_documents_query(restriction):
+def _task_documents_query(context):
     """A task's documents, only once the backend showed the task, on an
     index the principal covers; its refusal (a bad uid...) is relayed."""
-    task_id = restriction.params["task_id"]
-    status, task = restriction.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
+    task_id = context.params["task_id"]
+    status, task = context.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
     if status != 200 and status < 500 and isinstance(task, dict) \
             and all(isinstance(task.get(f), str) for f in ("message", "code", "type")):
         raise ApiError(status, task["code"], task["message"], task["type"])
     if status != 200:
-        raise upstream_unreachable(restriction.upstream, "asking for task %s answered %s"
+        raise upstream_unreachable(context.upstream, "asking for task %s answered %s"
                                    % (_uid_shown(task_id), status))
-    check_task_answer(restriction.principal, task_id, task)
-    return restriction.query
+    check_task_answer(context.principal, task_id, task)
+    return context.query
 
 
-_SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=restrict_search_body)
-_SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda r: restrict_search_query(
-    r.principal, r.index, r.query))
-_TASK_LISTING_RULE = Rule(RESTRICTED, query=_task_listing_query)
-
-# (method, route pattern) -> Rule: every request the guard must read, rewrite
-# or filter to hold a restricted principal to its indexes and filters.
-HANDLER_RULES = {
-    ("POST", "/indexes"): Rule(RESTRICTED, body=check_index_creation),
-    ("POST", "/multi-search"): Rule(RESTRICTED, body=restrict_multi_search),
-    ("POST", "/swap-indexes"): Rule(RESTRICTED, body=check_index_swap),
-    ("POST", "/indexes/{index_uid}/search"): _SEARCH_BODY_RULE,
-    ("POST", "/indexes/{index_uid}/facet-search"): _SEARCH_BODY_RULE,
-    ("POST", "/indexes/{index_uid}/similar"): _SEARCH_BODY_RULE,
-    ("GET", "/indexes/{index_uid}/search"): _SEARCH_QUERY_RULE,
-    ("GET", "/indexes/{index_uid}/similar"): _SEARCH_QUERY_RULE,
-    ("GET", "/indexes"): Rule(RESTRICTED, query=_index_page_query, answer=_index_page_answer),
-    ("GET", "/stats"): Rule(RESTRICTED, answer=lambda r, a: filter_stats(
-        r.principal, a, r.covered_indexes())),
-    ("GET", "/tasks"): _TASK_LISTING_RULE,
-    ("GET", "/batches"): _TASK_LISTING_RULE,
-    ("DELETE", "/tasks"): Rule(RESTRICTED, query=_task_change_query("delete")),
-    ("POST", "/tasks/cancel"): Rule(RESTRICTED, query=_task_change_query("cancel")),
-    ("GET", "/tasks/{task_id}"): Rule(RESTRICTED, answer=lambda r, a: check_task_answer(
-        r.principal, r.params["task_id"], a)),
-    ("GET", "/batches/{batch_id}"): Rule(RESTRICTED, answer=lambda r, a: check_batch_answer(
-        r.principal, r.params["batch_id"], a)),
-    ("GET", "/tasks/{task_id}/documents"): Rule(RESTRICTED, query=_task_documents_query),
-    # The chat's search tool and the document a template renders are
-    # restricted by handlers the guard does not reproduce: refused instead.
-    ("POST", "/chats/{workspace}/chat/completions"): Rule(UNENFORCEABLE),
-    ("POST", "/render-template"): Rule(UNENFORCEABLE),
-}
+SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
+SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
+    c.principal, c.index, c.query))
+TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query)
+# The chat's search tool and the document a template renders are scoped by
+# handlers the guard does not reproduce: refused instead.
+NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
 
 
-def handler_rules_apply(principal, route, index):
-    """Must the guard read or rewrite this request (or its answer) to hold
-    `principal` to its indexes and filters?"""
-    rule = HANDLER_RULES.get(route)
-    return rule is not None and rule.applies(principal, index)
-
-
-def restriction_not_enforceable(route, where):
+def scope_not_enforceable(route, where):
     return invalid_api_key(
-        "This API key is restricted to some indexes (or is a tenant token), and searchkeys "
-        "cannot enforce that restriction on `%s %s`%s; the request is refused."
-        % (route[0], route[1], " " + where if where else ""))
+        "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
+        "cannot enforce that scope on `%s %s`%s; the request is refused."
+        % (route.method, route.pattern, " " + where if where else ""))
+
+
+# =============================================================================
+# Routes: one record per route, and what a principal's request becomes
+# =============================================================================
+
+# Who answers a route when the backend does not: the /keys API, and this
+# server's own endpoints (not Meilisearch routes: /authorize refuses them).
+KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
+QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
+
+
+def count_queries(body):
+    """The searches a multi-search body runs (federated or not): one a query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    return len(queries) if isinstance(queries, list) else 1
+
+
+class Route(collections.namedtuple(
+        "Route", "method pattern actions local rule hits searches repeatable")):
+    """One route: the `actions` it needs; who answers it (`local`, None for
+    the backend); the handler `rule` for a scoped principal; where it asks
+    for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
+    body); how many searches its body runs (`searches`, for rate limits;
+    None: one); whether it is safe to send twice (`repeatable`: GETs and
+    read-only POSTs)."""
+
+    def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
+                searches=None, repeatable=None):
+        repeatable = method == "GET" if repeatable is None else repeatable
+        return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
+                               searches, repeatable)
+
+    @property
+    def is_meilisearch(self):
+        return self.local not in (AUTHORIZE, RESTRICTIONS)
+
+    def scope_rule(self, principal, index):
+        """The rule that holds `principal` to its indexes and filters on
+        this route (None: the index check was enough)."""
+        rule = self.rule
+        return rule if rule is not None and rule.applies(principal, index) else None
+
+
+def _settings_routes():
+    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
+    put_names = (
+        "filterable-attributes", "sortable-attributes", "displayed-attributes",
+        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+        "prefix-search", "foreign-keys",
+    )
+    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+    routes = []
+    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
+        for name in names:
+            pattern = "/indexes/{index_uid}/settings/" + name
+            routes += [Route("GET", pattern, ("settings.get",)),
+                       Route(verb, pattern, ("settings.update",)),
+                       Route("DELETE", pattern, ("settings.update",))]
+    return routes
+
+
+# The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
+# each. Like actix, the first pattern matching a path wins (in table order);
+# a method it lacks is a 405. "{index_uid}" segments are checked against the
+# key's index patterns; other "{...}" segments match anything.
+ROUTES = tuple([
+    Route("GET", "/health", PUBLIC, local=HEALTH),
+    Route("GET", "/authorize", PUBLIC, local=AUTHORIZE),
+    Route("GET", "/", PUBLIC),
+    Route("GET", "/version", ("version",)),
+    Route("GET", "/stats", ("stats.get",), rule=Rule(SCOPED, answer=lambda c, a: filter_stats(
+        c.principal, a, c.covered_indexes()))),
+    Route("GET", "/keys", ("keys.get",), local=KEYS),
+    Route("POST", "/keys", ("keys.create",), local=KEYS),
+    Route("GET", "/keys/{key}", ("keys.get",), local=KEYS),
+    Route("PATCH", "/keys/{key}", ("keys.update",), local=KEYS),
+    Route("DELETE", "/keys/{key}", ("keys.delete",), local=KEYS),
+    Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
+    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("GET", "/indexes", ("indexes.get",), rule=Rule(
+        SCOPED, query=_index_page_query, answer=_index_page_answer)),
+    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
+    Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
+    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",)),
+    Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
+    Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
+    Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
+    Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
+    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
+          hits=QUERY_HITS),
+    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
+          hits=cap_search_object, repeatable=True),
+    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
+          repeatable=True),
+    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
+          hits=QUERY_HITS),
+    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
+          hits=cap_search_object, repeatable=True),
+    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
+    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",)),
+    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",)),
+    Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
+    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True),
+    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
+    Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
+    Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
+    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",)),
+    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",)),
+] + _settings_routes() + [
+    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
+          hits=cap_multi_search, searches=count_queries, repeatable=True),
+    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
+    Route("POST", "/render-template", ("settings.get", "documents.get"),
+          rule=NOT_ENFORCEABLE_RULE),
+    Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
+    Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
+        SCOPED, query=_task_change_query("delete"))),
+    Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
+        SCOPED, query=_task_change_query("cancel"))),
+    Route("POST", "/tasks/compact", ("tasks.compact",)),
+    Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
+        SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
+    Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
+        SCOPED, query=_task_documents_query)),
+    Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
+    Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
+        SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
+    Route("POST", "/dumps", ("dumps.create",)),
+    Route("POST", "/snapshots", ("snapshots.create",)),
+    Route("GET", "/metrics", ("metrics.get",)),
+    Route("POST", "/logs/stream", ("metrics.get",)),
+    Route("DELETE", "/logs/stream", ("metrics.get",)),
+    Route("POST", "/logs/stderr", ("metrics.get",)),
+    Route("GET", "/experimental-features", ("experimental.get",)),
+    Route("PATCH", "/experimental-features", ("experimental.update",)),
+    Route("POST", "/export", ("export",)),
+    Route("GET", "/network", ("network.get",)),
+    Route("PATCH", "/network", ("network.update",)),
+    Route("POST", "/network/control", ("network.update",)),
+    Route("GET", "/webhooks", ("webhooks.get",)),
+    Route("POST", "/webhooks", ("webhooks.create",)),
+    Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
+    Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
+    Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
+    Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
+    Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
+    Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
+    Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
+    Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
+    Route("GET", "/chats", ("chats.get",)),
+    Route("GET", "/chats/{workspace}", ("chats.get",)),
+    Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
+    Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
+    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+    Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+    Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
+          rule=NOT_ENFORCEABLE_RULE),
+])
+ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
+_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
+
+
+def is_repeatable(method, pattern):
+    """Is the request safe to send the backend a second time (a read)?"""
+    route = ROUTE_INDEX.get((method, pattern))
+    return route is not None and route.repeatable
+
+
+NOT_READ = object()  # a body left for the caller's stream to send on
+
+
+class Forward(collections.namedtuple("Forward", "target body answer_filter searches")):
+    """What the backend is sent for one request: `target`; `body` as bytes,
+    or None for the caller's body as it comes; `answer_filter` rewriting a
+    200 JSON answer, or None; the `searches` it runs, for rate limits."""
+
+
+def plan_forward(route, request, principal, params, upstream):
+    """What `principal`'s authorized `request` on `route` becomes: the one
+    place that says what a credential gets from the backend. A scoped
+    principal's rule checks the indexes its body names, fuses tenant-token
+    filters, filters listings; a key's restrictions cap hits and count each
+    query. Without an `upstream` the answer is 501, once the body checks
+    (upstream's 403) have had their say."""
+    index = params.get("index_uid")
+    rule = route.scope_rule(principal, index)
+    restrictions = principal.key.restrictions if principal.key is not None else None
+    cap = restrictions.max_hits if restrictions is not None else None
+    counted = route.searches is not None and restrictions is not None and (
+        restrictions.per_ip is not None or restrictions.per_key is not None)
+    value = NOT_READ
+    if rule is not None and rule.body is not None:
+        value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
+    if upstream is None:
+        raise no_upstream()
+    if rule is not None and rule.when == UNENFORCEABLE:
+        raise scope_not_enforceable(route, "")
+    target, answer_filter = request.target, None
+    if rule is not None:
+        context = RuleContext(principal, params, request.query, upstream)
+        if rule.query is not None:
+            query = rule.query(context)
+            target = request.path + ("?" + query if query else "")
+        if rule.answer is not None:
+            answer_filter = functools.partial(rule.answer, context)
+    if cap is not None and route.hits == QUERY_HITS:
+        path, _, query = target.partition("?")
+        capped = cap_search_query(query, cap)
+        target = target if capped == query else path + "?" + capped
+    elif (cap is not None and route.hits is not None or counted) and value is NOT_READ:
+        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+    if cap is not None and callable(route.hits):
+        value = route.hits(value, cap)
+    body = None if value is NOT_READ else compact_json(value).encode()
+    return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
+
+
+def check_unseen(principal, route, uri):
+    """/authorize cannot rewrite what nginx forwards, nor read its body: a
+    query asking for more hits than the key's cap, a capped body, or a
+    multi-search whose queries a rate limit must count, is refused."""
+    restrictions = principal.key.restrictions if principal.key is not None else None
+    if restrictions is None:
+        return
+    rated = restrictions.per_ip is not None or restrictions.per_key is not None
+    if rated and route.searches is not None:
+        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
+                                  "it never sees")
+    cap = restrictions.max_hits
+    if cap is None or route.hits is None:
+        return
+    if route.hits != QUERY_HITS:
+        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
+                                  "whose body it never sees")
+    asked = search_query_hits(uri.partition("?")[2])[1]
+    if asked is None or asked > cap:
+        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
 
 
 # =============================================================================
@@ -2869,76 +2989,48 @@ class Gate:
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
             raise restriction_refused("allowedReferrers", "from this site")
-        wanted = []
+        self._take(self._rates(key, address))
+        return principal
+
+    def charge(self, request, principal, searches):
+        """Count a request's further searches (a multi-search runs one a
+        query; `check` counted the first) against the key's rates: 429 over
+        a rate, 403 when one request holds more than a rate allows."""
+        key = principal.key
+        if searches <= 1 or key is None or key.restrictions is None:
+            return
+        wanted = self._rates(key, self.client(request))
+        if any(searches > rate.count for _, rate in wanted):
+            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
+        for _ in range(searches - 1):
+            self._take(wanted)
+
+    @staticmethod
+    def _rates(key, address):
+        """The (counter, Rate) pairs a request with `key` from `address` counts against."""
+        restrictions, wanted = key.restrictions, []
         if restrictions.per_ip is not None:
             wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
         if restrictions.per_key is not None:
             wanted.append((key.uid, restrictions.per_key))
+        return wanted
+
+    def _take(self, wanted):
         refusal = self.counters.take(wanted) if wanted else None
         if refusal is not None:
             wait, rate, _ = refusal
             raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
                                   "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
                                   wait, rate)
-        return principal
-
-
-_SEARCH_ROUTES = (("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"))
-# route -> how its body asks for hits, or None for a route whose query string does
-HIT_CAPPED_ROUTES = dict([(route, cap_search_object) for route in _SEARCH_ROUTES] + [
-    (("POST", "/multi-search"), cap_multi_search),
-    (("GET", "/indexes/{index_uid}/search"), None),
-    (("GET", "/indexes/{index_uid}/similar"), None)])
-
-
-def _max_hits(principal):
-    key = principal.key
-    return key.restrictions.max_hits if key is not None and key.restrictions is not None \
-        else None
-
-
-def cap_hits(principal, route, target, body, caller_body):
-    """(target, body) to forward with the key's maxHitsPerQuery applied;
-    `body` is bytes when read already, else None (then `caller_body` is read)."""
-    cap = _max_hits(principal)
-    if cap is None or route not in HIT_CAPPED_ROUTES:
-        return target, body
-    capper = HIT_CAPPED_ROUTES[route]
-    if capper is None:
-        path, _, query = target.partition("?")
-        capped = cap_search_query(query, cap)
-        return (target if capped == query else path + "?" + capped), body
-    value = parse_json_body(body if body is not None else caller_body.read(MAX_HANDLER_BODY))
-    return target, compact_json(capper(value, cap)).encode()
-
-
-def check_hits_unseen(principal, route, uri):
-    """/authorize cannot rewrite what nginx forwards: a query asking for
-    more hits than the key's cap, or a body it never sees, is refused."""
-    cap = _max_hits(principal)
-    if cap is None or route not in HIT_CAPPED_ROUTES:
-        return
-    if HIT_CAPPED_ROUTES[route] is not None:
-        raise restriction_not_enforceable(route, "through `GET /authorize`, which never sees "
-                                          "the body (this key has a `maxHitsPerQuery` cap)")
-    asked = search_query_hits(uri.partition("?")[2])[1]
-    if asked is None or asked > cap:
-        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
 
 
 class RestrictionsApi:
     """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
 
-    ACTIONS = {"GET": "keys.get", "PUT": "keys.update", "DELETE": "keys.update"}
+    def __init__(self, store, write):
+        self.store, self.write = store, write
 
-    def __init__(self, store, gate, write):
-        self.store, self.gate, self.write = store, gate, write
-
-    def handle(self, request, segment):
-        action = self.ACTIONS.get(request.method)
-        if action is None:
-            return Response(405, [("Allow", "GET, PUT, DELETE")])
-        principal = self.gate.check(request, (action,), None)
+    def handle(self, request, principal, segment):
         if principal.key is not None:
             raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
                            "the restrictions of a key.", "auth")
@@ -3173,16 +3265,6 @@ NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
-# Read-only POST routes: like GET and HEAD, safe to send a second time.
-REPEATABLE_POSTS = frozenset((
-    "/indexes/{index_uid}/search", "/multi-search", "/indexes/{index_uid}/facet-search",
-    "/indexes/{index_uid}/similar", "/indexes/{index_uid}/documents/fetch"))
-
-
-def is_repeatable(method, pattern):
-    return method in ("GET", "HEAD") or (method == "POST" and pattern in REPEATABLE_POSTS)
-
-
 def _kept_headers(headers, dropped):
     """`headers` as (name, value) pairs, without the names in `dropped` and
     those the Connection header lists (hop-by-hop too)."""
@@ -3344,9 +3426,9 @@ class Upstream:
                 if not any(name.lower() == "content-type" for name, _ in headers):
                     headers.append(("Content-Type", "application/json"))
             elif response.length is not None and response.length <= SMALL_BODY \
-                    or method == "HEAD" or response.status in (204, 304):
+                    or response.status in (204, 304):
                 data = response.read()
-                headers = _kept_headers(headers, NOT_RELAYED if method != "HEAD" else HOP_BY_HOP)
+                headers = _kept_headers(headers, NOT_RELAYED)
             else:
                 return Response(response.status, _kept_headers(headers, NOT_RELAYED),
                                 stream=self._relay(connection, response),
@@ -3403,7 +3485,7 @@ class Service:
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
         self.gate = Gate(self.guard, limits)
-        self.restrictions_api = RestrictionsApi(store, self.gate, self.keys_api._write)
+        self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
 
@@ -3428,57 +3510,35 @@ class Service:
         method = request.method
         if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return Response(200, _preflight_headers(request.headers))
-        segments = path_segments(origin_form(request.target))
-        if segments == ("authorize",) and method == "GET":
-            return self.answer_authorize(request)
-        if segments == ("health",) and method == "GET":
-            return Response.json(200, {"status": "available"})
-        if len(segments) == 3 and segments[0] == "keys" and segments[2] == "restrictions":
-            return self.restrictions_api.handle(request, segments[1])
-        route = match_route(method, segments)
+        route = match_route(method, path_segments(origin_form(request.target)))
         if route is None:
             return Response(404)
         if route == "method":
             return Response(405)
-        pattern, actions, index, params = route
-        principal = self.gate.check(request, actions, index)
-        if pattern in ("/keys", "/keys/{key}"):
+        route, index, params = route
+        if route.local == AUTHORIZE:
+            return self.answer_authorize(request)
+        if route.local == HEALTH:
+            return Response.json(200, {"status": "available"})
+        principal = self.gate.check(request, route.actions, index)
+        if route.local == RESTRICTIONS:
+            return self.restrictions_api.handle(request, principal, params["key"])
+        if route.local == KEYS:
             status, value = self.keys_api.handle(request, principal, method, params,
                                                  request.query)
             return Response.json(status, value)
-        return self.forward(request, principal, pattern, params)
+        return self.forward(request, principal, route, params)
 
-    def forward(self, request, principal, pattern, params):
-        """Apply the handler rules for a restricted principal, then send the
-        request upstream. Without --upstream the answer is 501, once the
-        body checks (upstream's 403) have had their say."""
-        method, index = request.method, params.get("index_uid")
-        rule = HANDLER_RULES.get((method, pattern))
-        if rule is not None and not rule.applies(principal, index):
-            rule = None
-        body = None
-        if rule is not None and rule.body is not None:
-            value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-            body = compact_json(rule.body(principal, index, value)).encode()
-        upstream = self.upstream
-        if upstream is None:
-            raise no_upstream()
-        if rule is not None and rule.when == UNENFORCEABLE:
-            raise restriction_not_enforceable((method, pattern), "")
-        target, answer_filter = request.target, None
-        if rule is not None:
-            restriction = Restriction(principal, params, request.query, upstream)
-            if rule.query is not None:
-                query = rule.query(restriction)
-                target = request.path + ("?" + query if query else "")
-            if rule.answer is not None:
-                answer_filter = functools.partial(rule.answer, restriction)
-        target, body = cap_hits(principal, (method, pattern), target, body, request.body)
-        headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+    def forward(self, request, principal, route, params):
+        """Send the backend what `plan_forward` makes of the request; relay its answer."""
+        plan = plan_forward(route, request, principal, params, self.upstream)
+        self.gate.charge(request, principal, plan.searches)
+        upstream, body = self.upstream, plan.body
+        headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
         if body is None:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(method, target, headers, body, is_repeatable(method, pattern),
-                                answer_filter)
+        return upstream.forward(route.method, plan.target, headers, body, route.repeatable,
+                                plan.answer_filter)
 
     @staticmethod
     def caller_body(body, headers):
@@ -3503,16 +3563,16 @@ class Service:
             raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
                               "`X-Original-URI`) of the request to authorize.")
         route = match_route(method, path_segments(origin_form(uri)))
-        if route is None or route == "method":
+        if route is None or route == "method" or not route[0].is_meilisearch:
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
-        pattern, actions, index, _params = route
-        principal = self.gate.check(request, actions, index)
-        check_hits_unseen(principal, (method, pattern), uri)
-        if handler_rules_apply(principal, (method, pattern), index):
-            raise restriction_not_enforceable(
-                (method, pattern), "through `GET /authorize`, which never sees the body nor "
-                "the answer (use `searchkeys.py serve --upstream` for such keys)")
+        route, index, _params = route
+        principal = self.gate.check(request, route.actions, index)
+        check_unseen(principal, route, uri)
+        if route.scope_rule(principal, index) is not None:
+            raise scope_not_enforceable(
+                route, "through `GET /authorize`, which never sees the body nor the answer "
+                "(use `searchkeys.py serve --upstream` for such keys)")
         return Response(204, authorize_headers(principal))
 
 

@@ -8,11 +8,8 @@ import threading
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, serve_in_thread
-
-MASTER = "rights-test-master-key-0123456789"
-JSON = {"Content-Type": "application/json"}
-ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
+from support import answer_json, serve_in_thread
+from test_searchkeys_restrictions import ADMIN, JSON, new_key, serve
 INDEXES = {"results": [{"uid": "movies", "updatedAt": "2025-03-01T10:00:00.5Z"},
                        {"uid": "books", "updatedAt": "2026-01-02T00:00:00Z"}],
            "offset": 0, "limit": 1000000, "total": 2}
@@ -50,21 +47,21 @@ class Backend:
     def targets(self):
         return [(method, target) for method, target, _, _ in self.seen]
 
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
 
 @pytest.fixture(scope="module")
 def backend():
     stand_in = Backend()
     yield stand_in
-    stand_in.server.shutdown()
-    stand_in.server.server_close()
+    stand_in.close()
 
 
 @pytest.fixture(scope="module")
 def guard(backend):
-    port = free_port()
-    argv = python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
-                      "--upstream", backend.url)
-    with Daemon(argv, port, timeout=30.0) as daemon:
+    with serve(backend) as daemon:
         yield daemon
 
 
@@ -74,18 +71,6 @@ def seen(backend):
     backend.script.clear()
     backend.script["/indexes"] = (200, INDEXES)
     return backend
-
-
-def new_key(guard, actions=("search",), indexes=("*",), restrictions=None, by=ADMIN):
-    status, _, data = guard.request("POST", "/keys", json.dumps(
-        {"actions": list(actions), "indexes": list(indexes), "expiresAt": None}), by)
-    assert status == 201, data
-    key = json.loads(data)
-    if restrictions is not None:
-        status, _, data = guard.request("PUT", "/keys/%s/restrictions" % key["uid"],
-                                        json.dumps(restrictions), ADMIN)
-        assert status == 200, data
-    return key
 
 
 def call(guard, key, method, path, body=None, headers=None):
@@ -100,7 +85,7 @@ def call(guard, key, method, path, body=None, headers=None):
 
 def test_a_null_page_does_not_lift_the_hit_cap(guard, seen):
     """Meilisearch reads `page: null` as absent and applies `limit`: the cap must too."""
-    key = new_key(guard, restrictions={"maxHitsPerQuery": 50})
+    key = new_key(guard, {"maxHitsPerQuery": 50})
     assert call(guard, key, "POST", "/indexes/movies/search",
                 {"q": "a", "page": None, "limit": 1000})[0] == 200
     assert seen.seen[-1][3]["limit"] == 50
@@ -122,14 +107,14 @@ def test_a_null_page_does_not_lift_the_hit_cap(guard, seen):
 
 def test_a_multi_search_counts_each_query_against_the_rate_limit(guard, seen):
     """200 queries of 50 hits in one request must not cost one request of the rate."""
-    key = new_key(guard, restrictions={"rateLimit": {"perKey": "5/hour"},
+    key = new_key(guard, {"rateLimit": {"perKey": "5/hour"},
                                        "maxHitsPerQuery": 50})
     three = {"queries": [{"indexUid": "movies", "q": str(n)} for n in range(3)]}
     assert call(guard, key, "POST", "/multi-search", three)[0] == 200
     status, error = call(guard, key, "POST", "/multi-search", three)
     assert status == 429 and error["code"] == "too_many_requests"
     assert len(seen.seen) == 1
-    many = new_key(guard, restrictions={"rateLimit": {"perIp": "120/minute"}})
+    many = new_key(guard, {"rateLimit": {"perIp": "120/minute"}})
     status, error = call(guard, many, "POST", "/multi-search", {
         "queries": [{"indexUid": "movies", "limit": 50}] * 200})
     assert status in (403, 429) and "rateLimit" in error["message"]
@@ -146,9 +131,9 @@ def test_a_multi_search_counts_each_query_against_the_rate_limit(guard, seen):
 def test_only_the_master_key_deletes_a_restricted_key(guard, seen):
     """Otherwise an admin key deletes it and creates it again with the same uid (hence the
     same value): the public key, without its restrictions."""
-    admin = new_key(guard, actions=["*"])
+    admin = new_key(guard, None, actions=["*"])
     as_admin = dict(JSON, Authorization="Bearer " + admin["key"])
-    public = new_key(guard, restrictions={"maxHitsPerQuery": 5})
+    public = new_key(guard, {"maxHitsPerQuery": 5})
     status, _, data = guard.request("DELETE", "/keys/" + public["uid"], None, as_admin)
     assert status == 403 and json.loads(data)["code"] == "invalid_api_key"
     status, _, data = guard.request("POST", "/keys", json.dumps(
@@ -157,7 +142,7 @@ def test_only_the_master_key_deletes_a_restricted_key(guard, seen):
     assert status == 409
     assert call(guard, public, "POST", "/indexes/movies/search", {"limit": 100})[0] == 200
     assert seen.seen[-1][3]["limit"] == 5
-    plain = new_key(guard)
+    plain = new_key(guard, None)
     assert guard.request("DELETE", "/keys/" + plain["uid"], None, as_admin)[0] == 204
     assert guard.request("DELETE", "/keys/" + public["key"], None, ADMIN)[0] == 204
 
@@ -165,7 +150,7 @@ def test_only_the_master_key_deletes_a_restricted_key(guard, seen):
 # --- tasks and batches --------------------------------------------------------------------------
 
 def test_task_documents_are_forwarded_only_for_a_task_the_key_covers(guard, seen):
-    key = new_key(guard, actions=["tasks.get"], indexes=["movies"])
+    key = new_key(guard, None, actions=["tasks.get"], indexes=["movies"])
     seen.script["/tasks/7"] = (503, {"message": "busy", "code": "unavailable",
                                      "type": "system", "link": "x"})
     assert call(guard, key, "GET", "/tasks/7/documents")[0] != 200
@@ -185,7 +170,7 @@ def test_task_documents_are_forwarded_only_for_a_task_the_key_covers(guard, seen
 def test_task_deletion_and_cancelation_need_a_filter(guard, seen, method, path, what):
     """Meilisearch refuses them without one; the guard must not turn them into "every task
     of my indexes"."""
-    key = new_key(guard, actions=["tasks.*"], indexes=["movies"])
+    key = new_key(guard, None, actions=["tasks.*"], indexes=["movies"])
     for query in ("", "?limit=3"):
         status, error = call(guard, key, method, path + query)
         assert status == 400 and error == {
@@ -204,7 +189,7 @@ def test_task_deletion_and_cancelation_need_a_filter(guard, seen, method, path, 
 def test_a_batch_is_shown_when_any_of_its_indexes_is_covered(guard, seen):
     """As Meilisearch: GET /batches/{id} agrees with GET /batches (a batch with one covered
     index), and a batch of tasks spanning indexes (a swap) is never shown."""
-    key = new_key(guard, actions=["tasks.get"], indexes=["movies"])
+    key = new_key(guard, None, actions=["tasks.get"], indexes=["movies"])
     seen.script["/batches/3"] = (200, {"uid": 3, "stats": {
         "indexUids": {"movies": 1, "books": 1}, "types": {"documentAdditionOrUpdate": 2}}})
     assert call(guard, key, "GET", "/batches/3")[0] == 200
@@ -222,17 +207,17 @@ def test_stats_last_update_covers_only_the_keys_indexes(guard, seen):
     seen.script["/stats"] = (200, {"databaseSize": 9, "lastUpdate": "2026-01-02T00:00:00Z",
                                    "indexes": {"movies": {"numberOfDocuments": 1},
                                                "books": {"numberOfDocuments": 2}}})
-    key = new_key(guard, actions=["stats.get"], indexes=["movies"])
+    key = new_key(guard, None, actions=["stats.get"], indexes=["movies"])
     status, stats = call(guard, key, "GET", "/stats")
     assert status == 200 and stats["indexes"] == {"movies": {"numberOfDocuments": 1}}
     assert stats["lastUpdate"] == "2025-03-01T10:00:00.5Z"
-    nothing = new_key(guard, actions=["stats.get"], indexes=["shows"])
+    nothing = new_key(guard, None, actions=["stats.get"], indexes=["shows"])
     assert call(guard, nothing, "GET", "/stats")[1]["lastUpdate"] is None
 
 
 def test_meilisearch_network_headers_never_reach_the_backend(guard, seen):
     """The backend trusts them from its network peers; it gets our key, not the caller's."""
-    key = new_key(guard)
+    key = new_key(guard, None)
     forged = {"X-Meili-Proxy-Origin-Remote": "ms-0", "X-Meili-Proxy-Origin-TaskUid": "1",
               "Meili-Proxy-Search": "true", "X-Meili-Proxy-Import-Remote": "ms-1",
               "X-Custom": "kept"}
@@ -244,7 +229,7 @@ def test_meilisearch_network_headers_never_reach_the_backend(guard, seen):
 def test_authorize_needs_the_original_method(guard, seen):
     """Without X-Original-Method (a config that omits it) a POST adding documents would be
     judged as a GET reading them."""
-    reader = new_key(guard, actions=["documents.get"])
+    reader = new_key(guard, None, actions=["documents.get"])
     for headers in ({}, {"X-Original-Method": ""}):
         status, _, data = guard.request("GET", "/authorize", None, dict(
             headers, Authorization="Bearer " + reader["key"],

@@ -204,15 +204,14 @@ def route_of(method, path):
 
 def test_route_table_matches_the_spec():
     for method, path, required, _scoped in ROUTE_TABLE:
-        _pattern, actions, index, _params = route_of(method, path)
-        assert list(actions) == required, (method, path)
+        route, index, _params = route_of(method, path)
+        assert list(route.actions) == required, (method, path)
         assert index == ("products" if path.startswith("/indexes/products") else None), path
-    # every route of the module is in the table above (nothing extra is guarded)
-    listed = {(m, sk.match_route(m, sk.path_segments(p))[0]) for m, p, _r, _s in ROUTE_TABLE}
-    declared = {(m, pattern) for pattern, methods in sk.ROUTES for m, actions in methods.items()
-                if actions}
+    # every Meilisearch route of the module is in the table above (nothing extra is guarded)
+    listed = {(m, route_of(m, p)[0].pattern) for m, p, _r, _s in ROUTE_TABLE}
+    declared = {(r.method, r.pattern) for r in sk.ROUTES if r.actions and r.is_meilisearch}
     assert declared == listed
-    assert route_of("GET", "/health")[1] == () and route_of("GET", "/")[1] == ()
+    assert route_of("GET", "/health")[0].actions == () and route_of("GET", "/")[0].actions == ()
 
 
 def test_route_lookup_edges():
@@ -220,11 +219,11 @@ def test_route_lookup_edges():
     assert sk.match_route("PUT", sk.path_segments("/keys")) == "method"
     assert sk.match_route("GET", sk.path_segments("/indexes/products/documents/fetch")) \
         == "method"  # the literal resource wins, like actix
-    assert route_of("GET", "/keys/")[0] == "/keys"
-    assert route_of("GET", "//indexes//products/search/")[2] == "products"
-    assert route_of("GET", "/%6Beys")[0] == "/keys"
-    assert route_of("GET", "/keys/%2F")[3] == {"key": "/"}
-    assert route_of("GET", "/indexes/mo%76ies/search?q=1")[2] == "movies"
+    assert route_of("GET", "/keys/")[0].pattern == "/keys"
+    assert route_of("GET", "//indexes//products/search/")[1] == "products"
+    assert route_of("GET", "/%6Beys")[0].pattern == "/keys"
+    assert route_of("GET", "/keys/%2F")[2] == {"key": "/"}
+    assert route_of("GET", "/indexes/mo%76ies/search?q=1")[1] == "movies"
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +241,8 @@ def one_action_keys():
 
 
 def decision(guard, token, method, path):
-    _pattern, actions, index, _params = route_of(method, path)
+    route, index, _params = route_of(method, path)
+    actions = route.actions
     try:
         guard.check("Bearer " + token, actions, index)
         return None
@@ -860,14 +860,14 @@ def test_handler_checks():
     scoped = sk.Principal(FakeKey(["search", "indexes.create", "indexes.swap"], ["movies*"]))
     assert sk.check_index_creation(scoped, None, {"uid": "movies2"}) == {"uid": "movies2"}
     assert refusal(sk.check_index_creation, scoped, {"uid": "books"}) == INVALID
-    assert refusal(sk.restrict_multi_search, scoped, {"queries": [
+    assert refusal(sk.scope_multi_search, scoped, {"queries": [
         {"indexUid": "movies"}, {"indexUid": "books"}]}) == \
         "Inside `.queries[1]`: The provided API key is invalid."
     assert refusal(sk.check_index_swap, scoped, [{"indexes": ["movies", "books"]}]) == INVALID
     assert sk.check_index_swap(scoped, None, [{"indexes": ["movies", "movies2"]}])
     token = sk.Principal(FakeKey(["search"], ["*"]), rules=["movies"])
-    assert not token.unrestricted and not token.may_use_index("books")
-    assert sk.Principal().unrestricted and sk.Principal(FakeKey(["search"], ["*"])).unrestricted
+    assert not token.unscoped and not token.may_use_index("books")
+    assert sk.Principal().unscoped and sk.Principal(FakeKey(["search"], ["*"])).unscoped
 
 
 def test_tenant_filters_are_added_to_searches():
@@ -882,21 +882,22 @@ def test_tenant_filters_are_added_to_searches():
         {"q": "x", "filter": ["y > 1", "a = 1"]}
     assert sk.with_tenant_filter({"filter": None}, rules, "books") == {"filter": "public = true"}
     token = sk.Principal(FakeKey(["search"], ["*"]), rules=rules)
-    body = sk.restrict_multi_search(token, None, {"federation": {}, "queries": [
+    body = sk.scope_multi_search(token, None, {"federation": {}, "queries": [
         {"indexUid": "movies2", "q": "a"}, {"indexUid": "shows", "filter": "z = 1"}]})
     assert body == {"federation": {}, "queries": [
         {"indexUid": "movies2", "q": "a", "filter": "a = 1"},
         {"indexUid": "shows", "filter": "z = 1"}]}
-    assert sk.restrict_search_body(token, "books", {"q": "a"}) == {"q": "a",
+    assert sk.scope_search_body(token, "books", {"q": "a"}) == {"q": "a",
                                                                    "filter": "public = true"}
-    query = sk.restrict_search_query(token, "movies2", "q=a+b&filter=y+%3E+1&limit=3")
+    query = sk.scope_search_query(token, "movies2", "q=a+b&filter=y+%3E+1&limit=3")
     assert sk.urllib.parse.parse_qsl(query) == [("q", "a b"), ("limit", "3"),
                                                 ("filter", '["y > 1","a = 1"]')]
-    assert sk.restrict_search_query(token, "shows", "q=a") == "q=a"
+    assert sk.scope_search_query(token, "shows", "q=a") == "q=a"
 
 
 def test_which_requests_need_the_handler_rules():
-    applies = sk.handler_rules_apply
+    def applies(principal, route, index):
+        return sk.ROUTE_INDEX[route].scope_rule(principal, index) is not None
     everything = sk.Principal(FakeKey(["*"], ["*"]))
     scoped = sk.Principal(FakeKey(["*"], ["movies*"]))
     token = sk.Principal(FakeKey(["search"], ["*"]), rules={"movies": {"filter": "a = 1"},
@@ -911,7 +912,7 @@ def test_which_requests_need_the_handler_rules():
     assert not applies(scoped, search, "movies")       # the index check was enough
     assert applies(token, search, "movies") and not applies(token, search, "shows")
     assert applies(token, ("GET", "/indexes/{index_uid}/similar"), "movies")
-    assert "cannot enforce" in sk.restriction_not_enforceable(search, "here").message
+    assert "cannot enforce" in sk.scope_not_enforceable(sk.ROUTE_INDEX[search], "here").message
 
 
 def test_list_answers_are_filtered_for_restricted_keys():
@@ -933,13 +934,13 @@ def test_list_answers_are_filtered_for_restricted_keys():
 def test_task_routes_are_limited_to_the_keys_indexes():
     parse = sk.urllib.parse.parse_qsl
     allowed = ["movies", "movies2"]
-    assert parse(sk.restrict_task_query("limit=2", allowed)) == [
+    assert parse(sk.scope_task_query("limit=2", allowed)) == [
         ("limit", "2"), ("indexUids", "movies,movies2")]
-    assert parse(sk.restrict_task_query("indexUids=books,movies2", allowed)) == [
+    assert parse(sk.scope_task_query("indexUids=books,movies2", allowed)) == [
         ("indexUids", "movies2")]
-    assert parse(sk.restrict_task_query("indexUids=*", allowed)) == [
+    assert parse(sk.scope_task_query("indexUids=*", allowed)) == [
         ("indexUids", "movies,movies2")]
-    nothing = dict(parse(sk.restrict_task_query("indexUids=books", allowed)))["indexUids"]
+    nothing = dict(parse(sk.scope_task_query("indexUids=books", allowed)))["indexUids"]
     assert nothing.startswith("searchkeys-no-index-") and sk.is_valid_index_pattern(nothing)
     scoped = sk.Principal(FakeKey(["tasks.get"], ["movies*"]))
     assert sk.check_task_answer(scoped, "2", {"indexUid": "movies"}) == {"indexUid": "movies"}
@@ -1163,9 +1164,9 @@ def test_filters_are_fused_as_meilisearch_fuses_them():
         ["tenant = 2", "tenant = 1", "deleted = false"]
     assert fuse(["a", ["b", "c"]], "d") == ["a", ["b", "c"], "d"]
     token = sk.Principal(FakeKey(["search"], ["*"]), rules={"m": {"filter": ["t = 1", "x"]}})
-    assert sk.restrict_search_body(token, "m", {"filter": "t = 2"}) == {
+    assert sk.scope_search_body(token, "m", {"filter": "t = 2"}) == {
         "filter": ["t = 2", "t = 1", "x"]}
-    query = sk.restrict_search_query(token, "m", "filter=null")
+    query = sk.scope_search_query(token, "m", "filter=null")
     assert sk.urllib.parse.parse_qsl(query) == [("filter", '[null,"t = 1","x"]')]
 
 
