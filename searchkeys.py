@@ -359,6 +359,11 @@ class Principal:
     def may_use_index(self, index):
         return self.index_refusal(index) is None
 
+    @property
+    def restrictions(self):
+        """The key's (or the token's parent key's) Restrictions, or None."""
+        return self.key.restrictions if self.key is not None else None
+
 
 OPEN = Principal()
 
@@ -373,7 +378,7 @@ def search_rules_allow(rules, index):
 
 
 def index_scoped_global_action(actions, indexes):
-    """The first global action of a key restricted to some indexes, or None."""
+    """The first global action of a key scoped to some indexes, or None."""
     if not indexes or "*" in indexes:
         return None
     for action in actions:
@@ -1459,6 +1464,11 @@ class Restrictions:
         self.ips = None if ips is None else [ip_range(r) for r in ips]
         self._json = source
 
+    @property
+    def rated(self):
+        """Does a rate limit count this key's requests?"""
+        return self.per_ip is not None or self.per_key is not None
+
     def to_json(self):
         """All four fields, null when not set (the GET answer)."""
         return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
@@ -2298,7 +2308,7 @@ class Guard:
 
 
 # =============================================================================
-# Handler rules: what upstream's handlers check and filter for a restricted
+# Handler rules: what upstream's handlers check and filter for a scoped
 # principal (an index-scoped key or a tenant token). The backend gets our
 # --upstream-key, not the caller's credential, so the guard applies them.
 # =============================================================================
@@ -2351,7 +2361,7 @@ def scope_multi_search(principal, index, body):
     queries = body.get("queries") if isinstance(body, dict) else None
     if not isinstance(queries, list):
         return body
-    restricted = []
+    scoped = []
     for position, query in enumerate(queries):
         uid = query.get("indexUid") if isinstance(query, dict) else None
         if isinstance(uid, str):
@@ -2359,8 +2369,8 @@ def scope_multi_search(principal, index, body):
                 raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
                                       % position)
             query = with_tenant_filter(query, principal.rules, uid)
-        restricted.append(query)
-    return dict(body, queries=restricted)
+        scoped.append(query)
+    return dict(body, queries=scoped)
 
 
 def check_index_swap(principal, index, body):
@@ -2404,7 +2414,7 @@ ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, th
 
 
 def all_indexes_query(query):
-    """GET /indexes for a restricted key: (the query that asks the backend
+    """GET /indexes for a scoped key: (the query that asks the backend
     for every index, offset, limit to apply after filtering); upstream's 400
     ApiError for parameters it refuses, so none goes unfiltered."""
     offset, limit = validate_list_query(query, "index")
@@ -2412,7 +2422,7 @@ def all_indexes_query(query):
 
 
 def filter_index_list(principal, answer, offset, limit):
-    """GET /indexes for a restricted key: only its indexes, paginated after
+    """GET /indexes for a scoped key: only its indexes, paginated after
     filtering as upstream does."""
     if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
         return answer
@@ -2423,7 +2433,7 @@ def filter_index_list(principal, answer, offset, limit):
 
 
 def filter_stats(principal, answer, covered):
-    """GET /stats for a restricted key: only its indexes, and upstream's
+    """GET /stats for a scoped key: only its indexes, and upstream's
     `lastUpdate` over them: the latest `updatedAt` of `covered` (the
     backend's index objects the key covers), null for none."""
     if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
@@ -2454,7 +2464,7 @@ def scope_task_query(query, allowed_uids):
 
 
 def check_task_answer(principal, task_id, answer):
-    """GET /tasks/{id} for a restricted key: a task on another index (or on
+    """GET /tasks/{id} for a scoped key: a task on another index (or on
     none) does not exist for it."""
     uid = answer.get("indexUid") if isinstance(answer, dict) else None
     if not isinstance(uid, str) or not principal.may_use_index(uid):
@@ -2463,14 +2473,14 @@ def check_task_answer(principal, task_id, answer):
 
 
 # Task kinds of one index (upstream's Kind::related_to_one_index); a batch
-# of other kinds (a swap, a dump...) is never shown to a restricted key.
+# of other kinds (a swap, a dump...) is never shown to a scoped key.
 ONE_INDEX_TASK_KINDS = frozenset((
     "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
     "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
 
 
 def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a restricted key: as upstream (and as GET
+    """GET /batches/{id} for a scoped key: as upstream (and as GET
     /batches lists it), a batch of one-index tasks with at least one
     covered index."""
     stats = answer.get("stats") if isinstance(answer, dict) else None
@@ -2804,10 +2814,10 @@ def plan_forward(route, request, principal, params, upstream):
     (upstream's 403) have had their say."""
     index = params.get("index_uid")
     rule = route.scope_rule(principal, index)
-    restrictions = principal.key.restrictions if principal.key is not None else None
+    restrictions = principal.restrictions
     cap = restrictions.max_hits if restrictions is not None else None
-    counted = route.searches is not None and restrictions is not None and (
-        restrictions.per_ip is not None or restrictions.per_key is not None)
+    body_capped = cap is not None and callable(route.hits)
+    counted = route.searches is not None and restrictions is not None and restrictions.rated
     value = NOT_READ
     if rule is not None and rule.body is not None:
         value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
@@ -2827,9 +2837,9 @@ def plan_forward(route, request, principal, params, upstream):
         path, _, query = target.partition("?")
         capped = cap_search_query(query, cap)
         target = target if capped == query else path + "?" + capped
-    elif (cap is not None and route.hits is not None or counted) and value is NOT_READ:
+    if (body_capped or counted) and value is NOT_READ:
         value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    if cap is not None and callable(route.hits):
+    if body_capped:
         value = route.hits(value, cap)
     body = None if value is NOT_READ else compact_json(value).encode()
     return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
@@ -2839,11 +2849,10 @@ def check_unseen(principal, route, uri):
     """/authorize cannot rewrite what nginx forwards, nor read its body: a
     query asking for more hits than the key's cap, a capped body, or a
     multi-search whose queries a rate limit must count, is refused."""
-    restrictions = principal.key.restrictions if principal.key is not None else None
+    restrictions = principal.restrictions
     if restrictions is None:
         return
-    rated = restrictions.per_ip is not None or restrictions.per_key is not None
-    if rated and route.searches is not None:
+    if restrictions.rated and route.searches is not None:
         raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
                                   "it never sees")
     cap = restrictions.max_hits
@@ -3537,8 +3546,8 @@ class Service:
         headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
         if body is None:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(route.method, plan.target, headers, body, route.repeatable,
-                                plan.answer_filter)
+        return upstream.forward(route.method, plan.target, headers, body,
+                                is_repeatable(route.method, route.pattern), plan.answer_filter)
 
     @staticmethod
     def caller_body(body, headers):
