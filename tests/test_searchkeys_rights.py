@@ -171,7 +171,7 @@ def test_task_deletion_and_cancelation_need_a_filter(guard, seen, method, path, 
     """Meilisearch refuses them without one; the guard must not turn them into "every task
     of my indexes"."""
     key = new_key(guard, None, actions=["tasks.*"], indexes=["movies"])
-    for query in ("", "?limit=3"):
+    for query in ("", "?", "?&"):
         status, error = call(guard, key, method, path + query)
         assert status == 400 and error == {
             "message": "Query parameters to filter the tasks to %s are missing. Available "
