@@ -3681,8 +3681,6 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.request_version == "HTTP/1.0" and connection != "keep-alive")
         expecting = self.request_version == "HTTP/1.1" and \
             self.headers.get("Expect", "").lower() == "100-continue"
-        if expecting and not self.handle_expect_100():
-            return False
         try:
             self.body = Body.of_request(self.rfile, self.headers,
                                         self.send_continue if expecting else None)
@@ -3710,12 +3708,10 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return None
         return block.decode("iso-8859-1")
 
-    def handle_expect_100(self):
-        """Deferred: 100 Continue goes out when the body is first read (by
-        send_continue), so a refused request never invites its body."""
-        return True
-
     def send_continue(self):
+        """100 Continue, deferred until the body is first read: a refused
+        request never invites its body (parse_request, overridden, never
+        calls http.server's handle_expect_100)."""
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
