@@ -1474,11 +1474,10 @@ def warn_yaml_boolean(raw, where, problems):
     line = getattr(raw, "lines", {}).get(keys[-1]) if keys else None
     word = YAML_BOOLEAN_WORD.search(problems.source_line(line)) if line else None
     if word:
-        problems.warn(where + ".value", " %s is read as the boolean %s (YAML 1.1, as upstream): "
-                             "it matches only %r; quote it (\"%s\") to compare with %r"
-                      % (word.group(1), "true" if raw[keys[-1]] else "false",
-                         "true" if raw[keys[-1]] else "false", word.group(1), word.group(1)),
-                      line)
+        boolean = "true" if raw[keys[-1]] else "false"
+        problems.warn(where + ".value", "the value %s is read as the boolean %s (YAML 1.1, as "
+                      "upstream reads it), so only %s matches: write \"%s\" in quotes to match %s"
+                      % ((word.group(1), boolean, boolean) + (word.group(1),) * 2), line)
 
 
 def parse_field(kind, value, where, problems):
