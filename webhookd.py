@@ -4809,6 +4809,11 @@ def main(argv=None):
         return fail(str(exc))
     try:
         return serve(opts)
+    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
+        if not isinstance(exc.code, str):
+            raise
+        log.error("%s", exc.code)
+        return 1
     finally:
         if listener_thread is not None:
             listener_thread.stop()
