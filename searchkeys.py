@@ -4087,6 +4087,20 @@ def check_expires_at(text):
     return text
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An unknown option is an error of the (sub-)command it was given to, with that command's
+    usage; argparse would report it at the top, or report a missing COMMAND first.
+    `command_parser` in the result: the innermost command's parser, for later errors."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error("unrecognized arguments: %s" % " ".join(extras))
+        if not hasattr(namespace, "command_parser"):  # set first by the innermost command
+            namespace.command_parser = self
+        return namespace, extras
+
+
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS,
@@ -4096,11 +4110,12 @@ def build_parser():
     common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
                         help="print only key values")
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="searchkeys.py", parents=[common],
         description="Meilisearch-compatible API-key service, guard and client.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands.required = True
+    parser.add_argument("--version", action="version", version="searchkeys.py " + __version__)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=CommandParser)
 
     serve = commands.add_parser("serve", help="run the key service / guard")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
@@ -4127,10 +4142,12 @@ def build_parser():
     create = key_commands.add_parser("create", parents=[common], help="create a key")
     shape = create.add_mutually_exclusive_group(required=True)
     shape.add_argument("--preset", choices=sorted(PRESETS),
-                       help="search: %s (for a frontend); backend: %s (add and delete "
+                       help="search: %s (for a frontend), with the restrictions of `keys "
+                            "restrict --preset search`: %s; backend: %s (add and delete "
                             "documents, create indexes, follow tasks; no index deletion, no "
-                            "settings changes)" % tuple(", ".join(PRESETS[name])
-                                                        for name in ("search", "backend")))
+                            "settings changes)" % (", ".join(PRESETS["search"]),
+                                                   compact_json(RESTRICTION_PRESETS["search"]),
+                                                   ", ".join(PRESETS["backend"])))
     shape.add_argument("--actions", metavar="A,B",
                        help="comma-separated actions, from: %s" % ", ".join(ACTIONS))
     create.add_argument("--indexes", required=True, metavar="I,J",
@@ -4141,6 +4158,8 @@ def build_parser():
     create.add_argument("--description", help="free text shown with the key")
     create.add_argument("--name", help="a name shown with the key")
     create.add_argument("--uid", help="the key's UUID (default: a random one)")
+    create.add_argument("--no-restrictions", action="store_true",
+                        help="with --preset search: create the key without its restrictions")
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
     listing.add_argument("--offset", type=int, help="keys to skip (0)")
     listing.add_argument("--limit", type=int, help="keys to list at most (20)")
@@ -4247,6 +4266,8 @@ def run_keys(args):
     if command == "create":
         key = client.create_key(args.actions, args.indexes, args.expires_at, name=args.name,
                                 description=args.description, uid=args.uid)
+        if args.preset == "search" and not args.no_restrictions:
+            restrict_created_key(client, key)
     elif command == "list":
         listing = client.list_keys(args.offset, args.limit)
         return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
@@ -4262,6 +4283,33 @@ def run_keys(args):
         client.delete_key(args.key_or_uid)
         return 0
     return _print(args, key, [key.get("key")])
+
+
+def restrict_created_key(client, key):
+    """Give a new search-preset key the search restrictions.  A server without the restrictions
+    API (Meilisearch) keeps the key, with a warning; any other failure deletes it again, so no
+    unrestricted frontend key is left behind (fail closed)."""
+    path = _key_path(key["uid"]) + "/restrictions"
+    try:
+        client.request("PUT", path, RESTRICTION_PRESETS["search"])
+        return
+    except ClientError as exc:
+        if exc.status in (404, 405) and exc.code != "api_key_not_found":
+            _log_to_stderr("searchkeys: warning: %s has no restrictions API (Meilisearch?): the "
+                           "key is created without a rate limit or hit cap" % client.url)
+            return
+        failure = exc
+    except ConnectionFailed as exc:
+        failure = exc
+    try:
+        client.delete_key(key["uid"])
+        outcome = "the key was deleted again"
+    except (ClientError, ConnectionFailed):
+        outcome = "the key %s is left WITHOUT restrictions: delete it" % key["uid"]
+    context = " (while setting the search preset's restrictions; %s)" % outcome
+    if isinstance(failure, ClientError):
+        raise ClientError(failure.status, failure.code, failure.message + context)
+    raise ConnectionFailed(str(failure) + context)
 
 
 def _print(args, value, key_values):
@@ -4290,6 +4338,8 @@ def check_client_args(parser, args):
             check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
             args.actions = PRESETS[args.preset] if args.preset else check_actions(args.actions)
+            if args.no_restrictions and args.preset != "search":
+                raise ValueError("--no-restrictions goes with --preset search")
             args.indexes = check_indexes(args.indexes)
             args.expires_at = check_expires_at(args.expires_at)
             if args.uid is not None:
@@ -4351,10 +4401,12 @@ def check_uid(text):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # checked here, after unknown options: those are said first
+        parser.error("the following arguments are required: COMMAND")
     if args.command == "serve":
-        check_serve_args(parser, args)
+        check_serve_args(args.command_parser, args)
         return run_serve(args)
-    check_client_args(parser, args)
+    check_client_args(args.command_parser, args)
     try:
         if args.command == "token":
             return run_token(args)

@@ -41,6 +41,7 @@ import logging
 import logging.handlers
 import math
 import os
+import pwd
 import queue
 import random
 import re
@@ -362,7 +363,12 @@ def usage_text(program):
 # ---------------------------------------------------------------------------
 
 class HooksFileError(Exception):
-    """A hooks file that cannot be used; the message names file, line and column if known."""
+    """A hooks file that cannot be used; the message names file, line and column if known.
+    `items`: every problem found in the file, as (severity, message) pairs for -validate."""
+
+    def __init__(self, message, items=None):
+        Exception.__init__(self, message)
+        self.items = items or [("error", message)]
 
 
 TEMPLATE_ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.S)
@@ -1170,9 +1176,11 @@ class Problems:
     """Warnings and errors found while loading a hooks file, each with where it was found (and
     on which line, when the file was read by the YAML reader)."""
 
-    def __init__(self, filename, data=None):
-        self.filename, self.data = filename, data
+    def __init__(self, filename, data=None, text=""):
+        self.filename, self.data, self.text = filename, data, text
         self.items = []  # (severity, message)
+        self.refused = set()  # indexes of the hooks that must not be served
+        self.fatal = []  # errors upstream refuses the whole file for
 
     def at(self, where, line=None):
         line = where_line(self.data, where) if line is None else line
@@ -1184,6 +1192,23 @@ class Problems:
 
     def error(self, where, message):
         self.items.append(("error", "%s: %s" % (self.at(where), message)))
+
+    def refuse(self, where, message):
+        """An error that keeps the hook named in `where` from being served."""
+        self.error(where, message + "; this hook is not served")
+        self.refused.add(int(WHERE_HOOK.match(where).group(1)))
+
+    def file_error(self, exc):
+        """A type error upstream refuses the whole file for; reading goes on to find the rest."""
+        line = where_line(self.data, str(exc))
+        message = "%s%s: %s" % (self.filename, ":%d" % line if line else "", exc)
+        self.fatal.append(message)
+        self.items.append(("error", message))
+
+    def source_line(self, number):
+        """Line `number` (from 1) of the text read, as the YAML reader counts lines."""
+        lines = self.text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        return lines[number - 1] if number and number <= len(lines) else ""
 
 
 WHERE_HOOK = re.compile(r'hook (\d+)(?: \("(?:[^"\\]|\\.)*"\))?')
@@ -1383,8 +1408,8 @@ def parse_rule(obj, where, problems):
     return ("none",)
 
 
-def parse_match(obj, where, problems):
-    obj = fold_keys(obj, MATCH_FIELDS, where, problems)
+def parse_match(raw, where, problems):
+    obj = fold_keys(raw, MATCH_FIELDS, where, problems)
     fields = {key: as_string(obj.get(key), "%s.%s" % (where, key))
               for key in ("type", "value", "regex", "secret", "ip-range")}
     parameter = obj.get("parameter")
@@ -1402,8 +1427,13 @@ def parse_match(obj, where, problems):
     if (kind in HMAC_TYPES or kind == "scalr-signature") and not rule.secret:
         problems.error(where, "empty secret (every request would get 500)")
     for field in ("secret", "value"):
-        if looks_like_placeholder(obj.get(field)):
+        if is_shipped_placeholder(obj.get(field)):
+            problems.refuse("%s.%s" % (where, field), "a placeholder from the example file "
+                            "(replace-with-...), not a secret: set a real one")
+        elif looks_like_placeholder(obj.get(field)):
             problems.warn(where, "the %s looks like an example placeholder: set a real one" % field)
+    if isinstance(obj.get("value"), bool):
+        warn_yaml_boolean(raw, where, problems)
     if kind == "ip-whitelist":
         for cidr in rule.ip_range.split():
             if parse_cidr(cidr) is None:
@@ -1422,6 +1452,32 @@ PLACEHOLDER_SECRET = re.compile(
 
 def looks_like_placeholder(text):
     return isinstance(text, str) and PLACEHOLDER_SECRET.search(text) is not None
+
+
+# The placeholders webhook.conf.example and the docs ship: a copy left unedited must not run a
+# deploy for anyone who read the example.
+SHIPPED_PLACEHOLDER = re.compile(r"replace[-_]with[-_]", re.IGNORECASE)
+
+
+def is_shipped_placeholder(text):
+    return isinstance(text, str) and SHIPPED_PLACEHOLDER.match(text.strip()) is not None
+
+
+# YAML 1.1 words upstream's go-yaml v2 reads as booleans (`value: on` compares with "true").
+YAML_BOOLEAN_WORD = re.compile(r"(?:^|[\s{,])value[\s]*:[\s]*(y|n|yes|no|on|off)[\s]*(?:[,}#]|$)",
+                               re.IGNORECASE)
+
+
+def warn_yaml_boolean(raw, where, problems):
+    """Warn when a match `value` was written on/off/yes/no/y/n without quotes."""
+    keys = [key for key in raw if key.lower() == "value"]
+    line = getattr(raw, "lines", {}).get(keys[-1]) if keys else None
+    word = YAML_BOOLEAN_WORD.search(problems.source_line(line)) if line else None
+    if word:
+        boolean = "true" if raw[keys[-1]] else "false"
+        problems.warn(where + ".value", "the value %s is read as the boolean %s (YAML 1.1, as "
+                      "upstream reads it), so only %s matches: write \"%s\" in quotes to match %s"
+                      % ((word.group(1), boolean, boolean) + (word.group(1),) * 2), line)
 
 
 def parse_field(kind, value, where, problems):
@@ -1466,8 +1522,13 @@ class Hook:
         obj = fold_keys(obj, HOOK_FIELDS, where, problems)
         for field, (attr, kind) in HOOK_FIELDS.items():
             value = obj.get(field)
-            setattr(self, attr, EMPTY[kind] if value is None
-                    else parse_field(kind, value, "%s.%s" % (where, field), problems))
+            setattr(self, attr, EMPTY[kind])
+            try:
+                if value is not None:
+                    setattr(self, attr, parse_field(kind, value, "%s.%s" % (where, field),
+                                                    problems))
+            except HooksFileError as exc:  # noted; the other fields are read all the same
+                problems.file_error(exc)
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
@@ -1546,7 +1607,7 @@ def parse_hooks(text, filename):
         raise HooksFileError("%s: file is empty" % filename)
     data, read_as_json = hooks_data(text, filename)
     try:
-        hooks, problems = build_hooks(data, filename)
+        hooks, problems = build_hooks(data, filename, text)
         if not problems.items or not read_as_json:
             return hooks, problems
     except HooksFileError:
@@ -1556,11 +1617,13 @@ def parse_hooks(text, filename):
         data = load_yaml(text)  # the same values, now with the line of each
     except YamlError:
         pass
-    return build_hooks(data, filename)
+    return build_hooks(data, filename, text)
 
 
-def build_hooks(data, filename):
-    problems = Problems(filename, data)
+def build_hooks(data, filename, text=""):
+    """The hooks to serve and the Problems; HooksFileError (with every problem found) for a
+    file upstream refuses.  A hook with a shipped placeholder secret is left out."""
+    problems = Problems(filename, data, text)
     if not isinstance(data, list):
         raise HooksFileError("%s: expected an array (a YAML sequence) of hooks, got %s"
                              % (filename, type_name(data)))
@@ -1569,14 +1632,18 @@ def build_hooks(data, filename):
         where = describe(index, obj)
         try:
             hook = Hook(obj, where, problems)
-        except HooksFileError as exc:
-            line = where_line(data, str(exc))
-            raise HooksFileError("%s%s: %s" % (filename, ":%d" % line if line else "", exc)) \
-                from None
+        except HooksFileError as exc:  # not an object: nothing more to read in this hook
+            problems.file_error(exc)
+            continue
         if hook.id in seen:
             problems.error(where, "duplicate id %r in this file (the first one wins)" % hook.id)
         seen.add(hook.id)
-        hooks.append(hook)
+        if index not in problems.refused:
+            hooks.append(hook)
+    if problems.fatal:
+        more = len(problems.fatal) - 1
+        raise HooksFileError(problems.fatal[0] + (" (and %d more problem(s): see -validate)"
+                                                  % more if more else ""), problems.items)
     return hooks, problems
 
 
@@ -1585,7 +1652,7 @@ def read_bytes(path):
         with open(path, "rb") as handle:
             return handle.read()
     except OSError as exc:
-        raise HooksFileError("%s: %s" % (path, exc.strerror)) from None
+        raise HooksFileError(go_errno_text(exc, "open")) from None
 
 
 def parse_hooks_file(raw, path, template=False):
@@ -1593,7 +1660,39 @@ def parse_hooks_file(raw, path, template=False):
     text = raw.decode("utf-8", "surrogateescape")
     if template:
         text = expand_template(text, path)
-    return parse_hooks(text, path)
+    warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
+                            "any command as webhookd (chmod go-w)" % (path, writable))
+                for writable in writable_by_others(path)]
+    try:
+        hooks, problems = parse_hooks(text, path)
+    except HooksFileError as exc:
+        exc.items.extend(warnings)
+        raise
+    problems.items.extend(warnings)
+    return hooks, problems
+
+
+def writable_by_others(path):
+    """The hooks file, and its folder unless sticky, if others or a shared group (not the
+    owner's own group, as umask 002 gives) may write to them."""
+    found = []
+    for name, is_folder in ((path, False), (os.path.dirname(os.path.abspath(path)), True)):
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        shared = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP
+                                               and st.st_gid != own_group(st.st_uid))
+        if shared and not (is_folder and st.st_mode & stat.S_ISVTX):
+            found.append("the folder " + name if is_folder else "the file")
+    return found
+
+
+def own_group(uid):
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:  # no such user: no group of its own
+        return None
 
 
 def read_hooks_file(path, template=False):
@@ -1633,7 +1732,7 @@ def validate_files(paths, template=False):
         try:
             hooks, problems = read_hooks_file(path, template)
         except HooksFileError as exc:
-            found.append(("error", str(exc)))
+            found.extend(exc.items)
             continue
         found.extend(problems.items)
         for index, hook in enumerate(hooks):
@@ -3241,16 +3340,22 @@ def runs_options_problem(opts):
             with open(opts.status_token_file, encoding="utf-8") as handle:
                 opts.status_token = handle.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            return "cannot read -status-token-file %s: %s" % (opts.status_token_file, exc)
+            return "cannot read -status-token-file %s: %s" % (
+                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
         if not opts.status_token:
             return "-status-token-file %s is empty" % opts.status_token_file
     if (opts.runs or opts.runs_follow) and not opts.runs_dir:
         return "-runs and -runs-follow read the records in -runs-dir DIR"
-    if opts.runs_dir:
+    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
+        return "-runs-dir %s is not a folder" % opts.runs_dir
+    if (opts.runs or opts.runs_follow) and not os.path.isdir(opts.runs_dir):
+        return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+            % opts.runs_dir
+    if opts.runs_dir and not (opts.runs or opts.runs_follow):  # only the daemon creates it
         try:
             open_runs_dir(opts.runs_dir)
         except OSError as exc:
-            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, exc.strerror or exc)
+            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
     return None
 
 
@@ -3385,7 +3490,8 @@ class Registry:
             files = self.files if files is None else files
             ok, now = True, time.time()
             for hf in files:
-                log.info("attempting to load hooks from %s", hf.path)
+                log.info("attempting to %s hooks from %s", "load" if startup else "reload",
+                         hf.path)
                 hf.signature = file_signature(hf.path)
                 if hf.signature:  # a second write within the same mtime tick keeps size and
                     # mtime: for a moment, poll() compares the content as well
@@ -3397,8 +3503,9 @@ class Registry:
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
                     continue
-                for severity, message in problems.items:
-                    log.warning("%s: %s", severity, message)
+                for severity, message in problems.items:  # errors are shown without -verbose
+                    (log.error if severity == "error" else log.warning)("%s: %s", severity,
+                                                                        message)
                 log.info("found %d hook(s) in file", len(hooks))
                 served = {h.id for other in self.files if other is not hf for h in other.hooks}
                 clash = sorted(served & {h.id for h in hooks})
@@ -3470,7 +3577,10 @@ class Registry:
 
     def _drop(self, hf):
         with self.lock:
-            log.info("hooks file %s removed, dropping its %d hook(s)", hf.path, len(hf.hooks))
+            log.info("hooks file %s removed, removing hooks that were loaded from it", hf.path)
+            for hook in hf.hooks:
+                log.info("\tremoving: %s", hook.id)
+            log.info("removed %d hook(s) that were loaded from file %s", len(hf.hooks), hf.path)
             hf.hooks, hf.signature, hf.missing_since = [], None, None
             hf.error = "%s: file removed" % hf.path
             self._publish()
@@ -4382,13 +4492,9 @@ class LogFileError(Exception):
 
 
 def setup_logging(opts):
-    """Upstream logs nothing without -verbose; with it, `[webhook] date time message`, written
-    by a thread of its own: a request never waits for stderr or the log file."""
-    if not (opts.verbose or opts.debug or opts.logfile):
-        log.setLevel(logging.CRITICAL + 1)
-        log.propagate = False
-        return None
-
+    """`[webhook] date time message` lines, written by a thread of their own: a request never
+    waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
+    nothing then: a hooks file it cannot load went unexplained)."""
     class RecordQueueHandler(logging.handlers.QueueHandler):
         def prepare(self, record):
             return record  # formatted by the logging thread, not by the request
@@ -4396,27 +4502,33 @@ def setup_logging(opts):
         try:
             fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise LogFileError('error opening log file "%s": open %s: %s'
-                               % (opts.logfile, opts.logfile, go_errno_text(exc))) from None
+            raise LogFileError('error opening log file "%s": %s'
+                               % (opts.logfile, go_errno_text(exc, "open"))) from None
         target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
                                                  errors="backslashreplace"))
     else:
         target = logging.StreamHandler(sys.stderr)
     target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
                                           "%Y/%m/%d %H:%M:%S"))
+    log.propagate = False
+    if not (opts.verbose or opts.debug or opts.logfile):
+        log.addHandler(target)  # rare lines: written at once, before what main prints next
+        log.setLevel(logging.ERROR)
+        return None
     records = queue.SimpleQueue()
     listener = logging.handlers.QueueListener(records, target)
     log.addHandler(RecordQueueHandler(records))
     log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
-    log.propagate = False
     listener.start()
     return listener
 
 
-def go_errno_text(exc):
-    """An OSError's reason as Go words it (lower case, as its syscall errors read)."""
+def go_errno_text(exc, op=None):
+    """An OSError as Go words it: the reason in lower case (`permission denied`); with `op`,
+    `open /run/x.pid: permission denied` (Go's PathError) when the error names a file."""
     text = exc.strerror or str(exc)
-    return text[:1].lower() + text[1:]
+    text = text[:1].lower() + text[1:]
+    return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
 
 
 def open_listeners(opts, environ):
@@ -4463,10 +4575,15 @@ def make_tls_context(opts):
             context.set_ciphers(":".join(names))
     context.set_alpn_protocols(["http/1.1"])
     try:
+        for path in (opts.cert, opts.key):
+            with open(path, "rb"):
+                pass  # OpenSSL's own error does not say which file is missing
         context.load_cert_chain(opts.cert, opts.key)
-    except (OSError, ssl.SSLError) as exc:
+    except OSError as exc:
+        reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
+            "no PEM certificate with its matching private key in them"
         raise SystemExit("error: loading TLS certificate %s / key %s: %s"
-                         % (opts.cert, opts.key, exc))
+                         % (opts.cert, opts.key, reason)) from None
     return context
 
 
@@ -4498,7 +4615,11 @@ def write_pidfile(path):
         pass
     directory = os.path.dirname(path)
     if directory:
-        os.makedirs(directory, 0o755, exist_ok=True)
+        try:
+            os.makedirs(directory, 0o755, exist_ok=True)
+        except FileExistsError:  # a file where the folder should be: Go's words for it
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
+                from None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(str(os.getpid()))
@@ -4596,7 +4717,7 @@ class Daemon:
             time.sleep(0.01)
 
     def reload(self, reason):
-        log.info("caught %s signal; reloading hooks", reason)
+        log.info("caught %s signal", reason[3:])  # SIGHUP: `caught HUP signal`, as upstream
         self.notifier.reloading()
         self.registry.load()
         self.notifier.notify("READY=1")
@@ -4688,6 +4809,11 @@ def main(argv=None):
         return fail(str(exc))
     try:
         return serve(opts)
+    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
+        if not isinstance(exc.code, str):
+            raise
+        log.error("%s", exc.code)
+        return 1
     finally:
         if listener_thread is not None:
             listener_thread.stop()
@@ -4705,7 +4831,6 @@ def serve(opts):
         registry.load(startup=True)
     except HooksFileError as exc:
         log.error("%s", exc)
-        print(exc)
         return 1
     if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
                                       or opts.nopanic):
@@ -4720,16 +4845,16 @@ def serve(opts):
             try:
                 write_pidfile(opts.pidfile)
             except OSError as exc:
-                raise SystemExit("Error creating pidfile: %s" % exc) from None
+                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
+                    exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
             cleanup.append(opts.pidfile)
         try:
             listeners, where = open_listeners(opts, environ)
         except (OSError, OverflowError, ValueError) as exc:
-            message = "error listening on port: listen %s: %s" % (
-                "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-                getattr(exc, "strerror", None) or exc)
-            log.error("%s", message)
-            print(message)
+            step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
+            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
+                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
             remove_paths(cleanup)
             return 1
         if opts.socket and where.startswith("unix:"):
@@ -4740,7 +4865,7 @@ def serve(opts):
             try:
                 drop_privileges(opts.setuid, opts.setgid)
             except OSError as exc:
-                raise SystemExit("error dropping privileges: %s" % exc) from None
+                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
     except SystemExit:
         remove_paths(cleanup)
         raise

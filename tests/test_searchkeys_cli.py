@@ -346,7 +346,8 @@ def test_bad_values_name_their_flag(recorder, args, needle):
     extra = [] if "--url" in args else ["--url", recorder.url]
     code, out, err = cli(*args, *extra)
     assert code == 2 and needle in err and "Traceback" not in err, (code, err)
-    assert err.strip().count("\n") <= 2, err  # usage and one sentence
+    usage, sentence = err.strip().rsplit("\n", 1)  # the command's usage, then one sentence
+    assert usage.startswith("usage: searchkeys.py %s" % args[0]) and needle in sentence, err
     assert recorder.hits == []
 
 

@@ -53,23 +53,52 @@ def eventually(read, condition, timeout=10.0):
 
 # ---------------------------------------------------------------- webhook.conf.example
 
-def test_example_hooks_answer_only_requests_that_carry_their_secret():
+def test_example_as_shipped_serves_only_ping_and_names_each_placeholder_hook(tmp_path):
+    """An unedited copy of the example must not run a deploy for anyone who read the example:
+    a hook whose secret is a shipped placeholder is refused, with its file and line."""
     with start_webhookd(EXAMPLE) as daemon:
+        assert daemon.request("GET", "/hooks/ping")[::2] == (200, b"pong\n")
+        for hook in ("redeploy", "github-push"):
+            assert daemon.request("POST", "/hooks/%s?branch=main" % hook, headers={
+                "X-Deploy-Token": "replace-with-a-long-random-token"})[::2] == (404, b"Hook not found.")
+        log = eventually(daemon.log, lambda text: "loaded: ping" in text)
+    assert "deploy-site" not in log and "loaded: redeploy" not in log
+    assert '%s:22: hook 0 ("github-push").trigger-rule.and[0].match.secret' % EXAMPLE in log
+    assert '%s:54: hook 1 ("redeploy").trigger-rule.and[0].match.value' % EXAMPLE in log
+    assert "this hook is not served" in log
+    code, out = validate(EXAMPLE)
+    assert code == 1 and out.count("placeholder from the example file") == 2, out
+    # Without -verbose the refusal is said all the same (on stderr), and ping is served.
+    port = free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", EXAMPLE, "-ip", "127.0.0.1", "-port", str(port)),
+                port) as quiet:
+        assert quiet.request("GET", "/hooks/ping")[0] == 200
+        assert quiet.request("POST", "/hooks/redeploy?branch=main")[0] == 404
+        assert eventually(quiet.log, lambda text: text.count("this hook is not served") == 2)
+
+
+def test_example_with_its_secrets_set_answers_only_requests_that_carry_them(tmp_path):
+    token, secret = "3f9a1c0e7b5d42a8a6c1e0f4d2b7c9e1", "Zx81-kq0P-maintenance-webhook"
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(EXAMPLE.read_text().replace("replace-with-a-long-random-token", token)
+                     .replace("replace-with-the-secret-set-in-the-github-webhook", secret))
+    with start_webhookd(hooks) as daemon:
         assert daemon.request("GET", "/hooks/ping")[::2] == (200, b"pong\n")
         not_satisfied = b"Hook rules were not satisfied."
         assert daemon.request("POST", "/hooks/redeploy?branch=main")[::2] == (200, not_satisfied)
         assert daemon.request("POST", "/hooks/redeploy?branch=main",
                               headers={"X-Deploy-Token": "guess"})[::2] == (200, not_satisfied)
+        assert daemon.request("POST", "/hooks/redeploy?branch=main", headers={
+            "X-Deploy-Token": "replace-with-a-long-random-token"})[::2] == (200, not_satisfied)
         assert daemon.request("GET", "/hooks/redeploy?branch=main")[0] == 405
         push = json.dumps({"ref": "refs/heads/main", "head_commit": {"id": "abc"}})
         assert daemon.request("POST", "/hooks/github-push", body=push,
                               headers={"Content-Type": "application/json"})[::2] == (200, not_satisfied)
-        # With the (placeholder) token the rules pass: the deploy script is not installed here.
+        # With the token the rules pass: the deploy script is not installed here.
         assert daemon.request("POST", "/hooks/redeploy?branch=main",
-                              headers={"X-Deploy-Token": "replace-with-a-long-random-token"})[0] == 500
+                              headers={"X-Deploy-Token": token})[0] == 500
         log = eventually(daemon.log, lambda text: "deploy-site" in text)
-    assert "loaded: github-push" in log
-    assert "looks like an example placeholder" in log  # said at load too, not only by -validate
+    assert "loaded: github-push" in log and "placeholder" not in log
 
 
 def secrets_in(rule):
@@ -105,8 +134,8 @@ def validate(path):
     return result.returncode, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("secret", ["replace-with-the-secret-set-in-the-github-webhook", "changeme",
-                                    "CHANGE_ME", "your-secret-here", "mysecret", "xxxxxxxx", "<token>"])
+@pytest.mark.parametrize("secret", ["changeme", "CHANGE_ME", "your-secret-here", "mysecret", "xxxxxxxx",
+                                    "<token>"])
 def test_validate_warns_about_a_placeholder_secret_without_printing_it(tmp_path, secret):
     hooks = tmp_path / "hooks.json"
     hooks.write_text(json.dumps([{"id": "push", "execute-command": "/bin/true", "trigger-rule": {
@@ -116,6 +145,20 @@ def test_validate_warns_about_a_placeholder_secret_without_printing_it(tmp_path,
     assert code == 0, out  # a warning, not an error: the file still works
     assert 'hook 0 ("push")' in out and "the secret looks like an example placeholder" in out, out
     assert secret not in out
+
+
+@pytest.mark.parametrize("secret", ["replace-with-the-secret-set-in-the-github-webhook",
+                                    "Replace_With_Your_Token"])
+def test_validate_refuses_a_shipped_placeholder_secret_without_printing_it(tmp_path, secret):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text("- id: ok\n  execute-command: /bin/true\n"
+                     "- id: push\n  execute-command: /bin/true\n  trigger-rule:\n    match:\n"
+                     "      type: payload-hmac-sha256\n      secret: %s\n"
+                     "      parameter: {source: header, name: X-Hub-Signature-256}\n" % secret)
+    code, out = validate(hooks)
+    assert code == 1, out
+    assert '%s:8: hook 1 ("push").trigger-rule.match.secret: a placeholder' % hooks in out, out
+    assert "this hook is not served" in out and secret not in out
 
 
 def test_validate_is_quiet_about_real_secrets_and_ordinary_values(tmp_path):

@@ -147,7 +147,7 @@ def test_validate_files_checks_commands_directories_and_duplicates(tmp_path):
     assert "duplicate id, already defined in" in errors
     assert "run.sh" in errors and "/nonexistent" in errors
     assert "invalid ip range '300.0.0.1/8'" in errors and "empty secret" in errors
-    assert "missing.json: No such file or directory" in errors
+    assert "missing.json: no such file or directory" in errors  # Go's words: open X: ...
     assert w.validate_files([str(one)]) == []
 
 
