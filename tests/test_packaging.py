@@ -121,6 +121,14 @@ def test_man_page_documents_every_flag_of_help(extracted):
         assert "\\fB\\-" + flag.replace("-", "\\-") + "\\fR" in page, flag
 
 
+def test_copyright_file_is_the_repositorys_mit_license(extracted):
+    copyright_text = (extracted / "usr/share/doc/webhookd/copyright").read_text()
+    license_text = (ROOT / "LICENSE").read_text()
+    assert copyright_text.endswith(license_text) and "License: MIT" in copyright_text
+    assert "Copyright (c) 2026 The webhookd and searchkeys authors" in copyright_text
+    assert "states no license" not in copyright_text
+
+
 def test_changelog_names_the_version(extracted):
     changelog = gzip.decompress(
         (extracted / "usr/share/doc/webhookd/changelog.gz").read_bytes()).decode()
@@ -143,7 +151,7 @@ def test_maintainer_scripts_parse(extracted):
 def checkout_copy():
     """The files build-deb reads, copied to a scratch folder that is not a git checkout."""
     with scratch_dir("webhookd-deb-src-") as src:
-        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example"):
+        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example", "LICENSE"):
             shutil.copy(ROOT / name, src / name)
         shutil.copytree(ROOT / "packaging", src / "packaging")
         yield src
