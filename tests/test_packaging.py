@@ -250,19 +250,24 @@ def throwaway_root():
 
 
 @needs_dpkg
-def test_install_enables_the_unit_and_purge_leaves_only_the_hooks_file(deb, throwaway_root):
+def test_fresh_install_with_nothing_to_take_over_is_enabled_and_purge_leaves_only_the_hooks_file(
+        deb, throwaway_root):
     root = throwaway_root
-    (root.path / "etc").mkdir()
-    (root.path / "etc/webhook.conf").write_text("[]\n")
     output = root.dpkg("-i", str(deb))
     assert "Setting up webhookd" in output
     assert root.enabled()
     assert os.readlink(root.path / ENABLED_LINK) == "/" + UNIT
     assert os.access(root.path / "usr/bin/webhookd", os.X_OK)
-    assert "does not exist" not in output
+    # One message: enabled, waiting for the hooks file, and how to make it.
+    assert "webhookd.service is enabled; it runs once /etc/webhook.conf exists" in output
+    assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
+    assert "systemctl start webhookd" in output and "left disabled" not in output
+    assert not (root.path / "etc/webhook.conf").exists()
 
-    root.dpkg("-i", str(deb))  # reinstall/upgrade: idempotent
+    (root.path / "etc/webhook.conf").write_text("[]\n")  # the admin writes the hooks file
+    output = root.dpkg("-i", str(deb))  # reinstall/upgrade: idempotent, nothing left to say
     assert root.enabled()
+    assert "\nwebhookd: " not in output and not output.startswith("webhookd: ")
 
     root.dpkg("--purge", "webhookd")
     assert not root.enabled()
@@ -273,11 +278,46 @@ def test_install_enables_the_unit_and_purge_leaves_only_the_hooks_file(deb, thro
 
 
 @needs_dpkg
-def test_install_without_hooks_file_says_how_to_create_one(deb, throwaway_root):
-    output = throwaway_root.dpkg("-i", str(deb))
-    assert "/etc/webhook.conf does not exist" in output
-    assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
-    assert not (throwaway_root.path / "etc/webhook.conf").exists()
+def test_fresh_install_over_an_existing_hooks_file_is_left_disabled_and_says_how_to_enable(
+        deb, throwaway_root):
+    """Hooks someone set up (for webhook, since removed, or by hand) start serving only when
+    the admin says so."""
+    root = throwaway_root
+    (root.path / "etc").mkdir()
+    (root.path / "etc/webhook.conf").write_text("[]\n")
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled()
+    assert "left disabled and not started: /etc/webhook.conf already exists" in output
+    assert "systemctl enable --now webhookd" in output
+    assert "install -m 0600" not in output  # the file is there: no advice to create it
+    root.dpkg("-i", str(deb))  # an upgrade keeps it disabled
+    assert not root.enabled()
+
+
+@needs_dpkg
+def test_fresh_install_next_to_a_deliberately_disabled_webhook_is_left_disabled(deb, throwaway_root):
+    root = throwaway_root
+    root.enable_debians_webhook()
+    os.unlink(root.path / "etc/systemd/system/multi-user.target.wants/webhook.service")  # disabled
+    (root.path / "etc/webhook.conf").write_text("[]\n")
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled() and not root.enabled("webhook.service")
+    assert "Debian's webhook is installed here" in output
+    assert "systemctl disable --now webhook && systemctl enable --now webhookd" in output
+    assert root.systemd_calls() == ""
+
+
+@needs_dpkg
+def test_next_to_webhook_without_a_hooks_file_one_consistent_message(deb, throwaway_root):
+    root = throwaway_root
+    root.enable_debians_webhook()
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled()
+    said = output[output.index("webhookd: "):]
+    assert said.count("\nwebhookd: ") == 0, said
+    # Create the file, then switch: never "start webhookd" while webhook keeps the port.
+    assert said.index("install -m 0600") < said.index("systemctl disable --now webhook &&")
+    assert "systemctl start webhookd" not in said and "is enabled" not in said
 
 
 @needs_dpkg
@@ -327,5 +367,9 @@ def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted
             assert run.returncode == 0, (script, args, run.stderr)
         recorded = calls.read_text().splitlines()
     assert not [call for call in recorded if not call.startswith("deb-systemd-helper ")]
-    assert recorded.count("deb-systemd-helper enable webhookd.service") == 2
+    # Enabled on each (seemingly fresh) configure, unless this machine has webhook or its file.
+    webhook_here = any(os.path.exists(p) for p in (
+        "/etc/webhook.conf", "/etc/systemd/system/webhook.service",
+        "/lib/systemd/system/webhook.service", "/usr/lib/systemd/system/webhook.service"))
+    assert recorded.count("deb-systemd-helper enable webhookd.service") == (0 if webhook_here else 2)
     assert recorded[-1] == "deb-systemd-helper purge webhookd.service"
