@@ -14,7 +14,7 @@ import pytest
 from support import ROOT, scratch_dir
 import webhookd
 
-pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="dpkg-deb is not installed")
+pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb: apt-get install dpkg")
 
 BUILD_DEB = ROOT / "packaging" / "build-deb"
 UNIT = "lib/systemd/system/webhookd.service"
@@ -201,7 +201,7 @@ def test_build_refuses_an_unreadable_version(checkout_copy, line):
 
 needs_dpkg = pytest.mark.skipif(
     not (shutil.which("dpkg") and shutil.which("deb-systemd-helper")),
-    reason="dpkg or deb-systemd-helper (init-system-helpers) is not installed")
+    reason="needs dpkg and deb-systemd-helper: apt-get install dpkg init-system-helpers")
 
 
 class ThrowawayRoot:
@@ -348,7 +348,7 @@ def test_next_to_debians_webhook_the_unit_stays_disabled_until_the_admin_switche
     assert root.systemd_calls() == ""
 
 
-@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="systemd runs here")
+@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="checks the scripts where systemd is not PID 1: run the suite in a container to cover it")
 def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted):
     """As in a container: no DPKG_ROOT, no systemd; deb-systemd-helper is a recording stub."""
     with scratch_dir("webhookd-deb-stubs-") as stubs:

@@ -19,7 +19,7 @@ from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, sc
 
 NGINX = shutil.which("nginx") or next(
     (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
-pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed")
+pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx: apt-get install nginx")
 
 MASTER = "nginx-test-master-key-0123456789"
 BACKEND_KEY = "BACKEND-ADMIN-KEY"

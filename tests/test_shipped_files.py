@@ -220,7 +220,7 @@ def test_deploy_user_recipe_serves_the_hooks_file(public_dir):
     service run as the deploy user. Here user and group nobody stand in for deploy."""
     python = nobody_python()
     if python is None:
-        pytest.skip("needs root and a /usr/bin/python3 that user nobody may run")
+        pytest.skip("needs root and a /usr/bin/python3 that user nobody may run: run the suite as root, apt-get install python3")
     tmp_path = public_dir
     installed = tmp_path / "webhookd.py"
     shutil.copy(WEBHOOKD, installed)
