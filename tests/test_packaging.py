@@ -79,6 +79,7 @@ def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
     assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
     for path in ("./" + UNIT, "./usr/share/man/man1/webhookd.1.gz",
                  "./usr/share/doc/webhookd/README.md.gz",
+                 "./usr/share/doc/webhookd/webhookd.md.gz",
                  "./usr/share/doc/webhookd/webhook.conf.example",
                  "./usr/share/doc/webhookd/copyright", "./usr/share/doc/webhookd/changelog.gz"):
         assert entries[path][0] == "-rw-r--r--", path
@@ -151,7 +152,9 @@ def test_maintainer_scripts_parse(extracted):
 def checkout_copy():
     """The files build-deb reads, copied to a scratch folder that is not a git checkout."""
     with scratch_dir("webhookd-deb-src-") as src:
-        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example", "LICENSE"):
+        (src / "docs").mkdir()
+        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example", "LICENSE",
+                     "docs/webhookd.md"):
             shutil.copy(ROOT / name, src / name)
         shutil.copytree(ROOT / "packaging", src / "packaging")
         yield src
