@@ -29,7 +29,7 @@ GUARD_FLAGS = ["--trusted-proxy", "127.0.0.1"]
 
 
 def nginx_config(listen, searchkeys, backend):
-    """The README's recipe with its placeholders filled, run in the foreground."""
+    """The recipe (docs/searchkeys.md, "Behind nginx") with its placeholders filled, in the foreground."""
     text = (ROOT / "searchkeys-nginx.conf.example").read_text()
     for name, value in (("listen", listen), ("searchkeys", searchkeys), ("backend", backend),
                         ("backend_key", BACKEND_KEY)):
