@@ -20,7 +20,7 @@ DOC_PORTS = (9000, 7700, 7701)
 RUNNABLE = re.compile(r"^```sh runnable\n(.*?)^```", re.M | re.S)
 # Left out of the copy: what a clone does not have, and what the blocks make themselves.
 NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "*.deb",
-                                    "keys.json", "keys.json.lock")
+                                    "keys.json", "keys.json.lock", "results")
 
 
 def runnable_blocks(name):
