@@ -227,3 +227,18 @@ def test_license_is_mit_and_the_readme_says_so():
     assert license_text.startswith("MIT License\n")
     assert "Copyright (c) 2026 The webhookd and searchkeys authors" in license_text
     assert "MIT" in (ROOT / "README.md").read_text().split("## License", 1)[1]
+
+
+SKIP_REASON = re.compile(r"""(?:pytest\.skip\(|reason=)\s*f?(["'])(.*?)\1""")
+
+
+def test_every_skip_reason_says_what_to_do():
+    """A newcomer reading "SKIPPED" learns what to install or provide to run the test."""
+    vague = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for _, reason in SKIP_REASON.findall(path.read_text()):
+            # ("known broken": the reference program is wrong there; nothing to provide.)
+            if not re.search(r"needs |apt-get install|run the suite|run python3|unset|stop what|known broken",
+                             reason):
+                vague.append("%s: %s" % (path.name, reason))
+    assert not vague, vague
