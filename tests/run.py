@@ -134,7 +134,9 @@ def prepare():
         if step == "use-venv":
             return str(venv_python())
         if step == "apt-install-venv":
-            run(["apt-get", "install", "-y", "-q", VENV_PACKAGE],
+            os.environ.setdefault("DEBIAN_FRONTEND", "noninteractive")
+            run(["apt-get", "update", "-qq"], "updating apt's package lists")
+            run(["apt-get", "install", "-y", "-qq", VENV_PACKAGE],
                 "installing %s with apt-get (this Python's venv has no pip)" % VENV_PACKAGE)
         elif step == "make-venv":
             make_venv()
