@@ -153,6 +153,23 @@ def test_relative_links_point_at_files_of_the_clone(name):
     assert not missing, missing
 
 
+def anchors(path):
+    """GitHub's anchors for a markdown file's headings: lower case, punctuation dropped."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("name", DOCS + ("docs/development.md",))
+def test_links_to_sections_point_at_headings(name):
+    path = ROOT / name
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", path.read_text()):
+        linked = (path.parent / target) if target else path
+        if linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(target + "#" + anchor)
+    assert not broken, broken
+
+
 def test_every_webhookd_flag_is_in_the_reference():
     text = (ROOT / "docs" / "webhookd.md").read_text()
     help_text = subprocess.run([sys.executable, str(WEBHOOKD), "-help"], capture_output=True,
