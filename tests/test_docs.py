@@ -54,8 +54,9 @@ def test_every_document_marks_runnable_blocks():
     assert all(counts.values()), counts
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("curl") is None,
-                    reason="needs bash and curl: apt-get install bash curl")
+@pytest.mark.skipif(not all(map(shutil.which, ("bash", "curl", "dpkg-deb"))),
+                    reason="needs bash, curl and dpkg-deb (the README builds a .deb): "
+                           "apt-get install bash curl dpkg")
 def test_every_runnable_block_runs_as_written():
     busy = [port for port in DOC_PORTS if port_in_use(port)]
     if busy:
