@@ -14,7 +14,7 @@ import pytest
 from support import ROOT, scratch_dir
 import webhookd
 
-pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="dpkg-deb is not installed")
+pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb: apt-get install dpkg")
 
 BUILD_DEB = ROOT / "packaging" / "build-deb"
 UNIT = "lib/systemd/system/webhookd.service"
@@ -79,6 +79,7 @@ def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
     assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
     for path in ("./" + UNIT, "./usr/share/man/man1/webhookd.1.gz",
                  "./usr/share/doc/webhookd/README.md.gz",
+                 "./usr/share/doc/webhookd/webhookd.md.gz",
                  "./usr/share/doc/webhookd/webhook.conf.example",
                  "./usr/share/doc/webhookd/copyright", "./usr/share/doc/webhookd/changelog.gz"):
         assert entries[path][0] == "-rw-r--r--", path
@@ -121,6 +122,14 @@ def test_man_page_documents_every_flag_of_help(extracted):
         assert "\\fB\\-" + flag.replace("-", "\\-") + "\\fR" in page, flag
 
 
+def test_copyright_file_is_the_repositorys_mit_license(extracted):
+    copyright_text = (extracted / "usr/share/doc/webhookd/copyright").read_text()
+    license_text = (ROOT / "LICENSE").read_text()
+    assert copyright_text.endswith(license_text) and "License: MIT" in copyright_text
+    assert "Copyright (c) 2026 The webhookd and searchkeys authors" in copyright_text
+    assert "states no license" not in copyright_text
+
+
 def test_changelog_names_the_version(extracted):
     changelog = gzip.decompress(
         (extracted / "usr/share/doc/webhookd/changelog.gz").read_bytes()).decode()
@@ -143,7 +152,9 @@ def test_maintainer_scripts_parse(extracted):
 def checkout_copy():
     """The files build-deb reads, copied to a scratch folder that is not a git checkout."""
     with scratch_dir("webhookd-deb-src-") as src:
-        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example"):
+        (src / "docs").mkdir()
+        for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example", "LICENSE",
+                     "docs/webhookd.md"):
             shutil.copy(ROOT / name, src / name)
         shutil.copytree(ROOT / "packaging", src / "packaging")
         yield src
@@ -193,7 +204,7 @@ def test_build_refuses_an_unreadable_version(checkout_copy, line):
 
 needs_dpkg = pytest.mark.skipif(
     not (shutil.which("dpkg") and shutil.which("deb-systemd-helper")),
-    reason="dpkg or deb-systemd-helper (init-system-helpers) is not installed")
+    reason="needs dpkg and deb-systemd-helper: apt-get install dpkg init-system-helpers")
 
 
 class ThrowawayRoot:
@@ -242,19 +253,24 @@ def throwaway_root():
 
 
 @needs_dpkg
-def test_install_enables_the_unit_and_purge_leaves_only_the_hooks_file(deb, throwaway_root):
+def test_fresh_install_with_nothing_to_take_over_is_enabled_and_purge_leaves_only_the_hooks_file(
+        deb, throwaway_root):
     root = throwaway_root
-    (root.path / "etc").mkdir()
-    (root.path / "etc/webhook.conf").write_text("[]\n")
     output = root.dpkg("-i", str(deb))
     assert "Setting up webhookd" in output
     assert root.enabled()
     assert os.readlink(root.path / ENABLED_LINK) == "/" + UNIT
     assert os.access(root.path / "usr/bin/webhookd", os.X_OK)
-    assert "does not exist" not in output
+    # One message: enabled, waiting for the hooks file, and how to make it.
+    assert "webhookd.service is enabled; it runs once /etc/webhook.conf exists" in output
+    assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
+    assert "systemctl start webhookd" in output and "left disabled" not in output
+    assert not (root.path / "etc/webhook.conf").exists()
 
-    root.dpkg("-i", str(deb))  # reinstall/upgrade: idempotent
+    (root.path / "etc/webhook.conf").write_text("[]\n")  # the admin writes the hooks file
+    output = root.dpkg("-i", str(deb))  # reinstall/upgrade: idempotent, nothing left to say
     assert root.enabled()
+    assert "\nwebhookd: " not in output and not output.startswith("webhookd: ")
 
     root.dpkg("--purge", "webhookd")
     assert not root.enabled()
@@ -265,11 +281,46 @@ def test_install_enables_the_unit_and_purge_leaves_only_the_hooks_file(deb, thro
 
 
 @needs_dpkg
-def test_install_without_hooks_file_says_how_to_create_one(deb, throwaway_root):
-    output = throwaway_root.dpkg("-i", str(deb))
-    assert "/etc/webhook.conf does not exist" in output
-    assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
-    assert not (throwaway_root.path / "etc/webhook.conf").exists()
+def test_fresh_install_over_an_existing_hooks_file_is_left_disabled_and_says_how_to_enable(
+        deb, throwaway_root):
+    """Hooks someone set up (for webhook, since removed, or by hand) start serving only when
+    the admin says so."""
+    root = throwaway_root
+    (root.path / "etc").mkdir()
+    (root.path / "etc/webhook.conf").write_text("[]\n")
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled()
+    assert "left disabled and not started: /etc/webhook.conf already exists" in output
+    assert "systemctl enable --now webhookd" in output
+    assert "install -m 0600" not in output  # the file is there: no advice to create it
+    root.dpkg("-i", str(deb))  # an upgrade keeps it disabled
+    assert not root.enabled()
+
+
+@needs_dpkg
+def test_fresh_install_next_to_a_deliberately_disabled_webhook_is_left_disabled(deb, throwaway_root):
+    root = throwaway_root
+    root.enable_debians_webhook()
+    os.unlink(root.path / "etc/systemd/system/multi-user.target.wants/webhook.service")  # disabled
+    (root.path / "etc/webhook.conf").write_text("[]\n")
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled() and not root.enabled("webhook.service")
+    assert "Debian's webhook is installed here" in output
+    assert "systemctl disable --now webhook && systemctl enable --now webhookd" in output
+    assert root.systemd_calls() == ""
+
+
+@needs_dpkg
+def test_next_to_webhook_without_a_hooks_file_one_consistent_message(deb, throwaway_root):
+    root = throwaway_root
+    root.enable_debians_webhook()
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled()
+    said = output[output.index("webhookd: "):]
+    assert said.count("\nwebhookd: ") == 0, said
+    # Create the file, then switch: never "start webhookd" while webhook keeps the port.
+    assert said.index("install -m 0600") < said.index("systemctl disable --now webhook &&")
+    assert "systemctl start webhookd" not in said and "is enabled" not in said
 
 
 @needs_dpkg
@@ -300,7 +351,7 @@ def test_next_to_debians_webhook_the_unit_stays_disabled_until_the_admin_switche
     assert root.systemd_calls() == ""
 
 
-@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="systemd runs here")
+@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="checks the scripts where systemd is not PID 1: run the suite in a container to cover it")
 def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted):
     """As in a container: no DPKG_ROOT, no systemd; deb-systemd-helper is a recording stub."""
     with scratch_dir("webhookd-deb-stubs-") as stubs:
@@ -319,5 +370,9 @@ def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted
             assert run.returncode == 0, (script, args, run.stderr)
         recorded = calls.read_text().splitlines()
     assert not [call for call in recorded if not call.startswith("deb-systemd-helper ")]
-    assert recorded.count("deb-systemd-helper enable webhookd.service") == 2
+    # Enabled on each (seemingly fresh) configure, unless this machine has webhook or its file.
+    webhook_here = any(os.path.exists(p) for p in (
+        "/etc/webhook.conf", "/etc/systemd/system/webhook.service",
+        "/lib/systemd/system/webhook.service", "/usr/lib/systemd/system/webhook.service"))
+    assert recorded.count("deb-systemd-helper enable webhookd.service") == (0 if webhook_here else 2)
     assert recorded[-1] == "deb-systemd-helper purge webhookd.service"

@@ -58,7 +58,7 @@ def test_the_portable_python_still_runs_the_sitecustomize_it_hides(tmp_path):
     assert out.stdout.strip() == "ran", out.stderr
 
 
-@pytest.mark.skipif(os.environ.get("TESTS_PORTABLE", "1") != "1", reason="TESTS_PORTABLE=0")
+@pytest.mark.skipif(os.environ.get("TESTS_PORTABLE", "1") != "1", reason="TESTS_PORTABLE=0 turned the portability check off: unset it to run this")
 def test_daemons_started_by_the_tests_run_without_linux_only_names(tmp_path):
     port = free_port()
     (tmp_path / "probe.py").write_text(PROBE)

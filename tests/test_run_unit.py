@@ -1,120 +1,82 @@
-"""tests/run.py: how it decides to get pytest, and that it installs only the pip PyPI vouches for."""
-import hashlib
-import http.server
-import json
-import threading
+"""tests/run.py: how it decides to get the test packages, and that it never downloads pip
+itself: pip comes with `python3 -m venv` (Debian's python3-venv)."""
+import subprocess
+import sys
 
 import pytest
 
 import run as runner
+from support import ROOT
 
 
 @pytest.mark.parametrize("situation, steps", [
-    # pytest and meilisearch import: nothing to install (CI, a developer's venv).
-    (dict(has_test_modules=True, venv_ready=False, venv_exists=False, has_ensurepip=False), ["use-current"]),
+    # The test packages import: nothing to install (CI, a developer's venv).
+    (dict(has_test_modules=True, venv_ready=False, venv_has_pip=False, can_make_venv=False,
+          can_apt_install=False), ["use-current"]),
     # A venv made by an earlier run, requirements unchanged.
-    (dict(has_test_modules=False, venv_ready=True, venv_exists=True, has_ensurepip=False), ["use-venv"]),
+    (dict(has_test_modules=False, venv_ready=True, venv_has_pip=True, can_make_venv=False,
+          can_apt_install=False), ["use-venv"]),
     # Debian's python3 with python3-venv: the venv gets pip from ensurepip.
-    (dict(has_test_modules=False, venv_ready=False, venv_exists=False, has_ensurepip=True),
-     ["make-venv", "install-with-venv-pip", "use-venv"]),
-    # Debian's python3 without python3-venv (no ensurepip): pip comes from PyPI's wheel.
-    (dict(has_test_modules=False, venv_ready=False, venv_exists=False, has_ensurepip=False),
-     ["make-venv-without-pip", "install-with-downloaded-pip", "use-venv"]),
+    (dict(has_test_modules=False, venv_ready=False, venv_has_pip=False, can_make_venv=True,
+          can_apt_install=False), ["make-venv", "install-requirements", "use-venv"]),
+    # Debian's python3 without python3-venv, run as root: apt-get installs it first.
+    (dict(has_test_modules=False, venv_ready=False, venv_has_pip=False, can_make_venv=False,
+          can_apt_install=True), ["apt-install-venv", "make-venv", "install-requirements", "use-venv"]),
     # A venv left by an interrupted run, or an edited requirements-dev.txt: install again.
-    (dict(has_test_modules=False, venv_ready=False, venv_exists=True, has_ensurepip=False),
-     ["install-with-venv-pip", "use-venv"]),
+    (dict(has_test_modules=False, venv_ready=False, venv_has_pip=True, can_make_venv=False,
+          can_apt_install=False), ["install-requirements", "use-venv"]),
 ])
 def test_plan(situation, steps):
     assert runner.plan(**situation) == steps
 
 
-@pytest.mark.parametrize("spec, version, ok", [
-    (">=3.9", (3, 9, 0), True),
-    (">=3.9", (3, 8, 18), False),
-    (">=3.10", (3, 9, 2), False),
-    (">=3.10", (3, 11, 2), True),
-    (">=2.7,!=3.0.*,!=3.1.*,!=3.2.*,!=3.3.*,!=3.4.*", (3, 4, 1), False),
-    (">=2.7,!=3.0.*,!=3.1.*,!=3.2.*,!=3.3.*,!=3.4.*", (3, 11, 2), True),
-    ("<3.12", (3, 12, 0), False),
-    ("", (3, 9, 0), True),
-    (None, (3, 9, 0), True),
-    ("~=3.9", (3, 13, 1), True),
-    (">=3.9; sys_platform", (3, 9, 0), False),  # a form we do not understand: not chosen
-])
-def test_python_ok(spec, version, ok):
-    assert runner.python_ok(spec, version) is ok
+def test_without_python3_venv_and_not_root_it_says_which_package_to_install():
+    with pytest.raises(runner.SetupError) as error:
+        runner.plan(has_test_modules=False, venv_ready=False, venv_has_pip=False,
+                    can_make_venv=False, can_apt_install=False)
+    assert "apt install python3-venv" in str(error.value)
+    assert len(str(error.value).splitlines()) == 1
 
 
-def release(version, requires, yanked=False, kind="bdist_wheel"):
-    name = f"pip-{version}-py3-none-any.whl" if kind == "bdist_wheel" else f"pip-{version}.tar.gz"
-    return [{"filename": name, "packagetype": kind, "requires_python": requires, "yanked": yanked,
-             "url": f"https://files.example/{name}", "digests": {"sha256": "00" * 32}}]
+def test_every_requirement_is_checked_by_its_import_name():
+    names = runner.module_names((ROOT / "requirements-dev.txt").read_text())
+    assert {"pytest", "meilisearch", "prometheus_client", "selenium"} <= set(names)
+    assert runner.module_names("# c\nfoo-bar>=1  # why\n\nBaz<2\n") == ["foo_bar", "baz"]
 
 
-def test_pick_pip_wheel_takes_the_newest_that_this_python_can_run():
-    listing = {"releases": {
-        "9.0.1": release("9.0.1", ">=2.6"),
-        "24.0": release("24.0", ">=3.7"),
-        "26.3": release("26.3", ">=3.10"),
-        "27.0b1": release("27.0b1", ">=3.9"),
-        "25.3": release("25.3", ">=3.9", yanked=True) + release("25.3", ">=3.9", kind="sdist"),
-    }}
-    assert runner.pick_pip_wheel(listing, (3, 9, 2))[0] == "pip-24.0-py3-none-any.whl"
-    assert runner.pick_pip_wheel(listing, (3, 11, 2))[0] == "pip-26.3-py3-none-any.whl"
-    with pytest.raises(runner.SetupError):
-        runner.pick_pip_wheel(listing, (2, 5, 0))
+def test_the_runner_downloads_nothing_itself():
+    source = (ROOT / "tests" / "run.py").read_text()
+    assert "urllib" not in source and "http.client" not in source and "://" not in source
+    assert "--without-pip" not in source
 
 
-@pytest.fixture
-def fake_pypi():
-    """A loopback stand-in for PyPI's JSON API; returns (set the files it serves, base URL)."""
-    files = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = files.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield files, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+# Spelled in pieces so that this file does not name them itself.
+INDEX_WORDS = ("pypi" + ".org", "pythonhosted" + ".org", "get" + "-pip")
 
 
-def serve_pip(files, wheel, digest):
-    files["/pypi/pip/json"] = json.dumps({"releases": {"26.3": [{
-        "filename": "pip-26.3-py3-none-any.whl", "packagetype": "bdist_wheel", "requires_python": ">=3.9",
-        "yanked": False, "url": "../../files/pip-26.3-py3-none-any.whl",  # relative, as mirrors answer
-        "digests": {"sha256": digest}}]}}).encode()
-    files["/files/pip-26.3-py3-none-any.whl"] = wheel
+def test_no_package_index_address_in_the_repository():
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    if not any(tracked):
+        pytest.skip("needs a git clone of this repository (git ls-files lists nothing here)")
+    found = []
+    for name in filter(None, tracked):
+        path = ROOT / name
+        if path.is_file():
+            text = path.read_bytes().decode("utf-8", "replace")
+            found += [name for word in INDEX_WORDS if word in text]
+    assert not found, found
 
 
-def test_a_wheel_matching_pypis_digest_is_kept(fake_pypi, monkeypatch, tmp_path):
-    files, base = fake_pypi
-    wheel = b"PK\x05\x06" + b"\0" * 18  # an empty zip: contents do not matter here
-    serve_pip(files, wheel, hashlib.sha256(wheel).hexdigest())
-    monkeypatch.setattr(runner, "PYPI_PIP_JSON", base + "/pypi/pip/json")
-    path = runner.fetch_pip_wheel(tmp_path)
-    assert path.name == "pip-26.3-py3-none-any.whl" and path.read_bytes() == wheel
-
-
-def test_a_wheel_not_matching_pypis_digest_is_refused(fake_pypi, monkeypatch, tmp_path):
-    files, base = fake_pypi
-    serve_pip(files, b"tampered", hashlib.sha256(b"the real wheel").hexdigest())
-    monkeypatch.setattr(runner, "PYPI_PIP_JSON", base + "/pypi/pip/json")
-    with pytest.raises(runner.SetupError, match="does not match the sha256"):
-        runner.fetch_pip_wheel(tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_an_unreachable_index_is_one_sentence(monkeypatch, tmp_path):
-    monkeypatch.setattr(runner, "PYPI_PIP_JSON", "http://127.0.0.1:9/pypi/pip/json")
-    with pytest.raises(runner.SetupError, match="could not download pip's release list"):
-        runner.fetch_pip_wheel(tmp_path)
+def test_runner_answers_in_one_sentence_when_it_cannot_prepare(tmp_path):
+    """Run with a Python that lacks the test packages and whose venv cannot be made here:
+    a copy of run.py in a clone-shaped folder, under python -I -S (no site packages)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "run.py").write_text((ROOT / "tests" / "run.py").read_text())
+    (tmp_path / "requirements-dev.txt").write_text("a-package-nobody-has\n")
+    (tmp_path / ".venv").write_text("not a folder: venv cannot be made here\n")
+    result = subprocess.run([sys.executable, "-I", "-S", str(tmp_path / "tests" / "run.py")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("tests/run.py: ")

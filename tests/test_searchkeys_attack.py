@@ -573,7 +573,7 @@ def public_python(script):
 def run_unreadable():
     """Store files unreadable by the server's user, a read-only folder; returns faults injected."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to run the server as another user (root reads any file)")
+        pytest.skip("needs root to run the server as another user (root reads any file): run the suite as root")
     # nobody runs a copy of the script on a store, both in a folder of their own under the
     # system's temp folder: the checkout and the caller's folders may be ones only their owner
     # may enter
@@ -584,7 +584,7 @@ def run_unreadable():
         script.chmod(0o644)
         python = public_python(script)
         if python is None:
-            pytest.skip(f"user nobody cannot run {script} with any Python interpreter")
+            pytest.skip(f"needs a Python that user nobody may run {script} with: apt-get install python3")
         folder = base / "nobody"
         folder.mkdir()
         return unreadable_cases(folder, script, python)
@@ -693,7 +693,8 @@ def run_full_disk(workdir, seed=SEED):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(disk)],
                        check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here ({exc}); the RLIMIT_FSIZE case covers full writes")
+        pytest.skip(f"needs root that may mount a tmpfs (a VM or a privileged container), here: {exc}; "
+                    "the RLIMIT_FSIZE case covers full writes meanwhile")
     context = f"[seed {seed}] full tmpfs"
     try:
         store, keys = seeded_store(disk)

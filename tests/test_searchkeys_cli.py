@@ -307,7 +307,7 @@ def test_default_url():
         try:
             probe.bind(("127.0.0.1", 7700))
         except OSError:
-            pytest.skip("something listens on 7700")
+            pytest.skip("port 7700 is in use here: stop what listens on it to run this")
     code, out, err = cli("keys", "list", "--key", MASTER)
     assert code != 0 and "http://127.0.0.1:7700" in err, err
 

@@ -8,7 +8,7 @@ import hmac
 
 import pytest
 
-meilisearch = pytest.importorskip("meilisearch")
+meilisearch = pytest.importorskip("meilisearch", reason="needs the meilisearch client: run python3 tests/run.py, which installs requirements-dev.txt")
 from meilisearch.errors import MeilisearchApiError  # noqa: E402
 
 from support import SEARCHKEYS, Daemon, free_port, python_cmd  # noqa: E402

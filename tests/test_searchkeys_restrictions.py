@@ -584,7 +584,7 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
     nginx_binary = next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
                          if os.access(p, os.X_OK)), None)
     if nginx_binary is None:
-        pytest.skip("nginx is not installed")
+        pytest.skip("needs nginx: apt-get install nginx")
     from support import ROOT, stop_session, wait_for_port
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,

@@ -125,7 +125,7 @@ def test_bad_store_paths_are_one_sentence(tmp_path, case):
         store = tmp_path
     else:
         if os.geteuid() == 0:
-            pytest.skip("root reads any file (test_searchkeys_attack covers it as nobody)")
+            pytest.skip("root reads any file: run the suite as another user to cover it (test_searchkeys_attack covers it as nobody)")
         store = seeded_store(tmp_path)
         store.chmod(0)
     code, message = refused("--master-key", MASTER, "--store", str(store))

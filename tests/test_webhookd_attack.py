@@ -1442,6 +1442,6 @@ def run_differential(workdir, n_hooks, seed=SEED, oracle=None):
     return {"requests": 2 * len(requests), "hooks": n_hooks}
 
 
-@pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="Debian's webhook is not installed (the oracle)")
+@pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="needs Debian's webhook as the oracle: apt-get install webhook")
 def test_random_hooks_and_requests_match_debian_webhook(workdir):
     run_differential(workdir, 40)

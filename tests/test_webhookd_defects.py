@@ -33,7 +33,7 @@ def ipv6_available():
         return False
 
 
-@pytest.mark.skipif(not ipv6_available(), reason="no IPv6 on this host")
+@pytest.mark.skipif(not ipv6_available(), reason="needs IPv6 on loopback (::1): sysctl net.ipv6.conf.lo.disable_ipv6=0")
 def test_dual_stack_listener_unmaps_ipv4_clients(runner, tmp_path):
     def whitelisted(hook_id, ip_range):
         return {"id": hook_id, "execute-command": "/bin/true", "response-message": "in",
@@ -169,7 +169,7 @@ def test_logfile_that_cannot_be_opened(runner, tmp_path, where):
         target.write_text("")
         target.chmod(0o400)
         if os.access(target, os.W_OK):
-            pytest.skip("running as root: every file is writable")
+            pytest.skip("root may write any file: run the suite as another user to cover it")
     p = runner.run("-hooks", hooks, "-logfile", target, "-port", support.free_port(),
                    "-ip", "127.0.0.1")
     assert p.returncode == 1

@@ -531,7 +531,7 @@ def test_status_path_inside_the_hooks_prefix_is_refused(tmp_path):
     assert result.returncode == 1 and "status-path" in result.stdout
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl missing")
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command: apt-get install openssl")
 def test_https_with_minimum_tls_version(tmp_path):
     import ssl
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -560,7 +560,7 @@ def test_https_with_minimum_tls_version(tmp_path):
                 old.wrap_socket(raw)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop privileges")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop privileges: run the suite as root to cover it")
 def test_setuid_setgid_drop_privileges_after_binding(tmp_path):
     import tempfile
     workdir = tempfile.mkdtemp(prefix="webhookd-nobody-")  # where nobody can write its file
@@ -864,15 +864,18 @@ def test_1000_concurrent_background_triggers_bounded_and_none_lost(tmp_path):
                "-status-path", "/-/status", verbose=False) as daemon:
         pid = daemon.proc.pid
         base = thread_count(pid)
-        peaks, slowest_status, stop = {"threads": base, "children": 0}, [0.0], threading.Event()
+        peaks, status_answers, stop = {"threads": base, "children": 0}, [], threading.Event()
 
         def sample():
+            # The status page keeps answering under the flood (10 s: a hang detector; how
+            # fast it answers is for bench/, not for a test on a busy machine).
             while not stop.is_set():
                 peaks["threads"] = max(peaks["threads"], thread_count(pid))
                 peaks["children"] = max(peaks["children"], child_count(pid))
-                started = time.monotonic()
-                assert daemon.request("GET", "/-/status", timeout=10)[0] == 200
-                slowest_status[0] = max(slowest_status[0], time.monotonic() - started)
+                try:
+                    status_answers.append(daemon.request("GET", "/-/status", timeout=10)[0])
+                except OSError as error:
+                    status_answers.append(repr(error))
                 time.sleep(0.05)
         sampler = threading.Thread(target=sample)
         sampler.start()
@@ -895,5 +898,5 @@ def test_1000_concurrent_background_triggers_bounded_and_none_lost(tmp_path):
             sampler.join()
         assert peaks["children"] <= 16, peaks
         assert peaks["threads"] <= base + 32 + 16 + 4, (base, peaks)
-        assert slowest_status[0] < 1.0, slowest_status
+        assert status_answers and set(status_answers) == {200}, set(status_answers)
         assert "Traceback" not in daemon.log()

@@ -81,7 +81,7 @@ class Runner:
 def runner(request):
     if request.param == "webhook":
         if support.WEBHOOK_BIN is None:
-            pytest.skip("adnanh/webhook is not installed")
+            pytest.skip("needs Debian's webhook: apt-get install webhook")
         return Runner("webhook", [support.WEBHOOK_BIN])
     return Runner("webhookd", support.python_cmd(support.WEBHOOKD))
 

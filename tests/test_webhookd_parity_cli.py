@@ -107,7 +107,7 @@ def wait_status(d, path, expected, timeout=POLL_TIMEOUT):
 def tls_pair(tmp_path_factory):
     """A self-signed certificate and key for 127.0.0.1 (skips without the openssl CLI)."""
     if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
+        pytest.skip("needs the openssl command: apt-get install openssl")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
@@ -268,7 +268,7 @@ def test_setuid_without_setgid_exits_1(runner, tmp_path):
 
 def test_setuid_setgid_drop_privileges(runner, tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("needs root to drop privileges")
+        pytest.skip("needs root to drop privileges: run the suite as root to cover it")
     hooks = tmp_path / "h.json"
     hooks.write_text(json.dumps([
         {"id": "ids", "execute-command": "/bin/sh", "include-command-output-in-response": True,

@@ -485,8 +485,8 @@ def test_validate_names_lines_in_yaml_files(tmp_path):
 
 
 UPSTREAM = support.ROOT.parent / "shared" / "senders-fixtures" / "adnanh-webhook"
-needs_webhook = pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="webhook not installed")
-needs_upstream = pytest.mark.skipif(not UPSTREAM.is_dir(), reason="../shared is absent")
+needs_webhook = pytest.mark.skipif(support.WEBHOOK_BIN is None, reason="needs Debian's webhook: apt-get install webhook")
+needs_upstream = pytest.mark.skipif(not UPSTREAM.is_dir(), reason="needs ../shared/senders-fixtures/adnanh-webhook (the steering repository's shared folder beside this clone)")
 
 
 def start_both(hooks_path):
