@@ -14,7 +14,7 @@ import support
 from support import WEBHOOK_BIN, WEBHOOKD, Daemon, free_port, python_cmd
 from test_webhookd_features import wait_until, write_hooks
 
-needs_webhook = pytest.mark.skipif(WEBHOOK_BIN is None, reason="webhook not installed")
+needs_webhook = pytest.mark.skipif(WEBHOOK_BIN is None, reason="needs Debian's webhook: apt-get install webhook")
 TRUE_HOOK = {"id": "a", "execute-command": "/bin/true"}
 
 
