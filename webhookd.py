@@ -194,8 +194,9 @@ FLAGS = [
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
          "the hooks prefix); off when empty"),
-    Flag("status-token", "string", "", "webhookd: serve run history under -status-path to "
-         "any client sending Authorization: Bearer <token> (else loopback clients only)"),
+    Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
+         "details only to clients sending Authorization: Bearer <token>, loopback included "
+         "(without a token: to loopback clients no proxy relays)"),
     Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
@@ -4368,34 +4369,36 @@ class Pipeline:
         load errors or runs."""
         if head.method not in ("GET", "HEAD"):
             return Response(405)
-        degraded = self.registry.count() == 0 or self.registry.last_reload_failed
+        health = {"status": "degraded" if self.registry.count() == 0
+                  or self.registry.last_reload_failed else "ok", "version": VERSION}
         if not self.runs_page.trusted(head, remote_addr):
-            return json_response(200, {"status": "degraded" if degraded else "ok",
-                                       "version": VERSION})
-        files, errors = self.registry.status()
-        runs = {}
-        for hook_id, gate in list(self.registry.gates.items()):
-            if gate.running or gate.waiting:
-                runs[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
-        now = time.time()
-        document = {
-            "status": "degraded" if degraded else "ok",
-            "version": VERSION,
-            "implementation": "webhookd.py",
-            "webhookd_version": __version__,
-            "started": iso_time(self.started),
-            "uptime_seconds": round(now - self.started, 3),
-            "hooks_loaded": self.registry.count(),
-            "hooks_files": files,
-            "last_load": iso_time(self.registry.last_load),
-            "last_reload_failed": self.registry.last_reload_failed,
-            "load_errors": errors,
-            "last_runs": self.runs.last_per_hook(),
-            "runs": runs,
-            "runs_in_progress": sum(r["running"] for r in runs.values()),
-            "runs_queued": sum(r["queued"] for r in runs.values()),
-        }
-        return json_response(200, document)
+            return json_response(200, health)
+        return json_response(200, dict(health, **status_details(self.registry, self.runs,
+                                                                self.started)))
+
+
+def status_details(registry, runs, started):
+    """What the status page shows trusted clients besides its health."""
+    files, errors = registry.status()
+    running = {}
+    for hook_id, gate in list(registry.gates.items()):
+        if gate.running or gate.waiting:
+            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
+    return {
+        "implementation": "webhookd.py",
+        "webhookd_version": __version__,
+        "started": iso_time(started),
+        "uptime_seconds": round(time.time() - started, 3),
+        "hooks_loaded": registry.count(),
+        "hooks_files": files,
+        "last_load": iso_time(registry.last_load),
+        "last_reload_failed": registry.last_reload_failed,
+        "load_errors": errors,
+        "last_runs": runs.last_per_hook(),
+        "runs": running,
+        "runs_in_progress": sum(r["running"] for r in running.values()),
+        "runs_queued": sum(r["queued"] for r in running.values()),
+    }
 
 
 def status_or_200(code, rid, hook):

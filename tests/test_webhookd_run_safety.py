@@ -16,7 +16,7 @@ import pytest
 
 import support
 from support import WEBHOOKD, Daemon, free_port, python_cmd
-from test_webhookd_features import script, wait_until, write_hooks
+from test_webhookd_features import exchange, script, wait_until, write_hooks
 from test_webhookd_runs import ended, get_json, hook, start, trigger
 
 NOBODY = 65534
@@ -25,14 +25,8 @@ NOBODY = 65534
 def raw_get(port, target, header_lines=b""):
     """(status, body) of one GET with these raw header lines (each ending in CRLF)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s\r\n"
-                     % (target.encode(), header_lines))
-        data = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = exchange(sock, b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s\r\n"
+                        % (target.encode(), header_lines))
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
