@@ -3184,7 +3184,8 @@ def read_run_files(directory):
                 fields = json.loads(handle.read())
             if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
                     and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
-                    and isinstance(fields.get("output_bytes", 0), int)):
+                    and isinstance(fields.get("output_bytes", 0), int)
+                    and isinstance(fields.get("queued_at") or "", str)):
                 raise ValueError("not a run record of this name")
         except (OSError, ValueError) as exc:
             log.info("run history: skipping %s: %s", name, exc)
