@@ -4245,9 +4245,9 @@ class Pipeline:
         if run.record is not None:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
-        if mode == "streamed":
+        if run.mode == "streamed":
             return self.run_streamed(run, stream, head, headers, success)
-        if mode == "captured":
+        if run.mode == "captured":
             return captured_response(hook, self.execute(run), headers, success)
         self.run_in_background(run)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
