@@ -195,8 +195,9 @@ FLAGS = [
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
          "the hooks prefix); off when empty"),
-    Flag("status-token", "string", "", "webhookd: serve run history under -status-path to "
-         "any client sending Authorization: Bearer <token> (else loopback clients only)"),
+    Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
+         "details only to clients sending Authorization: Bearer <token>, loopback included "
+         "(without a token: to loopback clients no proxy relays)"),
     Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
@@ -2434,6 +2435,8 @@ def rules_satisfied(hook, request):
 # ---------------------------------------------------------------------------
 
 KILL_GRACE_SECONDS = 5.0
+PIPE_GRACE_SECONDS = 1.0  # how long output is still read once the command has ended
+EXIT_CHECK_SECONDS = 0.2  # how often a silent command is checked for having ended
 
 
 class Invocation:
@@ -2672,15 +2675,18 @@ class Runner:
         with self.lock:
             self.processes.add(proc)
         try:
-            return self._wait(proc, timeout, on_output)
+            return self._wait(proc, timeout, on_output, request_id)
         finally:
             with self.lock:
                 self.processes.discard(proc)
             if proc.stdout is not None:
                 proc.stdout.close()
 
-    def _wait(self, proc, timeout, on_output):
-        """Read the output until it ends, applying the timeout; then reap the process."""
+    def _wait(self, proc, timeout, on_output, request_id):
+        """Read the output until it ends, applying the timeout; then reap the process.  Once
+        the process has ended (or been stopped), its pipe gets PIPE_GRACE_SECONDS to reach its
+        end: a process it left behind that keeps the pipe open (`setsid daemon &`) holds up
+        neither the answer nor the hook's slot (Go's Cmd.WaitDelay)."""
         chunks = []
         sink = on_output or chunks.append
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -2691,15 +2697,22 @@ class Runner:
             except subprocess.TimeoutExpired:
                 self.stop(proc)
                 return CommandResult(True, proc.wait(), timed_out=True)
-        fd = proc.stdout.fileno()
+        fd, pipe_deadline = proc.stdout.fileno(), None
         while True:
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not wait_readable(fd, remaining):
-                    if time.monotonic() >= deadline:
-                        timed_out, deadline = True, None
-                        self.stop(proc)
-                    continue
+            now = time.monotonic()
+            if pipe_deadline is None and proc.poll() is not None:
+                pipe_deadline = now + PIPE_GRACE_SECONDS
+            wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
+                       if t is not None)
+            if not wait_readable(fd, max(0.0, wait - now)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out, deadline = True, None
+                    self.stop(proc)
+                elif pipe_deadline is not None and time.monotonic() >= pipe_deadline:
+                    log.info("[%s] the command has ended but something it started keeps its "
+                             "output open: no longer read", request_id)
+                    break
+                continue
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
@@ -2758,7 +2771,13 @@ class BackgroundRuns:
             if self.threads >= self.size:
                 return
             self.threads += 1
-        threading.Thread(target=self._work, name="run-%d" % self.threads, daemon=True).start()
+        try:
+            threading.Thread(target=self._work, name="run-%d" % self.threads,
+                             daemon=True).start()
+        except RuntimeError as exc:  # the job stays queued for a thread that runs
+            with self.lock:
+                self.threads -= 1
+            log.error("cannot start a thread for background runs: %s", exc)
 
     def _work(self):
         while True:
@@ -2840,18 +2859,23 @@ def new_run_id(now):
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + os.urandom(4).hex()
 
 
+def signal_name(returncode):
+    """`SIGKILL` for a process a signal ended (Popen's negative returncode), else None."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return str(-returncode)
+
+
 def run_outcome(result, stopping):
     """(state, exit_code, signal name) of a CommandResult; a run ended by a signal while we
     stop was killed by the shutdown."""
     if not result.started:
         return "failed", None, None
     code = result.returncode
-    name = None
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
+    name = signal_name(code)
     if result.timed_out:
         return "timed-out", code, name
     if code == 0:
@@ -2892,9 +2916,12 @@ class RunStore:
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
-        self.pending = {}  # HookRequest -> RunRecord, from the trigger to the start of the run
         self.size = 0
         self.files = None if directory is None else RunFiles(directory, self)
+
+    def start(self):
+        """Load the records of earlier runs and start the disk writer: once the daemon runs as
+        the user it runs as (after -setuid), so that the files are that user's."""
         if self.files is not None:
             self._load()
             self.files.start()
@@ -2902,8 +2929,9 @@ class RunStore:
     # -- the run path --------------------------------------------------------
 
     def open(self, hook_id, request):
-        """A queued record for a run about to be triggered by request; its id (None when
-        -runs-keep is 0: no history)."""
+        """A queued record for a run about to be triggered by request (None when -runs-keep
+        is 0: no history).  With -runs-dir it is written before its id is handed out, so a
+        daemon killed at once (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
@@ -2911,23 +2939,16 @@ class RunStore:
                             "queued_at": iso_time(now), "remote_addr": request.remote_addr,
                             "request_id": request.id})
         record.cap, record.tail = self.max_output, bytearray()
+        record.version = 1
+        written = self.files is not None and self.files.write_new(record)
         with self.changed:
             self._add(record)
-            self.pending[request] = record
             self._retain(record.hook)
-            self._save(record)
-        return record.id
-
-    def discard(self, request):
-        """The trigger ran nothing after all (e.g. the background backlog is full)."""
-        with self.changed:
-            record = self.pending.pop(request, None)
-            if record is not None:
-                self._drop(record)
-
-    def claim(self, request):
-        with self.changed:
-            return self.pending.pop(request, None)
+            if written:
+                record.saved_version = record.version
+            elif self.files is not None:
+                self.files.put("record", record)
+        return record
 
     def started(self, record):
         with self.changed:
@@ -3105,10 +3126,25 @@ class RunFiles:
 
     def read_log(self, record):
         try:
-            with open(self.path(record, ".log"), "rb") as handle:
+            with open_no_link(self.path(record, ".log")) as handle:
                 return handle.read()[-record.cap:]
         except OSError:
             return b""
+
+    def write_new(self, record):
+        """Write a new record's file now, in the caller's thread (open, write, close: it
+        survives the daemon being killed, not the machine losing power); False if it could
+        not (the record says so)."""
+        try:
+            write_new_file(self.path(record, ".json"), record_json(record.as_dict()))
+            return True
+        except OSError as exc:
+            self.failed(record, exc)
+            return False
+
+    def failed(self, record, exc):
+        with self.changed:
+            record.storage_error = "not saved to %s: %s" % (self.directory, exc.strerror or exc)
 
     def flush(self, deadline):
         done = threading.Event()
@@ -3119,16 +3155,8 @@ class RunFiles:
         """The records of earlier runs, oldest first; those that were going when we died are
         `interrupted`.  An unreadable record is skipped, never fatal."""
         loaded = []
-        for name in os.listdir(self.directory):
-            if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
-                continue
-            try:
-                with open(os.path.join(self.directory, name), "rb") as handle:
-                    fields = json.loads(handle.read())
-                record = RunRecord(fields)
-            except (OSError, ValueError, TypeError, AttributeError) as exc:
-                log.info("run history: skipping %s: %s", name, exc)
-                continue
+        for fields in read_run_files(self.directory):
+            record = RunRecord(fields)
             record.cap = cap
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
@@ -3170,9 +3198,7 @@ class RunFiles:
                 remove_paths([self.path(record, suffix) for suffix in (
                     (".json", ".log") if record.output_bytes else (".json",))])
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
-            with self.changed:
-                record.storage_error = "not saved to %s: %s" % (self.directory,
-                                                                exc.strerror or exc)
+            self.failed(record, exc)
 
     def _write_record(self, record):
         with self.changed:
@@ -3185,8 +3211,7 @@ class RunFiles:
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
             write_private_file(self.path(record, ".log"), final_tail)
-        write_private_file(self.path(record, ".json"),
-                           (json.dumps(document, sort_keys=True) + "\n").encode())
+        write_private_file(self.path(record, ".json"), record_json(document))
         with self.changed:
             record.saved_version = version
             if final_tail is not None:
@@ -3207,8 +3232,8 @@ class RunFiles:
             write_private_file(self.path(record, ".log"), data)
             record.disk_size = len(data)
         else:
-            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                         0o600)
+            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                         | NO_LINK, 0o600)
             try:
                 os.write(fd, data)
             finally:
@@ -3217,26 +3242,78 @@ class RunFiles:
 
 
 
-def write_private_file(path, data):
-    """Replace path with data atomically (a temp file 0600, then rename)."""
-    temp = path + ".tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC  # a link planted in -runs-dir is never followed
+
+
+def record_json(document):
+    return (json.dumps(document, sort_keys=True) + "\n").encode()
+
+
+def write_new_file(path, data):
+    """Create path (0600; refused if anything, a link included, is there) holding data."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+def write_private_file(path, data):
+    """Replace path with data atomically (a new temp file 0600, then rename)."""
+    temp = path + ".tmp"
+    remove_paths([temp])  # left by a daemon killed while writing
+    write_new_file(temp, data)
     os.replace(temp, path)
 
 
-def open_runs_dir(path):
-    """The -runs-dir folder, created 0700 (and made 0700 if it was not)."""
+def open_no_link(path):
+    return open(os.open(path, os.O_RDONLY | NO_LINK), "rb")
+
+
+def read_run_files(directory):
+    """The fields of each record in a -runs-dir; one that is unreadable, malformed or whose id
+    is not its file name (retention deletes by id) is logged and skipped, never fatal."""
+    for name in os.listdir(directory):
+        if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
+            continue
+        try:
+            with open_no_link(os.path.join(directory, name)) as handle:
+                fields = json.loads(handle.read())
+            if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
+                    and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
+                    and isinstance(fields.get("output_bytes", 0), int)
+                    and isinstance(fields.get("queued_at") or "", str)):
+                raise ValueError("not a run record of this name")
+        except (OSError, ValueError) as exc:
+            log.info("run history: skipping %s: %s", name, exc)
+            continue
+        yield fields
+
+
+def open_runs_dir(path, uid, gid):
+    """The -runs-dir folder of the user the daemon runs as (uid, gid: after -setuid), created
+    0700 (and made 0700 if it was not).  Refused if another user owns it: they could plant
+    records and links in it.  A folder root owns (made now, or by an earlier daemon running
+    as root) is handed over to that user."""
     os.makedirs(path, 0o700, exist_ok=True)
-    if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder")
+    if st.st_uid != uid:
+        if st.st_uid != 0 or os.geteuid() != 0:
+            raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that webhookd "
+                                               "runs as" % (st.st_uid, uid))
+        for name in [""] + os.listdir(path):
+            os.chown(os.path.join(path, name), uid, gid, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
 
 
-# Headers a reverse proxy adds: a loopback peer sending one speaks for a client elsewhere.
+# Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
+# elsewhere (a proxy may add its own line after an empty one the client sent).
 RELAY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-Ip")  # canonical, as heads keep them
 
 
@@ -3260,8 +3337,8 @@ def json_response(status, document):
 
 
 class RunsPage:
-    """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to loopback
-    clients or bearers of -status-token."""
+    """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
+    clients only (see `trusted`)."""
 
     def __init__(self, store, status_path, token):
         self.store, self.prefix, self.token = store, status_path + "/runs", token
@@ -3269,22 +3346,23 @@ class RunsPage:
     def wants(self, path):
         return path == self.prefix or path.startswith(self.prefix + "/")
 
-    def allowed(self, head, remote_addr):
+    def trusted(self, head, remote_addr):
+        """The one check for all that shows hooks or runs: with -status-token, the bearers of
+        the token, whoever they are; without, loopback clients no proxy relays."""
         if self.token:
             scheme, _, given = head.get("Authorization").partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(
-                    given.strip().encode("utf-8", "surrogateescape"), self.token.encode()):
-                return True
-        # a reverse proxy on this machine relays clients from anywhere: they are not local
-        relayed = any(head.get(name) for name in RELAY_HEADERS)
+            return scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), self.token.encode())
+        relayed = any(name in head.headers for name in RELAY_HEADERS)
         return is_loopback_peer(remote_addr) and not relayed
 
     def answer(self, head, path, raw_query, remote_addr, stream, stopped):
         if head.method not in ("GET", "HEAD"):
             return Response(405)
-        if not self.allowed(head, remote_addr):
-            return json_response(403, {"error": "run history is served to loopback clients or "
-                                                "with Authorization: Bearer <-status-token>"})
+        if not self.trusted(head, remote_addr):
+            return json_response(403, {"error": "run history is served with Authorization: "
+                                                "Bearer <-status-token>, or without one set to "
+                                                "loopback clients no proxy relays"})
         parts = path[len(self.prefix):].split("/")[1:]
         if not parts:
             return self.listing(raw_query)
@@ -3348,12 +3426,15 @@ def runs_options_problem(opts):
         return "-runs and -runs-follow read the records in -runs-dir DIR"
     if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
         return "-runs-dir %s is not a folder" % opts.runs_dir
-    if (opts.runs or opts.runs_follow) and not os.path.isdir(opts.runs_dir):
-        return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
-            % opts.runs_dir
-    if opts.runs_dir and not (opts.runs or opts.runs_follow):  # only the daemon creates it
+    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
+        if not os.path.isdir(opts.runs_dir):
+            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+                % opts.runs_dir
+    elif opts.runs_dir:  # only the daemon creates it
+        dropping = opts.setuid and opts.setgid
         try:
-            open_runs_dir(opts.runs_dir)
+            open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
+                          opts.setgid if dropping else os.getegid())
         except OSError as exc:
             return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
     return None
@@ -3373,14 +3454,7 @@ def runs_command(opts, out=None):
     directory = opts.runs_dir
     if opts.runs_follow:
         return follow_run_file(directory, opts.runs_follow, out)
-    records = []
-    for name in os.listdir(directory):
-        if name.endswith(".json") and RUN_ID.fullmatch(name[:-5]):
-            try:
-                with open(os.path.join(directory, name), "rb") as handle:
-                    records.append(json.loads(handle.read()))
-            except (OSError, ValueError):
-                continue
+    records = list(read_run_files(directory))
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
                                                    "MS", "HOOK"))
@@ -3394,35 +3468,47 @@ def runs_command(opts, out=None):
 
 
 def follow_run_file(directory, run_id, out):
-    """Print a run's output as tail -f would, until its record says it ended."""
-    if not RUN_ID.fullmatch(run_id) or not os.path.exists(os.path.join(directory,
-                                                                       run_id + ".json")):
+    """Print a run's output as tail -f would, until its record says it ended.  The log is
+    held open: when the daemon replaces it with the kept tail (a new file), what the old one
+    still held is printed, then the new one from its start, announced (lines may repeat)."""
+    record_path = os.path.join(directory, run_id + ".json")
+    if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
         sys.stderr.write("no run %s in %s\n" % (run_id, directory))
         return 1
-    log_path = os.path.join(directory, run_id + ".log")
-    position, state = 0, None
-    while True:
-        try:
-            with open(os.path.join(directory, run_id + ".json"), "rb") as handle:
-                state = json.loads(handle.read()).get("state")
-        except (OSError, ValueError):
-            pass  # being replaced: read it next time
-        try:
-            with open(log_path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                if size < position:  # rewritten with the kept tail
-                    out.write("\n[webhookd: earlier output dropped, the tail follows]\n")
-                    position = 0
-                handle.seek(position)
-                data = handle.read()
-        except OSError:
-            data = b""
-        position += len(data)
-        getattr(out, "buffer", out).write(data)
-        out.flush()
-        if state in RUN_ENDED:
-            return 0 if state == "succeeded" else 1
-        time.sleep(0.2)
+    log_path, state, handle = os.path.join(directory, run_id + ".log"), None, None
+    try:
+        while True:
+            try:
+                with open_no_link(record_path) as record_file:
+                    state = json.loads(record_file.read()).get("state")
+            except (OSError, ValueError):
+                pass  # being replaced: read it next time
+            handle = follow_log(log_path, handle, getattr(out, "buffer", out))
+            out.flush()
+            if state in RUN_ENDED:
+                return 0 if state == "succeeded" else 1
+            time.sleep(0.2)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def follow_log(path, handle, out):
+    """Print what the log held open has gained; the handle to follow from now on."""
+    if handle is not None:
+        out.write(handle.read())
+    try:
+        current = open_no_link(path)
+    except OSError:
+        return handle  # not written yet
+    if handle is not None and os.path.sameopenfile(handle.fileno(), current.fileno()):
+        current.close()
+        return handle
+    if handle is not None:
+        handle.close()
+        out.write(b"\n[webhookd: the log was cut to its kept tail, which follows]\n")
+    out.write(current.read())
+    return current
 
 
 # ---------------------------------------------------------------------------
@@ -4008,7 +4094,7 @@ class HookHandler(BaseHTTPRequestHandler):
             hook, raw_query, response = app.route(head, rid, self.remote_addr,
                                                   self.stream_to_client)
             if response is None:
-                response = self.trigger(rid, hook, raw_query)
+                response = self.answer_hook(rid, hook, raw_query)
             else:
                 self.skip_body(response)
             keep_alive = head.keep_alive() and not response.close and not app.stopping
@@ -4029,7 +4115,7 @@ class HookHandler(BaseHTTPRequestHandler):
         except BodyError:
             response.close = True
 
-    def trigger(self, rid, hook, raw_query):
+    def answer_hook(self, rid, hook, raw_query):
         app, head = self.server.app, self.head
         if head.get("Expect").lower() == "100-continue":
             app.body_length(head)  # a body we would refuse is refused before it is sent
@@ -4098,6 +4184,18 @@ class HookServer(ThreadingHTTPServer):
 # ---------------------------------------------------------------------------
 # Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
 # ---------------------------------------------------------------------------
+
+class HookRun:
+    """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
+    the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
+    run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
+    (`has_turn` once granted) and the run's record (None without run history)."""
+
+    def __init__(self, hook, request_id, mode, gate, record):
+        self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
+        self.record, self.invocation, self.failure = record, None, None
+        self.has_turn = False
+
 
 class Pipeline:
     """What a request does, with no socket in sight: route() finds the hook (or the plain
@@ -4185,7 +4283,7 @@ class Pipeline:
         if path == "/":
             return None, None, Response(200, b"OK")
         if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head)
+            return None, None, self.status_response(head, remote_addr)
         if self.opts.status_path and self.runs_page.wants(path):
             return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
                                                      lambda: self.stopping)
@@ -4245,88 +4343,99 @@ class Pipeline:
         log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        run_id = self.runs.open(hook.id, request)
-        if run_id:
-            headers["X-Webhookd-Run"] = run_id
-
-        success = status_or_200(hook.success_status, rid, hook)
-        if hook.stream_output:
-            return self.run_streamed(stream, head, hook, request, headers, success)
-        if hook.capture_output:
-            return captured_response(hook, self.run(hook, request), headers, success)
-        if not self.run_in_background(hook, request):
-            self.runs.discard(request)
-            headers.pop("X-Webhookd-Run", None)
+        mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
+            else "background"
+        if mode == "background" and not self.background.reserve():
             log.info("[%s] %d background runs waiting already: %s refused", rid,
                      ASYNC_BACKLOG_LIMIT, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)
+        run = self.prepare(hook, request, mode)
+        if run.record is not None:
+            headers["X-Webhookd-Run"] = run.record.id
+        success = status_or_200(hook.success_status, rid, hook)
+        if run.mode == "streamed":
+            return self.run_streamed(run, stream, head, headers, success)
+        if run.mode == "captured":
+            return captured_response(hook, self.execute(run), headers, success)
+        self.run_in_background(run)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
+
+    def prepare(self, hook, request, mode):
+        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
+        and its argv/env, built now so that no request or body waits in a queue."""
+        run = HookRun(hook, request.id, mode, self.gate(hook),
+                      self.runs.open(hook.id, request))
+        try:
+            run.invocation = build_invocation(hook, request)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
+            log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
+            if " " in hook.execute_command:
+                log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
+                         request.id, hook.execute_command.split()[0])
+            run.failure = exc
+            return run
+        for message in run.invocation.messages:
+            log.info("[%s] %s", request.id, message)
+        return run
 
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
 
-    def run(self, hook, request, on_output=None, keep_output=True, slot_held=False):
-        """build argv/env -> wait for a max-concurrency turn (unless the caller has one) ->
-        run -> log: a CommandResult."""
-        record = self.runs.claim(request)
+    def execute(self, run, on_output=None, keep_output=True):
+        """Wait for the hook's max-concurrency turn (unless the run holds it) -> run -> log,
+        giving the turn back: a CommandResult.  The record ends whatever happens."""
+        if not run.has_turn:
+            run.gate.wait_turn()
         try:
-            invocation = build_invocation(hook, request)
-        except OSError as exc:
-            log.info("[%s] error in exec: %s", request.id, exc.strerror)
-            if " " in hook.execute_command:
-                log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
-                         request.id, hook.execute_command.split()[0])
-            result = CommandResult(False, error=exc)
+            return self.run_command(run, on_output, keep_output)
+        finally:
+            run.gate.leave()
+
+    def run_command(self, run, on_output, keep_output):
+        hook, record = run.hook, run.record
+        result = CommandResult(False, error=run.failure or "unexpected error")
+        try:
+            if run.failure is not None:
+                return result  # as Go: nothing more is logged
+            sink, collected = on_output, None
+            if record is not None:
+                self.runs.started(record)
+                sink, collected = self.runs.output_sink(record, on_output, keep_output)
+            result = self.runner.run(run.invocation, run.request_id, hook.command_timeout,
+                                     sink, keep_output)
+            if collected is not None:
+                result.output = b"".join(collected)
+            log_result(hook, run.request_id, result, on_output is None and keep_output)
+            return result
+        finally:
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
-            return result  # as Go: nothing more is logged
-        for message in invocation.messages:
-            log.info("[%s] %s", request.id, message)
-        gate = None if slot_held else self.gate(hook)
-        if gate is not None:
-            gate.wait_turn()
-        sink, collected = on_output, None
-        if record is not None:
-            self.runs.started(record)
-            sink, collected = self.runs.output_sink(record, on_output, keep_output)
-        try:
-            result = self.runner.run(invocation, request.id, hook.command_timeout, sink,
-                                     keep_output)
-        finally:
-            if gate is not None:
-                gate.leave()
-        if collected is not None:
-            result.output = b"".join(collected)
-        if record is not None:
-            self.runs.ended(record, result, self.stopping)
-        log_result(hook, request.id, result, on_output is None and keep_output)
-        return result
 
-    def run_in_background(self, hook, request):
-        """Default mode: answer now; the run waits for its max-concurrency turn holding no
-        thread, then for a -max-async-runs thread.  False if the backlog is full."""
-        if not self.background.reserve():
-            return False
-        gate = self.gate(hook)
+    def run_in_background(self, run):
+        """Default mode, the backlog reserved: the run waits for its max-concurrency turn
+        holding no thread, then for a -max-async-runs thread."""
         with self.busy_lock:
             self.busy += 1
 
         def job():
             try:
-                if self.stopping:
-                    log.info("[%s] stopping: queued run of %s dropped", request.id, hook.id)
+                if self.stopping:  # its record says `killed` at exit
+                    log.info("[%s] stopping: queued run of %s dropped", run.request_id,
+                             run.hook.id)
+                    run.gate.leave()
                 else:
-                    self.run(hook, request, keep_output=log.isEnabledFor(logging.INFO),
-                             slot_held=True)
+                    self.execute(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
-                gate.leave()
                 with self.busy_lock:
                     self.busy -= 1
-        gate.enter(lambda: self.background.submit(job))
-        return True
 
-    def run_streamed(self, stream, head, hook, request, headers, success):
+        def granted():
+            run.has_turn = True
+            self.background.submit(job)
+        run.gate.enter(granted)
+
+    def run_streamed(self, run, stream, head, headers, success):
         """stream-command-output: chunked output while the command runs.  A failed or timed
         out run ends without the closing chunk, so the client sees an incomplete response."""
         chunked = head.version == "HTTP/1.1"
@@ -4352,7 +4461,7 @@ class Pipeline:
             if with_body:
                 send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
 
-        result = self.run(hook, request, on_output)
+        result = self.execute(run, on_output)
         if not result.started:
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
@@ -4363,36 +4472,42 @@ class Pipeline:
         keep_alive = result.ok and (chunked or not with_body) and not state["client_gone"]
         return Response(success, b"", headers, close=not keep_alive, sent=True)
 
-    def status_response(self, head):
+    def status_response(self, head, remote_addr):
+        """The status page; an untrusted client (see RunsPage.trusted) sees only whether the
+        daemon is healthy, never hook ids (some hooks rely on theirs being secret), paths,
+        load errors or runs."""
         if head.method not in ("GET", "HEAD"):
             return Response(405)
-        files, errors = self.registry.status()
-        runs = {}
-        for hook_id, gate in list(self.registry.gates.items()):
-            if gate.running or gate.waiting:
-                runs[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
-        degraded = self.registry.count() == 0 or self.registry.last_reload_failed
-        now = time.time()
-        document = {
-            "status": "degraded" if degraded else "ok",
-            "version": VERSION,
-            "implementation": "webhookd.py",
-            "webhookd_version": __version__,
-            "started": iso_time(self.started),
-            "uptime_seconds": round(now - self.started, 3),
-            "hooks_loaded": self.registry.count(),
-            "hooks_files": files,
-            "last_load": iso_time(self.registry.last_load),
-            "last_reload_failed": self.registry.last_reload_failed,
-            "load_errors": errors,
-            "last_runs": self.runs.last_per_hook(),
-            "runs": runs,
-            "runs_in_progress": sum(r["running"] for r in runs.values()),
-            "runs_queued": sum(r["queued"] for r in runs.values()),
-        }
-        body = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
-        return Response(200, body, {"Content-Type": "application/json",
-                                    "Cache-Control": "no-store"})
+        health = {"status": "degraded" if self.registry.count() == 0
+                  or self.registry.last_reload_failed else "ok", "version": VERSION}
+        if not self.runs_page.trusted(head, remote_addr):
+            return json_response(200, health)
+        return json_response(200, dict(health, **status_details(self.registry, self.runs,
+                                                                self.started)))
+
+
+def status_details(registry, runs, started):
+    """What the status page shows trusted clients besides its health."""
+    files, errors = registry.status()
+    running = {}
+    for hook_id, gate in list(registry.gates.items()):
+        if gate.running or gate.waiting:
+            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
+    return {
+        "implementation": "webhookd.py",
+        "webhookd_version": __version__,
+        "started": iso_time(started),
+        "uptime_seconds": round(time.time() - started, 3),
+        "hooks_loaded": registry.count(),
+        "hooks_files": files,
+        "last_load": iso_time(registry.last_load),
+        "last_reload_failed": registry.last_reload_failed,
+        "load_errors": errors,
+        "last_runs": runs.last_per_hook(),
+        "runs": running,
+        "runs_in_progress": sum(r["running"] for r in running.values()),
+        "runs_queued": sum(r["queued"] for r in running.values()),
+    }
 
 
 def status_or_200(code, rid, hook):
@@ -4434,12 +4549,8 @@ def captured_response(hook, result, headers, success):
 
 
 def describe_exit(returncode):
-    if returncode < 0:
-        try:
-            return "signal: %s" % signal.Signals(-returncode).name
-        except ValueError:
-            return "signal: %d" % -returncode
-    return "exit status %d" % returncode
+    name = signal_name(returncode)
+    return "exit status %d" % returncode if name is None else "signal: " + name
 
 
 # ---------------------------------------------------------------------------
@@ -4869,6 +4980,7 @@ def serve(opts):
     except SystemExit:
         remove_paths(cleanup)
         raise
+    app.runs.start()  # as the user we now are: the run files are theirs
     slots = threading.BoundedSemaphore(max(1, opts.max_connections))
     servers = [HookServer(listener, app, slots, tls_context) for listener in listeners]
     for server in servers:

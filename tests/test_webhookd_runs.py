@@ -306,13 +306,15 @@ def test_runs_are_served_to_loopback_or_with_the_token_else_refused(tmp_path):
         run_id = json.loads(body)[0]["id"]
         assert unix_get(path, "/status/runs/%s/output" % run_id)[0] == 403
         assert unix_get(path, "/status/runs/%s" % run_id)[0] == 403
-    with start(hooks, "-status-token", "s3cret-token") as daemon:  # loopback: no token needed
-        ended(daemon, trigger(daemon, "ok"))
-        # ... unless a proxy on this machine relays the request for a client elsewhere
-        for relay in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
-            assert daemon.request("GET", "/status/runs", headers={relay: "203.0.113.9"})[0] == 403
+    with start(hooks, "-status-token", "s3cret-token") as daemon:  # required from loopback too
+        run_id = trigger(daemon, "ok")
+        assert daemon.request("GET", "/status/runs/" + run_id)[0] == 403
         assert daemon.request("GET", "/status/runs", headers={
             "X-Forwarded-For": "203.0.113.9", "Authorization": "Bearer s3cret-token"})[0] == 200
+    with start(hooks) as daemon:  # no token: loopback clients, unless a proxy relays them
+        ended(daemon, trigger(daemon, "ok"))
+        for relay in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+            assert daemon.request("GET", "/status/runs", headers={relay: "203.0.113.9"})[0] == 403
     bad = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-status-path", "/status",
                                     "-status-token-file", tmp_path / "absent"),
                          capture_output=True, text=True, timeout=15)
