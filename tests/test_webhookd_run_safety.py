@@ -137,7 +137,7 @@ def public_python():
 def test_runs_dir_with_setuid_saves_records_as_the_dropped_to_user():
     python = public_python()
     if python is None:
-        pytest.skip("user nobody cannot run /usr/bin/python3")
+        pytest.skip("needs a /usr/bin/python3 that user nobody can run (run the suite as root on Debian)")
     with support.scratch_dir("webhookd-setuid-") as base:
         base.chmod(0o755)  # nobody must reach the runs folder inside
         runs_dir = base / "runs"
@@ -194,7 +194,7 @@ def rss_bytes(pid):
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux: reads RSS from /proc")
 def test_runs_waiting_in_the_backlog_do_not_hold_request_bodies(tmp_path):
     gate = tmp_path / "gate"
     held = script(tmp_path / "held.sh", "while [ ! -e %s ]; do sleep 0.05; done\n" % gate)
