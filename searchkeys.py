@@ -43,6 +43,7 @@ import fcntl
 import functools
 import gc
 import hashlib
+import heapq
 import hmac
 import http.client
 import http.server
@@ -1431,6 +1432,7 @@ RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
 MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
 MAX_REFERRER_PATTERN = 512
+MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
 DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
 # What `keys restrict --preset search` sets on a public search key: a visitor
 # typing fires a query per keystroke (bursts up to the limit are let through),
@@ -1456,7 +1458,7 @@ def parse_rate(text):
 
 
 def referrer_pattern(text):
-    """A compiled allowedReferrers pattern: `*` stands for any text. A
+    """A parsed allowedReferrers pattern: `*` stands for any text. A
     pattern with `://` is matched against the whole URL, one without it
     (`*.example.org`) against the host only; both ignore case."""
     if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
@@ -1464,18 +1466,48 @@ def referrer_pattern(text):
         raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
                          "`*` stands for any text, e.g. `https://example.com/*` or "
                          "`*.example.org`" % (text,))
-    regex = ".*".join(re.escape(part) for part in text.split("*"))
-    return re.compile(regex + r"\Z", re.IGNORECASE | re.DOTALL), "://" in text
+    return tuple(text.lower().split("*")), "://" in text
+
+
+def wildcard_match(pieces, subject):
+    """Does `subject` read as pieces[0] * pieces[1] * ... (pieces joined by
+    any text)? Greedy, left to right: each piece is found once, so the time
+    is linear in the subject (a regex with several `.*` backtracks)."""
+    first, last = pieces[0], pieces[-1]
+    if len(pieces) == 1:
+        return subject == first
+    if len(subject) < len(first) + len(last) or not subject.startswith(first) \
+            or not subject.endswith(last):
+        return False
+    position, end = len(first), len(subject) - len(last)
+    for piece in pieces[1:-1]:
+        found = subject.find(piece, position, end)
+        if found < 0:
+            return False
+        position = found + len(piece)
+    return True
+
+
+def _url_host(url):
+    """The host of a URL, or None when it has none or is malformed (`http://[::1/`)."""
+    try:
+        return urllib.parse.urlsplit(url).hostname if "://" in url else None
+    except ValueError:
+        return None
 
 
 def referrer_allowed(patterns, origin, referer):
-    """Does Origin or Referer (either may be None) match one of `patterns`?"""
+    """Does Origin or Referer (either may be None) match one of `patterns`?
+    Values longer than MAX_REFERRER never do."""
     urls = [u for u in ((origin + "/") if origin else None, referer) if u]
+    if any(len(url) > MAX_REFERRER for url in urls):
+        return False
     for url in urls:
-        host = urllib.parse.urlsplit(url).hostname if "://" in url else None
-        for regex, whole_url in patterns:
+        url = url.lower()
+        host = _url_host(url)
+        for pieces, whole_url in patterns:
             subject = url if whole_url else host
-            if subject and regex.match(subject):
+            if subject and wildcard_match(pieces, subject):
                 return True
     return False
 
@@ -1526,14 +1558,25 @@ def client_address(peer, forwarded_for, trusted):
     return address
 
 
+# IPv6 prefixes (their top 96 bits) that carry an IPv4 address in their last 32
+# bits: IPv4-mapped (::ffff:0:0/96) and NAT64's well-known 64:ff9b::/96 (RFC 6052).
+_IPV4_IN_IPV6 = (0xFFFF, 0x64FF9B << 64)
+
+
 @functools.lru_cache(maxsize=4096)
 def counter_client(address):
-    """What per-IP counters count: the address, or an IPv6 address's /64
-    (one host usually holds a whole /64, and could rotate through it)."""
+    """What per-client counters count: an IPv4 address, or an IPv6 address's
+    /64 (one host usually holds a whole /64, and could rotate through it).
+    An IPv4 address carried in IPv6 counts as itself: behind NAT64 every
+    IPv4 user would otherwise share one /64."""
     if address is None:
         return "unknown"
     if address.version == 6:
-        return "%x/64" % (int(address) >> 64)
+        number = int(address)
+        if number >> 32 in _IPV4_IN_IPV6:
+            import ipaddress
+            return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
+        return "%x/64" % (number >> 64)
     return str(address)
 
 
@@ -1712,7 +1755,8 @@ class Counters:
     """Rate counters in memory, bounded: an LRU of at most `capacity`
     counters (the least recently used one is forgotten first, which only
     ever lets its client start afresh). Rates use the generic cell rate
-    algorithm: one float a counter, bursts of up to the rate's count."""
+    algorithm: one float a counter, bursts of up to the rate's count.
+    Failed authentications are counted apart, by a FailureCounts."""
 
     def __init__(self, capacity=100000, clock=time.monotonic):
         self.capacity = capacity
@@ -1726,7 +1770,7 @@ class Counters:
     def take(self, wanted):
         """Count one request against each (counter, Rate) of `wanted`, all
         or none: None when every rate allows it, else (seconds to wait,
-        Rate, remaining) of the first that refuses."""
+        Rate) of the first that refuses."""
         now = self.clock()
         with self._lock:
             updates = []
@@ -1734,29 +1778,11 @@ class Counters:
                 tat = max(self._tat.get(counter, now), now)
                 wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
                 if wait > 0:
-                    return wait, rate, 0
+                    return wait, rate
                 updates.append((counter, tat + rate.interval))
             for counter, tat in updates:
                 self._remember(counter, tat)
         return None
-
-    def failures(self, counter):
-        """(failures within the current window of `counter`, seconds left)."""
-        now = self.clock()
-        with self._lock:
-            entry = self._tat.get(counter)
-        if entry is None or entry[0] <= now:
-            return 0, 0.0
-        return entry[1], entry[0] - now
-
-    def fail(self, counter, window):
-        """Count one failure in a fixed window of `window` seconds."""
-        now = self.clock()
-        with self._lock:
-            entry = self._tat.get(counter)
-            if entry is None or entry[0] <= now:
-                entry = (now + window, 0)
-            self._remember(counter, (entry[0], entry[1] + 1))
 
     def _remember(self, counter, value):
         tat = self._tat
@@ -1765,6 +1791,61 @@ class Counters:
         while len(tat) > self.capacity:
             tat.popitem(last=False)
 
+
+
+
+class FailureCounts:
+    """Failed authentications per client, `rate.count` at most in a fixed
+    window of `rate.window` seconds, for at most `capacity` clients. Unlike
+    a rate counter, a throttled client must not be forgotten (it would
+    start afresh): clients under the limit go least recently used first,
+    a throttled one only when its window ends; when every entry is a live
+    throttle, a new failing client is refused as if throttled."""
+
+    def __init__(self, rate, capacity=100000, clock=time.monotonic):
+        self.rate, self.capacity, self.clock = rate, capacity, clock
+        self._counting = collections.OrderedDict()  # client -> (window end, failures)
+        self._throttled = {}  # client -> window end
+        self._ends = []       # heap of (window end, client) of _throttled
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._counting) + len(self._throttled)
+
+    def throttled(self, client):
+        """Seconds until `client` may try again, or None when it may now."""
+        now = self.clock()
+        end = self._throttled.get(client)
+        return end - now if end is not None and end > now else None
+
+    def fail(self, client):
+        """Count one failure of `client`: False when it could not be
+        remembered (every entry a live throttle), and is refused."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            if client in self._throttled:
+                return True
+            end, failures = self._counting.pop(client, (0, 0))
+            if end <= now:
+                end, failures = now + self.rate.window, 0
+            while len(self) >= self.capacity and self._counting:
+                self._counting.popitem(last=False)
+            if len(self) >= self.capacity:
+                return False
+            if failures + 1 >= self.rate.count:
+                self._throttled[client] = end
+                heapq.heappush(self._ends, (end, client))
+            else:
+                self._counting[client] = (end, failures + 1)
+            return True
+
+    def _expire(self, now):
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            end, client = heapq.heappop(ends)
+            if self._throttled.get(client) == end:
+                del self._throttled[client]
 
 
 # =============================================================================
@@ -2744,6 +2825,11 @@ class TooManyRequests(ApiError):
         self.headers += NOT_CACHEABLE
 
 
+def too_many_failures(wait, throttle):
+    return TooManyRequests("Too many failed authentications from your address; retry later.",
+                           wait, throttle)
+
+
 # An answer that depends on more than method, URI and credential (the client's
 # address, its Origin, the time) must not be kept by nginx's decision cache.
 NOT_CACHEABLE = [("Cache-Control", "no-store")]
@@ -2772,6 +2858,7 @@ class Gate:
         self.guard = guard
         self.limits = limits or Limits()
         self.counters = Counters(self.limits.max_clients)
+        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
 
     def client(self, request):
         trusted = self.limits.trusted_proxies
@@ -2786,15 +2873,15 @@ class Gate:
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
-            failures, left = self.counters.failures(("failed", counter_client(address)))
-            if failures >= throttle.count:
-                raise TooManyRequests("Too many failed authentications from your address; "
-                                      "retry later.", left, throttle)
+            left = self.failures.throttled(counter_client(address))
+            if left is not None:
+                raise too_many_failures(left, throttle)
         try:
             principal = self.guard.check(request.headers.get("Authorization"), actions, index)
         except ApiError:
-            if throttle is not None and actions:
-                self.counters.fail(("failed", counter_client(address)), throttle.window)
+            if throttle is not None and actions and \
+                    not self.failures.fail(counter_client(address)):
+                raise too_many_failures(throttle.window, throttle)
             raise
         key = principal.key
         restrictions = key.restrictions if key is not None else None
@@ -2804,10 +2891,15 @@ class Gate:
             address = self.client(request)
         if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
             raise restriction_refused("allowedIps", "from your address")
+        self.count(key, restrictions, address)  # before the referrer check: a refusal counts
         if restrictions.referrers is not None and not referrer_allowed(
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
             raise restriction_refused("allowedReferrers", "from this site")
+        return principal
+
+    def count(self, key, restrictions, address):
+        """Count one request against the key's rates; 429 over one of them."""
         wanted = []
         if restrictions.per_ip is not None:
             wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
@@ -2815,11 +2907,10 @@ class Gate:
             wanted.append((key.uid, restrictions.per_key))
         refusal = self.counters.take(wanted) if wanted else None
         if refusal is not None:
-            wait, rate, _ = refusal
+            wait, rate = refusal
             raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
                                   "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
                                   wait, rate)
-        return principal
 
 
 _SEARCH_ROUTES = (("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"))
@@ -3817,8 +3908,9 @@ def add_restriction_flags(serve):
                             "(second, minute, hour, day), answer it 429 until the window ends "
                             "(default: off), e.g. 10/minute")
     serve.add_argument("--max-clients", type=_argument_type(positive_int, "count"),
-                       default=100000, help="rate counters kept in memory, least recently used "
-                                            "forgotten first (100000: about 25 MiB)")
+                       default=100000, help="clients counted in memory, for rates (least "
+                                            "recently used forgotten first) and apart for "
+                                            "--throttle-failures (100000: about 25 MiB each)")
 
 
 def add_restrict_command(key_commands, common):
