@@ -3224,9 +3224,11 @@ class UpstreamError(Exception):
 
 
 def upstream_unreachable(upstream, reason):
-    return ApiError(502, "upstream_unavailable",
-                    "The search backend at %s could not be reached: %s."
-                    % (upstream.display_url, reason), "system")
+    """502 that names no internal address nor exception (the log has them)."""
+    upstream.log("searchkeys: the search backend at %s could not be reached: %s"
+                 % (upstream.display_url, printable(str(reason))))
+    return ApiError(502, "upstream_unavailable", "The search backend is unavailable.",
+                    "system")
 
 
 def no_upstream():
@@ -3245,13 +3247,19 @@ def _readable(sock):
     return bool(select.select([sock], [], [], 0)[0])
 
 
+# What a pooled connection the backend closed (a keep-alive timeout, a
+# restart) fails with before any byte of an answer: the only failures retried.
+CLOSED_BY_BACKEND = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
 class Upstream:
     """The search backend: keep-alive http.client connections shared by all
     callers. A request is sent at most once, unless it is safe to repeat
-    and its body is at hand (then a pooled connection the backend had
-    closed is retried once on a new one)."""
+    and its body is at hand: then, when a pooled connection turns out to be
+    closed before any answer came, it is sent once more on a new one (never
+    after a timeout: the backend may still be working on it)."""
 
-    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64):
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None):
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
@@ -3263,16 +3271,20 @@ class Upstream:
         self.pool_size = pool_size
         self.tls = parts.scheme == "https"
         self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
+        self.log = log or (lambda message: None)
         self._idle = []
         self._lock = threading.Lock()
 
-    def _connection(self, check):
-        """(connection, reused): a pooled connection or a new one. With
-        `check` (a request that may not be repeated), a pooled connection
-        the backend closed while idle is dropped before anything is sent."""
+    def _connection(self, check, fresh=False):
+        """(connection, reused): a pooled connection or (`fresh`) a new one.
+        With `check` (a request that may not be repeated), a pooled
+        connection the backend closed while idle is dropped before anything
+        is sent."""
         while True:
-            with self._lock:
-                connection = self._idle.pop() if self._idle else None
+            connection = None
+            if not fresh:
+                with self._lock:
+                    connection = self._idle.pop() if self._idle else None
             if connection is None:
                 if self.tls:
                     import ssl  # only for https backends
@@ -3312,7 +3324,7 @@ class Upstream:
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
         for attempt in (1, 2):
-            connection, reused = self._connection(check=not (repeatable and at_hand))
+            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
             try:
                 connection.putrequest(method, self.prefix + target, skip_host=True,
                                       skip_accept_encoding=True)
@@ -3325,13 +3337,15 @@ class Upstream:
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1):
+                if not (repeatable and at_hand and reused and attempt == 1 and
+                        isinstance(exc, CLOSED_BY_BACKEND)):
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
         raise AssertionError("unreachable")
 
     def finish(self, connection, response):
         """After a fully read answer: keep the connection for the next request."""
+        response.close()  # read1 leaves a finished answer open, and the connection unusable
         if response.will_close or connection.sock is None:
             connection.close()
         else:
@@ -4175,7 +4189,8 @@ def run_serve(args):
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
-        upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
+        upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr) \
+            if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
                                                              _log_to_stderr, limits),

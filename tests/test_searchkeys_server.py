@@ -296,3 +296,139 @@ def test_max_connections_leaves_the_rest_waiting_in_the_backlog():
             extra.close()
             for sock in held:
                 sock.close()
+
+
+class RestartingBackend:
+    """A keep-alive backend whose restart closes every connection it holds (as a restarted
+    Meilisearch does) and listens again on the same port. `/indexes/hold/...` answers once
+    `holding` requests wait together, so the guard pools that many connections."""
+
+    def __init__(self, holding=4):
+        self.barrier = threading.Barrier(holding, timeout=30)
+        self.connections = []
+        self.port = free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self._start()
+
+    def _start(self):
+        backend = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def setup(self):
+                super().setup()
+                backend.connections.append(self.connection)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if "/hold/" in self.path:
+                    backend.barrier.wait()
+                payload = b'{"hits": []}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def restart(self):
+        self.close()
+        for sock in self.connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.connections = []
+        self._start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_searches_after_a_backend_restart_are_answered():
+    """After a backend restart every pooled connection is dead: a search that meets one is
+    sent again on a new connection, not on the next dead one from the pool (which answered
+    502 to 3 searches of 8)."""
+    backend = RestartingBackend(holding=4)
+    try:
+        with start_guard(backend.url) as guard:
+            key = search_key(guard.port)
+            auth = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+            held = [threading.Thread(target=request, args=(
+                guard.port, "POST", "/indexes/hold/search", SEARCH_BODY, auth, 30))
+                for _ in range(4)]
+            for thread in held:
+                thread.start()
+            for thread in held:
+                thread.join(30)
+            backend.restart()
+            answers = [request(guard.port, "POST", "/indexes/a/search", SEARCH_BODY, auth)
+                       for _ in range(8)]
+            assert [status for status, _, _ in answers] == [200] * 8, answers
+    finally:
+        backend.close()
+
+
+def test_a_search_that_times_out_is_not_sent_twice():
+    """A backend slower than the guard's timeout may still be working on the search: the
+    guard answers 502 (`backend unavailable`, nothing internal) and does not send it again."""
+    import searchkeys as sk
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.path)
+            if "/slow/" in self.path:
+                time.sleep(1.5)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    logged = []
+    try:
+        upstream = sk.Upstream("http://127.0.0.1:%d" % server.server_address[1], timeout=0.5,
+                               log=logged.append)
+        headers = [("Host", "b"), ("Content-Type", "application/json")]
+        assert upstream.forward("POST", "/indexes/a/search", headers, b"{}", True).status == 200
+        with pytest.raises(sk.ApiError) as raised:  # on the pooled connection
+            upstream.forward("POST", "/indexes/slow/search", headers, b"{}", True)
+        assert raised.value.status == 502
+        assert raised.value.message == "The search backend is unavailable."
+        assert logged and "could not be reached" in logged[0]
+        time.sleep(2)
+        assert seen.count("/indexes/slow/search") == 1, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_unreachable_backend_is_named_nowhere_in_the_answer():
+    port = free_port()
+    with start_guard("http://127.0.0.1:%d" % port) as guard:
+        key = search_key(guard.port)
+        status, _, data = request(guard.port, "POST", "/indexes/a/search", SEARCH_BODY,
+                                  {"Authorization": "Bearer " + key,
+                                   "Content-Type": "application/json"})
+        assert status == 502
+        assert json.loads(data) == {
+            "message": "The search backend is unavailable.", "code": "upstream_unavailable",
+            "type": "system", "link": "https://docs.meilisearch.com/errors#upstream_unavailable"}
+        assert "127.0.0.1:%d" % port in guard.log() and "Refused" in guard.log()
