@@ -2218,7 +2218,7 @@ class StoreFile:
         self._lock()
         data = self._read(self.path)
         keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path)
+        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
         changes = None if journal is None else self._parse_journal(journal)
         self._remove_stale_temp_files()
         return keys, changes
@@ -2241,13 +2241,17 @@ class StoreFile:
             raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
                              % (self.shown, lock_path))
 
-    def _read(self, path):
-        """The file's bytes, or None if there is none."""
+    def _read(self, path, follow=True):
+        """The file's bytes, or None if there is none. Unless `follow`, a
+        symbolic link is refused, not read (nor its target made 0600)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if not follow and os.path.islink(path):
+                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
+                                 "itself there)" % path)
             raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
@@ -2321,10 +2325,10 @@ class StoreFile:
         """Remove an older version's journal once write() holds its changes."""
         try:
             os.unlink(self.journal_path)
-            _fsync_folder(os.path.dirname(self.journal_path))
         except OSError as exc:
             raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
                              % (self.journal_path, self.path, exc.strerror or exc))
+        self._sync_folder(os.path.dirname(self.journal_path))
         self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
 
     def _remove_stale_temp_files(self):
@@ -2357,11 +2361,18 @@ class StoreFile:
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self._sync_folder(self.folder)
+
+    def _sync_folder(self, folder):
+        """fsync a folder after a rename or unlink. The change is made once
+        that succeeded (the file holds it, and so must memory); a failed
+        sync only leaves it less durable, so it is logged, not raised."""
         try:
-            _fsync_folder(self.folder)
+            _fsync_folder(folder)
         except OSError as exc:
-            raise StoreWriteError("cannot sync the folder of store %s: %s"
-                                  % (self.path, exc.strerror or exc))
+            self.log("searchkeys: warning: cannot sync folder %s (the change to %s is made, but "
+                     "may not survive a power loss): %s"
+                     % (folder, self.shown, exc.strerror or exc))
 
     def close(self):
         if self._lock_fd is not None:

@@ -187,3 +187,19 @@ def test_journal_of_searchkeys_1_0_is_folded_in(tmp_path):
     assert not journal.exists()
     uids = stored_uids(store)
     assert added["uid"] in uids and record["uid"] not in uids
+
+
+def test_a_journal_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    """The folding of an older version's journal read a planted `keys.json.journal` link
+    and made its target 0600: now the link is refused in one sentence, nothing touched."""
+    store = seeded_store(tmp_path, extra_keys=0)
+    record = json.loads(store.read_text())["keys"][0]
+    target = tmp_path / "elsewhere.txt"
+    target.write_text(json.dumps({"op": "put", "key": dict(record, name="planted")}) + "\n")
+    target.chmod(0o644)
+    (tmp_path / "keys.json.journal").symlink_to(target)
+    before = store.read_bytes()
+    code, message = refused("--master-key", MASTER, "--store", str(store))
+    assert code == 1 and "symbolic link" in message and "keys.json.journal" in message, message
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and store.read_bytes() == before
+    assert (tmp_path / "keys.json.journal").is_symlink()
