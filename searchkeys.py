@@ -3841,8 +3841,20 @@ class ConnectionFailed(Exception):
     """The server could not be reached; the message names the URL tried."""
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib would send the Authorization header on to wherever a redirect
+    points (another host, https to http): a redirect is answered as is."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
 class Client:
-    """A small client of the /keys API (urllib; used by the CLI)."""
+    """A small client of the /keys API (urllib; used by the CLI). It never
+    follows a redirect: the credential would go along."""
 
     def __init__(self, url=DEFAULT_URL, key=None, timeout=30.0):
         self.url = url.rstrip("/")
@@ -3864,9 +3876,15 @@ class Client:
         except ValueError as exc:  # not a URL urllib can use, e.g. no http://
             raise ConnectionFailed("cannot connect to %s: %s" % (url, exc))
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with _OPENER.open(req, timeout=self.timeout) as response:
                 status, payload = response.status, response.read()
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                raise ClientError(exc.code, "redirected", "%s answered %d, a redirect to %s, "
+                                  "which is not followed as the key would go along: give "
+                                  "that URL with --url if it is the server" % (
+                                      url, exc.code, printable(exc.headers.get("Location") or
+                                                               "nowhere")))
             raise _client_error(exc.code, exc.read())
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
