@@ -3774,6 +3774,13 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.server.service.log("searchkeys: %s" % printable(format % args))
 
 
+def listen_family(host):
+    """AF_INET, or AF_INET6 for a host with only IPv6 addresses (`::1`, `::`)."""
+    families = {info[0] for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM, 0,
+                                                       socket.AI_PASSIVE)}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+
+
 class KeysServer(http.server.ThreadingHTTPServer):
     """A thread per connection, at most `max_connections` at once: past the
     bound, new callers wait in the listen backlog."""
@@ -3783,7 +3790,18 @@ class KeysServer(http.server.ThreadingHTTPServer):
     def __init__(self, address, service, max_connections=512):
         self.service = service
         self.slots = threading.BoundedSemaphore(max(1, max_connections))
+        self.address_family = listen_family(address[0])
         super().__init__(address, KeysHandler)
+
+    def server_bind(self):
+        """An IPv6 socket takes IPv4 callers too where the system allows it
+        (`--host ::` is then every address of both families)."""
+        if self.address_family == socket.AF_INET6:
+            try:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        super().server_bind()
 
     def process_request(self, request, client_address):
         self.slots.acquire()
@@ -4237,7 +4255,8 @@ def run_serve(args):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
-        len(store), " in " + args.store if args.store else " in memory", args.host,
+        len(store), " in " + args.store if args.store else " in memory",
+        "[%s]" % args.host if ":" in args.host else args.host,
         server.server_address[1], " -> " + upstream.display_url if upstream else ""))
     try:
         server.serve_forever()

@@ -203,3 +203,45 @@ def test_a_journal_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_pa
     assert code == 1 and "symbolic link" in message and "keys.json.journal" in message, message
     assert stat.S_IMODE(target.stat().st_mode) == 0o644 and store.read_bytes() == before
     assert (tmp_path / "keys.json.journal").is_symlink()
+
+
+def _ipv6_loopback():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _health(family, host, port, timeout=20.0):
+    """GET /health over `family` once the server listens: the status, or None."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.socket(family) as sock:
+                sock.settimeout(5)
+                sock.connect((host, port))
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                return int(sock.recv(100).split()[1])
+        except OSError:
+            time.sleep(0.05)
+    return None
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_serve_listens_on_ipv6_and_dual_stack():
+    """`--host ::1` failed ("Address family not supported"); `--host ::` takes IPv4 too."""
+    port = free_port()
+    argv = python_cmd(SEARCHKEYS, "serve", "--host", "::1", "--port", str(port),
+                      "--master-key", MASTER)
+    with Daemon(argv, port, env=clean_env(), wait=False) as server:
+        assert _health(socket.AF_INET6, "::1", port) == 200, server.log()
+        assert "listening on http://[::1]:%d" % port in server.log()
+    port = free_port()
+    argv[argv.index("::1")] = "::"
+    argv[argv.index("--port") + 1] = str(port)
+    with Daemon(argv, port, env=clean_env(), wait=False) as server:
+        assert _health(socket.AF_INET6, "::1", port) == 200, server.log()
+        assert _health(socket.AF_INET, "127.0.0.1", port) == 200, server.log()
