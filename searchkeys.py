@@ -47,12 +47,14 @@ import heapq
 import hmac
 import http.client
 import http.server
+import io
 import itertools
 import json
 import os
 import re
 import secrets
 import select
+import selectors
 import signal
 import stat
 import socket
@@ -3006,6 +3008,8 @@ MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection may hold (then a worker reads on)
+OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value
@@ -3605,10 +3609,28 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     server_version = "searchkeys/" + __version__
     sys_version = ""
     timeout = CLIENT_TIMEOUT
-    disable_nagle_algorithm = True
     wbufsize = SMALL_BODY  # a head and a small body leave in one send
     default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
     body = None
+
+    def setup(self):
+        """StreamRequestHandler's, on a Connection: the bytes read ahead of
+        this request come first, and its head is bounded in total time."""
+        self.connection = self.request.sock
+        self.connection.settimeout(self.timeout)
+        self.reader = ReadAhead(self.request)
+        self.rfile = io.BufferedReader(self.reader)
+        self.wfile = self.connection.makefile("wb", self.wbufsize)
+
+    def handle(self):
+        """One request a turn: between requests the server holds the
+        connection without a thread, with what was read past this one."""
+        connection = self.request
+        connection.keep, connection.read_ahead = False, b""
+        self.close_connection = True
+        self.handle_one_request()
+        if not self.close_connection:
+            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
 
     def handle_one_request(self):
         """Like http.server's, with the whole head (not each line) bounded
@@ -3659,14 +3681,13 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
         if head is None:
             return False
+        self.reader.end_of_head()
         self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
         connection = self.headers.get("Connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version == "HTTP/1.0" and connection != "keep-alive")
         expecting = self.request_version == "HTTP/1.1" and \
             self.headers.get("Expect", "").lower() == "100-continue"
-        if expecting and not self.handle_expect_100():
-            return False
         try:
             self.body = Body.of_request(self.rfile, self.headers,
                                         self.send_continue if expecting else None)
@@ -3694,12 +3715,9 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return None
         return block.decode("iso-8859-1")
 
-    def handle_expect_100(self):
-        """Deferred: 100 Continue goes out when the body is first read (by
-        send_continue), so a refused request never invites its body."""
-        return True
-
     def send_continue(self):
+        """100 Continue, sent when the body is first read: a refused request
+        never invites its body (http.server's handle_expect_100 is not used)."""
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
@@ -3774,6 +3792,188 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.server.service.log("searchkeys: %s" % printable(format % args))
 
 
+class Connection:
+    """A caller's connection between requests: its socket, the bytes read
+    ahead of its next request, and when that request's head must be in."""
+
+    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
+
+    def __init__(self, sock, address):
+        self.sock, self.address = sock, address
+        self.read_ahead, self.deadline, self.keep = b"", None, False
+
+    def head_arrived(self):
+        """Has a whole head come (or all that a waiting connection may hold)?"""
+        data = self.read_ahead
+        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
+
+
+class ReadAhead(io.RawIOBase):
+    """What a handler reads: its connection's read-ahead bytes, then the
+    socket, the head by its deadline in total (a timeout per recv would let
+    a client sending a byte now and then hold a worker for ever)."""
+
+    def __init__(self, connection):
+        super().__init__()
+        self.sock, self.deadline = connection.sock, connection.deadline
+        self.pending = memoryview(connection.read_ahead)
+        self.probing = False
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.pending:
+            count = min(len(buffer), len(self.pending))
+            buffer[:count] = self.pending[:count]
+            self.pending = self.pending[count:]
+            return count
+        if self.probing:
+            return None  # "nothing without waiting", to leftover()
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the request head took too long")
+            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
+        return self.sock.recv_into(buffer)
+
+    def end_of_head(self):
+        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
+        if self.deadline is not None:
+            self.deadline = None
+            self.sock.settimeout(CLIENT_TIMEOUT)
+
+    def leftover(self, rfile):
+        """What `rfile` (reading this) already holds past the request just
+        answered: the start of the next one. Never waits."""
+        self.probing = True
+        pieces = []
+        while True:
+            piece = rfile.read1(SMALL_BODY)
+            if not piece:
+                return b"".join(pieces)
+            pieces.append(piece)
+
+
+class ConnectionWatcher:
+    """Connections waiting for their next request, held without a thread:
+    one thread watches them all (selectors), reads what arrives, and hands
+    a connection to `ready` once its head is in. A connection has
+    CLIENT_TIMEOUT for its next head in total, then is closed; while
+    `crowded()`, the connection waiting longest is closed for a newcomer."""
+
+    def __init__(self, ready, close, crowded):
+        self.ready, self.close, self.crowded = ready, close, crowded
+        self._selector = selectors.DefaultSelector()
+        self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
+        self._incoming = collections.deque()  # parked by other threads, not yet watched
+        self._wake, self._waker = socket.socketpair()
+        for sock in (self._wake, self._waker):
+            sock.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def park(self, connection):
+        """Watch `connection` until its next head is in (from any thread)."""
+        connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self._incoming.append(connection)
+        self._wake_up()
+
+    def stop(self):
+        self._running = False
+        self._wake_up()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for connection in list(self._waiting) + list(self._incoming):
+            connection.sock.close()
+        self._selector.close()
+        self._wake.close()
+        self._waker.close()
+
+    def _wake_up(self):
+        try:
+            self._waker.send(b"\0")
+        except OSError:
+            pass  # full: a wake-up is pending anyway
+
+    def _run(self):
+        while self._running:
+            for key, _ in self._selector.select(1.0):
+                if key.data is None:
+                    while self._drain():
+                        pass
+                else:
+                    self._receive(key.data)
+            while self._incoming:
+                self._watch(self._incoming.popleft())
+            now = time.monotonic()
+            while self._waiting and (next(iter(self._waiting)).deadline <= now or
+                                     self.crowded()):
+                self._drop(next(iter(self._waiting)))
+
+    def _drain(self):
+        try:
+            return self._wake.recv(4096)
+        except OSError:
+            return b""
+
+    def _watch(self, connection):
+        try:
+            connection.sock.setblocking(False)
+            self._selector.register(connection.sock, selectors.EVENT_READ, connection)
+        except (OSError, ValueError):  # closed meanwhile: nothing to watch
+            self.close(connection)
+            return
+        self._waiting[connection] = None
+
+    def _unwatch(self, connection):
+        del self._waiting[connection]
+        self._selector.unregister(connection.sock)
+
+    def _drop(self, connection):
+        self._unwatch(connection)
+        self.close(connection)
+
+    def _receive(self, connection):
+        try:
+            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = connection.read_ahead = b""  # reset: nothing left to answer
+        if data:
+            connection.read_ahead += data
+            if not connection.head_arrived():
+                return
+        if not connection.read_ahead:  # closed between requests
+            self._drop(connection)
+            return
+        self._unwatch(connection)
+        self.ready(connection)  # a head, or the end of a cut-off one
+
+
+def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
+    """Raise the soft limit on open files towards `wanted` (within the hard
+    limit): each waiting connection holds one. Returns the limit in force."""
+    import resource  # Unix only, like fcntl
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
+        if hard != resource.RLIM_INFINITY:
+            target = min(target, hard)
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
 def listen_family(host):
     """AF_INET, or AF_INET6 for a host with only IPv6 addresses (`::1`, `::`)."""
     families = {info[0] for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM, 0,
@@ -3781,15 +3981,26 @@ def listen_family(host):
     return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
 
 
-class KeysServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most `max_connections` at once: past the
-    bound, new callers wait in the listen backlog."""
+class KeysServer(http.server.HTTPServer):
+    """Between requests a connection waits in a ConnectionWatcher, without
+    a thread; a request whose head is in is served by one of at most
+    `max_connections` worker threads (the rest wait their turn). So idle
+    keep-alive connections and slow heads hold no thread, and a newcomer is
+    served while thousands of them are open. Past `max_open` connections
+    the one waiting longest is closed. (ThreadingMixIn's thread for each
+    connection is what this replaces.)"""
 
     request_queue_size = 1024
+    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
 
-    def __init__(self, address, service, max_connections=512):
+    def __init__(self, address, service, max_connections=512, max_open=1000):
         self.service = service
-        self.slots = threading.BoundedSemaphore(max(1, max_connections))
+        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
+        self._ready = collections.deque()
+        self._turns = threading.Condition()
+        self._workers = self._idle_workers = 0
+        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
+                                         lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
         super().__init__(address, KeysHandler)
 
@@ -3803,19 +4014,75 @@ class KeysServer(http.server.ThreadingHTTPServer):
                 pass  # IPv6 only, as the system has it
         super().server_bind()
 
-    def process_request(self, request, client_address):
-        self.slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+    def serve_forever(self, poll_interval=0.5):
+        self.watcher.start()
+        super().serve_forever(poll_interval)
 
-    def process_request_thread(self, request, client_address):
+    def server_close(self):
+        super().server_close()
+        self.watcher.stop()
+
+    def process_request(self, request, client_address):
+        """A new connection waits for its first request like any other."""
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        with self._turns:
+            self.open += 1
+        self.watcher.park(Connection(request, client_address))
+
+    def _queue(self, connection):
+        """Serve `connection`'s request on a waiting worker, or a new one
+        while there are fewer than max_connections."""
+        with self._turns:
+            self._ready.append(connection)
+            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
+            if start:
+                self._workers += 1
+            self._turns.notify()
+        if start:
+            try:
+                threading.Thread(target=self._work, daemon=True).start()
+            except RuntimeError:  # no thread to be had: the running workers take it
+                with self._turns:
+                    self._workers -= 1
+
+    def _work(self):
+        while True:
+            with self._turns:
+                while not self._ready:
+                    self._idle_workers += 1
+                    woken = self._turns.wait(self.worker_idle_seconds)
+                    self._idle_workers -= 1
+                    if not woken and not self._ready:
+                        self._workers -= 1
+                        return
+                connection = self._ready.popleft()
+            self._serve_turn(connection)
+
+    def _serve_turn(self, connection):
+        """One request; then the connection waits for the next, or closes."""
+        try:
+            self.finish_request(connection, connection.address)
+        except Exception:
+            self.handle_error(connection.sock, connection.address)
+            connection.keep = False
+        if not connection.keep:
+            self._close(connection, True)
+        elif connection.head_arrived():  # pipelined: the next request is in already
+            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+            self._queue(connection)
+        else:
+            self.watcher.park(connection)
+
+    def _close(self, connection, linger):
+        if linger:
+            self.shutdown_request(connection.sock)
+        else:
+            self.close_request(connection.sock)
+        with self._turns:
+            self.open -= 1
 
     def shutdown_request(self, request):
         """socketserver's, plus a lingering close: what the caller still sends
@@ -4143,7 +4410,9 @@ def build_parser():
                        help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY); must not "
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
-                       default=512, help="simultaneous connections served (512)")
+                       default=512, help="requests served at once, a thread each; the others "
+                                         "wait their turn, and idle connections hold no "
+                                         "thread (512)")
     add_restriction_flags(serve)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
@@ -4239,9 +4508,11 @@ def run_serve(args):
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr) \
             if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
+        # one file each: a connection, a worker's backend connection, the pool and the store
+        max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
                                                              _log_to_stderr, limits),
-                            args.max_connections)
+                            args.max_connections, max_open)
     except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
