@@ -4236,9 +4236,8 @@ def add_restriction_flags(serve):
                             "(second, minute, hour, day), answer it 429 until the window ends "
                             "(default: off), e.g. 10/minute")
     serve.add_argument("--max-clients", type=_argument_type(positive_int, "count"),
-                       default=100000, help="clients counted in memory, for rates (least "
-                                            "recently used forgotten first) and apart for "
-                                            "--throttle-failures (100000: about 25 MiB each)")
+                       default=100000, help="clients counted for rates, and apart for "
+                                            "--throttle-failures (100000: ~25 MiB each)")
 
 
 def add_restrict_command(key_commands, common):
@@ -4410,9 +4409,7 @@ def build_parser():
                        help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY); must not "
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
-                       default=512, help="requests served at once, a thread each; the others "
-                                         "wait their turn, and idle connections hold no "
-                                         "thread (512)")
+                       default=512, help="requests served at once, a thread each (512)")
     add_restriction_flags(serve)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
