@@ -59,6 +59,8 @@ TARGETS_DOC = {
     "guard_rps": "guarded search throughput >= 0.9x the floor (bare http.server + http.client "
                  "proxy) at c=8",
     "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
+    "held_new_client": "a new client is answered within 1 s (p99) while 5,000 idle keep-alive "
+                       "and 500 trickling connections are held",
 }
 
 
@@ -490,6 +492,11 @@ def evaluate_targets(args, result):
             r = row["guarded/direct"]["rps"]
             add("nginx_rps", f"{label} rps nginx+searchkeys / nginx direct", r, ">= 0.8",
                 r >= 0.8)
+    held = result.get("held_connections", {}).get(
+        f"{HELD_IDLE} idle + {HELD_TRICKLING} trickling held")
+    if held:
+        add("held_new_client", "new client p99 ms while connections are held", held["p99_ms"],
+            "< 1000", held["p99_ms"] < 1000)
     return targets
 
 
