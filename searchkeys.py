@@ -3008,7 +3008,7 @@ MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
-READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection may hold (then a worker reads on)
+READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
 NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`

@@ -72,8 +72,8 @@ def held_lines(result):
     if not held:
         return []
     lines = ["", "A new client (GET /health on a fresh connection) while connections are held "
-             "against the guard:", "", "| held | p50 / p99 / max ms | guard threads | guard RSS MiB |",
-             "|---|---|---|---|"]
+             "against the guard:", "",
+             "| held | p50 / p99 / max ms | guard threads | guard RSS MiB |", "|---|---|---|---|"]
     for label, row in held.items():
         if isinstance(row, dict):
             lines.append(f"| {label} | {row['p50_ms']} / {row['p99_ms']} / {row['max_ms']} | "
