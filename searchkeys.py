@@ -43,15 +43,18 @@ import fcntl
 import functools
 import gc
 import hashlib
+import heapq
 import hmac
 import http.client
 import http.server
+import io
 import itertools
 import json
 import os
 import re
 import secrets
 import select
+import selectors
 import signal
 import stat
 import socket
@@ -1346,6 +1349,7 @@ RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
 MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
 MAX_REFERRER_PATTERN = 512
+MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
 DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
 # What `keys restrict --preset search` sets on a public search key: a visitor
 # typing fires a query per keystroke (bursts up to the limit are let through),
@@ -1371,7 +1375,7 @@ def parse_rate(text):
 
 
 def referrer_pattern(text):
-    """A compiled allowedReferrers pattern: `*` stands for any text. A
+    """A parsed allowedReferrers pattern: `*` stands for any text. A
     pattern with `://` is matched against the whole URL, one without it
     (`*.example.org`) against the host only; both ignore case."""
     if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
@@ -1379,18 +1383,48 @@ def referrer_pattern(text):
         raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
                          "`*` stands for any text, e.g. `https://example.com/*` or "
                          "`*.example.org`" % (text,))
-    regex = ".*".join(re.escape(part) for part in text.split("*"))
-    return re.compile(regex + r"\Z", re.IGNORECASE | re.DOTALL), "://" in text
+    return tuple(text.lower().split("*")), "://" in text
+
+
+def wildcard_match(pieces, subject):
+    """Does `subject` read as pieces[0] * pieces[1] * ... (pieces joined by
+    any text)? Greedy, left to right: each piece is found once, so the time
+    is linear in the subject (a regex with several `.*` backtracks)."""
+    first, last = pieces[0], pieces[-1]
+    if len(pieces) == 1:
+        return subject == first
+    if len(subject) < len(first) + len(last) or not subject.startswith(first) \
+            or not subject.endswith(last):
+        return False
+    position, end = len(first), len(subject) - len(last)
+    for piece in pieces[1:-1]:
+        found = subject.find(piece, position, end)
+        if found < 0:
+            return False
+        position = found + len(piece)
+    return True
+
+
+def _url_host(url):
+    """The host of a URL, or None when it has none or is malformed (`http://[::1/`)."""
+    try:
+        return urllib.parse.urlsplit(url).hostname if "://" in url else None
+    except ValueError:
+        return None
 
 
 def referrer_allowed(patterns, origin, referer):
-    """Does Origin or Referer (either may be None) match one of `patterns`?"""
+    """Does Origin or Referer (either may be None) match one of `patterns`?
+    Values longer than MAX_REFERRER never do."""
     urls = [u for u in ((origin + "/") if origin else None, referer) if u]
+    if any(len(url) > MAX_REFERRER for url in urls):
+        return False
     for url in urls:
-        host = urllib.parse.urlsplit(url).hostname if "://" in url else None
-        for regex, whole_url in patterns:
+        url = url.lower()
+        host = _url_host(url)
+        for pieces, whole_url in patterns:
             subject = url if whole_url else host
-            if subject and regex.match(subject):
+            if subject and wildcard_match(pieces, subject):
                 return True
     return False
 
@@ -1441,14 +1475,25 @@ def client_address(peer, forwarded_for, trusted):
     return address
 
 
+# IPv6 prefixes (their top 96 bits) that carry an IPv4 address in their last 32
+# bits: IPv4-mapped (::ffff:0:0/96) and NAT64's well-known 64:ff9b::/96 (RFC 6052).
+_IPV4_IN_IPV6 = (0xFFFF, 0x64FF9B << 64)
+
+
 @functools.lru_cache(maxsize=4096)
 def counter_client(address):
-    """What per-IP counters count: the address, or an IPv6 address's /64
-    (one host usually holds a whole /64, and could rotate through it)."""
+    """What per-client counters count: an IPv4 address, or an IPv6 address's
+    /64 (one host usually holds a whole /64, and could rotate through it).
+    An IPv4 address carried in IPv6 counts as itself: behind NAT64 every
+    IPv4 user would otherwise share one /64."""
     if address is None:
         return "unknown"
     if address.version == 6:
-        return "%x/64" % (int(address) >> 64)
+        number = int(address)
+        if number >> 32 in _IPV4_IN_IPV6:
+            import ipaddress
+            return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
+        return "%x/64" % (number >> 64)
     return str(address)
 
 
@@ -1634,7 +1679,8 @@ class Counters:
     """Rate counters in memory, bounded: an LRU of at most `capacity`
     counters (the least recently used one is forgotten first, which only
     ever lets its client start afresh). Rates use the generic cell rate
-    algorithm: one float a counter, bursts of up to the rate's count."""
+    algorithm: one float a counter, bursts of up to the rate's count.
+    Failed authentications are counted apart, by a FailureCounts."""
 
     def __init__(self, capacity=100000, clock=time.monotonic):
         self.capacity = capacity
@@ -1648,7 +1694,7 @@ class Counters:
     def take(self, wanted):
         """Count one request against each (counter, Rate) of `wanted`, all
         or none: None when every rate allows it, else (seconds to wait,
-        Rate, remaining) of the first that refuses."""
+        Rate) of the first that refuses."""
         now = self.clock()
         with self._lock:
             updates = []
@@ -1656,29 +1702,11 @@ class Counters:
                 tat = max(self._tat.get(counter, now), now)
                 wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
                 if wait > 0:
-                    return wait, rate, 0
+                    return wait, rate
                 updates.append((counter, tat + rate.interval))
             for counter, tat in updates:
                 self._remember(counter, tat)
         return None
-
-    def failures(self, counter):
-        """(failures within the current window of `counter`, seconds left)."""
-        now = self.clock()
-        with self._lock:
-            entry = self._tat.get(counter)
-        if entry is None or entry[0] <= now:
-            return 0, 0.0
-        return entry[1], entry[0] - now
-
-    def fail(self, counter, window):
-        """Count one failure in a fixed window of `window` seconds."""
-        now = self.clock()
-        with self._lock:
-            entry = self._tat.get(counter)
-            if entry is None or entry[0] <= now:
-                entry = (now + window, 0)
-            self._remember(counter, (entry[0], entry[1] + 1))
 
     def _remember(self, counter, value):
         tat = self._tat
@@ -1687,6 +1715,61 @@ class Counters:
         while len(tat) > self.capacity:
             tat.popitem(last=False)
 
+
+
+
+class FailureCounts:
+    """Failed authentications per client, `rate.count` at most in a fixed
+    window of `rate.window` seconds, for at most `capacity` clients. Unlike
+    a rate counter, a throttled client must not be forgotten (it would
+    start afresh): clients under the limit go least recently used first,
+    a throttled one only when its window ends; when every entry is a live
+    throttle, a new failing client is refused as if throttled."""
+
+    def __init__(self, rate, capacity=100000, clock=time.monotonic):
+        self.rate, self.capacity, self.clock = rate, capacity, clock
+        self._counting = collections.OrderedDict()  # client -> (window end, failures)
+        self._throttled = {}  # client -> window end
+        self._ends = []       # heap of (window end, client) of _throttled
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._counting) + len(self._throttled)
+
+    def throttled(self, client):
+        """Seconds until `client` may try again, or None when it may now."""
+        now = self.clock()
+        end = self._throttled.get(client)
+        return end - now if end is not None and end > now else None
+
+    def fail(self, client):
+        """Count one failure of `client`: False when it could not be
+        remembered (every entry a live throttle), and is refused."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            if client in self._throttled:
+                return True
+            end, failures = self._counting.pop(client, (0, 0))
+            if end <= now:
+                end, failures = now + self.rate.window, 0
+            while len(self) >= self.capacity and self._counting:
+                self._counting.popitem(last=False)
+            if len(self) >= self.capacity:
+                return False
+            if failures + 1 >= self.rate.count:
+                self._throttled[client] = end
+                heapq.heappush(self._ends, (end, client))
+            else:
+                self._counting[client] = (end, failures + 1)
+            return True
+
+    def _expire(self, now):
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            end, client = heapq.heappop(ends)
+            if self._throttled.get(client) == end:
+                del self._throttled[client]
 
 
 # =============================================================================
@@ -2064,7 +2147,7 @@ class StoreFile:
         self._lock()
         data = self._read(self.path)
         keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path)
+        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
         changes = None if journal is None else self._parse_journal(journal)
         self._remove_stale_temp_files()
         return keys, changes
@@ -2087,13 +2170,17 @@ class StoreFile:
             raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
                              % (self.shown, lock_path))
 
-    def _read(self, path):
-        """The file's bytes, or None if there is none."""
+    def _read(self, path, follow=True):
+        """The file's bytes, or None if there is none. Unless `follow`, a
+        symbolic link is refused, not read (nor its target made 0600)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if not follow and os.path.islink(path):
+                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
+                                 "itself there)" % path)
             raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
@@ -2167,10 +2254,10 @@ class StoreFile:
         """Remove an older version's journal once write() holds its changes."""
         try:
             os.unlink(self.journal_path)
-            _fsync_folder(os.path.dirname(self.journal_path))
         except OSError as exc:
             raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
                              % (self.journal_path, self.path, exc.strerror or exc))
+        self._sync_folder(os.path.dirname(self.journal_path))
         self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
 
     def _remove_stale_temp_files(self):
@@ -2203,11 +2290,18 @@ class StoreFile:
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self._sync_folder(self.folder)
+
+    def _sync_folder(self, folder):
+        """fsync a folder after a rename or unlink. The change is made once
+        that succeeded (the file holds it, and so must memory); a failed
+        sync only leaves it less durable, so it is logged, not raised."""
         try:
-            _fsync_folder(self.folder)
+            _fsync_folder(folder)
         except OSError as exc:
-            raise StoreWriteError("cannot sync the folder of store %s: %s"
-                                  % (self.path, exc.strerror or exc))
+            self.log("searchkeys: warning: cannot sync folder %s (the change to %s is made, but "
+                     "may not survive a power loss): %s"
+                     % (folder, self.shown, exc.strerror or exc))
 
     def close(self):
         if self._lock_fd is not None:
@@ -2927,6 +3021,11 @@ class TooManyRequests(ApiError):
         self.headers += NOT_CACHEABLE
 
 
+def too_many_failures(wait, throttle):
+    return TooManyRequests("Too many failed authentications from your address; retry later.",
+                           wait, throttle)
+
+
 # An answer that depends on more than method, URI and credential (the client's
 # address, its Origin, the time) must not be kept by nginx's decision cache.
 NOT_CACHEABLE = [("Cache-Control", "no-store")]
@@ -2955,6 +3054,7 @@ class Gate:
         self.guard = guard
         self.limits = limits or Limits()
         self.counters = Counters(self.limits.max_clients)
+        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
 
     def client(self, request):
         trusted = self.limits.trusted_proxies
@@ -2969,15 +3069,15 @@ class Gate:
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
-            failures, left = self.counters.failures(("failed", counter_client(address)))
-            if failures >= throttle.count:
-                raise TooManyRequests("Too many failed authentications from your address; "
-                                      "retry later.", left, throttle)
+            left = self.failures.throttled(counter_client(address))
+            if left is not None:
+                raise too_many_failures(left, throttle)
         try:
             principal = self.guard.check(request.headers.get("Authorization"), actions, index)
         except ApiError:
-            if throttle is not None and actions:
-                self.counters.fail(("failed", counter_client(address)), throttle.window)
+            if throttle is not None and actions and \
+                    not self.failures.fail(counter_client(address)):
+                raise too_many_failures(throttle.window, throttle)
             raise
         key = principal.key
         restrictions = key.restrictions if key is not None else None
@@ -2987,11 +3087,11 @@ class Gate:
             address = self.client(request)
         if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
             raise restriction_refused("allowedIps", "from your address")
+        self._take(self._rates(key, address))  # before the referrer check: a refusal counts
         if restrictions.referrers is not None and not referrer_allowed(
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
             raise restriction_refused("allowedReferrers", "from this site")
-        self._take(self._rates(key, address))
         return principal
 
     def charge(self, request, principal, searches):
@@ -3020,7 +3120,7 @@ class Gate:
     def _take(self, wanted):
         refusal = self.counters.take(wanted) if wanted else None
         if refusal is not None:
-            wait, rate, _ = refusal
+            wait, rate = refusal
             raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
                                   "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
                                   wait, rate)
@@ -3059,6 +3159,9 @@ MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
+NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
+OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value
@@ -3281,9 +3384,11 @@ class UpstreamError(Exception):
 
 
 def upstream_unreachable(upstream, reason):
-    return ApiError(502, "upstream_unavailable",
-                    "The search backend at %s could not be reached: %s."
-                    % (upstream.display_url, reason), "system")
+    """502 that names no internal address nor exception (the log has them)."""
+    upstream.log("searchkeys: the search backend at %s could not be reached: %s"
+                 % (upstream.display_url, printable(str(reason))))
+    return ApiError(502, "upstream_unavailable", "The search backend is unavailable.",
+                    "system")
 
 
 def no_upstream():
@@ -3302,13 +3407,19 @@ def _readable(sock):
     return bool(select.select([sock], [], [], 0)[0])
 
 
+# What a pooled connection the backend closed (a keep-alive timeout, a
+# restart) fails with before any byte of an answer: the only failures retried.
+CLOSED_BY_BACKEND = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
 class Upstream:
     """The search backend: keep-alive http.client connections shared by all
     callers. A request is sent at most once, unless it is safe to repeat
-    and its body is at hand (then a pooled connection the backend had
-    closed is retried once on a new one)."""
+    and its body is at hand: then, when a pooled connection turns out to be
+    closed before any answer came, it is sent once more on a new one (never
+    after a timeout: the backend may still be working on it)."""
 
-    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64):
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None):
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
@@ -3320,16 +3431,20 @@ class Upstream:
         self.pool_size = pool_size
         self.tls = parts.scheme == "https"
         self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
+        self.log = log or (lambda message: None)
         self._idle = []
         self._lock = threading.Lock()
 
-    def _connection(self, check):
-        """(connection, reused): a pooled connection or a new one. With
-        `check` (a request that may not be repeated), a pooled connection
-        the backend closed while idle is dropped before anything is sent."""
+    def _connection(self, check, fresh=False):
+        """(connection, reused): a pooled connection or (`fresh`) a new one.
+        With `check` (a request that may not be repeated), a pooled
+        connection the backend closed while idle is dropped before anything
+        is sent."""
         while True:
-            with self._lock:
-                connection = self._idle.pop() if self._idle else None
+            connection = None
+            if not fresh:
+                with self._lock:
+                    connection = self._idle.pop() if self._idle else None
             if connection is None:
                 if self.tls:
                     import ssl  # only for https backends
@@ -3370,7 +3485,7 @@ class Upstream:
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
         for attempt in (1, 2):
-            connection, reused = self._connection(check=not (repeatable and at_hand))
+            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
             try:
                 connection.putrequest(method, self.prefix + target, skip_host=True,
                                       skip_accept_encoding=True)
@@ -3383,13 +3498,15 @@ class Upstream:
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1):
+                if not (repeatable and at_hand and reused and attempt == 1 and
+                        isinstance(exc, CLOSED_BY_BACKEND)):
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
         raise AssertionError("unreachable")
 
     def finish(self, connection, response):
         """After a fully read answer: keep the connection for the next request."""
+        response.close()  # read1 leaves a finished answer open, and the connection unusable
         if response.will_close or connection.sock is None:
             connection.close()
         else:
@@ -3621,10 +3738,28 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     server_version = "searchkeys/" + __version__
     sys_version = ""
     timeout = CLIENT_TIMEOUT
-    disable_nagle_algorithm = True
     wbufsize = SMALL_BODY  # a head and a small body leave in one send
     default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
     body = None
+
+    def setup(self):
+        """StreamRequestHandler's, on a Connection: the bytes read ahead of
+        this request come first, and its head is bounded in total time."""
+        self.connection = self.request.sock
+        self.connection.settimeout(self.timeout)
+        self.reader = ReadAhead(self.request)
+        self.rfile = io.BufferedReader(self.reader)
+        self.wfile = self.connection.makefile("wb", self.wbufsize)
+
+    def handle(self):
+        """One request a turn: between requests the server holds the
+        connection without a thread, with what was read past this one."""
+        connection = self.request
+        connection.keep, connection.read_ahead = False, b""
+        self.close_connection = True
+        self.handle_one_request()
+        if not self.close_connection:
+            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
 
     def handle_one_request(self):
         """Like http.server's, with the whole head (not each line) bounded
@@ -3675,6 +3810,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
         if head is None:
             return False
+        self.reader.end_of_head()
         self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
         connection = self.headers.get("Connection", "").lower()
         self.close_connection = connection == "close" or (
@@ -3709,9 +3845,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         return block.decode("iso-8859-1")
 
     def send_continue(self):
-        """100 Continue, deferred until the body is first read: a refused
-        request never invites its body (parse_request, overridden, never
-        calls http.server's handle_expect_100)."""
+        """100 Continue, sent when the body is first read: a refused request
+        never invites its body (http.server's handle_expect_100 is not used)."""
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
@@ -3786,30 +3921,319 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.server.service.log("searchkeys: %s" % printable(format % args))
 
 
-class KeysServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most `max_connections` at once: past the
-    bound, new callers wait in the listen backlog."""
+class Connection:
+    """A caller's connection between requests: its socket, the bytes read
+    ahead of its next request, and when that request's head must be in."""
+
+    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
+
+    def __init__(self, sock, address):
+        self.sock, self.address = sock, address
+        self.read_ahead, self.deadline, self.keep = b"", None, False
+
+    def head_arrived(self):
+        """Has a whole head come (or all that a waiting connection may hold)?"""
+        data = self.read_ahead
+        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
+
+
+class ReadAhead(io.RawIOBase):
+    """What a handler reads: its connection's read-ahead bytes, then the
+    socket, the head by its deadline in total (a timeout per recv would let
+    a client sending a byte now and then hold a worker for ever)."""
+
+    def __init__(self, connection):
+        super().__init__()
+        self.sock, self.deadline = connection.sock, connection.deadline
+        self.pending = memoryview(connection.read_ahead)
+        self.probing = False
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.pending:
+            count = min(len(buffer), len(self.pending))
+            buffer[:count] = self.pending[:count]
+            self.pending = self.pending[count:]
+            return count
+        if self.probing:
+            return None  # "nothing without waiting", to leftover()
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the request head took too long")
+            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
+        return self.sock.recv_into(buffer)
+
+    def end_of_head(self):
+        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
+        if self.deadline is not None:
+            self.deadline = None
+            self.sock.settimeout(CLIENT_TIMEOUT)
+
+    def leftover(self, rfile):
+        """What `rfile` (reading this) already holds past the request just
+        answered: the start of the next one. Never waits."""
+        self.probing = True
+        pieces = []
+        while True:
+            piece = rfile.read1(SMALL_BODY)
+            if not piece:
+                return b"".join(pieces)
+            pieces.append(piece)
+
+
+class ConnectionWatcher:
+    """Connections waiting for their next request, held without a thread:
+    one thread watches them all (selectors), reads what arrives, and hands
+    a connection to `ready` once its head is in. A connection has
+    CLIENT_TIMEOUT for its next head in total, then is closed; while
+    `crowded()`, the connection waiting longest is closed for a newcomer."""
+
+    def __init__(self, ready, close, crowded):
+        self.ready, self.close, self.crowded = ready, close, crowded
+        self._selector = selectors.DefaultSelector()
+        self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
+        self._incoming = collections.deque()  # parked by other threads, not yet watched
+        self._wake, self._waker = socket.socketpair()
+        for sock in (self._wake, self._waker):
+            sock.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def park(self, connection):
+        """Watch `connection` until its next head is in (from any thread)."""
+        connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self._incoming.append(connection)
+        self._wake_up()
+
+    def stop(self):
+        self._running = False
+        self._wake_up()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for connection in list(self._waiting) + list(self._incoming):
+            connection.sock.close()
+        self._selector.close()
+        self._wake.close()
+        self._waker.close()
+
+    def _wake_up(self):
+        try:
+            self._waker.send(b"\0")
+        except OSError:
+            pass  # full: a wake-up is pending anyway
+
+    def _run(self):
+        while self._running:
+            for key, _ in self._selector.select(1.0):
+                if key.data is None:
+                    while self._drain():
+                        pass
+                else:
+                    self._receive(key.data)
+            while self._incoming:
+                self._watch(self._incoming.popleft())
+            now = time.monotonic()
+            while self._waiting and (next(iter(self._waiting)).deadline <= now or
+                                     self.crowded()):
+                self._drop(next(iter(self._waiting)))
+
+    def _drain(self):
+        try:
+            return self._wake.recv(4096)
+        except OSError:
+            return b""
+
+    def _watch(self, connection):
+        try:
+            connection.sock.setblocking(False)
+            self._selector.register(connection.sock, selectors.EVENT_READ, connection)
+        except (OSError, ValueError):  # closed meanwhile: nothing to watch
+            self.close(connection)
+            return
+        self._waiting[connection] = None
+
+    def _unwatch(self, connection):
+        del self._waiting[connection]
+        self._selector.unregister(connection.sock)
+
+    def _drop(self, connection):
+        self._unwatch(connection)
+        self.close(connection)
+
+    def _receive(self, connection):
+        try:
+            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = connection.read_ahead = b""  # reset: nothing left to answer
+        if data:
+            connection.read_ahead += data
+            if not connection.head_arrived():
+                return
+        if not connection.read_ahead:  # closed between requests
+            self._drop(connection)
+            return
+        self._unwatch(connection)
+        self.ready(connection)  # a head, or the end of a cut-off one
+
+
+def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
+    """Raise the soft limit on open files towards `wanted` (within the hard
+    limit): each waiting connection holds one. Returns the limit in force."""
+    import resource  # Unix only, like fcntl
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
+        if hard != resource.RLIM_INFINITY:
+            target = min(target, hard)
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+def listen_family(host):
+    """AF_INET, or AF_INET6 for a host with only IPv6 addresses (`::1`, `::`)."""
+    families = {info[0] for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM, 0,
+                                                       socket.AI_PASSIVE)}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+
+
+class KeysServer(http.server.HTTPServer):
+    """Between requests a connection waits in a ConnectionWatcher, without
+    a thread; a request whose head is in is served by one of at most
+    `max_connections` worker threads (the rest wait their turn). So idle
+    keep-alive connections and slow heads hold no thread, and a newcomer is
+    served while thousands of them are open. Past `max_open` connections
+    the one waiting longest is closed. (ThreadingMixIn's thread for each
+    connection is what this replaces.)"""
 
     request_queue_size = 1024
+    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
 
-    def __init__(self, address, service, max_connections=512):
+    def __init__(self, address, service, max_connections=512, max_open=1000):
         self.service = service
-        self.slots = threading.BoundedSemaphore(max(1, max_connections))
+        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
+        self._ready = collections.deque()
+        self._turns = threading.Condition()
+        self._workers = self._idle_workers = 0
+        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
+                                         lambda: self.open > self.max_open)
+        self.address_family = listen_family(address[0])
         super().__init__(address, KeysHandler)
 
-    def process_request(self, request, client_address):
-        self.slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+    def server_bind(self):
+        """An IPv6 socket takes IPv4 callers too where the system allows it
+        (`--host ::` is then every address of both families)."""
+        if self.address_family == socket.AF_INET6:
+            try:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        super().server_bind()
 
-    def process_request_thread(self, request, client_address):
+    def serve_forever(self, poll_interval=0.5):
+        self.watcher.start()
+        super().serve_forever(poll_interval)
+
+    def server_close(self):
+        super().server_close()
+        self.watcher.stop()
+
+    def process_request(self, request, client_address):
+        """A new connection waits for its first request like any other."""
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        with self._turns:
+            self.open += 1
+        self.watcher.park(Connection(request, client_address))
+
+    def _queue(self, connection):
+        """Serve `connection`'s request on a waiting worker, or a new one
+        while there are fewer than max_connections."""
+        with self._turns:
+            self._ready.append(connection)
+            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
+            if start:
+                self._workers += 1
+            self._turns.notify()
+        if start:
+            try:
+                threading.Thread(target=self._work, daemon=True).start()
+            except RuntimeError:  # no thread to be had: the running workers take it
+                with self._turns:
+                    self._workers -= 1
+
+    def _work(self):
+        while True:
+            with self._turns:
+                while not self._ready:
+                    self._idle_workers += 1
+                    woken = self._turns.wait(self.worker_idle_seconds)
+                    self._idle_workers -= 1
+                    if not woken and not self._ready:
+                        self._workers -= 1
+                        return
+                connection = self._ready.popleft()
+            self._serve_turn(connection)
+
+    def _serve_turn(self, connection):
+        """Requests of one connection while they come at once and nobody
+        else waits for a worker; then it waits for its next one, or closes."""
+        while True:
+            try:
+                self.finish_request(connection, connection.address)
+            except Exception:
+                self.handle_error(connection.sock, connection.address)
+                connection.keep = False
+            if connection.keep and not connection.head_arrived() and not self._ready:
+                self._next_request_soon(connection)
+            if not connection.keep:
+                self._close(connection, True)
+                return
+            if not connection.head_arrived():
+                self.watcher.park(connection)
+                return
+            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+            if self._ready:  # others wait: take turns
+                self._queue(connection)
+                return
+
+    @staticmethod
+    def _next_request_soon(connection):
+        """Read what comes within NEXT_REQUEST_WAIT: a keep-alive caller sends
+        its next request right away more often than not, and serving it here
+        saves the trip through the watcher to another worker."""
+        sock = connection.sock
+        try:
+            sock.settimeout(NEXT_REQUEST_WAIT)
+            data = sock.recv(READ_AHEAD - len(connection.read_ahead))
+        except OSError:  # the timeout most often: the watcher will see what comes
+            return
+        if not data:
+            connection.keep = False  # closed by the caller
+        connection.read_ahead += data
+
+    def _close(self, connection, linger):
+        if linger:
+            self.shutdown_request(connection.sock)
+        else:
+            self.close_request(connection.sock)
+        with self._turns:
+            self.open -= 1
 
     def shutdown_request(self, request):
         """socketserver's, plus a lingering close: what the caller still sends
@@ -3853,8 +4277,20 @@ class ConnectionFailed(Exception):
     """The server could not be reached; the message names the URL tried."""
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib would send the Authorization header on to wherever a redirect
+    points (another host, https to http): a redirect is answered as is."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
 class Client:
-    """A small client of the /keys API (urllib; used by the CLI)."""
+    """A small client of the /keys API (urllib; used by the CLI). It never
+    follows a redirect: the credential would go along."""
 
     def __init__(self, url=DEFAULT_URL, key=None, timeout=30.0):
         self.url = url.rstrip("/")
@@ -3876,9 +4312,15 @@ class Client:
         except ValueError as exc:  # not a URL urllib can use, e.g. no http://
             raise ConnectionFailed("cannot connect to %s: %s" % (url, exc))
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with _OPENER.open(req, timeout=self.timeout) as response:
                 status, payload = response.status, response.read()
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                raise ClientError(exc.code, "redirected", "%s answered %d, a redirect to %s, "
+                                  "which is not followed as the key would go along: give "
+                                  "that URL with --url if it is the server" % (
+                                      url, exc.code, printable(exc.headers.get("Location") or
+                                                               "nowhere")))
             raise _client_error(exc.code, exc.read())
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
@@ -3945,8 +4387,8 @@ def add_restriction_flags(serve):
                             "(second, minute, hour, day), answer it 429 until the window ends "
                             "(default: off), e.g. 10/minute")
     serve.add_argument("--max-clients", type=_argument_type(positive_int, "count"),
-                       default=100000, help="rate counters kept in memory, least recently used "
-                                            "forgotten first (100000: about 25 MiB)")
+                       default=100000, help="clients counted for rates, and apart for "
+                                            "--throttle-failures (100000: ~25 MiB each)")
 
 
 def add_restrict_command(key_commands, common):
@@ -4133,7 +4575,7 @@ def build_parser():
                        help="bearer token sent upstream (env SEARCHKEYS_UPSTREAM_KEY); must not "
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
-                       default=512, help="simultaneous connections served (512)")
+                       default=512, help="requests served at once, a thread each (512)")
     add_restriction_flags(serve)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
@@ -4230,11 +4672,14 @@ def run_serve(args):
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
-        upstream = Upstream(args.upstream, args.upstream_key or None) if args.upstream else None
+        upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr) \
+            if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
+        # one file each: a connection, a worker's backend connection, the pool and the store
+        max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
         server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
                                                              _log_to_stderr, limits),
-                            args.max_connections)
+                            args.max_connections, max_open)
     except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
@@ -4248,7 +4693,8 @@ def run_serve(args):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
-        len(store), " in " + args.store if args.store else " in memory", args.host,
+        len(store), " in " + args.store if args.store else " in memory",
+        "[%s]" % args.host if ":" in args.host else args.host,
         server.server_address[1], " -> " + upstream.display_url if upstream else ""))
     try:
         server.serve_forever()

@@ -17,7 +17,10 @@ Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measu
   (``stub_server.py proxy``: bare http.server + http.client, no authorization) and sent to the
   stub directly, interleaved in the same run;
 - where nginx is installed: the same search through nginx with ``auth_request`` to searchkeys
-  (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone.
+  (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone;
+- a new client's latency (``GET /health`` on a fresh connection, p50/p99) while 5,000 idle
+  keep-alive connections and 500 clients trickling their heads are held against the guard, next
+  to the same figure with nothing held, plus the guard's threads and RSS meanwhile.
 
 The store is filled through the API (``POST /keys`` from a concurrent keep-alive client), the way
 a user would; the fill rate is reported too. Prints ONE JSON object with the figures, the ratios
@@ -56,6 +59,8 @@ TARGETS_DOC = {
     "guard_rps": "guarded search throughput >= 0.9x the floor (bare http.server + http.client "
                  "proxy) at c=8",
     "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
+    "held_new_client": "a new client is answered within 1 s (p99) while 5,000 idle keep-alive "
+                       "and 500 trickling connections are held",
 }
 
 
@@ -75,6 +80,9 @@ def parse_args():
     parser.add_argument("--searchkeys", default=str(SEARCHKEYS), help="path of searchkeys.py")
     parser.add_argument("--guard-only", action="store_true",
                         help="measure only the guard's cost (no store filling)")
+    parser.add_argument("--held-only", action="store_true",
+                        help="measure only a new client's latency while thousands of idle and "
+                             "trickling connections are held")
     args = parser.parse_args()
     quick = args.quick
     common.apply_defaults(args, {
@@ -341,6 +349,108 @@ def measure_nginx(args, workdir):
             server.stop()
 
 
+HELD_IDLE, HELD_TRICKLING = 5000, 500
+
+
+def _raise_open_files(wanted):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (
+            wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+
+
+def _new_client_latencies(port, samples):
+    """ms of GET /health on a fresh connection each, `samples` times, sorted."""
+    import socket
+    request = b"GET /health HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n"
+    times = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        with socket.create_connection((common.HOST, port), timeout=30) as sock:
+            sock.sendall(request)
+            data = b""
+            while not data.endswith(b'{"status":"available"}'):
+                piece = sock.recv(4096)
+                if not piece:
+                    break
+                data += piece
+        times.append((time.perf_counter() - started) * 1000)
+    return sorted(times)
+
+
+def _latency_row(times):
+    return {"samples": len(times), "p50_ms": round(common.percentile(times, 50), 2),
+            "p99_ms": round(common.percentile(times, 99), 2), "max_ms": round(times[-1], 2)}
+
+
+def _hold(port, idle, trickling):
+    """Open `idle` keep-alive connections (one answered request each) and `trickling` ones
+    that sent half a head; returns (sockets, trickle thread's stop event)."""
+    import selectors
+    import socket
+    import threading
+    held, selector = [], selectors.DefaultSelector()
+    for _ in range(idle):
+        sock = socket.create_connection((common.HOST, port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: b\r\n\r\n")
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        held.append(sock)
+    waiting, deadline = len(held), time.monotonic() + 120
+    while waiting and time.monotonic() < deadline:
+        for key, _ in selector.select(1.0):
+            if key.fileobj.recv(4096).endswith(b'{"status":"available"}'):
+                selector.unregister(key.fileobj)
+                waiting -= 1
+    selector.close()
+    slow = []
+    for _ in range(trickling):
+        sock = socket.create_connection((common.HOST, port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        slow.append(sock)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.5):
+            for sock in slow:
+                try:
+                    sock.send(b"a")
+                except OSError:
+                    pass
+    threading.Thread(target=trickle, daemon=True).start()
+    return held + slow, stop, waiting
+
+
+def measure_held(args, workdir):
+    """A new client's latency with nothing held, then with HELD_IDLE idle keep-alive and
+    HELD_TRICKLING trickling connections held against the guard."""
+    _raise_open_files(HELD_IDLE + HELD_TRICKLING + 1000)
+    samples = 100 if args.quick else 400
+    server = start_searchkeys(args, workdir)
+    result = {"samples": samples}
+    try:
+        result["nothing held"] = _latency_row(_new_client_latencies(server.port, samples))
+        held, stop, unanswered = _hold(server.port, HELD_IDLE, HELD_TRICKLING)
+        try:
+            time.sleep(1.0)
+            label = f"{HELD_IDLE} idle + {HELD_TRICKLING} trickling held"
+            result[label] = _latency_row(_new_client_latencies(server.port, samples))
+            result[label]["idle_unanswered"] = unanswered
+            status = server.status() or {}
+            result[label]["threads"] = status.get("threads")
+            result[label]["rss_mib"] = round(status.get("rss_kib", 0) / 1024, 1)
+            result["load_average"] = common.load_average()
+        finally:
+            stop.set()
+            for sock in held:
+                sock.close()
+    finally:
+        server.stop()
+    log("new client while connections are held:", result)
+    return result
+
+
 def idle_rss_mib(server):
     time.sleep(1.0)
     return round((server.status() or {}).get("rss_kib", 0) / 1024, 1)
@@ -382,6 +492,11 @@ def evaluate_targets(args, result):
             r = row["guarded/direct"]["rps"]
             add("nginx_rps", f"{label} rps nginx+searchkeys / nginx direct", r, ">= 0.8",
                 r >= 0.8)
+    held = result.get("held_connections", {}).get(
+        f"{HELD_IDLE} idle + {HELD_TRICKLING} trickling held")
+    if held:
+        add("held_new_client", "new client p99 ms while connections are held", held["p99_ms"],
+            "< 1000", held["p99_ms"] < 1000)
     return targets
 
 
@@ -405,6 +520,10 @@ def main():
         return server
 
     try:
+        if args.held_only:
+            result["held_connections"] = measure_held(args, workdir)
+            return common.finish_result("searchkeys-held", result,
+                                        evaluate_targets(args, result))
         if args.guard_only:
             result["guard"] = measure_guard(args, workdir)
             if NGINX:
@@ -450,6 +569,7 @@ def main():
         result["guard"] = measure_guard(args, workdir)
         if NGINX:
             result["nginx"] = measure_nginx(args, workdir)
+        result["held_connections"] = measure_held(args, workdir)
     finally:
         for server in servers:
             server.stop()

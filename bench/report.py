@@ -67,8 +67,24 @@ def table_rows(table, names, ratios):
     return lines
 
 
+def held_lines(result):
+    held = result.get("held_connections")
+    if not held:
+        return []
+    lines = ["", "A new client (GET /health on a fresh connection) while connections are held "
+             "against the guard:", "",
+             "| held | p50 / p99 / max ms | guard threads | guard RSS MiB |", "|---|---|---|---|"]
+    for label, row in held.items():
+        if isinstance(row, dict):
+            lines.append(f"| {label} | {row['p50_ms']} / {row['p99_ms']} / {row['max_ms']} | "
+                         f"{row.get('threads', '')} | {row.get('rss_mib', '')} |")
+    return lines
+
+
 def guard_lines(result):
     lines = []
+    if "guard" not in result:  # a --held-only run
+        return held_lines(result)
     lines += ["", "Guard (POST /indexes/blog/search with a search key), through "
               "`serve --upstream` vs the floor (bare http.server + http.client proxy) vs direct "
               "to the stub:", "",
@@ -87,7 +103,7 @@ def guard_lines(result):
                   " | rps ratio | server CPU µs/req |", "|---|---|---|---|---|"]
         lines += table_rows(result["nginx"], ["nginx direct", "nginx+searchkeys"],
                             ["guarded/direct"])
-    return lines
+    return lines + held_lines(result)
 
 
 def searchkeys(result):

@@ -30,6 +30,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def ipv6_loopback():
+    """Can a socket listen on ::1 here?"""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def wait_for_port(port, proc=None, timeout=10.0):
     """Block until something accepts on 127.0.0.1:port (or the process dies)."""
     deadline = time.monotonic() + timeout

@@ -465,3 +465,35 @@ def test_tampered_token_refused(server, recorder, parent):
     other = dict(parent, key="f" * 64)
     token, _ = mint_with_cli(recorder, other, ["movies"])
     assert search(server, token)[1]["message"] == "Could not decode tenant token, InvalidSignature."
+
+
+def test_a_redirect_is_not_followed_with_the_key():
+    """urllib re-sent Authorization to wherever a redirect pointed (another host, https to
+    http): the client stops at the redirect with one sentence, and the key goes nowhere."""
+    elsewhere, seen = Recorder(), []
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(302)
+            self.send_header("Location", elsewhere.url + "/keys")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    redirecting = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=redirecting.serve_forever, daemon=True).start()
+    try:
+        done = subprocess.run(python_cmd(SEARCHKEYS, "keys", "list", "--url", "http://127.0.0.1:%d"
+                                         % redirecting.server_address[1], "--key", MASTER),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "redirect" in done.stderr and elsewhere.url in done.stderr
+        assert seen == ["Bearer " + MASTER] and elsewhere.hits == []
+    finally:
+        elsewhere.close()
+        redirecting.shutdown()
+        redirecting.server_close()

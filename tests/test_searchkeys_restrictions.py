@@ -191,7 +191,7 @@ def test_rates_allow_a_burst_then_one_per_interval():
     counters = sk.Counters(clock=clock)
     rate = sk.parse_rate("3/minute")
     assert [counters.take([("k", rate)]) for _ in range(3)] == [None] * 3
-    wait, refused, _ = counters.take([("k", rate)])
+    wait, refused = counters.take([("k", rate)])
     assert refused is rate and wait == pytest.approx(20.0)
     clock.now += 20.0
     assert counters.take([("k", rate)]) is None
@@ -211,13 +211,33 @@ def test_a_refused_request_counts_against_no_rate():
 
 def test_failures_count_in_a_fixed_window():
     clock = FakeClock()
-    counters = sk.Counters(clock=clock)
+    failures = sk.FailureCounts(sk.parse_rate("3/minute"), clock=clock)
     for _ in range(3):
-        counters.fail("ip", 60)
+        assert failures.fail("ip")
     clock.now += 59
-    assert counters.failures("ip") == (3, pytest.approx(1.0))
+    assert failures.throttled("ip") == pytest.approx(1.0)
     clock.now += 1
-    assert counters.failures("ip") == (0, 0.0)
+    assert failures.throttled("ip") is None
+
+
+def test_a_throttled_client_is_never_forgotten_before_its_window_ends():
+    """Clients cycling through addresses cannot push a throttled one out of the bounded
+    table: the ones under the limit go first, and once only live throttles are left a new
+    failing client is refused rather than an old one forgotten."""
+    clock = FakeClock()
+    failures = sk.FailureCounts(sk.parse_rate("2/minute"), capacity=3, clock=clock)
+    failures.fail("attacker")
+    failures.fail("attacker")
+    for n in range(1000):
+        failures.fail("cycled-%d" % n)
+    assert failures.throttled("attacker") is not None and len(failures) == 3
+    for name in ("b", "c"):
+        failures.fail(name)
+        failures.fail(name)
+    assert failures.fail("newcomer") is False and failures.throttled("newcomer") is None
+    assert all(failures.throttled(n) is not None for n in ("attacker", "b", "c"))
+    clock.now += 60
+    assert failures.throttled("attacker") is None and failures.fail("newcomer") is True
 
 
 def test_counters_are_bounded_least_recently_used_first():
@@ -616,3 +636,83 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
                            {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
         finally:
             stop_session(nginx, signal.SIGQUIT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Referrer and client-keying hardening (issue 21)
+# ---------------------------------------------------------------------------------------------
+
+def test_a_long_referer_is_refused_quickly_and_counts_against_the_rate(guard, backend):
+    """Three stars against a 128 KiB Referer backtracked for seconds of locked CPU a request;
+    now patterns match in linear time, a Referer past 4096 bytes is refused as a referrer
+    refusal, and every referrer refusal counts against the key's rate."""
+    key = new_key(guard, {"allowedReferrers": ["https://*.example.com/*.html"],
+                          "rateLimit": {"perIp": "3/minute"}})
+    long_referer = "https://" + "a." * 2000 + "example.com/" + "x" * 120000
+    status, error = refusal(call(guard, "search-post", key, client="198.51.100.70",
+                                 headers={"Referer": long_referer}))
+    assert status == 403 and "allowedReferrers" in error["message"]
+    assert ok(call(guard, "search-post", key, client="198.51.100.70",
+                   headers={"Referer": "https://www.example.com/a/b.html"})[0])
+    status, _, _ = call(guard, "search-post", key, client="198.51.100.70",
+                        headers={"Referer": "https://evil.net/"})
+    assert status == 403
+    status, _, _ = call(guard, "search-post", key, client="198.51.100.70",
+                        headers={"Referer": "https://www.example.com/a/b.html"})
+    assert status == 429  # three requests (two refused) used up the rate
+
+
+def test_wildcards_match_in_linear_time():
+    patterns = _patterns("https://*.example.com/*.html")
+    subject = "https://" + "a." * 2000 + "example.com/" + "x" * 120000
+    import time
+    started = time.process_time()
+    for _ in range(3):
+        assert not sk.wildcard_match(patterns[0][0], subject)
+    # a hang detector: backtracking took seconds a call
+    assert time.process_time() - started < 1.0
+    assert sk.referrer_allowed(patterns, None, "https://x.example.com/y.html")
+    assert not sk.referrer_allowed(patterns, None, "https://example.com/y.html")
+    star_run = _patterns("*a*a*b")
+    assert sk.referrer_allowed(star_run, None, "https://aab") and \
+        not sk.referrer_allowed(star_run, None, "https://" + "a" * 4000)
+
+
+@pytest.mark.parametrize("headers", [{"Referer": "http://[::1/x"}, {"Origin": "http://[::1"},
+                                     {"Referer": "http://[zz]/"}])
+def test_a_malformed_referer_is_a_referrer_refusal_not_a_crash(guard, headers):
+    key = new_key(guard, {"allowedReferrers": ["*.example.org"]})
+    status, error = refusal(call(guard, "search-post", key, client="198.51.100.71",
+                                 headers=headers))
+    assert status == 403 and error["code"] == "forbidden_by_restriction"
+    assert "internal error" not in guard.log()
+
+
+def test_nat64_and_mapped_clients_are_counted_by_their_ipv4_address(guard):
+    """Behind NAT64's well-known prefix every IPv4 user would share one /64: two users there
+    have separate counters (and the mapped form of an address is that address)."""
+    key = new_key(guard, {"rateLimit": {"perIp": "1/hour"}})
+    assert ok(call(guard, "search-post", key, client="64:ff9b::192.0.2.81")[0])
+    assert ok(call(guard, "search-post", key, client="64:ff9b::192.0.2.82")[0])
+    assert call(guard, "search-post", key, client="64:ff9b::c000:251")[0] == 429  # .81 again
+    assert call(guard, "search-post", key, client="::ffff:192.0.2.82")[0] == 429
+    assert ok(call(guard, "search-post", key, client="2001:db8:0:81::1")[0])
+
+
+def test_clients_cycling_addresses_cannot_lift_a_throttle(backend):
+    """A /48 can walk through /64s: with room for 3 clients, six newcomers failing once each
+    used to push the throttled client out, letting it start afresh. Not any more; and when
+    every entry is a live throttle, a new failing client is refused (429) instead."""
+    with serve(backend, "--trusted-proxy", "127.0.0.1/32", "--max-clients", "3",
+               "--throttle-failures", "2/minute") as daemon:
+        def attempt(client, credential="f" * 64):
+            headers = {"Authorization": "Bearer " + credential, "X-Forwarded-For": client}
+            return daemon.request("GET", "/indexes/movies/search", None, headers)[0]
+        assert [attempt("2001:db8:1:1::1") for _ in range(2)] == [403, 403]
+        assert attempt("2001:db8:1:1::1", MASTER) == 429
+        assert [attempt("2001:db8:1:%x::1" % n) for n in range(2, 8)] == [403] * 6
+        assert attempt("2001:db8:1:1::1", MASTER) == 429  # still throttled
+        for client in ("2001:db8:2::1", "2001:db8:3::1"):
+            assert [attempt(client) for _ in range(2)] == [403, 403]
+        assert attempt("2001:db8:4::1") == 429  # no room: refused, nobody forgotten
+        assert attempt("2001:db8:4::1", MASTER) == 200

@@ -3,7 +3,7 @@
 These tests check, through real sockets, that answers keep their order on a keep-alive
 connection (pipelined), that one slow party (a backend, a client that does not read) never holds
 up the others, that dead pooled backend connections are handled, and that --max-connections
-bounds the connections served at once.
+bounds the requests served at once (idle connections hold no thread).
 """
 import http.server
 import json
@@ -19,6 +19,21 @@ MASTER = "server-test-master-key-0123456789"
 SEARCH_BODY = b'{"q": "x"}'
 
 
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A stand-in backend's handler: HTTP/1.1 keep-alive, no log, JSON answers."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, payload):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
 class Backend:
     """A search backend on 127.0.0.1: answers JSON naming the path; `/indexes/slow/...`
     waits for `release`; `/indexes/big/...` answers 256 KiB."""
@@ -26,27 +41,20 @@ class Backend:
     def __init__(self):
         self.release = threading.Event()
         self.waiting = threading.Event()
+        self.arrived = 0
         backend = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if "/slow/" in self.path:
+                    backend.arrived += 1
                     backend.waiting.set()
                     backend.release.wait(30)
                 payload = json.dumps({"path": self.path}).encode()
                 if "/big/" in self.path:
                     payload = b"[" + b"0," * (128 * 1024) + b"0]"
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self.answer(payload)
 
             do_GET = do_POST
 
@@ -276,23 +284,248 @@ def test_pooled_backend_connections_closed_by_the_backend_are_retried():
         closing.close()
 
 
-def test_max_connections_leaves_the_rest_waiting_in_the_backlog():
-    with start_guard(extra=("--max-connections", "2")) as guard:
+def test_max_connections_bounds_requests_served_at_once_not_idle_connections(backend):
+    """--max-connections 2: two idle keep-alive connections hold nothing (a newcomer is
+    served), while two requests the backend sits on make a third wait its turn."""
+    with start_guard(backend.url, extra=("--max-connections", "2")) as guard:
+        key = search_key(guard.port)
         held = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
-                for _ in range(2)]
-        for sock in held:  # both are being served: the bound is reached
-            sock.sendall(raw_request("GET", "/health"))
-            assert AnswerReader(sock).next()[0] == 200
-        extra = socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                for _ in range(3)]
         try:
-            extra.sendall(raw_request("GET", "/health"))
-            extra.settimeout(0.5)
+            for sock in held:  # idle keep-alive connections, all answered
+                sock.sendall(raw_request("GET", "/health"))
+                assert AnswerReader(sock).next()[0] == 200
+            for sock in held[:2]:
+                sock.sendall(raw_request("POST", "/indexes/slow/search", key, SEARCH_BODY))
+            assert backend.waiting.wait(15)
+            deadline = time.monotonic() + 15
+            while backend.arrived < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert backend.arrived == 2
+            held[2].sendall(raw_request("GET", "/health"))
+            held[2].settimeout(0.5)
             with pytest.raises(socket.timeout):
-                extra.recv(1)  # not accepted yet
-            held.pop().close()
-            extra.settimeout(30)
-            assert AnswerReader(extra).next()[0] == 200
+                held[2].recv(1)  # both workers are busy: it waits its turn
+            backend.release.set()
+            held[2].settimeout(30)
+            assert AnswerReader(held[2]).next()[0] == 200
+            for sock in held[:2]:
+                assert AnswerReader(sock).next()[0] == 200
         finally:
-            extra.close()
             for sock in held:
+                sock.close()
+
+
+class RestartingBackend:
+    """A keep-alive backend whose restart closes every connection it holds (as a restarted
+    Meilisearch does) and listens again on the same port. `/indexes/hold/...` answers once
+    `holding` requests wait together, so the guard pools that many connections."""
+
+    def __init__(self, holding=4):
+        self.barrier = threading.Barrier(holding, timeout=30)
+        self.connections = []
+        self.port = free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self._start()
+
+    def _start(self):
+        backend = self
+
+        class Handler(QuietHandler):
+            def setup(self):
+                super().setup()
+                backend.connections.append(self.connection)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if "/hold/" in self.path:
+                    backend.barrier.wait()
+                self.answer(b'{"hits": []}')
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def restart(self):
+        self.close()
+        for sock in self.connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.connections = []
+        self._start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_searches_after_a_backend_restart_are_answered():
+    """After a backend restart every pooled connection is dead: a search that meets one is
+    sent again on a new connection, not on the next dead one from the pool (which answered
+    502 to 3 searches of 8)."""
+    backend = RestartingBackend(holding=4)
+    try:
+        with start_guard(backend.url) as guard:
+            key = search_key(guard.port)
+            auth = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+            held = [threading.Thread(target=request, args=(
+                guard.port, "POST", "/indexes/hold/search", SEARCH_BODY, auth, 30))
+                for _ in range(4)]
+            for thread in held:
+                thread.start()
+            for thread in held:
+                thread.join(30)
+            backend.restart()
+            answers = [request(guard.port, "POST", "/indexes/a/search", SEARCH_BODY, auth)
+                       for _ in range(8)]
+            assert [status for status, _, _ in answers] == [200] * 8, answers
+    finally:
+        backend.close()
+
+
+def test_a_search_that_times_out_is_not_sent_twice():
+    """A backend slower than the guard's timeout may still be working on the search: the
+    guard answers 502 (`backend unavailable`, nothing internal) and does not send it again."""
+    import searchkeys as sk
+    seen = []
+
+    class Handler(QuietHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.path)
+            if "/slow/" in self.path:
+                time.sleep(1.5)
+            self.answer(b"{}")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    logged = []
+    try:
+        upstream = sk.Upstream("http://127.0.0.1:%d" % server.server_address[1], timeout=0.5,
+                               log=logged.append)
+        headers = [("Host", "b"), ("Content-Type", "application/json")]
+        assert upstream.forward("POST", "/indexes/a/search", headers, b"{}", True).status == 200
+        with pytest.raises(sk.ApiError) as raised:  # on the pooled connection
+            upstream.forward("POST", "/indexes/slow/search", headers, b"{}", True)
+        assert raised.value.status == 502
+        assert raised.value.message == "The search backend is unavailable."
+        assert logged and "could not be reached" in logged[0]
+        time.sleep(2)
+        assert seen.count("/indexes/slow/search") == 1, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_unreachable_backend_is_named_nowhere_in_the_answer():
+    port = free_port()
+    with start_guard("http://127.0.0.1:%d" % port) as guard:
+        key = search_key(guard.port)
+        status, _, data = request(guard.port, "POST", "/indexes/a/search", SEARCH_BODY,
+                                  {"Authorization": "Bearer " + key,
+                                   "Content-Type": "application/json"})
+        assert status == 502
+        assert json.loads(data) == {
+            "message": "The search backend is unavailable.", "code": "upstream_unavailable",
+            "type": "system", "link": "https://docs.meilisearch.com/errors#upstream_unavailable"}
+        assert "127.0.0.1:%d" % port in guard.log() and "Refused" in guard.log()
+
+
+def _ps(pid, field):
+    """One number `ps` reports about `pid` (nlwp: threads; rss: KiB), or None."""
+    import subprocess
+    done = subprocess.run(["ps", "-o", field + "=", "-p", str(pid)], capture_output=True,
+                          text=True)
+    return int(done.stdout.split()[0]) if done.returncode == 0 and done.stdout.split() else None
+
+
+def _open_files(wanted):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip("the open-files limit (%d) is below %d" % (hard, wanted))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _connect(port, source):
+    sock = socket.socket()
+    if source is not None:
+        try:
+            sock.bind((source, 0))
+        except OSError:
+            pass  # only 127.0.0.1 here
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _answer_all(socks, deadline):
+    """Read one /health answer on each socket (all sent already): how many came."""
+    import selectors
+    selector = selectors.DefaultSelector()
+    pending = {}
+    for sock in socks:
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        pending[sock] = b""
+    answered = 0
+    while pending and time.monotonic() < deadline:
+        for key, _ in selector.select(1.0):
+            sock = key.fileobj
+            pending[sock] += sock.recv(4096)
+            if pending[sock].endswith(b'{"status":"available"}'):
+                selector.unregister(sock)
+                del pending[sock]
+                answered += 1
+    selector.close()
+    return answered
+
+
+def test_thousands_of_idle_and_trickling_connections_lock_nobody_out():
+    """5,000 idle keep-alive connections and 500 clients trickling their heads a byte at a
+    time, from several addresses: a new client is still answered at once, and the guard's
+    threads and memory stay bounded (520 idle connections used to stop it: a thread each)."""
+    idle_count, trickle_count = 5000, 500
+    _open_files(idle_count + trickle_count + 500)
+    with start_guard(extra=("--max-connections", "32")) as guard:
+        sources = [None] + ["127.0.0.%d" % n for n in range(2, 10)]
+        idle, trickling, stop = [], [], threading.Event()
+        try:
+            deadline = time.monotonic() + 60
+            for n in range(idle_count):
+                sock = _connect(guard.port, sources[n % len(sources)])
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                idle.append(sock)
+            assert _answer_all(idle, deadline) == idle_count  # now idle, kept alive
+            for n in range(trickle_count):
+                sock = _connect(guard.port, sources[n % len(sources)])
+                sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+                trickling.append(sock)
+
+            def trickle():
+                while not stop.wait(0.2):
+                    for sock in trickling:
+                        try:
+                            sock.send(b"a")
+                        except OSError:
+                            pass
+            trickler = threading.Thread(target=trickle, daemon=True)
+            trickler.start()
+            time.sleep(0.5)
+            for _ in range(5):  # hang detectors: the old guard never answered these
+                status, _, body = request(guard.port, "GET", "/health", timeout=10)
+                assert (status, body) == (200, b'{"status":"available"}')
+            threads, rss = _ps(guard.proc.pid, "nlwp"), _ps(guard.proc.pid, "rss")
+            if threads is not None:
+                assert threads <= 32 + 4, threads  # the workers, the watcher, the main one
+            if rss is not None:
+                assert rss < 300 * 1024, rss
+            assert guard.proc.poll() is None
+        finally:
+            stop.set()
+            for sock in idle + trickling:
                 sock.close()

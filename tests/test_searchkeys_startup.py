@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
+from support import SEARCHKEYS, Daemon, free_port, ipv6_loopback, python_cmd, request
 
 MASTER = "startup-master-key-0123456789"
 
@@ -187,3 +187,63 @@ def test_journal_of_searchkeys_1_0_is_folded_in(tmp_path):
     assert not journal.exists()
     uids = stored_uids(store)
     assert added["uid"] in uids and record["uid"] not in uids
+
+
+def test_a_journal_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    """The folding of an older version's journal read a planted `keys.json.journal` link
+    and made its target 0600: now the link is refused in one sentence, nothing touched."""
+    store = seeded_store(tmp_path, extra_keys=0)
+    record = json.loads(store.read_text())["keys"][0]
+    target = tmp_path / "elsewhere.txt"
+    target.write_text(json.dumps({"op": "put", "key": dict(record, name="planted")}) + "\n")
+    target.chmod(0o644)
+    (tmp_path / "keys.json.journal").symlink_to(target)
+    before = store.read_bytes()
+    code, message = refused("--master-key", MASTER, "--store", str(store))
+    assert code == 1 and "symbolic link" in message and "keys.json.journal" in message, message
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and store.read_bytes() == before
+    assert (tmp_path / "keys.json.journal").is_symlink()
+
+
+def _health(family, host, port, proc, timeout=20.0):
+    """GET /health over `family` once the server listens: the status, or None."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.socket(family) as sock:
+                sock.settimeout(5)
+                sock.connect((host, port))
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                return int(sock.recv(100).split()[1])
+        except OSError:
+            time.sleep(0.05)
+    return None
+
+
+def _free_dual_stack_port():
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        probe.bind(("::", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("host, families", [
+    ("::1", [(socket.AF_INET6, "::1")]),
+    ("::", [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")])])
+def test_serve_listens_on_ipv6_and_dual_stack(host, families):
+    """`--host ::1` failed ("Address family not supported"); `--host ::` takes IPv4 too."""
+    for attempt in range(3):  # a port taken meanwhile by another test's connection: again
+        port = _free_dual_stack_port()
+        argv = python_cmd(SEARCHKEYS, "serve", "--host", host, "--port", str(port),
+                          "--master-key", MASTER)
+        with Daemon(argv, port, env=clean_env(), wait=False) as server:
+            statuses = [_health(family, address, port, server.proc)
+                        for family, address in families]
+            if "Address already in use" in server.log():
+                continue
+            assert statuses == [200] * len(families), server.log()
+            assert "listening on http://[%s]:%d" % (host, port) in server.log()
+            return
+    pytest.fail("no free port for --host %s" % host)

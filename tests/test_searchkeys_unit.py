@@ -1124,6 +1124,26 @@ def test_default_keys_are_written_together(tmp_path, monkeypatch):
     assert len(store_document(tmp_path / "keys.json")["keys"]) == 4
 
 
+def test_a_failed_folder_sync_after_the_rename_still_applies_the_change(tmp_path, monkeypatch):
+    """Once the new document is renamed into place the change is made: a folder fsync that
+    fails then is logged, and memory agrees with the file (a deleted key stayed valid)."""
+    path, logged = tmp_path / "keys.json", []
+    store = sk.KeyStore(MASTER, str(path), logged.append)
+    victim = store.page(0, 100)[0][0]
+    real_fsync = sk.os.fsync
+
+    def folder_sync_fails(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+    monkeypatch.setattr(sk.os, "fsync", folder_sync_fails)
+    store.delete(victim.uid)
+    assert store.by_uid(victim.uid) is None and store.by_value(victim.value) is None
+    assert victim.uid not in [r["uid"] for r in store_document(path)["keys"]]
+    assert any("cannot sync folder" in line and "Input/output" in line for line in logged)
+    store.close()
+
+
 def test_failed_write_is_not_applied(tmp_path, monkeypatch):
     path = tmp_path / "keys.json"
     store = sk.KeyStore(MASTER, str(path))
