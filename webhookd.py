@@ -4425,8 +4425,7 @@ def open_listeners(opts, environ):
         log.info("using %d socket(s) passed by systemd", len(inherited))
         return inherited, "systemd socket"
     if opts.socket:
-        if os.path.exists(opts.socket) and not os.path.isfile(opts.socket):
-            os.unlink(opts.socket)  # a stale socket from a previous run
+        remove_stale_socket(opts.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(opts.socket)
         sock.listen(1024)
@@ -4441,6 +4440,28 @@ def open_listeners(opts, environ):
     sock.bind((host, opts.port))
     sock.listen(1024)
     return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
+
+
+def remove_stale_socket(path):
+    """Unlink a socket file left by a previous run; one that a live server still answers on is
+    refused (EADDRINUSE), not taken over."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return  # nothing there, or a file that is not ours to remove: bind() will say so
+    except OSError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: nothing listens on it
+            return
+        except (socket.timeout, BlockingIOError):
+            pass  # a full backlog: someone is listening
+        except OSError:
+            return  # e.g. no permission to connect: bind() will say what is wrong
+    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
 
 
 def make_tls_context(opts):
