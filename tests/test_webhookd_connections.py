@@ -1,13 +1,21 @@
 """Issue 20, the connection layer: nothing a client does, or leaves undone, stalls others,
 leaks or cuts an answer short.  Each test talks to the real daemon over loopback or a Unix
 socket; generous timeouts are hang detectors, not latency checks (figures are in bench/)."""
+import contextlib
 import os
+import resource
+import selectors
 import socket
 import subprocess
+import threading
+import time
+
+import pytest
 
 import support
 from support import WEBHOOKD, Daemon, python_cmd
-from test_webhookd_features import echo_hook, unix_request, wait_until, write_hooks
+from test_webhookd_features import (echo_hook, started_with, unix_request, wait_until,
+                                    write_hooks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,3 +55,139 @@ def test_socket_of_a_live_instance_is_refused_a_stale_one_replaced(tmp_path):
     with unix_daemon(hooks, path) as again:
         assert again.proc.poll() is None, again.log()
         assert unix_request(path, get).endswith(b"\r\n\r\nunix\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Idle and slow connections never lock a new client out
+# ---------------------------------------------------------------------------------------------
+
+IDLE_CLIENTS, TRICKLING_CLIENTS = 5000, 500
+SOURCES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]  # one client address and more
+THREAD_BOUND = 64  # main, accept, waiting room, logging, and the few request threads in use
+
+
+def raise_own_fd_limit(needed):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < needed:
+        pytest.skip("needs %d open files, the hard limit is %d" % (needed, hard))
+
+
+def open_clients(port, count):
+    """`count` non-blocking connections from several loopback addresses (not waited for)."""
+    clients = []
+    for i in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.bind((SOURCES[i % len(SOURCES)], 0))
+        sock.connect_ex(("127.0.0.1", port))
+        clients.append(sock)
+    return clients
+
+
+def one_request_each(clients, request, answer_end, timeout):
+    """Send `request` on every connection and read its answer: the number answered in time.
+    The connections stay open (kept alive, idle)."""
+    selector = selectors.DefaultSelector()
+    received = {}
+    for sock in clients:
+        selector.register(sock, selectors.EVENT_WRITE)
+    answered, deadline = 0, time.monotonic() + timeout
+    while answered < len(clients) and time.monotonic() < deadline:
+        for key, events in selector.select(0.5):
+            sock = key.fileobj
+            if events & selectors.EVENT_WRITE:
+                with contextlib.suppress(OSError):  # refused: not answered
+                    sock.send(request)  # small: one send
+                selector.modify(sock, selectors.EVENT_READ)
+                continue
+            try:
+                chunk = sock.recv(4096)
+            except OSError:  # reset: not answered
+                chunk = b""
+            data = received[sock] = received.get(sock, b"") + chunk
+            if data.endswith(answer_end) or not chunk:
+                selector.unregister(sock)
+                answered += data.endswith(answer_end)
+    selector.close()
+    return answered
+
+
+def daemon_threads_and_rss(pid):
+    with open("/proc/%d/status" % pid) as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) // 1024
+
+
+def test_thousands_of_idle_and_trickling_connections_never_lock_a_new_client_out(tmp_path):
+    raise_own_fd_limit(IDLE_CLIENTS + TRICKLING_CLIENTS + 256)
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-read-header-timeout", "60")  # the trickling clients are not cut off
+    with Daemon(argv, port) as daemon:
+        idle = open_clients(port, IDLE_CLIENTS)
+        trickling = []
+        try:
+            answered = one_request_each(idle, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                        b"\r\n\r\nOK", timeout=20)
+            assert answered == IDLE_CLIENTS, "only %d of %d clients answered" % (
+                answered, IDLE_CLIENTS)
+            trickling = open_clients(port, TRICKLING_CLIENTS)
+            stop = threading.Event()
+
+            def trickle():  # a header byte from each, again and again, until the probes end
+                first = True
+                while not stop.wait(0 if first else 0.3):
+                    for sock in trickling:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " if first else b"a")
+                    first = False
+            trickler = threading.Thread(target=trickle)
+            trickler.start()
+            try:
+                for i in range(5):  # each a new client; 10 s: a hang detector, not a latency
+                    status, _, body = daemon.request("GET", "/hooks/probe", timeout=10)
+                    assert (status, body) == (200, b"probe\n")
+                threads, rss_mib = daemon_threads_and_rss(daemon.proc.pid)
+            finally:
+                stop.set()
+                trickler.join()
+            assert threads <= THREAD_BOUND, "%d threads" % threads
+            assert rss_mib < 256, "%d MiB resident" % rss_mib
+            # the idle connections were kept, not dropped to make room
+            assert one_request_each(idle[:100], b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                    b"\r\n\r\nOK", timeout=20) == 100
+        finally:
+            for sock in idle + trickling:
+                sock.close()
+
+
+def test_when_descriptors_run_short_the_oldest_idle_connections_give_way(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    # 700 open files: room for about 500 waiting connections besides the served ones
+    with started_with("import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (700, 700))",
+                      ["-hooks", hooks, "-max-connections", "16"], tmp_path) as daemon:
+        idle = []
+        try:
+            for _ in range(10):  # a hundred at a time: the earlier ones are idle by then
+                idle += open_clients(daemon.port, 100)
+                answered = one_request_each(idle[-100:], b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                            b"\r\n\r\nOK", timeout=20)
+                assert answered == 100, "only %d of 100 clients answered" % answered
+            assert daemon.request("GET", "/hooks/probe", timeout=10)[::2] == (200, b"probe\n")
+            time.sleep(0.5)
+            assert [peer_closed(sock) for sock in (idle[0], idle[-1])] == [True, False]
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def peer_closed(sock):
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
