@@ -209,6 +209,9 @@ FLAGS = [
          "ranges, commands, directories, duplicate ids), list every problem, exit 0 or 1"),
     Flag("verbose", "bool", False, "show verbose output"),
     Flag("version", "bool", False, "display webhookd's version and quit"),
+    Flag("write-timeout", "int", 60, "webhookd: seconds one write to a client may stay blocked "
+         "(a client not reading its answer) before the connection is closed; a quiet streamed "
+         "answer has no limit (0: no limit)"),
     Flag("x-request-id", "bool", False, "use X-Request-Id header, if present, as request ID"),
     Flag("x-request-id-limit", "int", 0, "truncate X-Request-Id header to limit; default no limit"),
 ]
@@ -3216,21 +3219,16 @@ class RunsPage:
         data, position, ended = self.store.read_output(record)
         if ended or head.method == "HEAD" or stream is None:
             return Response(200, data, headers)
-        chunked = head.version == "HTTP/1.1"
-        lines = ["HTTP/1.1 200 OK"] + header_lines(headers) + [
-            "Date: " + http_date(), "Transfer-Encoding: chunked" if chunked
-            else "Connection: close", "", ""]
-        alive = stream("\r\n".join(lines).encode())
+        alive = stream.start_chunked(200, headers)
         while alive:
             if data:
-                alive = stream(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                alive = stream.write_chunk(data)
             if ended or stopped():
                 break
             self.store.follow(record, position, stopped)
             data, position, ended = self.store.read_output(record, position)
-        if alive and chunked:
-            alive = stream(b"0\r\n\r\n")
-        return Response(200, b"", headers, close=not (alive and chunked), sent=True)
+        keep_alive = stream.end_chunks()
+        return Response(200, b"", headers, close=not keep_alive, sent=True)
 
 
 def runs_options_problem(opts):
@@ -3491,7 +3489,6 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-WRITE_TIMEOUT_SECONDS = 60.0
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -3508,8 +3505,8 @@ class BadRequest(Exception):
         self.body = body
 
     def response(self):
-        head = ("HTTP/1.1 %s\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close"
-                "\r\n\r\n" % self.public).encode()
+        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
+                                                         "Connection: close"])
         return head + (self.body if self.body is not None else self.public.encode())
 
 
@@ -3644,11 +3641,21 @@ def header_lines(headers):
             if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
 
 
+def response_head(version, status, lines):
+    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
+    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
+            ).encode("utf-8", "surrogateescape")
+
+
+def status_line(status):
+    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
+
+
 def serialize_response(response, head, keep_alive):
     """The whole response as one bytes object (status line, headers, body): one send."""
     status = response.status
     version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
-    lines = ["%s %d %s" % (version, status, GO_STATUS_TEXT.get(status, "status code %d" % status))]
+    lines = []
     body = response.body
     headers = response.headers
     if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
@@ -3665,7 +3672,7 @@ def serialize_response(response, head, keep_alive):
         lines.append("Connection: keep-alive")
     if head is not None and head.method == "HEAD":
         body = b""
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
+    return response_head(version, status_line(status), lines) + body
 
 
 def clean_path(path):
@@ -3692,7 +3699,8 @@ def clean_path(path):
 
 
 def go_escape_path(path):
-    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~")
+    """A path for Location, bytes that are not UTF-8 (kept as surrogates) included, as Go."""
+    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~", errors="surrogateescape")
 
 
 # ---------------------------------------------------------------------------
@@ -4039,6 +4047,7 @@ class HookHandler(BaseHTTPRequestHandler):
         self.head = None
         self.kept_alive = False
         self.answering = False  # some of the answer is written: too late for another
+        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
 
     def handle(self):
         while True:
@@ -4101,7 +4110,7 @@ class HookHandler(BaseHTTPRequestHandler):
             pass
 
     def handle_expect_100(self):
-        self.conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
         return True
 
     def log_message(self, format, *args):
@@ -4131,8 +4140,7 @@ class HookHandler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with app.in_flight():
             rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr,
-                                                  self.stream_to_client)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
             if response is None:
                 response = self.trigger(rid, hook, raw_query)
             else:
@@ -4167,7 +4175,7 @@ class HookHandler(BaseHTTPRequestHandler):
             body, broken = exc.partial, True
         request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
         try:
-            response = app.trigger(head, hook, request, self.stream_to_client)
+            response = app.trigger(head, hook, request, self)
         except Exception:  # a bug must cost one 500, not a hung connection
             log.exception("unexpected error handling %s %s", head.method, head.target)
             response = Response(500, b"500 Internal Server Error", close=True)
@@ -4175,13 +4183,41 @@ class HookHandler(BaseHTTPRequestHandler):
         response.secret_params = hook.secret_params
         return response
 
-    def stream_to_client(self, data):
-        """Streamed output: False once the client has gone (the command still runs on)."""
-        try:
-            self.write(data)
-            return True
-        except OSError:
-            return False
+    # The one writer of answers sent while they are made (stream-command-output, a running
+    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
+    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
+
+    def start_chunked(self, status, headers):
+        """Send the head; False if the client has gone."""
+        head = self.head
+        self.chunked, self.client_here = head.version == "HTTP/1.1", True
+        self.streamed_body = head.method != "HEAD"
+        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
+                                         if self.chunked else "Connection: close"]
+        return self.write_streamed(response_head(head.version, status_line(status), lines))
+
+    def write_chunk(self, data):
+        """Send a piece of the body (the connection's -write-timeout for each); False if the
+        client has gone."""
+        if data and self.streamed_body:
+            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
+                                       else data)
+        return self.client_here
+
+    def end_chunks(self, complete=True):
+        """End the answer, with its closing chunk if `complete` (else the client sees it cut
+        short); whether the connection may serve another request."""
+        if complete and self.chunked and self.streamed_body:
+            self.write_streamed(b"0\r\n\r\n")
+        return complete and self.chunked and self.client_here
+
+    def write_streamed(self, data):
+        if self.client_here:
+            try:
+                self.write(data)
+            except OSError:
+                self.client_here = False
+        return self.client_here
 
 
 class HookServer(ThreadingHTTPServer):
@@ -4194,7 +4230,8 @@ class HookServer(ThreadingHTTPServer):
     def __init__(self, listener, app, room, tls_context):
         socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
         self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
-        self.deadlines, self.write_timeout = room.deadlines, WRITE_TIMEOUT_SECONDS
+        self.deadlines = room.deadlines
+        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
         self.ssl, self.would_block = None, BlockingIOError
         if tls_context is not None:
             import ssl
@@ -4389,7 +4426,7 @@ class Pipeline:
 
         success = status_or_200(hook.success_status, rid, hook)
         if hook.stream_output:
-            return self.run_streamed(stream, head, hook, request, headers, success)
+            return self.run_streamed(stream, hook, request, headers, success)
         if hook.capture_output:
             return captured_response(hook, self.run(hook, request), headers, success)
         if not self.run_in_background(hook, request):
@@ -4464,41 +4501,24 @@ class Pipeline:
         gate.enter(lambda: self.background.submit(job))
         return True
 
-    def run_streamed(self, stream, head, hook, request, headers, success):
+    def run_streamed(self, stream, hook, request, headers, success):
         """stream-command-output: chunked output while the command runs.  A failed or timed
         out run ends without the closing chunk, so the client sees an incomplete response."""
-        chunked = head.version == "HTTP/1.1"
-        with_body = head.method != "HEAD"
-        state = {"head_sent": False, "client_gone": False}
         headers.setdefault("Content-Type", TEXT_PLAIN)
-
-        def send(data):
-            if not state["client_gone"]:  # else keep draining: a deploy is not cut short
-                state["client_gone"] = not stream(data)
-
-        def send_head():
-            lines = ["HTTP/1.1 %d %s" % (success, GO_STATUS_TEXT[success])]
-            lines += header_lines(headers)
-            lines += ["Date: " + http_date(),
-                      "Transfer-Encoding: chunked" if chunked else "Connection: close", "", ""]
-            send("\r\n".join(lines).encode("utf-8", "surrogateescape"))
-            state["head_sent"] = True
+        head_sent = []
 
         def on_output(chunk):
-            if not state["head_sent"]:
-                send_head()
-            if with_body:
-                send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if not head_sent:
+                head_sent.append(stream.start_chunked(success, headers))
+            stream.write_chunk(chunk)
 
         result = self.run(hook, request, on_output)
         if not result.started:
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
-        if not state["head_sent"]:
-            send_head()
-        if result.ok and chunked and with_body:
-            send(b"0\r\n\r\n")
-        keep_alive = result.ok and (chunked or not with_body) and not state["client_gone"]
+        if not head_sent:
+            stream.start_chunked(success, headers)
+        keep_alive = stream.end_chunks(complete=result.ok)
         return Response(success, b"", headers, close=not keep_alive, sent=True)
 
     def status_response(self, head):

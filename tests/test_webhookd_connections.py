@@ -14,7 +14,7 @@ import pytest
 
 import support
 from support import WEBHOOKD, Daemon, python_cmd
-from test_webhookd_features import (echo_hook, started_with, unix_request, wait_until,
+from test_webhookd_features import (echo_hook, script, started_with, unix_request, wait_until,
                                     write_hooks)
 
 
@@ -191,3 +191,117 @@ def peer_closed(sock):
         return False
     except OSError:
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A quiet but alive command keeps streaming: -write-timeout bounds a blocked write, not silence
+# ---------------------------------------------------------------------------------------------
+
+def read_chunked_answer(sock, until=b"0\r\n\r\n"):
+    received = b""
+    while not received.endswith(until):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
+def test_streamed_output_survives_silences_longer_than_the_write_timeout(tmp_path):
+    quiet = script(tmp_path / "quiet.sh", "echo first\nsleep 2.5\necho second\n")
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        {"id": "quiet", "execute-command": quiet, "stream-command-output": True},
+        {"id": "deploy", "execute-command": quiet}])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-status-path", "/status", "-write-timeout", "1")
+    with Daemon(argv, port) as daemon:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(b"GET /hooks/quiet HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = read_chunked_answer(sock)
+        assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received
+        # a follower of a running run's output, the same
+        _, headers, _ = daemon.request("GET", "/hooks/deploy")
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(b"GET /status/runs/%s/output HTTP/1.1\r\nHost: x\r\n\r\n"
+                         % headers["x-webhookd-run"].encode())
+            received = read_chunked_answer(sock)
+        assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received
+
+
+# ---------------------------------------------------------------------------------------------
+# A bug under the handler costs one 500 and a log entry, never a silently dropped connection
+# ---------------------------------------------------------------------------------------------
+
+def raw_answer(port, raw, timeout=10):
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        received = b""
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return received
+            received += chunk
+
+
+def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    port = support.free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port),
+                port):
+        answer = raw_answer(port, b"GET /a/../%ff\xfe?q=%ff HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 301 Moved Permanently\r\n"), answer
+    assert b"\r\nLocation: /%FF%FE?q=%ff\r\n" in answer, answer  # as Debian's webhook
+
+
+def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path, caplog):
+    import webhookd
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    opts = webhookd.parse_flags(["-hooks", str(hooks)])
+    registry = webhookd.Registry(opts.hooks, False)
+    registry.load(startup=True)
+
+    class Broken(webhookd.Pipeline):
+        def route(self, *args):
+            raise ValueError("a programming error")
+    listener = socket.create_server(("127.0.0.1", 0))
+    room = webhookd.WaitingRoom(webhookd.Workers(4), 64)
+    server = webhookd.HookServer(listener, Broken(opts, registry), room, None)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answer = raw_answer(listener.getsockname()[1], b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n"), answer
+    assert answer.endswith(b"\r\n\r\n500 Internal Server Error"), answer
+    assert "ValueError: a programming error" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# A failed TLS handshake is closed at once, not when its deadline comes
+# ---------------------------------------------------------------------------------------------
+
+def test_a_failed_tls_handshake_is_closed_at_once(tmp_path):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True,
+                   timeout=60)
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("tls")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port, "-secure",
+                      "-cert", tmp_path / "cert.pem", "-key", tmp_path / "key.pem",
+                      "-read-header-timeout", "60")
+    with Daemon(argv, port) as daemon:
+        for _ in range(3):
+            # plain HTTP to a TLS port: the handshake fails on the first bytes; a hang detector
+            # well below the 60 s head deadline that used to hold the socket
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET /hooks/tls HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    while sock.recv(4096):
+                        pass
+                except ConnectionResetError:
+                    pass
+        assert daemon.proc.poll() is None
