@@ -14,13 +14,19 @@ import pytest
 
 import support
 from support import WEBHOOKD, Daemon, python_cmd
-from test_webhookd_features import (echo_hook, script, started_with, unix_request, wait_until,
-                                    write_hooks)
+from test_webhookd_features import (echo_hook, exchange, script, self_signed_certificate,
+                                    started_with, unix_request, wait_until, write_hooks)
 
 
 # ---------------------------------------------------------------------------------------------
 # -socket PATH: a live instance's socket is refused, a stale one replaced
 # ---------------------------------------------------------------------------------------------
+
+def raw_answer(port, raw, timeout=10):
+    """Everything the server sends back to `raw` on a new connection, until it closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        return exchange(sock, raw)
+
 
 def unix_daemon(hooks, path):
     daemon = Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-socket", path, "-verbose"), 0,
@@ -197,16 +203,6 @@ def peer_closed(sock):
 # A quiet but alive command keeps streaming: -write-timeout bounds a blocked write, not silence
 # ---------------------------------------------------------------------------------------------
 
-def read_chunked_answer(sock, until=b"0\r\n\r\n"):
-    received = b""
-    while not received.endswith(until):
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        received += chunk
-    return received
-
-
 def test_streamed_output_survives_silences_longer_than_the_write_timeout(tmp_path):
     quiet = script(tmp_path / "quiet.sh", "echo first\nsleep 2.5\necho second\n")
     hooks = write_hooks(tmp_path / "hooks.json", [
@@ -216,33 +212,20 @@ def test_streamed_output_survives_silences_longer_than_the_write_timeout(tmp_pat
     argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
                       "-status-path", "/status", "-write-timeout", "1")
     with Daemon(argv, port) as daemon:
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-            sock.sendall(b"GET /hooks/quiet HTTP/1.1\r\nHost: x\r\n\r\n")
-            received = read_chunked_answer(sock)
+        received = raw_answer(port, b"GET /hooks/quiet HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n", timeout=20)
         assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received
         # a follower of a running run's output, the same
         _, headers, _ = daemon.request("GET", "/hooks/deploy")
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-            sock.sendall(b"GET /status/runs/%s/output HTTP/1.1\r\nHost: x\r\n\r\n"
-                         % headers["x-webhookd-run"].encode())
-            received = read_chunked_answer(sock)
+        received = raw_answer(port, b"GET /status/runs/%s/output HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n"
+                              % headers["x-webhookd-run"].encode(), timeout=20)
         assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received
 
 
 # ---------------------------------------------------------------------------------------------
 # A bug under the handler costs one 500 and a log entry, never a silently dropped connection
 # ---------------------------------------------------------------------------------------------
-
-def raw_answer(port, raw, timeout=10):
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(raw)
-        received = b""
-        while True:
-            chunk = sock.recv(4096)
-            if not chunk:
-                return received
-            received += chunk
-
 
 def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
@@ -284,10 +267,7 @@ def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path, caplog):
 # ---------------------------------------------------------------------------------------------
 
 def test_a_failed_tls_handshake_is_closed_at_once(tmp_path):
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-keyout", str(tmp_path / "key.pem"),
-                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True,
-                   timeout=60)
+    self_signed_certificate(tmp_path)
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("tls")])
     port = support.free_port()
     argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port, "-secure",
