@@ -3489,6 +3489,7 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
+KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -3788,9 +3789,24 @@ class Connection:
         """Whether a worker should take over: a whole head is here, or a large part of one."""
         return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
 
+    def wait_for_bytes(self, seconds):
+        """A worker's short wait for the client's next request before parking the connection
+        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
+        self.sock.settimeout(seconds)
+        try:
+            data = self.sock.recv(RECV_BYTES)
+        except (socket.timeout, BlockingIOError):
+            return True
+        except OSError:
+            return False
+        finally:
+            self.sock.settimeout(None)
+        self.buffer += data
+        return bool(data)
+
     def pending(self):
         """Decrypted bytes a TLS socket holds that no readiness event will announce."""
-        return self.sock.pending() if self.handshaking is False and self.server.ssl else 0
+        return self.sock.pending() if self.server.ssl else 0
 
     def take(self, size):
         data = bytes(self.buffer[:size])
@@ -3851,7 +3867,7 @@ class Deadlines:
                 self.due.pop(sock, None)
 
     def expire(self, now):
-        with self.lock:  # held while shutting down: a call that ended in time is never cut
+        with self.lock:  # held while shutting down: never a deadline set again meanwhile
             for sock in [sock for sock, due in self.due.items() if due <= now]:
                 del self.due[sock]
                 try:  # the plain socket's shutdown: a TLS one is woken up the same way
@@ -3958,7 +3974,7 @@ class WaitingRoom:
         """Take what the client sent; hand the connection over once its head is here."""
         try:
             while True:
-                data = conn.sock.recv(PARKED_HEAD_BYTES)
+                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
                 if not data:  # the client closed it (mid-head too: as Go, no answer)
                     self._drop(conn)
                     return
@@ -3980,7 +3996,8 @@ class WaitingRoom:
             self.arriving[conn.sock] = conn
 
     def _forget(self, conn):
-        self.selector.unregister(conn.sock)
+        with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
+            self.selector.unregister(conn.sock)
         self.idle.pop(conn.sock, None)
         self.arriving.pop(conn.sock, None)
 
@@ -4011,6 +4028,10 @@ class Workers:
                 threading.Thread(target=self._work, name="request", daemon=True).start()
             else:
                 self.cond.notify()
+
+    def spare(self):
+        """Whether no connection waits for a thread (a thread may wait a moment for its own)."""
+        return not self.ready
 
     def _work(self):
         while True:
@@ -4054,9 +4075,15 @@ class HookHandler(BaseHTTPRequestHandler):
             self.handle_one_request()
             if self.close_connection or self.server.app.stopping:
                 return
-            if not self.conn.head_ready():
-                self.kept_alive = True  # the next request has not (fully) come: park it
-                return
+            if self.conn.head_ready():
+                continue
+            if self.server.room.workers.spare():
+                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                    return  # the client closed it
+                if self.conn.head_ready():
+                    continue
+            self.kept_alive = True  # the next request has not (fully) come: park it
+            return
 
     def finish(self):
         pass  # nothing to flush: each answer is written as it is made
@@ -4080,6 +4107,8 @@ class HookHandler(BaseHTTPRequestHandler):
         """Read the rest of the head, if it did not all come while the connection waited
         (-read-header-timeout for all of it), and check it as Go does."""
         conn = self.conn
+        if conn.due is None:  # a head that came while a worker held the connection
+            conn.due = time.monotonic() + self.server.app.header_timeout
         end = conn.head_end()
         while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
             if not conn.fill():
