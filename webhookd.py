@@ -4029,10 +4029,6 @@ class Workers:
             else:
                 self.cond.notify()
 
-    def spare(self):
-        """Whether no connection waits for a thread (a thread may wait a moment for its own)."""
-        return not self.ready
-
     def _work(self):
         while True:
             with self.cond:
@@ -4077,11 +4073,10 @@ class HookHandler(BaseHTTPRequestHandler):
                 return
             if self.conn.head_ready():
                 continue
-            if self.server.room.workers.spare():
-                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
-                    return  # the client closed it
-                if self.conn.head_ready():
-                    continue
+            if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                return  # the client closed it
+            if self.conn.head_ready():
+                continue
             self.kept_alive = True  # the next request has not (fully) come: park it
             return
 

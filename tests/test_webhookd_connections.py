@@ -69,7 +69,8 @@ def test_socket_of_a_live_instance_is_refused_a_stale_one_replaced(tmp_path):
 
 IDLE_CLIENTS, TRICKLING_CLIENTS = 5000, 500
 SOURCES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]  # one client address and more
-THREAD_BOUND = 64  # main, accept, waiting room, logging, and the few request threads in use
+MAX_CONNECTIONS = 16
+THREAD_BOUND = MAX_CONNECTIONS + 16  # request threads, and main, accept, waiting room, logging...
 
 
 def raise_own_fd_limit(needed):
@@ -131,6 +132,7 @@ def test_thousands_of_idle_and_trickling_connections_never_lock_a_new_client_out
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
     port = support.free_port()
     argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", MAX_CONNECTIONS,
                       "-read-header-timeout", "60")  # the trickling clients are not cut off
     with Daemon(argv, port) as daemon:
         idle = open_clients(port, IDLE_CLIENTS)
