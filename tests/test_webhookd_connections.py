@@ -287,3 +287,30 @@ def test_a_failed_tls_handshake_is_closed_at_once(tmp_path):
                 except ConnectionResetError:
                     pass
         assert daemon.proc.poll() is None
+
+
+def test_kept_alive_connections_are_served_again_after_pauses_plain_and_tls(tmp_path):
+    # between requests a connection waits without a thread; a head may arrive in pieces
+    import ssl
+    self_signed_certificate(tmp_path)
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("again")])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    for tls in (False, True):
+        port = support.free_port()
+        flags = ["-secure", "-cert", tmp_path / "cert.pem", "-key", tmp_path / "key.pem"]
+        with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                               *(flags if tls else [])), port):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                sock = context.wrap_socket(raw) if tls else raw
+                for pause in (0, 0.1, 0.3):
+                    time.sleep(pause)
+                    sock.sendall(b"GET /hooks/again HTTP/1.1\r\n")
+                    time.sleep(pause)
+                    sock.sendall(b"Host: x\r\n\r\n")
+                    answer = b""
+                    while not answer.endswith(b"again\n"):
+                        chunk = sock.recv(4096)
+                        assert chunk, (tls, pause, answer)
+                        answer += chunk
+                    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
