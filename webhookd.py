@@ -4011,7 +4011,7 @@ class Workers:
     a time, from its first complete head until it is parked again or closed.  A thread with
     nothing to do waits a while for the next connection, then ends."""
 
-    LINGER_SECONDS = 5.0
+    IDLE_THREAD_SECONDS = 5.0
 
     def __init__(self, limit):
         self.limit = limit
@@ -4032,7 +4032,7 @@ class Workers:
     def _work(self):
         while True:
             with self.cond:
-                until = time.monotonic() + self.LINGER_SECONDS
+                until = time.monotonic() + self.IDLE_THREAD_SECONDS
                 while not self.ready:
                     if time.monotonic() >= until:
                         self.threads -= 1
