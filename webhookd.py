@@ -3792,17 +3792,15 @@ class Connection:
     def wait_for_bytes(self, seconds):
         """A worker's short wait for the client's next request before parking the connection
         (cheaper than the round trip through the WaitingRoom): False if the client closed."""
-        self.sock.settimeout(seconds)
+        if not self.pending():
+            poller = select.poll()  # no syscall but the wait: the socket stays blocking
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(seconds * 1000):
+                return True
         try:
-            data = self.sock.recv(RECV_BYTES)
-        except (socket.timeout, BlockingIOError):
-            return True
+            return self.fill()
         except OSError:
             return False
-        finally:
-            self.sock.settimeout(None)
-        self.buffer += data
-        return bool(data)
 
     def pending(self):
         """Decrypted bytes a TLS socket holds that no readiness event will announce."""
