@@ -3937,7 +3937,9 @@ class WaitingRoom:
             waiting[conn.sock] = conn
             self.selector.register(conn.sock, selectors.EVENT_READ, conn)
             self._attend(conn)  # bytes may be here already (a TLS socket may even hold them)
-            while len(self.idle) + len(self.arriving) > self.capacity:
+            # those waiting for a thread count too: they hold a descriptor each
+            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
+                                                    + len(self.workers.ready) > self.capacity):
                 self._drop(next(iter((self.idle or self.arriving).values())))
 
     def _attend(self, conn):
