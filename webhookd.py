@@ -3768,8 +3768,9 @@ PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (
 class Connection:
     """One client connection and the bytes read ahead of the request being served: kept while
     the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
-    worker's reads and writes block, each under a deadline: the head's (`due`, fixed when its
-    first byte came), else -read-header-timeout per read and -write-timeout per write."""
+    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
+    from the first byte of a later head), else -read-header-timeout per read and -write-timeout
+    per write."""
 
     __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "handshaking")
 
@@ -3927,23 +3928,26 @@ class WaitingRoom:
         except OSError:
             pass
         while self.inbox:
-            conn = self.inbox.popleft()
-            conn.sock.setblocking(False)
-            kept_alive = conn.due is None  # a new connection's head deadline runs from accept
-            if kept_alive:
-                conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
-                                               else KEEPALIVE_IDLE_SECONDS)
-            waiting = self.idle if kept_alive and not conn.buffer else self.arriving
-            waiting[conn.sock] = conn
-            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-            self._attend(conn)  # bytes may be here already (a TLS socket may even hold them)
+            self._attend(self.inbox.popleft(), admit=True)
             # those waiting for a thread count too: they hold a descriptor each
             while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
                                                     + len(self.workers.ready) > self.capacity):
                 self._drop(next(iter((self.idle or self.arriving).values())))
 
-    def _attend(self, conn):
+    def _admit(self, conn):
+        conn.sock.setblocking(False)
+        kept_alive = conn.due is None  # a new connection's head deadline runs from accept
+        if kept_alive:
+            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
+                                           else KEEPALIVE_IDLE_SECONDS)
+        waiting = self.idle if kept_alive and not conn.buffer else self.arriving
+        waiting[conn.sock] = conn
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _attend(self, conn, admit=False):
         try:
+            if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
+                self._admit(conn)
             if conn.handshaking:
                 self._handshake(conn)
             else:
