@@ -4033,6 +4033,10 @@ class Workers:
             else:
                 self.cond.notify()
 
+    def saturated(self):
+        """Every thread is taken and a connection waits: no time to wait for a client."""
+        return self.threads >= self.limit and bool(self.ready)
+
     def _work(self):
         while True:
             with self.cond:
@@ -4077,10 +4081,11 @@ class HookHandler(BaseHTTPRequestHandler):
                 return
             if self.conn.head_ready():
                 continue
-            if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
-                return  # the client closed it
-            if self.conn.head_ready():
-                continue
+            if not self.server.room.workers.saturated():
+                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                    return  # the client closed it
+                if self.conn.head_ready():
+                    continue
             self.kept_alive = True  # the next request has not (fully) come: park it
             return
 
