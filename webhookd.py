@@ -47,6 +47,7 @@ import random
 import re
 import resource
 import select
+import selectors
 import signal
 import socket
 import socketserver
@@ -163,8 +164,9 @@ FLAGS = [
          "running at once; further triggers wait in order"),
     Flag("max-body-bytes", "int", 25 * 1024 * 1024, "webhookd: largest request body accepted; "
          "larger ones get 413 (0: no limit)"),
-    Flag("max-connections", "int", 1024, "webhookd: client connections served at once (a "
-         "thread each); further connections wait in the listen backlog"),
+    Flag("max-connections", "int", 1024, "webhookd: requests served at once (a thread each); "
+         "idle and slow connections wait without a thread, and the oldest idle ones are closed "
+         "when open files run short"),
     Flag("max-multipart-mem", "int", 1048576, "maximum memory in bytes for parsing multipart form "
          "data before disk caching"),
     Flag("max-workers", "int", 64, "webhookd: accepted for compatibility with webhookd 2; "
@@ -209,6 +211,9 @@ FLAGS = [
          "ranges, commands, directories, duplicate ids), list every problem, exit 0 or 1"),
     Flag("verbose", "bool", False, "show verbose output"),
     Flag("version", "bool", False, "display webhookd's version and quit"),
+    Flag("write-timeout", "int", 60, "webhookd: seconds one write to a client may stay blocked "
+         "(a client not reading its answer) before the connection is closed; a quiet streamed "
+         "answer has no limit (0: no limit)"),
     Flag("x-request-id", "bool", False, "use X-Request-Id header, if present, as request ID"),
     Flag("x-request-id-limit", "int", 0, "truncate X-Request-Id header to limit; default no limit"),
 ]
@@ -3391,21 +3396,16 @@ class RunsPage:
         data, position, ended = self.store.read_output(record)
         if ended or head.method == "HEAD" or stream is None:
             return Response(200, data, headers)
-        chunked = head.version == "HTTP/1.1"
-        lines = ["HTTP/1.1 200 OK"] + header_lines(headers) + [
-            "Date: " + http_date(), "Transfer-Encoding: chunked" if chunked
-            else "Connection: close", "", ""]
-        alive = stream("\r\n".join(lines).encode())
+        alive = stream.start_chunked(200, headers)
         while alive:
             if data:
-                alive = stream(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                alive = stream.write_chunk(data)
             if ended or stopped():
                 break
             self.store.follow(record, position, stopped)
             data, position, ended = self.store.read_output(record, position)
-        if alive and chunked:
-            alive = stream(b"0\r\n\r\n")
-        return Response(200, b"", headers, close=not (alive and chunked), sent=True)
+        keep_alive = stream.end_chunks()
+        return Response(200, b"", headers, close=not keep_alive, sent=True)
 
 
 def runs_options_problem(opts):
@@ -3685,7 +3685,7 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-WRITE_TIMEOUT_SECONDS = 60.0
+KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -3702,8 +3702,8 @@ class BadRequest(Exception):
         self.body = body
 
     def response(self):
-        head = ("HTTP/1.1 %s\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close"
-                "\r\n\r\n" % self.public).encode()
+        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
+                                                         "Connection: close"])
         return head + (self.body if self.body is not None else self.public.encode())
 
 
@@ -3838,11 +3838,21 @@ def header_lines(headers):
             if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
 
 
+def response_head(version, status, lines):
+    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
+    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
+            ).encode("utf-8", "surrogateescape")
+
+
+def status_line(status):
+    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
+
+
 def serialize_response(response, head, keep_alive):
     """The whole response as one bytes object (status line, headers, body): one send."""
     status = response.status
     version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
-    lines = ["%s %d %s" % (version, status, GO_STATUS_TEXT.get(status, "status code %d" % status))]
+    lines = []
     body = response.body
     headers = response.headers
     if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
@@ -3859,7 +3869,7 @@ def serialize_response(response, head, keep_alive):
         lines.append("Connection: keep-alive")
     if head is not None and head.method == "HEAD":
         body = b""
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
+    return response_head(version, status_line(status), lines) + body
 
 
 def clean_path(path):
@@ -3886,7 +3896,8 @@ def clean_path(path):
 
 
 def go_escape_path(path):
-    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~")
+    """A path for Location, bytes that are not UTF-8 (kept as surrogates) included, as Go."""
+    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~", errors="surrogateescape")
 
 
 # ---------------------------------------------------------------------------
@@ -3904,22 +3915,23 @@ def format_peer(address):
     return "@"  # Unix socket peers, as Go prints them
 
 
-def head_end(buf):
-    """Index just past the blank line ending the request head, or -1."""
-    crlf = buf.find(b"\r\n\r\n")
-    lf = buf.find(b"\n\n", 0, crlf if crlf >= 0 else len(buf))
+def head_end(buf, start=0):
+    """Index just past the blank line ending the request head, or -1.  The bytes before `start`
+    are known to hold no end (a head arriving in pieces is scanned once, not again and again)."""
+    start = max(0, start - 3)
+    crlf = buf.find(b"\r\n\r\n", start)
+    lf = buf.find(b"\n\n", start, crlf if crlf >= 0 else len(buf))
     if lf >= 0:
         return lf + 2
     return crlf + 4 if crlf >= 0 else -1
 
 
-def read_chunked(rfile, limit, progress):
-    """A chunked request body from rfile, capped at limit bytes; trailers are ignored.
-    progress() is called after each chunk (it renews the read deadline)."""
+def read_chunked(conn, limit):
+    """A chunked request body from a Connection, capped at limit bytes; trailers are ignored."""
     body = bytearray()
 
     def line():
-        text = rfile.readline(4097)
+        text = conn.readline(4097)
         if not text.endswith(b"\n"):
             if len(text) > 4096:
                 raise BadRequest(400, "chunk header too long")
@@ -3937,106 +3949,375 @@ def read_chunked(rfile, limit, progress):
             while line().strip():
                 pass
             return bytes(body)
-        chunk = rfile.read(size)
+        chunk = conn.read(size)
         if len(chunk) < size:
             raise ConnectionResetError("client closed the connection")
         body += chunk
-        progress()
         if line().strip():
             raise BodyError("malformed chunked encoding", bytes(body))
 
 
-class Deadlines:
-    """Ends connections that overstay a deadline: one thread shuts their sockets down, so that
-    the sockets stay blocking (a socket timeout costs a poll() before every recv and send)."""
+RECV_BYTES = 1 << 16
+PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
 
-    TICK_SECONDS = 0.25
+
+class Connection:
+    """One client connection and the bytes read ahead of the request being served: kept while
+    the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
+    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
+    from the first byte of a later head), else -read-header-timeout per read and -write-timeout
+    per write."""
+
+    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "handshaking")
+
+    def __init__(self, sock, address, server, due):
+        self.sock, self.address, self.server, self.due = sock, address, server, due
+        self.buffer = bytearray()
+        self.scanned = 0  # the start of the buffer known to hold no head end
+        self.handshaking = server.tls_context is not None
+
+    def head_end(self):
+        end = head_end(self.buffer, self.scanned)
+        if end < 0:
+            self.scanned = len(self.buffer)
+        return end
+
+    def head_ready(self):
+        """Whether a worker should take over: a whole head is here, or a large part of one."""
+        return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
+
+    def wait_for_bytes(self, seconds):
+        """A worker's short wait for the client's next request before parking the connection
+        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
+        if not self.pending():
+            poller = select.poll()  # no syscall but the wait: the socket stays blocking
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(seconds * 1000):
+                return True
+        try:
+            return self.fill()
+        except OSError:
+            return False
+
+    def pending(self):
+        """Decrypted bytes a TLS socket holds that no readiness event will announce."""
+        return self.sock.pending() if self.server.ssl else 0
+
+    def take(self, size):
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        self.scanned = 0
+        return data
+
+    def fill(self):
+        """One blocking recv into the buffer, under the deadline; False at end of stream."""
+        app = self.server.app
+        due = self.due if self.due is not None else time.monotonic() + app.header_timeout
+        data = self.server.deadlines.during(self.sock, due, self.sock.recv, RECV_BYTES)
+        self.buffer += data
+        return bool(data)
+
+    def read(self, size):
+        while len(self.buffer) < size and self.fill():
+            pass
+        return self.take(size)
+
+    def read1(self, size):
+        """What is buffered, or one recv's worth: at most size bytes (b"" at end of stream)."""
+        if not self.buffer:
+            self.fill()
+        return self.take(size)
+
+    def readline(self, limit):
+        while True:
+            end = self.buffer.find(b"\n", 0, limit)
+            if end >= 0:
+                return self.take(end + 1)
+            if len(self.buffer) >= limit or not self.fill():
+                return self.take(limit)
+
+    def send(self, data):
+        """Write it all, within -write-timeout: a client that does not read is cut off."""
+        due = time.monotonic() + self.server.write_timeout
+        self.server.deadlines.during(self.sock, due, self.sock.sendall, data)
+
+
+class Deadlines:
+    """Ends a blocked read or write that overstays its deadline by shutting its socket down, so
+    that sockets stay blocking (a socket timeout costs a poll() before every recv and send).
+    A deadline lives exactly as long as the call it guards; the WaitingRoom's thread expires
+    them on its tick."""
 
     def __init__(self):
         self.due = {}  # socket -> monotonic time
-        threading.Thread(target=self._watch, name="deadlines", daemon=True).start()
+        self.lock = threading.Lock()
 
-    def set(self, sock, seconds):
-        self.due[sock] = time.monotonic() + seconds
+    def during(self, sock, due, call, *args):
+        with self.lock:
+            self.due[sock] = due
+        try:
+            return call(*args)
+        finally:
+            with self.lock:
+                self.due.pop(sock, None)
 
-    def clear(self, sock):
-        self.due.pop(sock, None)
+    def expire(self, now):
+        with self.lock:  # held while shutting down: never a deadline set again meanwhile
+            for sock in [sock for sock, due in self.due.items() if due <= now]:
+                del self.due[sock]
+                try:  # the plain socket's shutdown: a TLS one is woken up the same way
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class WaitingRoom:
+    """Connections with no request to serve: new ones, kept-alive ones between requests, and
+    slow ones still sending a head.  One thread watches them all with a selector (no thread
+    each) and hands a connection to the Workers once a whole head has come.  It closes those
+    past their deadline, and when more wait than descriptors allow, the oldest idle ones."""
+
+    TICK_SECONDS = 0.25
+
+    def __init__(self, workers, capacity):
+        self.workers, self.capacity = workers, capacity
+        self.deadlines = Deadlines()
+        self.selector = selectors.DefaultSelector()
+        self.inbox = deque()  # connections parked by other threads, for the watcher to take
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.idle = {}  # socket -> kept-alive Connection awaiting its next request, oldest first
+        self.arriving = {}  # socket -> Connection whose request head is on its way
+        threading.Thread(target=self._watch, name="waiting-room", daemon=True).start()
+
+    def park(self, conn):
+        """From any thread: the connection waits here, holding no thread, for its next head."""
+        self.inbox.append(conn)
+        try:
+            self.wake_w.send(b"\0")
+        except OSError:
+            pass  # the wake-up socket is full: the watcher is about to run anyway
 
     def _watch(self):
+        swept = 0.0
         while True:
-            time.sleep(self.TICK_SECONDS)
+            for key, _ in self.selector.select(self.TICK_SECONDS):
+                if key.fileobj is self.wake_r:
+                    self._take_inbox()
+                else:
+                    self._attend(key.data)
             now = time.monotonic()
-            for sock, when in list(self.due.items()):
-                if when <= now and self.due.get(sock) == when:
-                    self.due.pop(sock, None)
-                    try:  # the plain socket's shutdown: a TLS one is woken up the same way
-                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+            if now - swept >= self.TICK_SECONDS:
+                swept = now
+                self.deadlines.expire(now)
+                for waiting in (self.idle, self.arriving):
+                    for conn in [c for c in waiting.values()
+                                 if c.due <= now or c.server.app.stopping]:
+                        self._drop(conn)
+
+    def _take_inbox(self):
+        try:
+            while self.wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        while self.inbox:
+            self._attend(self.inbox.popleft(), admit=True)
+            # those waiting for a thread count too: they hold a descriptor each
+            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
+                                                    + len(self.workers.ready) > self.capacity):
+                self._drop(next(iter((self.idle or self.arriving).values())))
+
+    def _admit(self, conn):
+        conn.sock.setblocking(False)
+        kept_alive = conn.due is None  # a new connection's head deadline runs from accept
+        if kept_alive:
+            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
+                                           else KEEPALIVE_IDLE_SECONDS)
+        waiting = self.idle if kept_alive and not conn.buffer else self.arriving
+        waiting[conn.sock] = conn
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _attend(self, conn, admit=False):
+        try:
+            if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
+                self._admit(conn)
+            if conn.handshaking:
+                self._handshake(conn)
+            else:
+                self._read(conn)
+        except Exception:  # a bug must cost one connection, never the watcher
+            log.exception("unexpected error with the connection from %s",
+                          format_peer(conn.address))
+            self._drop(conn)
+
+    def _handshake(self, conn):
+        ssl = conn.server.ssl
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            return
+        except ssl.SSLWantWriteError:
+            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        except OSError as exc:  # closed at once, not when its deadline comes
+            log.info("connection from %s: %s", format_peer(conn.address), exc)
+            self._drop(conn)
+            return
+        conn.handshaking = False
+        self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._read(conn)
+
+    def _read(self, conn):
+        """Take what the client sent; hand the connection over once its head is here."""
+        try:
+            while True:
+                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
+                if not data:  # the client closed it (mid-head too: as Go, no answer)
+                    self._drop(conn)
+                    return
+                conn.buffer += data
+                if conn.head_ready():
+                    self._forget(conn)
+                    conn.sock.setblocking(True)
+                    self.workers.hand_over(conn)
+                    return
+                if not conn.pending():
+                    break
+        except conn.server.would_block:
+            pass
+        except OSError:
+            self._drop(conn)
+            return
+        if conn.buffer and self.idle.pop(conn.sock, None) is not None:
+            conn.due = time.monotonic() + conn.server.app.header_timeout  # a head is coming
+            self.arriving[conn.sock] = conn
+
+    def _forget(self, conn):
+        with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
+            self.selector.unregister(conn.sock)
+        self.idle.pop(conn.sock, None)
+        self.arriving.pop(conn.sock, None)
+
+    def _drop(self, conn):
+        self._forget(conn)
+        conn.sock.close()
+
+
+class Workers:
+    """The threads serving requests: at most -max-connections, each serving one connection at
+    a time, from its first complete head until it is parked again or closed.  A thread with
+    nothing to do waits a while for the next connection, then ends."""
+
+    IDLE_THREAD_SECONDS = 5.0
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.ready = deque()  # connections with a head, waiting for a thread
+        self.cond = threading.Condition()
+        self.threads = 0
+        self.waiting = 0  # threads waiting for a connection
+
+    def hand_over(self, conn):
+        with self.cond:
+            self.ready.append(conn)
+            if len(self.ready) > self.waiting and self.threads < self.limit:
+                self.threads += 1
+                threading.Thread(target=self._work, name="request", daemon=True).start()
+            else:
+                self.cond.notify()
+
+    def saturated(self):
+        """Every thread is taken and a connection waits: no time to wait for a client."""
+        return self.threads >= self.limit and bool(self.ready)
+
+    def _work(self):
+        while True:
+            with self.cond:
+                until = time.monotonic() + self.IDLE_THREAD_SECONDS
+                while not self.ready:
+                    if time.monotonic() >= until:
+                        self.threads -= 1
+                        return
+                    self.waiting += 1
+                    self.cond.wait(until - time.monotonic())
+                    self.waiting -= 1
+                conn = self.ready.popleft()
+            conn.server.serve(conn)
+
+
+INTERNAL_ERROR = BadRequest(500, "")
 
 
 class HookHandler(BaseHTTPRequestHandler):
-    """One client connection: thin glue between the socket and the Pipeline.  Overrides the
-    documented hooks where Go's server behaves differently: the head is read against one
-    deadline and checked as Go checks it (parse_request), malformed requests get Go's answers
-    (send_error), `100 Continue` is sent only when the body is wanted (handle_expect_100), any
-    method is served, and each answer is one write with no Server header."""
+    """One turn of a worker with a connection: thin glue between its bytes and the Pipeline.
+    Overrides the documented hooks where Go's server behaves differently: the head is checked
+    as Go checks it (parse_request), malformed requests get Go's answers (send_error),
+    `100 Continue` is sent only when the body is wanted (handle_expect_100), any method is
+    served, and each answer is one write with no Server header.  Serves the requests whose
+    heads have come, then leaves the connection kept alive (`kept_alive`) or to be closed."""
 
     protocol_version = "HTTP/1.1"
 
     def setup(self):
-        server = self.server
-        self.head = None
+        self.conn = self.request  # a Connection
+        self.connection, self.rfile = self.conn.sock, self.conn
         self.remote_addr = format_peer(self.client_address)
-        if self.request.family != socket.AF_UNIX:
-            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if server.tls_context is not None:
-            self.request = server.tls_context.wrap_socket(self.request, server_side=True,
-                                                          do_handshake_on_connect=False)
-            server.deadlines.set(self.request, server.app.header_timeout)
-            self.request.do_handshake()
-        BaseHTTPRequestHandler.setup(self)
+        self.head = None
+        self.kept_alive = False
+        self.answering = False  # some of the answer is written: too late for another
+        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
+
+    def handle(self):
+        while True:
+            self.handle_one_request()
+            if self.close_connection or self.server.app.stopping:
+                return
+            if self.conn.head_ready():
+                continue
+            if not self.server.room.workers.saturated():
+                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                    return  # the client closed it
+                if self.conn.head_ready():
+                    continue
+            self.kept_alive = True  # the next request has not (fully) come: park it
+            return
 
     def finish(self):
-        self.server.deadlines.clear(self.connection)
-        BaseHTTPRequestHandler.finish(self)
+        pass  # nothing to flush: each answer is written as it is made
 
     def handle_one_request(self):
-        self.close_connection = True
+        self.close_connection, self.answering = True, False
         try:
             if self.parse_request():
                 self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
         except BadRequest as exc:
             self.send_error(exc.status, exc)
-        except (OSError, ValueError):  # the client went away or stalled: nothing to answer
+        except OSError:  # the client went away or stalled: nothing to answer
             pass
+        except Exception:  # a bug: logged and answered 500, never a silently dropped client
+            log.exception("unexpected error handling a request from %s", self.remote_addr)
+            if not self.answering:
+                with contextlib.suppress(OSError):
+                    self.write(INTERNAL_ERROR.response())
 
     def parse_request(self):
-        """Read the head (-read-header-timeout for all of it, plus the keep-alive idle time
-        before a later request's first byte) and check it as Go does; False: nothing to serve
-        on this connection."""
-        rfile, sock, app = self.rfile, self.connection, self.server.app
-        deadlines = self.server.deadlines
-        # a new connection must start its request in time; an idle keep-alive one may wait
-        deadlines.set(sock, app.header_timeout if self.head is None else KEEPALIVE_IDLE_SECONDS)
-        if not rfile.peek(1):
-            return False
-        if self.head is not None:
-            deadlines.set(sock, app.header_timeout)
-        head = bytearray()
-        while True:  # usually once: the whole head came in one recv
-            buffered = rfile.peek(1)  # what is buffered, or one recv
-            if not buffered:
+        """Read the rest of the head, if it did not all come while the connection waited
+        (-read-header-timeout for all of it), and check it as Go does."""
+        conn = self.conn
+        if conn.due is None:  # a head that came while a worker held the connection
+            conn.due = time.monotonic() + self.server.app.header_timeout
+        end = conn.head_end()
+        while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
+            if not conn.fill():
                 raise ConnectionResetError("client closed the connection")
-            tail = bytes(head[-3:])
-            end = head_end(tail + buffered)
-            head += rfile.read(end - len(tail) if end >= 0 else len(buffered))
-            if len(head) > MAX_HEADER_BYTES:
-                raise BadRequest(431, "request header too large")
-            if end >= 0:
-                break
-        self.head = parse_head(bytes(head))
-        deadlines.set(sock, app.header_timeout)  # renewed by each read of the body
+            end = conn.head_end()
+        if end < 0 or end > MAX_HEADER_BYTES:
+            raise BadRequest(431, "request header too large")
+        self.head = parse_head(conn.take(end))
+        conn.due = None  # from here on, each read of the body has -read-header-timeout
         self.command, self.path = self.head.method, self.head.target
         self.request_version = self.head.version
         return True
@@ -4046,44 +4327,41 @@ class HookHandler(BaseHTTPRequestHandler):
         client is still sending is read for a moment so it gets the answer, not a reset."""
         exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
         log.info("bad request from %s: %s", self.remote_addr, exc)
+        self.close_connection = True
         try:
-            self.server.deadlines.set(self.connection, 1.0)
-            self.wfile.write(exc.response())
+            self.write(exc.response())
             self.connection.shutdown(socket.SHUT_WR)
-            deadline, drained = time.monotonic() + 1.0, 0
-            while drained < MAX_HEADER_BYTES and time.monotonic() < deadline:
-                chunk = self.connection.recv(65536)
-                if not chunk:
-                    break
-                drained += len(chunk)
+            self.conn.due, drained = time.monotonic() + 1.0, 0
+            while drained < MAX_HEADER_BYTES and self.conn.fill():
+                drained += len(self.conn.buffer)
+                self.conn.buffer.clear()
         except OSError:
             pass
-        self.close_connection = True
 
     def handle_expect_100(self):
-        self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
         return True
 
     def log_message(self, format, *args):
         log.info("%s: " + format, self.remote_addr, *args)
+
+    def write(self, data):
+        self.answering = True
+        self.conn.send(data)
 
     def read_body(self):
         """The body by Content-Length or chunked, capped at -max-body-bytes."""
         app = self.server.app
         size = app.body_length(self.head)
         if size is None:
-            return read_chunked(self.rfile, app.max_body, self.renew_read_deadline)
+            return read_chunked(self.conn, app.max_body)
         body = bytearray()
         while len(body) < size:
-            chunk = self.rfile.read1(min(size - len(body), 1 << 16))  # at most one recv
+            chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
             if not chunk:
                 raise ConnectionResetError("client closed the connection")
             body += chunk
-            self.renew_read_deadline()
         return bytes(body)
-
-    def renew_read_deadline(self):
-        self.server.deadlines.set(self.connection, self.server.app.header_timeout)
 
     def serve(self):
         """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
@@ -4091,16 +4369,14 @@ class HookHandler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with app.in_flight():
             rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr,
-                                                  self.stream_to_client)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
             if response is None:
                 response = self.answer_hook(rid, hook, raw_query)
             else:
                 self.skip_body(response)
             keep_alive = head.keep_alive() and not response.close and not app.stopping
             if not response.sent:
-                self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
-                self.wfile.write(serialize_response(response, head, keep_alive))
+                self.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
 
@@ -4126,10 +4402,9 @@ class HookHandler(BaseHTTPRequestHandler):
         except BodyError as exc:  # as upstream: logged, the hook runs with what was read
             log.info("error reading the request body: %s", exc)
             body, broken = exc.partial, True
-        self.server.deadlines.clear(self.connection)  # the command may take its time
         request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
         try:
-            response = app.trigger(head, hook, request, self.stream_to_client)
+            response = app.trigger(head, hook, request, self)
         except Exception:  # a bug must cost one 500, not a hung connection
             log.exception("unexpected error handling %s %s", head.method, head.target)
             response = Response(500, b"500 Internal Server Error", close=True)
@@ -4137,45 +4412,88 @@ class HookHandler(BaseHTTPRequestHandler):
         response.secret_params = hook.secret_params
         return response
 
-    def stream_to_client(self, data):
-        """Streamed output: False once the client has gone (the command still runs on)."""
-        try:
-            self.server.deadlines.set(self.connection, WRITE_TIMEOUT_SECONDS)
-            self.wfile.write(data)
-            return True
-        except OSError:
-            return False
+    # The one writer of answers sent while they are made (stream-command-output, a running
+    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
+    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
+
+    def start_chunked(self, status, headers):
+        """Send the head; False if the client has gone."""
+        head = self.head
+        self.chunked, self.client_here = head.version == "HTTP/1.1", True
+        self.streamed_body = head.method != "HEAD"
+        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
+                                         if self.chunked else "Connection: close"]
+        return self.write_streamed(response_head(head.version, status_line(status), lines))
+
+    def write_chunk(self, data):
+        """Send a piece of the body (the connection's -write-timeout for each); False if the
+        client has gone."""
+        if data and self.streamed_body:
+            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
+                                       else data)
+        return self.client_here
+
+    def end_chunks(self, complete=True):
+        """End the answer, with its closing chunk if `complete` (else the client sees it cut
+        short); whether the connection may serve another request."""
+        if complete and self.chunked and self.streamed_body:
+            self.write_streamed(b"0\r\n\r\n")
+        return complete and self.chunked and self.client_here
+
+    def write_streamed(self, data):
+        if self.client_here:
+            try:
+                self.write(data)
+            except OSError:
+                self.client_here = False
+        return self.client_here
 
 
 class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), with a
-    thread per connection bounded in process_request: at -max-connections, accepting waits and
-    new connections wait in the listen backlog."""
+    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's).  An
+    accepted connection holds no thread: it waits in the WaitingRoom until a whole request
+    head has come, a worker serves it, and it waits there again between requests."""
 
     daemon_threads = True
 
-    def __init__(self, listener, app, slots, tls_context):
+    def __init__(self, listener, app, room, tls_context):
         socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
-        self.socket, self.app, self.slots, self.tls_context = listener, app, slots, tls_context
-        self.deadlines = Deadlines()
+        self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
+        self.deadlines = room.deadlines
+        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
+        self.ssl, self.would_block = None, BlockingIOError
+        if tls_context is not None:
+            import ssl
+            self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
+                                               ssl.SSLWantWriteError)
 
     def process_request(self, request, client_address):
-        while not self.slots.acquire(timeout=0.5):
-            if self.app.stopping:
-                self.shutdown_request(request)
-                return
-        threading.Thread(target=self.serve_connection, args=(request, client_address),
-                         daemon=True).start()
+        if self.app.stopping:
+            self.shutdown_request(request)
+            return
+        if request.family != socket.AF_UNIX:
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls_context is not None:  # the handshake is the WaitingRoom's, unblocked
+            request = self.tls_context.wrap_socket(request, server_side=True,
+                                                   do_handshake_on_connect=False)
+        due = time.monotonic() + self.app.header_timeout  # the first head's, from accept
+        self.room.park(Connection(request, client_address, self, due))
 
-    def serve_connection(self, request, client_address):
+    def serve(self, conn):
+        """A worker's turn with a connection: its requests, then parked again or closed."""
+        handler = None
         try:
-            self.process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            handler = self.RequestHandlerClass(conn, conn.address, self)
+        except Exception:
+            self.handle_error(conn.sock, conn.address)
+        if handler is not None and handler.kept_alive:
+            self.room.park(conn)
+        else:
+            self.shutdown_request(conn.sock)
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):  # e.g. a failed TLS handshake
+        if isinstance(exc, OSError):
             log.info("connection from %s: %s", format_peer(client_address), exc)
         else:
             log.exception("unexpected error serving %s", format_peer(client_address))
@@ -4354,7 +4672,7 @@ class Pipeline:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
         if run.mode == "streamed":
-            return self.run_streamed(run, stream, head, headers, success)
+            return self.run_streamed(run, stream, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.execute(run), headers, success)
         self.run_in_background(run)
@@ -4435,41 +4753,24 @@ class Pipeline:
             self.background.submit(job)
         run.gate.enter(granted)
 
-    def run_streamed(self, run, stream, head, headers, success):
+    def run_streamed(self, run, stream, headers, success):
         """stream-command-output: chunked output while the command runs.  A failed or timed
         out run ends without the closing chunk, so the client sees an incomplete response."""
-        chunked = head.version == "HTTP/1.1"
-        with_body = head.method != "HEAD"
-        state = {"head_sent": False, "client_gone": False}
         headers.setdefault("Content-Type", TEXT_PLAIN)
-
-        def send(data):
-            if not state["client_gone"]:  # else keep draining: a deploy is not cut short
-                state["client_gone"] = not stream(data)
-
-        def send_head():
-            lines = ["HTTP/1.1 %d %s" % (success, GO_STATUS_TEXT[success])]
-            lines += header_lines(headers)
-            lines += ["Date: " + http_date(),
-                      "Transfer-Encoding: chunked" if chunked else "Connection: close", "", ""]
-            send("\r\n".join(lines).encode("utf-8", "surrogateescape"))
-            state["head_sent"] = True
+        head_sent = []
 
         def on_output(chunk):
-            if not state["head_sent"]:
-                send_head()
-            if with_body:
-                send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if not head_sent:
+                head_sent.append(stream.start_chunked(success, headers))
+            stream.write_chunk(chunk)
 
         result = self.execute(run, on_output)
         if not result.started:
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
-        if not state["head_sent"]:
-            send_head()
-        if result.ok and chunked and with_body:
-            send(b"0\r\n\r\n")
-        keep_alive = result.ok and (chunked or not with_body) and not state["client_gone"]
+        if not head_sent:
+            stream.start_chunked(success, headers)
+        keep_alive = stream.end_chunks(complete=result.ok)
         return Response(success, b"", headers, close=not keep_alive, sent=True)
 
     def status_response(self, head, remote_addr):
@@ -4648,8 +4949,7 @@ def open_listeners(opts, environ):
         log.info("using %d socket(s) passed by systemd", len(inherited))
         return inherited, "systemd socket"
     if opts.socket:
-        if os.path.exists(opts.socket) and not os.path.isfile(opts.socket):
-            os.unlink(opts.socket)  # a stale socket from a previous run
+        remove_stale_socket(opts.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(opts.socket)
         sock.listen(1024)
@@ -4664,6 +4964,28 @@ def open_listeners(opts, environ):
     sock.bind((host, opts.port))
     sock.listen(1024)
     return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
+
+
+def remove_stale_socket(path):
+    """Unlink a socket file left by a previous run; one that a live server still answers on is
+    refused (EADDRINUSE), not taken over."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return  # nothing there, or a file that is not ours to remove: bind() will say so
+    except OSError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: nothing listens on it
+            return
+        except (socket.timeout, BlockingIOError):
+            pass  # a full backlog: someone is listening
+        except OSError:
+            return  # e.g. no permission to connect: bind() will say what is wrong
+    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
 
 
 def make_tls_context(opts):
@@ -4737,13 +5059,23 @@ def write_pidfile(path):
 
 
 def raise_fd_limit():
-    """Go raises the soft open-files limit to the hard one at start; so do we."""
+    """Go raises the soft open-files limit to the hard one at start; so do we.  The limit now
+    in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def waiting_capacity(fd_limit, max_connections):
+    """Connections that may wait for a request at once: a quarter of the descriptors and one
+    per worker are left for the connections being served, commands and files."""
+    if fd_limit == resource.RLIM_INFINITY:
+        fd_limit = 1 << 20
+    return max(64, fd_limit - fd_limit // 4 - max_connections)
 
 
 # ---------------------------------------------------------------------------
@@ -4936,7 +5268,7 @@ def serve(opts):
     log.info("version %s starting", VERSION)
     environ = os.environ
     notifier = Notifier(environ)
-    raise_fd_limit()
+    fd_limit = raise_fd_limit()
     registry = Registry(opts.hooks, opts.template)
     try:
         registry.load(startup=True)
@@ -4981,8 +5313,9 @@ def serve(opts):
         remove_paths(cleanup)
         raise
     app.runs.start()  # as the user we now are: the run files are theirs
-    slots = threading.BoundedSemaphore(max(1, opts.max_connections))
-    servers = [HookServer(listener, app, slots, tls_context) for listener in listeners]
+    workers = Workers(max(1, opts.max_connections))
+    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections))
+    servers = [HookServer(listener, app, room, tls_context) for listener in listeners]
     for server in servers:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
     scheme = "https" if opts.secure else "http"

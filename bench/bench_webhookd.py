@@ -14,7 +14,9 @@ same load for each, measured in the same run and interleaved so that noise hits 
   a rule mismatch; first a bounded number of keep-alive requests from the Python client, then wrk
   for a fixed short duration (when wrk is installed);
 - startup time (spawn → first answer), idle CPU and RSS, RSS after the load and peak RSS (VmHWM);
-- hot-reload latency: the hooks file rewritten in place → the new hook id answers 200.
+- hot-reload latency: the hooks file rewritten in place → the new hook id answers 200;
+- crowded: a new client's p50/p99 latency (connect to whole answer, a 404) while 5,000 idle
+  keep-alive and 500 header-trickling connections are held, on a fresh server of each.
 
 Prints ONE JSON object (figures, ratios ours/peer and ours/floor, targets met or missed) and keeps a
 copy in bench/results/. Progress goes to stderr. Medians of ``--repeat`` runs.
@@ -72,6 +74,12 @@ def parse_args():
                         help="any of ours,peer,floor (ours is skipped if webhookd.py is missing)")
     parser.add_argument("--reload-samples", type=int, help="hot-reload samples (5)")
     parser.add_argument("--idle-seconds", type=float, help="idle CPU window (10)")
+    parser.add_argument("--idle-clients", type=int, default=5000,
+                        help="idle keep-alive connections held in the crowded phase (0: skip it)")
+    parser.add_argument("--trickling-clients", type=int, default=500,
+                        help="connections trickling header bytes in the crowded phase")
+    parser.add_argument("--crowded-requests", type=int,
+                        help="new clients timed in the crowded phase (50; --quick 30)")
     parser.add_argument("--webhookd", default=str(WEBHOOKD), help="path of webhookd.py")
     parser.add_argument("--peer", default=PEER_BIN, help="path of adnanh/webhook")
     args = parser.parse_args()
@@ -79,7 +87,8 @@ def parse_args():
     common.apply_defaults(args, {
         "repeat": 1 if quick else 3, "requests": 300 if quick else 2000,
         "wrk_seconds": 1 if quick else 2, "reload_samples": 3 if quick else 5,
-        "slices": 2 if quick else 4, "idle_seconds": 3.0 if quick else 10.0})
+        "slices": 2 if quick else 4, "idle_seconds": 3.0 if quick else 10.0,
+        "crowded_requests": 30 if quick else 100})
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     args.runners = [r for r in args.runners.split(",") if r]
     if "ours" in args.runners and not Path(args.webhookd).exists():
@@ -235,6 +244,41 @@ def poll_until_200(port, path, timeout):
     return None
 
 
+def measure_crowded(args, runners):
+    """A new client's latency while 5,000 idle keep-alive and 500 trickling clients are held,
+    on a fresh server of each runner in turn (ours, then Go's)."""
+    out = {}
+    common.raise_fd_limit(args.idle_clients + args.trickling_clients + 512)
+    for name in (n for n in ("ours", "peer") if n in args.runners):
+        server = runners.start(name)
+        try:
+            with common.Crowd(server.port, args.idle_clients, args.trickling_clients) as crowd:
+                log(f"crowded {name}: {crowd.idle_answered} idle, {crowd.trickling_held} "
+                    f"trickling held")
+                times, failures = [], 0
+                for _ in range(args.crowded_requests):
+                    try:
+                        times.append(common.timed_new_client(server.port, "/hooks/no-such-hook"))
+                    except (OSError, ValueError):
+                        failures += 1
+                st = server.status() or {}
+                times.sort()
+                out[name] = {"idle_held": crowd.idle_answered,
+                             "trickling_held": crowd.trickling_held,
+                             "new_clients": len(times), "failures": failures,
+                             "p50_ms": common._ms(common.percentile(times, 50)),
+                             "p99_ms": common._ms(common.percentile(times, 99)),
+                             "max_ms": common._ms(times[-1]) if times else None,
+                             "threads": st.get("threads"),
+                             "rss_mib": round(st.get("rss_kib", 0) / 1024, 1)}
+                log(f"crowded {name}: {out[name]}")
+        finally:
+            server.stop()
+    if "ours" in out and "peer" in out:
+        out["ours/peer"] = {k: ratio(out["ours"][k], out["peer"][k]) for k in ("p50_ms", "p99_ms")}
+    return out
+
+
 def rss_figures(servers):
     out = {}
     for name, server in servers.items():
@@ -294,7 +338,8 @@ def main():
     args = parse_args()
     result = common.new_result("webhookd", args, (
         "quick", "repeat", "requests", "slices", "wrk_seconds", "no_wrk", "concurrency",
-        "scenarios", "runners", "reload_samples", "idle_seconds", "client_procs", "python"),
+        "scenarios", "runners", "reload_samples", "idle_seconds", "client_procs", "python",
+        "idle_clients", "trickling_clients", "crowded_requests"),
         " (exec-sync: half)")
     log("runners", args.runners)
     workdir = Path(tempfile.mkdtemp(prefix="bench-webhookd-"))
@@ -323,6 +368,8 @@ def main():
         for name, server in servers.items():
             if server.proc.poll() is not None:
                 result.setdefault("crashed", []).append(name)
+        if args.idle_clients:
+            result["crowded"] = measure_crowded(args, runners)
     finally:
         for server in servers.values():
             server.stop()

@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import platform
 import re
+import resource
+import selectors
 import shutil
 import signal
 import socket
@@ -553,6 +555,101 @@ def summarize(parts, expected=None):
 
 def _ms(seconds):
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# A crowd of idle and slow connections, and a new client timed through it
+# --------------------------------------------------------------------------------------------
+
+def raise_fd_limit(needed):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Crowd:
+    """Holds `idle` keep-alive connections (each answered one request, then silent) and
+    `trickling` connections sending a header byte every 0.3 s (reopened when a server cuts
+    one off), until the `with` block ends."""
+
+    REQUEST = build_request("GET", "/hooks/no-such-hook")
+
+    def __init__(self, port, idle, trickling, timeout=60.0):
+        self.port = port
+        self.idle = [self._open() for _ in range(idle)]
+        self.idle_answered = self._one_request_each(timeout)
+        self.trickling = [self._open() for _ in range(trickling)]
+        self.trickling_held = trickling
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+        self.thread.start()
+        time.sleep(0.5)  # the first bytes of every trickling head are in
+
+    def _open(self):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((HOST, self.port))
+        return sock
+
+    def _one_request_each(self, timeout):
+        selector = selectors.DefaultSelector()
+        for sock in self.idle:
+            selector.register(sock, selectors.EVENT_WRITE)
+        answered, pending, deadline = 0, len(self.idle), time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for key, events in selector.select(0.5):
+                sock = key.fileobj
+                try:
+                    if events & selectors.EVENT_WRITE:
+                        sock.send(self.REQUEST)
+                        selector.modify(sock, selectors.EVENT_READ)
+                        continue
+                    chunk = sock.recv(65536)
+                    data = (key.data or b"") + chunk
+                    if chunk and not data.endswith(b"Hook not found."):
+                        selector.modify(sock, selectors.EVENT_READ, data)
+                        continue
+                    answered += bool(chunk)
+                except OSError:
+                    pass
+                selector.unregister(sock)
+                pending -= 1
+        selector.close()
+        return answered
+
+    def _trickle(self):
+        started = set()  # the connections whose head has begun
+        while not self.stop.wait(0.3 if started else 0):
+            for i, sock in enumerate(self.trickling):
+                try:
+                    sock.send(b"a" if sock in started else b"GET / HTTP/1.1\r\nX-Slow: ")
+                    started.add(sock)
+                except BlockingIOError:
+                    pass
+                except OSError:  # cut off (a head deadline): another takes its place
+                    started.discard(sock)
+                    sock.close()
+                    self.trickling[i] = self._open()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        for sock in self.idle + self.trickling:
+            sock.close()
+
+
+def timed_new_client(port, path, timeout=10.0):
+    """Seconds from connecting to having read the whole answer, on a new connection."""
+    started = time.perf_counter()
+    conn = Connection(port, timeout=timeout)
+    try:
+        conn.exchange(build_request("GET", path, {"Connection": "close"}))
+    finally:
+        conn.close()
+    return time.perf_counter() - started
 
 
 # --------------------------------------------------------------------------------------------

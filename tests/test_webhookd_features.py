@@ -531,13 +531,19 @@ def test_status_path_inside_the_hooks_prefix_is_refused(tmp_path):
     assert result.returncode == 1 and "status-path" in result.stdout
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command: apt-get install openssl")
+def self_signed_certificate(folder):
+    """cert.pem and key.pem for localhost in `folder` (skips without the openssl command)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command: apt-get install openssl")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(folder / "key.pem"),
+                    "-out", str(folder / "cert.pem")], check=True, capture_output=True,
+                   timeout=60)
+
+
 def test_https_with_minimum_tls_version(tmp_path):
     import ssl
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-keyout", str(tmp_path / "key.pem"),
-                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True,
-                   timeout=60)
+    self_signed_certificate(tmp_path)
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("tls")])
     with start(hooks, "-secure", "-cert", tmp_path / "cert.pem", "-key", tmp_path / "key.pem",
                "-tls-min-version", "1.3") as daemon:
