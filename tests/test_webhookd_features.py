@@ -438,6 +438,11 @@ def unix_request(path, raw):
         return exchange(sock, raw)
 
 
+def unix_connectable(path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(path) == 0
+
+
 def test_unix_socket_serves_and_is_removed_at_exit(tmp_path):
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("unix")])
     path = str(tmp_path / "webhookd.sock")
@@ -445,6 +450,8 @@ def test_unix_socket_serves_and_is_removed_at_exit(tmp_path):
                     wait=False)
     with daemon:
         wait_until(lambda: os.path.exists(path), what="socket file")
+        # the file appears at bind(), a moment before listen(): a refusal then is no answer
+        wait_until(lambda: unix_connectable(path), what="socket listening")
         answer = unix_request(path, b"GET /hooks/unix HTTP/1.1\r\nHost: x\r\n"
                                     b"Connection: close\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\nunix\n")
