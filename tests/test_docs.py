@@ -195,7 +195,7 @@ def test_every_searchkeys_serve_option_is_in_the_reference():
 
 
 def test_rate_counter_memory_in_the_docs_is_what_serve_help_says():
-    figure = re.search(r"about (\d+) MiB", " ".join(serve_help().split())).group(1)
+    figure = re.search(r"(?:about |~)(\d+) MiB", " ".join(serve_help().split())).group(1)
     text = " ".join((ROOT / "docs" / "searchkeys.md").read_text().split())
     said = set(re.findall(r"about (\d+) MiB", text))
     assert said == {figure}, (said, figure)

@@ -447,7 +447,7 @@ def _open_files(wanted):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
         if hard != resource.RLIM_INFINITY and hard < wanted:
-            pytest.skip("the open-files limit (%d) is below %d" % (hard, wanted))
+            pytest.skip("needs an open-files hard limit of %d (it is %d): raise it with ulimit -Hn as root" % (wanted, hard))
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 

@@ -228,7 +228,7 @@ def _free_dual_stack_port():
         return probe.getsockname()[1]
 
 
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="needs an IPv6 loopback address (::1): enable IPv6 on lo")
 @pytest.mark.parametrize("host, families", [
     ("::1", [(socket.AF_INET6, "::1")]),
     ("::", [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")])])
