@@ -842,6 +842,7 @@ class Case:
         self.headers = []
         self.authorize = False
         self.method_header = True  # /authorize: X-Original-Method sent
+        self.chunked = False  # the body sent with chunked coding
         self.cred = None
         self.secrets = []
         self.connection_listed = set()
@@ -883,6 +884,7 @@ class Generator:
             if value is not None:
                 case.body_value = value
                 case.body = encode_json(rng, value).encode()
+                case.chunked = rng.random() < 0.1
         case.headers = self.headers(rng, case)
         return case
 
@@ -919,6 +921,11 @@ class Generator:
         algorithm = rng.choice(["HS256", "HS384", "HS512"])
         parent = key
         trouble = rng.random()
+        if trouble < 0.02:  # unsigned
+            token = mint(secret, claims, algorithm).rsplit(".", 1)[0].split(".", 1)[1]
+            token = b64url(b'{"alg":"none","typ":"JWT"}') + "." + token + "."
+            return Credential("Bearer " + token, "token", key=key, token_rules=rules,
+                              token_valid=False, secret=token)
         if trouble < 0.04:
             secret, valid = self.pool[(self.pool.index(key) + 1) % len(self.pool)]["key"], False
         elif trouble < 0.06:
@@ -1022,8 +1029,9 @@ class Generator:
 
     def headers(self, rng, case):
         headers = [("X-Fuzz-Case", case.tag)]
-        if case.body:
-            headers.append(("Content-Type", "application/json"))
+        if case.body:  # what Meilisearch takes for JSON, mostly plain
+            headers.append(("Content-Type", rng.choice(["application/json"] * 8 + [
+                "application/json; charset=utf-8", "application/x-ndjson", "text/plain"])))
         if case.cred.header is not None:
             headers.append(("Authorization", case.cred.header))
             if rng.random() < 0.03:  # a second credential: the first one counts
@@ -1191,8 +1199,9 @@ class Client:
         self.port = port
         self.connection = None
 
-    def send(self, method, target, headers, body):
-        """(status, body); a connection the guard closed is reopened (`retried` tells)."""
+    def send(self, method, target, headers, body, chunked=False):
+        """(status, body); a connection the guard closed is reopened (`retried` tells).
+        A `chunked` body goes in two chunks, without Content-Length."""
         self.retried = False
         for attempt in (1, 2):
             self.retried = attempt == 2
@@ -1202,9 +1211,15 @@ class Client:
                 self.connection.putrequest(method, target, skip_accept_encoding=True)
                 for name, value in headers:
                     self.connection.putheader(name, value)
-                if body or method in ("POST", "PUT", "PATCH"):
-                    self.connection.putheader("Content-Length", str(len(body)))
-                self.connection.endheaders(body or None)
+                if chunked:
+                    self.connection.putheader("Transfer-Encoding", "chunked")
+                    half = len(body) // 2
+                    self.connection.endheaders(iter([body[:half], body[half:]]),
+                                               encode_chunked=True)
+                else:
+                    if body or method in ("POST", "PUT", "PATCH"):
+                        self.connection.putheader("Content-Length", str(len(body)))
+                    self.connection.endheaders(body or None)
                 response = self.connection.getresponse()
                 data = response.read()
                 if response.will_close:
@@ -1237,7 +1252,8 @@ def run_case(client, backend, case, stats):
             headers.append(("X-Original-Method", case.method))
         status, data = client.send("GET", "/authorize", headers, b"")
     else:
-        status, data = client.send(case.method, case.target, case.headers, case.body)
+        status, data = client.send(case.method, case.target, case.headers, case.body,
+                                   case.chunked)
     records = backend.take(case.tag)
     problems = []
     if case.authorize:
