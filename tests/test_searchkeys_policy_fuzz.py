@@ -354,9 +354,12 @@ class Credential:
         return key["cap"] if key else None
 
 
+ABSENT = object()  # no filter at all (a GET's `filter=null` is JSON null, a filter of its own)
+
+
 def fuse(left, right):
-    """search::fuse_filters."""
-    if left is None:
+    """search::fuse_filters; `left` is ABSENT or a value (None: JSON null)."""
+    if left is ABSENT:
         return right
     if right is None:
         return left
@@ -402,7 +405,7 @@ def get_filter(pairs):
     """A GET search's `filter` parameter as Meilisearch reads it: JSON if it parses, else text."""
     raw = last_param(pairs, "filter")
     if raw is None:
-        return None
+        return ABSENT
     try:
         return json.loads(raw)
     except ValueError:
@@ -636,8 +639,7 @@ def search_problems(case, key, index, body, pairs, unseen_body):
             return problems
         sent_filter = body.get("filter") if isinstance(body, dict) else None
         hits = asked_hits(body, route) if route != "facet-search" else 0
-        caller = case.body_value
-        caller_filter = caller.get("filter") if isinstance(caller, dict) else None
+        caller_filter = body_filter(case.body_value)
     if cap is not None and hits > cap:
         problems.append("%s(c) asks for %d hits, cap %d" % (null_page(body), hits, cap))
     problems += filter_problems(cred, index, caller_filter, sent_filter, not isinstance(
@@ -657,10 +659,18 @@ def filter_problems(cred, index, caller_filter, sent_filter, refused_anyway=Fals
     rules = cred.tenant_filters(index)
     if rules == [None] or refused_anyway:
         return []
-    if any(sent_filter == fuse(caller_filter, rule) for rule in rules):
+    def plain(value):  # ABSENT and null alike, where a tie lets Meilisearch add nothing
+        return None if value is ABSENT else value
+    if any(plain(sent_filter) == plain(fuse(caller_filter, rule)) for rule in rules):
         return []
     return ["(b) filter %s is not %s AND-ed with the token's %s" % (
-        json.dumps(sent_filter), json.dumps(caller_filter), json.dumps(rules))]
+        json.dumps(plain(sent_filter)), json.dumps(plain(caller_filter)), json.dumps(rules))]
+
+
+def body_filter(query):
+    """A JSON search object's filter as deserr reads it: null is no filter."""
+    value = query.get("filter") if isinstance(query, dict) else None
+    return ABSENT if value is None else value
 
 
 def multi_search_problems(case, body, unseen_body, restricted):
@@ -683,8 +693,7 @@ def multi_search_problems(case, body, unseen_body, restricted):
         if not cred.covers(uid, "search"):
             problems.append("(a) queries[%d] on index %r not covered" % (position, uid))
             continue
-        before = caller_queries[position] if position < len(caller_queries) else {}
-        before = before.get("filter") if isinstance(before, dict) else None
+        before = body_filter(caller_queries[position] if position < len(caller_queries) else {})
         problems += ["queries[%d]: %s" % (position, p) for p in filter_problems(
             cred, uid, before, query.get("filter"))]
         if federation is None:
