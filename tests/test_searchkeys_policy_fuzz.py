@@ -280,8 +280,9 @@ class Credential:
 
     def describe(self):
         key = self.key
-        shape = "" if key is None else " key(actions=%s, indexes=%s, expired=%s, cap=%s)" % (
-            key["actions"], key["indexes"], key["expired"], key["cap"])
+        shape = "" if key is None else " key(actions=%s, indexes=%s, expired=%s, cap=%s%s)" % (
+            key["actions"], key["indexes"], key["expired"], key["cap"],
+            ", deleted" if key["deleted"] else "")
         rules = "" if self.rules is None else " searchRules=%s valid=%s" % (
             json.dumps(self.rules), self.token_valid)
         return self.kind + shape + rules
@@ -290,6 +291,8 @@ class Credential:
         """The key record this credential authenticates as for `action`, "master", or None."""
         if self.kind == "master":
             return "master"
+        if self.key is not None and self.key["deleted"]:
+            return None
         if self.kind == "key":
             return self.key
         if self.kind == "token":
@@ -347,7 +350,9 @@ class Credential:
             return [None]
         best = max((not p.endswith("*"), len(p)) for p in hits)
         rules = [self.rules[p] for p in hits if (not p.endswith("*"), len(p)) == best]
-        return [r.get("filter") if isinstance(r, dict) else None for r in rules]
+        # serde reads the one-field IndexSearchRules from an object or a one-element array
+        return [r.get("filter") if isinstance(r, dict) else r[0] if isinstance(r, list)
+                else None for r in rules]
 
     def cap(self):
         key = self.key if self.kind in ("key", "token") else None
@@ -954,7 +959,9 @@ class Generator:
         if rng.random() < 0.35:
             return patterns
         return {p: rng.choice([None, {}, {"filter": None}, {"filter": rng.choice(FILTERS[:-1])},
-                               {"filter": rng.choice(FILTERS[:-1])}]) for p in patterns}
+                               {"filter": rng.choice(FILTERS[:-1])}, [rng.choice(FILTERS)],
+                               {"filter": rng.choice(FILTERS[:-1]), "note": 1}])
+                for p in patterns}
 
     def params(self, rng, template, cred):
         params = {}
@@ -1131,6 +1138,10 @@ def encode_path(rng, template, params):
         path = path.replace("/", "//", 1)
     if rng.random() < 0.08:
         path += "/"
+    if rng.random() < 0.03:  # dot segments: actix routes them as they are
+        cut = path.find("/", 1)
+        path = path[:cut] + rng.choice(["/..", "/.", "/%2e%2e", "/secret/.."]) + path[cut:] \
+            if cut > 0 else path + "/.."
     return path
 
 
@@ -1168,7 +1179,7 @@ WEIGHTED_ROUTES = [(t, {m: a for m, a in methods.items() if m == "GET"} if t.sta
 def admin(port, method, path, value):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        connection.request(method, path, json.dumps(value), {
+        connection.request(method, path, None if value is None else json.dumps(value), {
             "Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, json.loads(response.read() or b"null")
@@ -1200,6 +1211,13 @@ def make_pool(port, rng):
             assert status == 200, shown
         pool[n] = {"key": key["key"], "uid": key["uid"], "actions": actions,
                    "indexes": indexes, "expired": expired, "cap": cap}
+    status, key = admin(port, "POST", "/keys", {"actions": ["*"], "indexes": ["*"],
+                                                "expiresAt": None})
+    assert status == 201 and admin(port, "DELETE", "/keys/" + key["uid"], None)[0] == 204
+    for record in pool:
+        record["deleted"] = False
+    pool.append({"key": key["key"], "uid": key["uid"], "actions": ["*"], "indexes": ["*"],
+                 "expired": False, "cap": None, "deleted": True})
     while time.time() < latest + 0.5:  # past the expiry of the expiring keys
         time.sleep(0.1)
     return pool
