@@ -1162,13 +1162,23 @@ WEIGHTS = {"/indexes/{index_uid}/search": 8, "/multi-search": 8, "/indexes/{inde
            "/batches/{batch_id}": 3, "/indexes": 4, "/stats": 2, "/swap-indexes": 2,
            "/indexes/{index_uid}/documents": 5, "/indexes/{index_uid}/settings": 2,
            "/keys": 1, "/keys/{key}": 1}
-WEIGHTED_ROUTES = [(template, methods) for _, template, methods in ROUTES
-                   for _ in range(WEIGHTS.get(template, 1))
-                   if not template.startswith("/indexes/{index_uid}/settings/") or
-                   template.endswith(("ranking-rules", "typo-tolerance"))]
-# /keys: only reads (the pool must stay as generated)
-WEIGHTED_ROUTES = [(t, {m: a for m, a in methods.items() if m == "GET"} if t.startswith("/keys")
-                    else methods) for t, methods in WEIGHTED_ROUTES]
+
+
+def _weighted_routes():
+    """Routes to draw from, the interesting ones more often; two of the per-setting routes
+    stand for all of them; /keys only read (the pool stays as made)."""
+    routes = []
+    for _, template, methods in ROUTES:
+        if template.startswith("/indexes/{index_uid}/settings/") and \
+                not template.endswith(("ranking-rules", "typo-tolerance")):
+            continue
+        if template.startswith("/keys"):
+            methods = {"GET": methods["GET"]}
+        routes += [(template, methods)] * WEIGHTS.get(template, 1)
+    return routes
+
+
+WEIGHTED_ROUTES = _weighted_routes()
 
 
 # ---------------------------------------------------------------------------------------------
