@@ -962,6 +962,8 @@ class Generator:
     @staticmethod
     def rules(rng):
         patterns = rng.sample(["*"] + PATTERNS, rng.randint(1, 3))
+        if "*" not in patterns and rng.random() < 0.4:
+            patterns.append("*")  # a rule for every index: most searches get a filter to fuse
         if rng.random() < 0.35:
             return patterns
         return {p: rng.choice([None, {}, {"filter": None}, {"filter": rng.choice(FILTERS[:-1])},
