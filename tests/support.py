@@ -24,9 +24,11 @@ PORTABLE = Path(__file__).resolve().parent / "portable"
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port that no socket uses on any IPv4 address right now: a daemon binding it on
+    0.0.0.0 must not meet a client socket a flood test bound on 127.0.0.2 (still in TIME_WAIT).
+    The probe only binds; it never listens."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
 
 
