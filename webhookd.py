@@ -1983,16 +1983,85 @@ def parse_xml_payload(body):
     return done[0]
 
 
+# Go's unicode.IsSpace, which mime.ParseMediaType trims with
+GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008" \
+           "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+MIME_TOKEN = r'[^\x00-\x20\x7f-\U0010ffff()<>@,;:\\"/\[\]?=]+'
+MIME_TSPECIAL = r'[()<>@,;:\\"/\[\]?=]'
+MIME_SPACES = re.compile("[%s]*" % GO_SPACE)
+MIME_TYPE = re.compile(r"%s(?:/%s)?\Z" % (MIME_TOKEN, MIME_TOKEN))
+# One `; name=value` with Go's quoting: a backslash escapes only a tspecial (otherwise it is a
+# literal backslash), no line break inside quotes.  Every character has one reading: no
+# backtracking, linear time.
+MIME_PARAM = re.compile(r'[{s}]*;[{s}]*({tok})[{s}]*=[{s}]*(?:({tok})|"((?:\\{ts}|\\(?!{ts})|'
+                        r'[^"\r\n\\])*)")'.format(s=GO_SPACE, tok=MIME_TOKEN, ts=MIME_TSPECIAL))
+MIME_ESCAPE = re.compile(r"\\(%s)" % MIME_TSPECIAL)
+MEDIA_TYPE_MAX = 16384  # longer Content-Type or Content-Disposition values are refused
+
+
+class MediaTypeError(ValueError):
+    """A Content-Type or Content-Disposition value mime.ParseMediaType refuses."""
+
+
 def parse_media_params(value):
-    """mime.ParseMediaType, enough for a boundary: (type, {param: value})."""
-    media, _, rest = value.partition(";")
-    params = {}
-    for match in re.finditer(r';?\s*([^=;\s]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)', ";" + rest):
-        key, val = match.group(1).lower(), match.group(2)
-        if val.startswith('"'):
-            val = re.sub(r"\\(.)", r"\1", val[1:-1])
-        params[key] = val
-    return media.strip().lower(), params
+    """mime.ParseMediaType of Go 1.19: (type, {param: value}) with RFC 2231 continuations
+    (`name*0`, `name*1*`) and encodings (`name*=utf-8''%41`) joined; a malformed parameter or a
+    name given twice raises MediaTypeError, as does a value over MEDIA_TYPE_MAX characters."""
+    if len(value) > MEDIA_TYPE_MAX:
+        raise MediaTypeError("media type longer than %d characters" % MEDIA_TYPE_MAX)
+    base = value.partition(";")[0]
+    media = base.lower().strip(GO_SPACE)
+    if not MIME_TYPE.match(media):
+        raise MediaTypeError("mime: malformed media type")
+    params, pieces, pos = {}, {}, len(base)
+    while True:
+        pos = MIME_SPACES.match(value, pos).end()
+        if pos == len(value):
+            break
+        found = MIME_PARAM.match(value, pos)
+        if found is None:
+            if value[pos:].strip(GO_SPACE) == ";":
+                break  # a trailing semicolon is allowed
+            raise MediaTypeError("mime: invalid media parameter")
+        key = found.group(1).lower()
+        quoted = found.group(3)
+        target = pieces.setdefault(key.partition("*")[0], {}) if "*" in key else params
+        if key in target:
+            raise MediaTypeError("mime: duplicate parameter name")
+        target[key] = found.group(2) if quoted is None else MIME_ESCAPE.sub(r"\1", quoted)
+        pos = found.end()
+    for name, parts in pieces.items():
+        joined = join_rfc2231(name, parts)
+        if joined is not None:
+            params[name] = joined
+    return media, params
+
+
+def join_rfc2231(name, parts):
+    """The value of parameter `name` from its RFC 2231 pieces (`name*`, `name*0`, `name*1*`,
+    ...) as Go joins them; None when there is none to use."""
+    if name + "*" in parts:
+        return decode_rfc2231(parts[name + "*"])
+    joined, index = [], 0
+    while True:
+        piece = "%s*%d" % (name, index)
+        if piece in parts:
+            joined.append(parts[piece])
+        elif piece + "*" in parts:
+            encoded = parts[piece + "*"]
+            decoded = decode_rfc2231(encoded) if index == 0 else go_unescape(encoded, False)
+            joined.append(decoded or "")
+        else:
+            return "".join(joined) if index else None
+        index += 1
+
+
+def decode_rfc2231(text):
+    """`charset'language'percent-encoded` (us-ascii or utf-8 only), None if not that."""
+    fields = text.split("'", 2)
+    if len(fields) != 3 or fields[0].lower() not in ("us-ascii", "utf-8"):
+        return None
+    return go_unescape(fields[2], False)
 
 
 def split_part(part):
@@ -2017,34 +2086,37 @@ def parse_multipart(body, content_type, json_part_names):
     """multipart/form-data as upstream reads it: {field: first value}; file parts only when
     their Content-Type is exactly application/json or they are named in
     parse-parameters-as-json.  None when no field was found."""
-    media, params = parse_media_params(content_type)
+    try:
+        media, params = parse_media_params(content_type)
+    except MediaTypeError as exc:
+        raise MultipartError("request Content-Type isn't multipart/form-data: %s" % exc) from None
     boundary = params.get("boundary")
-    if not media.startswith("multipart/") or not boundary:
+    if media != "multipart/form-data" or not boundary:
         raise MultipartError("no multipart boundary param in Content-Type")
     delimiter = re.compile(b"(?:^|\r?\n)--" + re.escape(boundary.encode("utf-8", "replace")) +
                            b"(--)?[ \t]*(?:\r?\n|$)")
     marks = list(delimiter.finditer(body))
     if not marks:
         raise MultipartError("NextPart: EOF")
-    payload, file_fields = None, set()
+    payload, file_names, json_files = None, set(), set()
     for mark, following in zip(marks, marks[1:] + [None]):
         if mark.group(1):
             return payload
         if following is None:
             raise MultipartError("NextPart: unexpected EOF")
         headers, data = split_part(body[mark.end():following.start()])
-        kind, disposition = parse_media_params(headers.get("Content-Disposition", [""])[0])
-        name = disposition.get("name")
-        if kind != "form-data" or not name:
-            continue
-        is_file = "filename" in disposition
-        if is_file and not (name in json_part_names
-                            or "application/json" in headers.get("Content-Type", [])):
-            continue  # other file parts are not part of the payload
+        name, is_file = form_part_name(headers)
+        if not name or name in json_files:
+            continue  # a JSON file part wins over fields of its name (as upstream)
+        if is_file:
+            if name in file_names:
+                continue  # only the first file part of a name is looked at (as upstream)
+            file_names.add(name)
+            if not (name in json_part_names
+                    or "application/json" in headers.get("Content-Type", [])):
+                continue  # other file parts are not part of the payload
         if payload is None:
             payload = {}
-        if name in file_fields:
-            continue  # the first JSON file part of a name wins, over fields too (as upstream)
         if not is_file:
             payload.setdefault(name, data.decode("utf-8", "surrogateescape"))
         else:
@@ -2053,8 +2125,20 @@ def parse_multipart(body, content_type, json_part_names):
             except ValueError:
                 value = None
             payload[name] = NilMap() if value is None else value
-            file_fields.add(name)
+            json_files.add(name)
     return payload
+
+
+def form_part_name(headers):
+    """(form field name, is a file) of one part, as Go's Part.FormName and FileName see its
+    Content-Disposition: no name when that is not form-data or cannot be parsed."""
+    try:
+        kind, disposition = parse_media_params(headers.get("Content-Disposition", [""])[0])
+    except MediaTypeError:
+        return "", False
+    if kind != "form-data":
+        return "", False
+    return disposition.get("name", ""), bool(disposition.get("filename"))
 
 
 class HookRequest:
