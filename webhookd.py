@@ -1662,6 +1662,8 @@ def validate_files(paths, template=False):
 class GoNumber(str):
     """A JSON number kept as written (Go's json.Number): `1.50` stays `1.50`."""
 
+    __slots__ = ()  # no __dict__: a body of millions of numbers stays small and untracked
+
 
 class NilMap(dict):
     """A multipart JSON part that did not decode into an object: Go keeps a nil map (`null`)."""
@@ -2095,16 +2097,17 @@ def parse_multipart(body, content_type, json_part_names):
         raise MultipartError("no multipart boundary param in Content-Type")
     delimiter = re.compile(b"(?:^|\r?\n)--" + re.escape(boundary.encode("utf-8", "replace")) +
                            b"(--)?[ \t]*(?:\r?\n|$)")
-    marks = list(delimiter.finditer(body))
-    if not marks:
+    marks = delimiter.finditer(body)  # lazily: a malformed part ends the scan
+    mark = next(marks, None)
+    if mark is None:
         raise MultipartError("NextPart: EOF")
     payload, file_names, json_files = None, set(), set()
-    for mark, following in zip(marks, marks[1:] + [None]):
-        if mark.group(1):
-            return payload
+    while not mark.group(1):
+        following = next(marks, None)
         if following is None:
             raise MultipartError("NextPart: unexpected EOF")
         headers, data = split_part(body[mark.end():following.start()])
+        mark = following
         name, is_file = form_part_name(headers)
         if not name or name in json_files:
             continue  # a JSON file part wins over fields of its name (as upstream)
@@ -3645,14 +3648,15 @@ def parse_head(data):
     if numbers.group(1) != "1":
         raise BadRequest(505, "unsupported protocol version", public=True)
     version = "HTTP/1.0" if numbers.group(2) == "0" else "HTTP/1.1"
-    headers, last = {}, None
+    headers, last, folded = {}, None, []
     for line in lines[1:]:
         line = line.rstrip("\r")
         if not line:
             break
         if line[0] in " \t" and last is not None:  # obsolete line folding: a continuation
-            last[-1] = (last[-1] + " " + line.strip(" \t")).strip(" ")
+            folded.append(line.strip(" \t"))
             continue
+        unfold(last, folded)
         name, sep, value = line.partition(":")
         if not sep:
             raise BadRequest(400, "malformed MIME header line")
@@ -3663,12 +3667,21 @@ def parse_head(data):
             raise BadRequest(400, "invalid header value", public=True)
         last = headers.setdefault(canonical_header(name), [])
         last.append(value)
+    unfold(last, folded)
     hosts = headers.get("Host", ())
     if len(hosts) > 1:
         raise BadRequest(400, "too many Host headers")
     if not hosts and version == "HTTP/1.1":
         raise BadRequest(400, "missing required Host header", public=True)
     return RequestHead(method, target, version, headers)
+
+
+def unfold(values, folded):
+    """Join continuation lines to the last value, a space between non-empty pieces: in one
+    join, as adding them one by one costs quadratic time."""
+    if folded:
+        values[-1] = " ".join(piece for piece in [values[-1]] + folded if piece)
+        folded.clear()
 
 
 _date_cache = [0, ""]
