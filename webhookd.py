@@ -491,10 +491,14 @@ YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n
                 "f": "\f", "r": "\r", "e": "\x1b", " ": " ", '"': '"', "'": "'", "\\": "\\",
                 "N": "\x85", "_": "\xa0", "L": "\u2028", "P": "\u2029"}
 YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
-YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z")
-YAML_FLOW_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|:|[ \t]+#|[,?\[\]{}]|[ \t]*(?=\n)|[ \t]*\Z")
+# Where a plain scalar's line ends.  Blanks count only from the first of a run (look-behind):
+# trying every blank of a long run as a start would take quadratic time.
+YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z)"
+YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END)
+YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END)
 YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
 YAML_LINE_SPACE = re.compile(r"[ \t]*")
+YAML_MAX_ALIASED = 100000  # values all aliases together may expand to
 YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
 YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
 YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
@@ -604,6 +608,7 @@ class YamlScanner:
         self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
         self.pos = 0
         self.anchors = {}
+        self.aliased, self.sizes = 0, {}  # values reached through aliases; expanded_size memo
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
 
     # -- positions and errors
@@ -1011,11 +1016,31 @@ class YamlReader(YamlScanner):
         return match.group()
 
     def alias(self):
+        """The anchored value (shared, not copied); what aliases expand to is counted, so a
+        file of nested aliases (a "billion laughs") fails here instead of exhausting time
+        and memory later, as go-yaml's "excessive aliasing" check does."""
         start = self.pos
         name = self.anchor_name()
         if name not in self.anchors:
             self.fail("unknown anchor '%s' referenced" % name, start)
-        return self.anchors[name]
+        value = self.anchors[name]
+        self.aliased += self.expanded_size(value)
+        if self.aliased > YAML_MAX_ALIASED:
+            self.fail("document contains excessive aliasing (aliases expand to more than %d "
+                      "values)" % YAML_MAX_ALIASED, start)
+        return value
+
+    def expanded_size(self, value):
+        """How many values `value` is once every alias in it is expanded; each collection is
+        counted once (memo by id, holding the collection so that its id stays its own)."""
+        if not isinstance(value, (list, dict)):
+            return 1
+        known = self.sizes.get(id(value))
+        if known is None:
+            items = value.values() if isinstance(value, dict) else value
+            known = (value, 1 + sum(self.expanded_size(item) for item in items))
+            self.sizes[id(value)] = known
+        return known[1]
 
     def flow_space(self):
         text = self.text
@@ -1593,7 +1618,10 @@ def parse_hooks_file(raw, path, template=False):
     text = raw.decode("utf-8", "surrogateescape")
     if template:
         text = expand_template(text, path)
-    return parse_hooks(text, path)
+    try:
+        return parse_hooks(text, path)
+    except RecursionError:  # the readers and the model recurse once per level of nesting
+        raise HooksFileError("%s: nested too deeply" % path) from None
 
 
 def read_hooks_file(path, template=False):
@@ -3439,6 +3467,7 @@ class HooksFile:
         self.missing_since = None
         self.digest = None  # of the content last read, loaded or not
         self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
+        self.seen = None  # what the last poll saw: a change is loaded once seen twice
 
 
 class Registry:
@@ -3497,6 +3526,7 @@ class Registry:
                     ok = self._keep_old(hf, message, "%s: duplicate hook id %r"
                                         % (hf.path, clash[0]))
                     continue
+                self._warn_lost_rules(hf, hooks)
                 hf.hooks, hf.error, hf.loaded_at = hooks, None, now
                 for hook in hooks:
                     log.info("\tloaded: %s", hook.id)
@@ -3504,6 +3534,16 @@ class Registry:
             self.last_load = now
             self.last_reload_failed = not ok
             return ok
+
+    def _warn_lost_rules(self, hf, hooks):
+        """A served hook that had a trigger-rule and has none now runs for every request: said
+        loudly, as it is more often a half-written or mis-edited file than a wish."""
+        for hook in hooks:
+            served = self.by_id.get(hook.id)
+            if hook.trigger_rule is None and served is not None and \
+                    served.trigger_rule is not None:
+                log.warning("warning: hook %s in %s lost its trigger-rule: it now runs for "
+                            "every request", hook.id, hf.path)
 
     @staticmethod
     def _keep_old(hf, message, error):
@@ -3527,8 +3567,9 @@ class Registry:
         self.by_id = table
 
     def poll(self):
-        """Hot reload: the files whose inode, size or mtime changed (to be reloaded); a file
-        missing for longer than VANISH_GRACE loses its hooks here."""
+        """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
+        stayed the same for one poll interval, so that a file being written is not loaded
+        half-written; a file missing for longer than VANISH_GRACE loses its hooks here."""
         changed, now = [], time.monotonic()
         for hf in self.files:
             signature = file_signature(hf.path)
@@ -3541,19 +3582,20 @@ class Registry:
                     self._drop(hf)
                 continue
             hf.missing_since = None
-            if signature != hf.signature or (time.time() < hf.recheck_until
-                                             and self._content_changed(hf)):
+            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
+            steady, hf.seen = seen == hf.seen, seen
+            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
                 changed.append(hf)
         for hf in changed:
             log.info("hooks file %s modified", hf.path)
         return changed
 
     @staticmethod
-    def _content_changed(hf):
+    def _digest(hf):
         try:
-            return hash(read_bytes(hf.path)) != hf.digest
+            return hash(read_bytes(hf.path))
         except HooksFileError:
-            return True
+            return "unreadable"
 
     def _drop(self, hf):
         with self.lock:

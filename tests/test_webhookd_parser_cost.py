@@ -144,6 +144,29 @@ def test_parser_cost_is_linear_and_bounded(name):
     assert full < MAX_SECONDS, "too slow: " + figures
 
 
+# Hooks files are not request input, but -validate and every reload read them: the YAML
+# reader must be linear too.  name: (text of about n characters, full size)
+YAML_CASES = {
+    "plain scalar, blank run": (lambda n: "a: b" + " " * n + "c\n", 1 << 14),
+    "flow scalar, blank run": (lambda n: "a: [b" + " \t" * (n // 2) + "c]\n", 1 << 14),
+    "many items": (lambda n: "- {a: b, c: [d, 'e']}\n" * (n // 22), 1 << 17),
+    "folded lines": (lambda n: 'a: "b\n' + "  c\n" * (n // 4) + '"\nd: e\n  f\n', 1 << 17),
+    "block scalar": (lambda n: "a: >\n" + "\n" * (n // 2) + "  x\n" * (n // 8), 1 << 17),
+    "aliases": (lambda n: "- &a {b: [1, 2]}\n" + "- {<<: *a}\n" * (n // 11), 1 << 17),
+}
+
+
+@pytest.mark.parametrize("name", sorted(YAML_CASES))
+def test_hooks_file_reading_is_linear(name):
+    make, size = YAML_CASES[name]
+    full = cpu_seconds(w.load_yaml, make(size))
+    quarter = cpu_seconds(w.load_yaml, make(size // 4))
+    figures = "%s: %.1f ms at %d, %.1f ms at a quarter" % (name, full * 1000, size,
+                                                         quarter * 1000)
+    assert full <= LINEAR_RATIO * quarter + SLACK, "more than linear: " + figures
+    assert full < MAX_SECONDS, "too slow: " + figures
+
+
 def test_long_multipart_content_type_does_not_stall_other_clients(tmp_path):
     """A `multipart/form-data;` Content-Type and 30,000 more bytes used to hold the interpreter
     for ~22 s, and another client's request waited as long.  Both are answered at once now
