@@ -579,21 +579,6 @@ def yaml_key_text(key):
     raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
 
 
-def fold_flow_lines(lines):
-    """Join the lines of a quoted or flow scalar: one break is a space, n empty lines n breaks."""
-    out, breaks = [lines[0].rstrip(" \t")], 0
-    for index in range(1, len(lines)):
-        last = index == len(lines) - 1
-        line = lines[index].lstrip(" \t") if last else lines[index].strip(" \t")
-        if not line and not last:
-            breaks += 1
-            continue
-        out.append("\n" * breaks if breaks else " ")
-        out.append(line)
-        breaks = 0
-    return "".join(out)
-
-
 def load_yaml(text):
     """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
     int, float, bool, None).  Raises YamlError naming the line and column."""
@@ -702,7 +687,7 @@ class YamlScanner:
                 self.fail("found unexpected ':'")
             lines.extend([""] * more.group(1).count("\n"))
             lines.append(line)
-        return fold_flow_lines(lines) if len(lines) > 1 else first
+        return fold_lines(lines) if len(lines) > 1 else first
 
     def block_scalar(self, parent):
         """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
@@ -817,7 +802,7 @@ class YamlScanner:
                 self.fail("found unknown escape character", end)
         self.pos = pos
         lines.append("".join(out))
-        return join_quoted(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
+        return fold_lines(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
 
 
 class YamlReader(YamlScanner):
@@ -1123,9 +1108,10 @@ class YamlReader(YamlScanner):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
 
-def join_quoted(lines):
-    """Fold the lines of a quoted scalar: a break is a space, n empty lines are n breaks, an
-    escaped break joins without a space; escaped blanks at a line's edge are kept."""
+def fold_lines(lines):
+    """Fold the lines of a plain or quoted scalar: a break is a space, n empty lines are n
+    breaks; in quoted ones an escaped break joins without a space and escaped blanks at a
+    line's edge are kept (plain text never holds those markers)."""
     out, breaks, joined, last = [], 0, False, len(lines) - 1
     for index, line in enumerate(lines):
         escaped_break = index < last and line.endswith(YAML_ESCAPED_BREAK)
@@ -2369,12 +2355,16 @@ def parse_cidr(text):
         return None
 
 
+def peer_host(remote_addr):
+    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
+    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
+    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
+    return host.strip(" ").lstrip("[").rstrip("]")
+
+
 def check_ip_whitelist(remote_addr, ip_range):
-    host = remote_addr.strip(" []")
-    if ":" in host:
-        host = host[:host.rindex(":")].strip(" []")
     try:
-        address = ipaddress.ip_address(host)
+        address = ipaddress.ip_address(peer_host(remote_addr))
     except ValueError:
         return False, RuleError("invalid IP address found in remote address '%s'" % remote_addr)
     for text in ip_range.split():
@@ -3260,7 +3250,7 @@ def is_loopback_peer(remote_addr):
     """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
     on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
     behind such a socket, passing on clients from anywhere."""
-    host = remote_addr.rpartition(":")[0].strip("[]").split("%")[0]
+    host = peer_host(remote_addr).split("%")[0]
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
