@@ -1687,7 +1687,13 @@ def _reject_constant(name):
     raise ValueError("invalid JSON value %s" % name)
 
 
-JSON_DECODER = json.JSONDecoder(parse_float=GoNumber, parse_int=GoNumber,
+def go_number(text):
+    """GoNumber(text), called as Python code: the decoder runs a body of millions of numbers
+    in one call, and only Python code lets other threads take turns meanwhile."""
+    return GoNumber(text)
+
+
+JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_number,
                                 parse_constant=_reject_constant)
 JSON_SPACE = " \t\n\r"
 
@@ -2080,6 +2086,31 @@ def decode_rfc2231(text):
     return go_unescape(fields[2], False)
 
 
+MULTIPART_DELIMITER_END = re.compile(rb"(--)?[ \t]*(?:\r?\n|$)")
+MULTIPART_MAX_PARTS = 1000  # Go 1.19.8's limits: more is "multipart: message too large"
+MULTIPART_MAX_HEADERS = 10000  # header lines in one part
+
+
+def multipart_delimiters(body, boundary):
+    """(start, end, is the closing one) of each delimiter line (`--boundary` at the start of
+    the body or of a line, optionally `--`, blanks, a line end), lazily: a malformed part ends
+    the scan.  Found with bytes.find, as a regex without a literal to start from would try
+    every position of the body in one long call."""
+    dash_boundary, pos = b"--" + boundary, 0
+    while True:
+        at = body.find(dash_boundary, pos)
+        if at < 0:
+            return
+        after = MULTIPART_DELIMITER_END.match(body, at + len(dash_boundary))
+        line_start = at == 0 or (at > pos and body[at - 1:at] == b"\n")
+        if after is None or not line_start:
+            pos = at + 1
+            continue
+        start = at - 2 if at - 2 >= pos and body[at - 2:at] == b"\r\n" else max(at - 1, 0)
+        yield start, after.end(), after.group(1) is not None
+        pos = after.end()
+
+
 def split_part(part):
     """Headers and content of one multipart part (CRLF or bare LF line endings)."""
     for separator in (b"\r\n\r\n", b"\n\n"):
@@ -2089,8 +2120,10 @@ def split_part(part):
     if crlf < 0 and lf < 0:
         raise MultipartError("malformed MIME header: missing blank line")
     end, skip = (crlf, 4) if crlf >= 0 and (lf < 0 or crlf < lf) else (lf, 2)
-    headers = {}
-    for raw in re.split(b"\r?\n", part[:end]):
+    headers, lines = {}, re.split(b"\r?\n", part[:end])
+    if len(lines) > MULTIPART_MAX_HEADERS:
+        raise MultipartError("multipart: message too large")
+    for raw in lines:
         name, sep, value = raw.decode("utf-8", "replace").partition(":")
         if not sep:
             raise MultipartError("malformed MIME header line: %s" % raw[:80])
@@ -2109,18 +2142,19 @@ def parse_multipart(body, content_type, json_part_names):
     boundary = params.get("boundary")
     if media != "multipart/form-data" or not boundary:
         raise MultipartError("no multipart boundary param in Content-Type")
-    delimiter = re.compile(b"(?:^|\r?\n)--" + re.escape(boundary.encode("utf-8", "replace")) +
-                           b"(--)?[ \t]*(?:\r?\n|$)")
-    marks = delimiter.finditer(body)  # lazily: a malformed part ends the scan
+    marks = multipart_delimiters(body, boundary.encode("utf-8", "replace"))
     mark = next(marks, None)
     if mark is None:
         raise MultipartError("NextPart: EOF")
-    payload, file_names, json_files = None, set(), set()
-    while not mark.group(1):
+    payload, file_names, json_files, count = None, set(), set(), 0
+    while not mark[2]:
         following = next(marks, None)
         if following is None:
             raise MultipartError("NextPart: unexpected EOF")
-        headers, data = split_part(body[mark.end():following.start()])
+        count += 1
+        if count > MULTIPART_MAX_PARTS:
+            raise MultipartError("multipart: message too large")
+        headers, data = split_part(body[mark[1]:following[0]])
         mark = following
         name, is_file = form_part_name(headers)
         if not name or name in json_files:

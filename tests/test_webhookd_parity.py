@@ -1188,6 +1188,17 @@ def test_multipart_first_file_part_of_a_name_decides(srv):
         {"x": "field"}
 
 
+@pytest.mark.parametrize("parts,header_lines,status", [
+    (1000, 1, 200), (1001, 1, 500),   # Go 1.19.8: at most 1000 parts (named or not) ...
+    (1, 10000, 200), (1, 10001, 500),  # ... and 10,000 header lines in a part
+])
+def test_multipart_size_limits_as_go(srv, parts, header_lines, status):
+    extra = b"X: y\r\n" * (header_lines - 1)
+    body = (b"--B\r\n" + extra + b'Content-Disposition: form-data; name="a"\r\n\r\nv\r\n') * parts
+    headers = {"Content-Type": "multipart/form-data; boundary=B"}
+    assert call(srv, "POST", "/hooks/pl", body + b"--B--\r\n", headers)[0] == status
+
+
 @pytest.mark.parametrize("xml,expected", [
     # mixed content: the last text run wins
     (b'<r><x a="1">t<y>2</y>u</x></r>', {"r": {"x": {"#text": "u", "-a": "1", "y": "2"}}}),
