@@ -493,9 +493,9 @@ YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n
 YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 # Where a plain scalar's line ends.  Blanks count only from the first of a run (look-behind):
 # trying every blank of a long run as a start would take quadratic time.
-YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z)"
-YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END)
-YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END)
+YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=[\n%s])|[ \t]*\Z)"
+YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END % "")
+YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END % r",:?\[\]{}")
 YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
 YAML_LINE_SPACE = re.compile(r"[ \t]*")
 YAML_MAX_ALIASED = 100000  # values all aliases together may expand to

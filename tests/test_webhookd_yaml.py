@@ -154,6 +154,12 @@ def test_flow_odd_entries():
     assert load("[one\n  two, three]") == ["one two", "three"]
 
 
+def test_flow_scalars_end_before_blanks_as_go_yaml():
+    # checked against /usr/bin/webhook: `response-message: hi   ,` in a flow mapping is "hi"
+    assert load("a: [b  , c\t]\nd: {e   : f  , g: y  }\n") == \
+        {"a": ["b", "c"], "d": {"e": "f", "g": True}}
+
+
 def test_json_is_read_like_json():
     doc = {"a": [1, -2, 3.5, True, False, None, "x\u00e9\n\"\\"], "b": {"c": {}}}
     assert load(json.dumps(doc)) == doc
