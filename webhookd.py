@@ -2120,10 +2120,10 @@ def split_part(part):
     if crlf < 0 and lf < 0:
         raise MultipartError("malformed MIME header: missing blank line")
     end, skip = (crlf, 4) if crlf >= 0 and (lf < 0 or crlf < lf) else (lf, 2)
-    headers, lines = {}, re.split(b"\r?\n", part[:end])
-    if len(lines) > MULTIPART_MAX_HEADERS:
+    if part.count(b"\n", 0, end) >= MULTIPART_MAX_HEADERS:  # counted before any is split
         raise MultipartError("multipart: message too large")
-    for raw in lines:
+    headers = {}
+    for raw in re.split(b"\r?\n", part[:end]):
         name, sep, value = raw.decode("utf-8", "replace").partition(":")
         if not sep:
             raise MultipartError("malformed MIME header line: %s" % raw[:80])
