@@ -1009,23 +1009,11 @@ class YamlReader(YamlScanner):
         if name not in self.anchors:
             self.fail("unknown anchor '%s' referenced" % name, start)
         value = self.anchors[name]
-        self.aliased += self.expanded_size(value)
+        self.aliased += expanded_size(value, self.sizes)
         if self.aliased > YAML_MAX_ALIASED:
             self.fail("document contains excessive aliasing (aliases expand to more than %d "
                       "values)" % YAML_MAX_ALIASED, start)
         return value
-
-    def expanded_size(self, value):
-        """How many values `value` is once every alias in it is expanded; each collection is
-        counted once (memo by id, holding the collection so that its id stays its own)."""
-        if not isinstance(value, (list, dict)):
-            return 1
-        known = self.sizes.get(id(value))
-        if known is None:
-            items = value.values() if isinstance(value, dict) else value
-            known = (value, 1 + sum(self.expanded_size(item) for item in items))
-            self.sizes[id(value)] = known
-        return known[1]
 
     def flow_space(self):
         text = self.text
@@ -1107,6 +1095,19 @@ class YamlReader(YamlScanner):
         if self.char() == ":" and not self.blank_after(1):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
+
+def expanded_size(value, sizes):
+    """How many values `value` is once every alias in it is expanded; each collection is
+    counted once (`sizes`: memo by id, holding the collection so that its id stays its own)."""
+    if not isinstance(value, (list, dict)):
+        return 1
+    known = sizes.get(id(value))
+    if known is None:
+        items = value.values() if isinstance(value, dict) else value
+        known = (value, 1 + sum(expanded_size(item, sizes) for item in items))
+        sizes[id(value)] = known
+    return known[1]
+
 
 def fold_lines(lines):
     """Fold the lines of a plain or quoted scalar: a break is a space, n empty lines are n
