@@ -1878,13 +1878,15 @@ def go_unescape(text, plus_is_space):
     return out.decode("utf-8", "surrogateescape")
 
 
+QUERY_PAIR = re.compile("[^&]+")
+
+
 def parse_query(text):
     """url.ParseQuery: (first value per key, ok).  A bad pair (bad escape, `;`) is skipped and
     makes ok False, as Go returns an error then."""
     values, ok = {}, True
-    for pair in text.split("&"):
-        if not pair:
-            continue
+    for found in QUERY_PAIR.finditer(text):  # one at a time: a body of millions of pairs
+        pair = found.group()                 # would be split in one long call
         if ";" in pair:
             ok = False
             continue
