@@ -503,10 +503,14 @@ YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n
                 "f": "\f", "r": "\r", "e": "\x1b", " ": " ", '"': '"', "'": "'", "\\": "\\",
                 "N": "\x85", "_": "\xa0", "L": "\u2028", "P": "\u2029"}
 YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
-YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|[ \t]+#|[ \t]*(?=\n)|[ \t]*\Z")
-YAML_FLOW_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|:|[ \t]+#|[,?\[\]{}]|[ \t]*(?=\n)|[ \t]*\Z")
+# Where a plain scalar's line ends.  Blanks count only from the first of a run (look-behind):
+# trying every blank of a long run as a start would take quadratic time.
+YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=[\n%s])|[ \t]*\Z)"
+YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END % "")
+YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END % r",:?\[\]{}")
 YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
 YAML_LINE_SPACE = re.compile(r"[ \t]*")
+YAML_MAX_ALIASED = 100000  # values all aliases together may expand to
 YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
 YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
 YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
@@ -587,21 +591,6 @@ def yaml_key_text(key):
     raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
 
 
-def fold_flow_lines(lines):
-    """Join the lines of a quoted or flow scalar: one break is a space, n empty lines n breaks."""
-    out, breaks = [lines[0].rstrip(" \t")], 0
-    for index in range(1, len(lines)):
-        last = index == len(lines) - 1
-        line = lines[index].lstrip(" \t") if last else lines[index].strip(" \t")
-        if not line and not last:
-            breaks += 1
-            continue
-        out.append("\n" * breaks if breaks else " ")
-        out.append(line)
-        breaks = 0
-    return "".join(out)
-
-
 def load_yaml(text):
     """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
     int, float, bool, None).  Raises YamlError naming the line and column."""
@@ -616,6 +605,7 @@ class YamlScanner:
         self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
         self.pos = 0
         self.anchors = {}
+        self.aliased, self.sizes = 0, {}  # values reached through aliases; expanded_size memo
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
 
     # -- positions and errors
@@ -709,7 +699,7 @@ class YamlScanner:
                 self.fail("found unexpected ':'")
             lines.extend([""] * more.group(1).count("\n"))
             lines.append(line)
-        return fold_flow_lines(lines) if len(lines) > 1 else first
+        return fold_lines(lines) if len(lines) > 1 else first
 
     def block_scalar(self, parent):
         """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
@@ -824,7 +814,7 @@ class YamlScanner:
                 self.fail("found unknown escape character", end)
         self.pos = pos
         lines.append("".join(out))
-        return join_quoted(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
+        return fold_lines(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
 
 
 class YamlReader(YamlScanner):
@@ -1023,11 +1013,19 @@ class YamlReader(YamlScanner):
         return match.group()
 
     def alias(self):
+        """The anchored value (shared, not copied); what aliases expand to is counted, so a
+        file of nested aliases (a "billion laughs") fails here instead of exhausting time
+        and memory later, as go-yaml's "excessive aliasing" check does."""
         start = self.pos
         name = self.anchor_name()
         if name not in self.anchors:
             self.fail("unknown anchor '%s' referenced" % name, start)
-        return self.anchors[name]
+        value = self.anchors[name]
+        self.aliased += expanded_size(value, self.sizes)
+        if self.aliased > YAML_MAX_ALIASED:
+            self.fail("document contains excessive aliasing (aliases expand to more than %d "
+                      "values)" % YAML_MAX_ALIASED, start)
+        return value
 
     def flow_space(self):
         text = self.text
@@ -1110,9 +1108,23 @@ class YamlReader(YamlScanner):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
 
-def join_quoted(lines):
-    """Fold the lines of a quoted scalar: a break is a space, n empty lines are n breaks, an
-    escaped break joins without a space; escaped blanks at a line's edge are kept."""
+def expanded_size(value, sizes):
+    """How many values `value` is once every alias in it is expanded; each collection is
+    counted once (`sizes`: memo by id, holding the collection so that its id stays its own)."""
+    if not isinstance(value, (list, dict)):
+        return 1
+    known = sizes.get(id(value))
+    if known is None:
+        items = value.values() if isinstance(value, dict) else value
+        known = (value, 1 + sum(expanded_size(item, sizes) for item in items))
+        sizes[id(value)] = known
+    return known[1]
+
+
+def fold_lines(lines):
+    """Fold the lines of a plain or quoted scalar: a break is a space, n empty lines are n
+    breaks; in quoted ones an escaped break joins without a space and escaped blanks at a
+    line's edge are kept (plain text never holds those markers)."""
     out, breaks, joined, last = [], 0, False, len(lines) - 1
     for index, line in enumerate(lines):
         escaped_break = index < last and line.endswith(YAML_ESCAPED_BREAK)
@@ -1671,6 +1683,9 @@ def parse_hooks_file(raw, path, template=False):
                 for writable in writable_by_others(path)]
     try:
         hooks, problems = parse_hooks(text, path)
+    except RecursionError:  # the readers and the model recurse once per level of nesting
+        message = "%s: nested too deeply" % path
+        raise HooksFileError(message, [("error", message)] + warnings) from None
     except HooksFileError as exc:
         exc.items.extend(warnings)
         raise
@@ -1767,6 +1782,8 @@ def validate_files(paths, template=False):
 class GoNumber(str):
     """A JSON number kept as written (Go's json.Number): `1.50` stays `1.50`."""
 
+    __slots__ = ()  # no __dict__: a body of millions of numbers stays small and untracked
+
 
 class NilMap(dict):
     """A multipart JSON part that did not decode into an object: Go keeps a nil map (`null`)."""
@@ -1776,7 +1793,13 @@ def _reject_constant(name):
     raise ValueError("invalid JSON value %s" % name)
 
 
-JSON_DECODER = json.JSONDecoder(parse_float=GoNumber, parse_int=GoNumber,
+def go_number(text):
+    """GoNumber(text), called as Python code: the decoder runs a body of millions of numbers
+    in one call, and only Python code lets other threads take turns meanwhile."""
+    return GoNumber(text)
+
+
+JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_number,
                                 parse_constant=_reject_constant)
 JSON_SPACE = " \t\n\r"
 
@@ -1960,13 +1983,15 @@ def go_unescape(text, plus_is_space):
     return out.decode("utf-8", "surrogateescape")
 
 
+QUERY_PAIR = re.compile("[^&]+")
+
+
 def parse_query(text):
     """url.ParseQuery: (first value per key, ok).  A bad pair (bad escape, `;`) is skipped and
     makes ok False, as Go returns an error then."""
     values, ok = {}, True
-    for pair in text.split("&"):
-        if not pair:
-            continue
+    for found in QUERY_PAIR.finditer(text):  # one at a time: a body of millions of pairs
+        pair = found.group()                 # would be split in one long call
         if ";" in pair:
             ok = False
             continue
@@ -2088,16 +2113,110 @@ def parse_xml_payload(body):
     return done[0]
 
 
+# Go's unicode.IsSpace, which mime.ParseMediaType trims with
+GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008" \
+           "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+MIME_TOKEN = r'[^\x00-\x20\x7f-\U0010ffff()<>@,;:\\"/\[\]?=]+'
+MIME_TSPECIAL = r'[()<>@,;:\\"/\[\]?=]'
+MIME_SPACES = re.compile("[%s]*" % GO_SPACE)
+MIME_TYPE = re.compile(r"%s(?:/%s)?\Z" % (MIME_TOKEN, MIME_TOKEN))
+# One `; name=value` with Go's quoting: a backslash escapes only a tspecial (otherwise it is a
+# literal backslash), no line break inside quotes.  Every character has one reading: no
+# backtracking, linear time.
+MIME_PARAM = re.compile(r'[{s}]*;[{s}]*({tok})[{s}]*=[{s}]*(?:({tok})|"((?:\\{ts}|\\(?!{ts})|'
+                        r'[^"\r\n\\])*)")'.format(s=GO_SPACE, tok=MIME_TOKEN, ts=MIME_TSPECIAL))
+MIME_ESCAPE = re.compile(r"\\(%s)" % MIME_TSPECIAL)
+MEDIA_TYPE_MAX = 16384  # longer Content-Type or Content-Disposition values are refused
+
+
+class MediaTypeError(ValueError):
+    """A Content-Type or Content-Disposition value mime.ParseMediaType refuses."""
+
+
 def parse_media_params(value):
-    """mime.ParseMediaType, enough for a boundary: (type, {param: value})."""
-    media, _, rest = value.partition(";")
-    params = {}
-    for match in re.finditer(r';?\s*([^=;\s]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)', ";" + rest):
-        key, val = match.group(1).lower(), match.group(2)
-        if val.startswith('"'):
-            val = re.sub(r"\\(.)", r"\1", val[1:-1])
-        params[key] = val
-    return media.strip().lower(), params
+    """mime.ParseMediaType of Go 1.19: (type, {param: value}) with RFC 2231 continuations
+    (`name*0`, `name*1*`) and encodings (`name*=utf-8''%41`) joined; a malformed parameter or a
+    name given twice raises MediaTypeError, as does a value over MEDIA_TYPE_MAX characters."""
+    if len(value) > MEDIA_TYPE_MAX:
+        raise MediaTypeError("media type longer than %d characters" % MEDIA_TYPE_MAX)
+    base = value.partition(";")[0]
+    media = base.lower().strip(GO_SPACE)
+    if not MIME_TYPE.match(media):
+        raise MediaTypeError("mime: malformed media type")
+    params, pieces, pos = {}, {}, len(base)
+    while True:
+        pos = MIME_SPACES.match(value, pos).end()
+        if pos == len(value):
+            break
+        found = MIME_PARAM.match(value, pos)
+        if found is None:
+            if value[pos:].strip(GO_SPACE) == ";":
+                break  # a trailing semicolon is allowed
+            raise MediaTypeError("mime: invalid media parameter")
+        key = found.group(1).lower()
+        quoted = found.group(3)
+        target = pieces.setdefault(key.partition("*")[0], {}) if "*" in key else params
+        if key in target:
+            raise MediaTypeError("mime: duplicate parameter name")
+        target[key] = found.group(2) if quoted is None else MIME_ESCAPE.sub(r"\1", quoted)
+        pos = found.end()
+    for name, parts in pieces.items():
+        joined = join_rfc2231(name, parts)
+        if joined is not None:
+            params[name] = joined
+    return media, params
+
+
+def join_rfc2231(name, parts):
+    """The value of parameter `name` from its RFC 2231 pieces (`name*`, `name*0`, `name*1*`,
+    ...) as Go joins them; None when there is none to use."""
+    if name + "*" in parts:
+        return decode_rfc2231(parts[name + "*"])
+    joined, index = [], 0
+    while True:
+        piece = "%s*%d" % (name, index)
+        if piece in parts:
+            joined.append(parts[piece])
+        elif piece + "*" in parts:
+            encoded = parts[piece + "*"]
+            decoded = decode_rfc2231(encoded) if index == 0 else go_unescape(encoded, False)
+            joined.append(decoded or "")
+        else:
+            return "".join(joined) if index else None
+        index += 1
+
+
+def decode_rfc2231(text):
+    """`charset'language'percent-encoded` (us-ascii or utf-8 only), None if not that."""
+    fields = text.split("'", 2)
+    if len(fields) != 3 or fields[0].lower() not in ("us-ascii", "utf-8"):
+        return None
+    return go_unescape(fields[2], False)
+
+
+MULTIPART_DELIMITER_END = re.compile(rb"(--)?[ \t]*(?:\r?\n|$)")
+MULTIPART_MAX_PARTS = 1000  # Go 1.19.8's limits: more is "multipart: message too large"
+MULTIPART_MAX_HEADERS = 10000  # header lines in one part
+
+
+def multipart_delimiters(body, boundary):
+    """(start, end, is the closing one) of each delimiter line (`--boundary` at the start of
+    the body or of a line, optionally `--`, blanks, a line end), lazily: a malformed part ends
+    the scan.  Found with bytes.find, as a regex without a literal to start from would try
+    every position of the body in one long call."""
+    dash_boundary, pos = b"--" + boundary, 0
+    while True:
+        at = body.find(dash_boundary, pos)
+        if at < 0:
+            return
+        after = MULTIPART_DELIMITER_END.match(body, at + len(dash_boundary))
+        line_start = at == 0 or (at > pos and body[at - 1:at] == b"\n")
+        if after is None or not line_start:
+            pos = at + 1
+            continue
+        start = at - 2 if at - 2 >= pos and body[at - 2:at] == b"\r\n" else max(at - 1, 0)
+        yield start, after.end(), after.group(1) is not None
+        pos = after.end()
 
 
 def split_part(part):
@@ -2109,6 +2228,8 @@ def split_part(part):
     if crlf < 0 and lf < 0:
         raise MultipartError("malformed MIME header: missing blank line")
     end, skip = (crlf, 4) if crlf >= 0 and (lf < 0 or crlf < lf) else (lf, 2)
+    if part.count(b"\n", 0, end) >= MULTIPART_MAX_HEADERS:  # counted before any is split
+        raise MultipartError("multipart: message too large")
     headers = {}
     for raw in re.split(b"\r?\n", part[:end]):
         name, sep, value = raw.decode("utf-8", "replace").partition(":")
@@ -2122,34 +2243,39 @@ def parse_multipart(body, content_type, json_part_names):
     """multipart/form-data as upstream reads it: {field: first value}; file parts only when
     their Content-Type is exactly application/json or they are named in
     parse-parameters-as-json.  None when no field was found."""
-    media, params = parse_media_params(content_type)
+    try:
+        media, params = parse_media_params(content_type)
+    except MediaTypeError as exc:
+        raise MultipartError("request Content-Type isn't multipart/form-data: %s" % exc) from None
     boundary = params.get("boundary")
-    if not media.startswith("multipart/") or not boundary:
+    if media != "multipart/form-data" or not boundary:
         raise MultipartError("no multipart boundary param in Content-Type")
-    delimiter = re.compile(b"(?:^|\r?\n)--" + re.escape(boundary.encode("utf-8", "replace")) +
-                           b"(--)?[ \t]*(?:\r?\n|$)")
-    marks = list(delimiter.finditer(body))
-    if not marks:
+    marks = multipart_delimiters(body, boundary.encode("utf-8", "replace"))
+    mark = next(marks, None)
+    if mark is None:
         raise MultipartError("NextPart: EOF")
-    payload, file_fields = None, set()
-    for mark, following in zip(marks, marks[1:] + [None]):
-        if mark.group(1):
-            return payload
+    payload, file_names, json_files, count = None, set(), set(), 0
+    while not mark[2]:
+        following = next(marks, None)
         if following is None:
             raise MultipartError("NextPart: unexpected EOF")
-        headers, data = split_part(body[mark.end():following.start()])
-        kind, disposition = parse_media_params(headers.get("Content-Disposition", [""])[0])
-        name = disposition.get("name")
-        if kind != "form-data" or not name:
-            continue
-        is_file = "filename" in disposition
-        if is_file and not (name in json_part_names
-                            or "application/json" in headers.get("Content-Type", [])):
-            continue  # other file parts are not part of the payload
+        count += 1
+        if count > MULTIPART_MAX_PARTS:
+            raise MultipartError("multipart: message too large")
+        headers, data = split_part(body[mark[1]:following[0]])
+        mark = following
+        name, is_file = form_part_name(headers)
+        if not name or name in json_files:
+            continue  # a JSON file part wins over fields of its name (as upstream)
+        if is_file:
+            if name in file_names:
+                continue  # only the first file part of a name is looked at (as upstream)
+            file_names.add(name)
+            if not (name in json_part_names
+                    or "application/json" in headers.get("Content-Type", [])):
+                continue  # other file parts are not part of the payload
         if payload is None:
             payload = {}
-        if name in file_fields:
-            continue  # the first JSON file part of a name wins, over fields too (as upstream)
         if not is_file:
             payload.setdefault(name, data.decode("utf-8", "surrogateescape"))
         else:
@@ -2158,8 +2284,20 @@ def parse_multipart(body, content_type, json_part_names):
             except ValueError:
                 value = None
             payload[name] = NilMap() if value is None else value
-            file_fields.add(name)
+            json_files.add(name)
     return payload
+
+
+def form_part_name(headers):
+    """(form field name, is a file) of one part, as Go's Part.FormName and FileName see its
+    Content-Disposition: no name when that is not form-data or cannot be parsed."""
+    try:
+        kind, disposition = parse_media_params(headers.get("Content-Disposition", [""])[0])
+    except MediaTypeError:
+        return "", False
+    if kind != "form-data":
+        return "", False
+    return disposition.get("name", ""), bool(disposition.get("filename"))
 
 
 class HookRequest:
@@ -2359,12 +2497,16 @@ def parse_cidr(text):
         return None
 
 
+def peer_host(remote_addr):
+    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
+    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
+    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
+    return host.strip(" ").lstrip("[").rstrip("]")
+
+
 def check_ip_whitelist(remote_addr, ip_range):
-    host = remote_addr.strip(" []")
-    if ":" in host:
-        host = host[:host.rindex(":")].strip(" []")
     try:
-        address = ipaddress.ip_address(host)
+        address = ipaddress.ip_address(peer_host(remote_addr))
     except ValueError:
         return False, RuleError("invalid IP address found in remote address '%s'" % remote_addr)
     for text in ip_range.split():
@@ -3326,7 +3468,7 @@ def is_loopback_peer(remote_addr):
     """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
     on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
     behind such a socket, passing on clients from anywhere."""
-    host = remote_addr.rpartition(":")[0].strip("[]").split("%")[0]
+    host = peer_host(remote_addr).split("%")[0]
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -3543,6 +3685,7 @@ class HooksFile:
         self.missing_since = None
         self.digest = None  # of the content last read, loaded or not
         self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
+        self.seen = None  # what the last poll saw: a change is loaded once seen twice
 
 
 class Registry:
@@ -3603,6 +3746,7 @@ class Registry:
                     ok = self._keep_old(hf, message, "%s: duplicate hook id %r"
                                         % (hf.path, clash[0]))
                     continue
+                self._warn_lost_rules(hf, hooks)
                 hf.hooks, hf.error, hf.loaded_at = hooks, None, now
                 for hook in hooks:
                     log.info("\tloaded: %s", hook.id)
@@ -3610,6 +3754,16 @@ class Registry:
             self.last_load = now
             self.last_reload_failed = not ok
             return ok
+
+    def _warn_lost_rules(self, hf, hooks):
+        """A served hook that had a trigger-rule and has none now runs for every request: said
+        loudly, as it is more often a half-written or mis-edited file than a wish."""
+        for hook in hooks:
+            served = self.by_id.get(hook.id)
+            if hook.trigger_rule is None and served is not None and \
+                    served.trigger_rule is not None:
+                log.warning("warning: hook %s in %s lost its trigger-rule: it now runs for "
+                            "every request", hook.id, hf.path)
 
     @staticmethod
     def _keep_old(hf, message, error):
@@ -3633,8 +3787,9 @@ class Registry:
         self.by_id = table
 
     def poll(self):
-        """Hot reload: the files whose inode, size or mtime changed (to be reloaded); a file
-        missing for longer than VANISH_GRACE loses its hooks here."""
+        """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
+        stayed the same for one poll interval, so that a file being written is not loaded
+        half-written; a file missing for longer than VANISH_GRACE loses its hooks here."""
         changed, now = [], time.monotonic()
         for hf in self.files:
             signature = file_signature(hf.path)
@@ -3647,19 +3802,20 @@ class Registry:
                     self._drop(hf)
                 continue
             hf.missing_since = None
-            if signature != hf.signature or (time.time() < hf.recheck_until
-                                             and self._content_changed(hf)):
+            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
+            steady, hf.seen = seen == hf.seen, seen
+            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
                 changed.append(hf)
         for hf in changed:
             log.info("hooks file %s modified", hf.path)
         return changed
 
     @staticmethod
-    def _content_changed(hf):
+    def _digest(hf):
         try:
-            return hash(read_bytes(hf.path)) != hf.digest
+            return hash(read_bytes(hf.path))
         except HooksFileError:
-            return True
+            return "unreadable"
 
     def _drop(self, hf):
         with self.lock:
@@ -3757,14 +3913,15 @@ def parse_head(data):
     if numbers.group(1) != "1":
         raise BadRequest(505, "unsupported protocol version", public=True)
     version = "HTTP/1.0" if numbers.group(2) == "0" else "HTTP/1.1"
-    headers, last = {}, None
+    headers, last, folded = {}, None, []
     for line in lines[1:]:
         line = line.rstrip("\r")
         if not line:
             break
         if line[0] in " \t" and last is not None:  # obsolete line folding: a continuation
-            last[-1] = (last[-1] + " " + line.strip(" \t")).strip(" ")
+            folded.append(line.strip(" \t"))
             continue
+        unfold(last, folded)
         name, sep, value = line.partition(":")
         if not sep:
             raise BadRequest(400, "malformed MIME header line")
@@ -3775,12 +3932,21 @@ def parse_head(data):
             raise BadRequest(400, "invalid header value", public=True)
         last = headers.setdefault(canonical_header(name), [])
         last.append(value)
+    unfold(last, folded)
     hosts = headers.get("Host", ())
     if len(hosts) > 1:
         raise BadRequest(400, "too many Host headers")
     if not hosts and version == "HTTP/1.1":
         raise BadRequest(400, "missing required Host header", public=True)
     return RequestHead(method, target, version, headers)
+
+
+def unfold(values, folded):
+    """Join continuation lines to the last value, a space between non-empty pieces: in one
+    join, as adding them one by one costs quadratic time."""
+    if folded:
+        values[-1] = " ".join(piece for piece in [values[-1]] + folded if piece)
+        folded.clear()
 
 
 _date_cache = [0, ""]

@@ -1126,6 +1126,79 @@ def test_multipart_with_bare_lf_line_endings(srv):
     assert rec["args"][0] == "lf"
 
 
+def one_part(disposition, data=b"v", ctype=None):
+    """A multipart body (boundary B) of one part with this raw Content-Disposition."""
+    head = b"--B\r\nContent-Disposition: " + disposition + b"\r\n"
+    if ctype:
+        head += b"Content-Type: " + ctype + b"\r\n"
+    return head + b"\r\n" + data + b"\r\n"
+
+
+@pytest.mark.parametrize("disposition,payload", [
+    (b'form-data; name=a', {"a": "v"}),
+    (b'FORM-DATA ; NAME="a";', {"a": "v"}),              # case, spaces, a trailing ;
+    (b'form-data; name="a\\"b\\\\c\\d"', {'a"b\\c\\d': "v"}),  # \ escapes only specials
+    (b"form-data; name*=UTF-8''%41b", {"Ab": "v"}),        # RFC 2231 encoding
+    (b'form-data; name*0="a"; name*1=b', {"ab": "v"}),      # RFC 2231 continuation
+    (b"form-data; name*0*=utf-8''%41; name*1*=%42%zz; name*2=c", {"Ac": "v"}),
+    (b"form-data; name=\"plain\"; name*=\"utf-8''enc\"", {"enc": "v"}),
+    (b'form-data; name="a"; filename=""', {"a": "v"}),     # an empty filename: a field
+    # refused by mime.ParseMediaType: the part has no name and is skipped
+    (b'form-data; name="a"; name="a"', None),              # duplicate (even equal)
+    (b'form-data; name="a"; ;', None),
+    (b'form-data; name="a";;', None),
+    (b'form-data; name=a b', None),
+    (b'form-data; name="a" junk', None),
+    (b'form-data; name="unterminated', None),
+    (b'form-data; name=\xc3\xa9', None),                  # not a token
+    (b'form-data; name=', None),
+])
+def test_multipart_content_disposition_read_as_go(srv, disposition, payload):
+    body = one_part(disposition) + b"--B--\r\n"
+    rec = dumped(srv, "pl", body=body, headers={"Content-Type": "multipart/form-data; boundary=B"})
+    assert json.loads(rec["args"][1]) == payload
+
+
+@pytest.mark.parametrize("content_type,status", [
+    ("multipart/form-data;boundary=B;", 200),
+    ('multipart/form-data; boundary="B"', 200),
+    ("MULTIPART/FORM-DATA ; BOUNDARY=B", 200),
+    ("multipart/form-data; boundary*=utf-8''B", 200),
+    ("multipart/form-data; boundary*0=B", 200),
+    ("multipart/form-data; boundary=B; boundary=B", 500),
+    ("multipart/form-data; boundary=B x", 500),
+    ("multipart/form-data; boundary=B; ;", 500),
+    ("multipart/form-data;; boundary=B", 500),
+    ("multipart/form-data; charset=x", 500),
+])
+def test_multipart_content_type_read_as_go(srv, content_type, status):
+    body = one_part(b'form-data; name="a"') + b"--B--\r\n"
+    assert call(srv, "POST", "/hooks/pl", body, {"Content-Type": content_type})[0] == status
+
+
+def test_multipart_first_file_part_of_a_name_decides(srv):
+    ctype = {"Content-Type": "multipart/form-data; boundary=B"}
+    text_then_json = (one_part(b'form-data; name="x"; filename="a"', b"t", b"text/plain") +
+                      one_part(b'form-data; name="x"; filename="b"', b'{"k": 1}',
+                               b"application/json") + b"--B--\r\n")
+    assert dumped(srv, "pl", body=text_then_json, headers=ctype)["args"][1] == "null"
+    file_then_field = (one_part(b'form-data; name="x"; filename="a"', b"t", b"text/plain") +
+                       one_part(b'form-data; name="x"', b"field") + b"--B--\r\n")
+    assert json.loads(dumped(srv, "pl", body=file_then_field, headers=ctype)["args"][1]) == \
+        {"x": "field"}
+
+
+@pytest.mark.parametrize("parts,header_lines,status", [
+    (1000, 1, 200), (1001, 1, 500),   # Go 1.19.8: at most 1000 parts (named or not) ...
+    (1, 10000, 200), (1, 10001, 500),  # ... and 10,000 header lines in a part
+])
+def test_multipart_size_limits_as_go(srv, parts, header_lines, status):
+    extra = b"X: y\r\n" * (header_lines - 1)
+    body = (b"--B\r\n" + extra + b'Content-Disposition: form-data; name="a"\r\n\r\nv\r\n') * parts
+    headers = {"Content-Type": "multipart/form-data; boundary=B"}
+    assert call(srv, "POST", "/hooks/pl", body + b"--B--\r\n", headers)[0] == status
+
+
 @pytest.mark.parametrize("xml,expected", [
     # mixed content: the last text run wins
     (b'<r><x a="1">t<y>2</y>u</x></r>', {"r": {"x": {"#text": "u", "-a": "1", "y": "2"}}}),

@@ -154,6 +154,12 @@ def test_flow_odd_entries():
     assert load("[one\n  two, three]") == ["one two", "three"]
 
 
+def test_flow_scalars_end_before_blanks_as_go_yaml():
+    # checked against /usr/bin/webhook: `response-message: hi   ,` in a flow mapping is "hi"
+    assert load("a: [b  , c\t]\nd: {e   : f  , g: y  }\n") == \
+        {"a": ["b", "c"], "d": {"e": "f", "g": True}}
+
+
 def test_json_is_read_like_json():
     doc = {"a": [1, -2, 3.5, True, False, None, "x\u00e9\n\"\\"], "b": {"c": {}}}
     assert load(json.dumps(doc)) == doc
@@ -249,6 +255,24 @@ def test_merge_keys_apply_in_order_as_go_yaml_v2():
     assert data["one"] == {"a": 1, "b": 2, "c": 9}
     assert data["two"] == {"a": 1, "b": 2, "c": 4}
     assert load("a: {'<<': x}\n") == {"a": {"<<": "x"}}
+
+
+def alias_bomb(levels=9):
+    """A "billion laughs" hooks file: each level an anchored list of nine aliases of the last
+    (9**9 values from about 600 bytes)."""
+    lines = ["- id: bomb", "  execute-command: /bin/true",
+             "  x0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for level in range(1, levels + 1):
+        lines.append("  x%d: &a%d [%s]" % (level, level, ", ".join(["*a%d" % (level - 1)] * 9)))
+    return "\n".join(lines) + "\n"
+
+
+def test_aliases_that_expand_too_far_are_refused_at_their_line():
+    exc = error_of(alias_bomb())
+    assert "excessive aliasing" in exc.message and exc.line == 8, str(exc)
+    assert load(alias_bomb(4))[0]["x4"][8][8][8][8][8] == "lol"  # 9**5 values: read as usual
+    many = "- &r {match: {type: value, value: x}}\n" + "- *r\n" * 5000
+    assert len(load(many)) == 5001
 
 
 # ----------------------------------------------------------------------------
@@ -442,6 +466,53 @@ def test_yaml_files_reload_keep_old_hooks_when_broken_and_load_with_json(tmp_pat
             d.proc.send_signal(signal.SIGCONT)
         d.signal(signal.SIGHUP)
         assert wait_for(lambda: d.request("GET", "/hooks/fifth")[0] == 200)
+
+
+def test_alias_bomb_fails_validate_and_a_reload_and_the_daemon_still_stops(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text(alias_bomb())
+    out = subprocess.run(support.python_cmd(support.WEBHOOKD, "-validate", "-hooks", hooks),
+                         capture_output=True, text=True, timeout=30)  # it hung before
+    assert out.returncode == 1 and "%s:8:" % hooks in out.stdout, out.stdout
+    assert "excessive aliasing" in out.stdout
+    hooks.write_text(yaml_hook("kept", "kept"))
+    with webhookd("-hooks", hooks, "-hotreload", "-verbose") as d:
+        hooks.write_text(alias_bomb())
+        assert wait_for(lambda: "excessive aliasing" in d.log()), d.log()[-2000:]
+        assert d.request("GET", "/hooks/kept")[::2] == (200, b"kept")
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=10) == 0
+
+
+def test_a_reload_that_drops_a_trigger_rule_is_warned(tmp_path):
+    hooks = tmp_path / "hooks.yaml"
+    guarded = ("- id: deploy\n  execute-command: /bin/true\n  trigger-rule:\n    match:\n"
+               "      {type: value, value: s3cret, parameter: {source: url, name: token}}\n")
+    hooks.write_text(guarded)
+    with webhookd("-hooks", hooks, "-hotreload", "-verbose") as d:
+        hooks.write_text(yaml_hook("deploy", "open"))
+        assert wait_for(lambda: d.request("GET", "/hooks/deploy")[2] == b"open")
+        assert "hook deploy in %s lost its trigger-rule" % hooks in d.log()
+        hooks.write_text(yaml_hook("deploy", "still open"))  # no rule before: no warning
+        assert wait_for(lambda: d.request("GET", "/hooks/deploy")[2] == b"still open")
+        assert d.log().count("lost its trigger-rule") == 1
+
+
+def test_a_file_being_written_is_reloaded_once_it_stays_the_same(tmp_path):
+    """Half a YAML file is often valid YAML (a hook without its trigger-rule): the poller
+    loads a change only when two polls in a row saw the file the same."""
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text(yaml_hook("a", "one"))
+    registry = w.Registry([str(hooks)], False)
+    assert registry.load(startup=True) and registry.poll() == []
+    with open(hooks, "a") as out:
+        for index in range(3):
+            out.write(yaml_hook("b%d" % index, "more"))
+            out.flush()
+            assert registry.poll() == []  # changed since the last poll: still being written
+    assert registry.poll() == registry.files
+    assert registry.load(registry.files) and registry.hook("b2") is not None
+    assert registry.poll() == []
 
 
 def test_template_is_expanded_before_the_yaml_is_read(tmp_path):
