@@ -57,8 +57,6 @@ KNOWN_HOLES = {
     "authorize-no-method": "/authorize without X-Original-Method is judged as GET",
     "network-headers": "X-Meili-Proxy-Origin-* / Meili-Proxy-Search forwarded",
     "batches-any": "GET /batches/{id}: Meilisearch shows a batch if ANY index is allowed",
-    "implicit-index-creation": "documents/settings writes create a missing index for a key "
-                               "without indexes.create",
 }
 _known = os.environ.get("FUZZ_KNOWN_HOLES", "")
 ENABLED = set(KNOWN_HOLES) if _known in ("1", "all") else \
@@ -510,6 +508,11 @@ class Backend:
             results = [{"uid": u, "primaryKey": "id"} for u in EXISTING]
             return 200, {"results": results[offset:offset + limit], "offset": offset,
                          "limit": limit, "total": len(results)}
+        if (method, template) == ("GET", "/indexes/{index_uid}") and \
+                params["index_uid"] not in EXISTING:
+            return 404, {"message": "Index `%s` not found." % params["index_uid"],
+                         "code": "index_not_found", "type": "invalid_request",
+                         "link": "https://docs.meilisearch.com/errors#index_not_found"}
         if (method, template) == ("GET", "/stats"):
             return 200, {"databaseSize": 1, "indexes": {u: {"numberOfDocuments": 1}
                                                         for u in EXISTING}}
@@ -620,10 +623,8 @@ def request_problems(case, method, target, body, unseen_body=False):
     if key in (("GET", "/indexes"), ("GET", "/stats"), ("GET", "/tasks/{task_id}"),
                ("GET", "/batches/{batch_id}")) and restricted and unseen_body:
         problems.append("(a) answer of %s %s unfiltered for a restricted key" % key)
-    if key in CREATING and "implicit-index-creation" in ENABLED and index not in EXISTING \
-            and not cred.may_create_index(index):
-        problems.append("[implicit-index-creation] (a) write creates missing index %r without "
-                        "indexes.create" % index)
+    if key in CREATING and index not in EXISTING and not cred.may_create_index(index):
+        problems.append("(a) write creates missing index %r without indexes.create" % index)
     if key in SEARCH_BODY | SEARCH_QUERY:
         problems += search_problems(case, key, index, body, pairs, unseen_body)
     return problems
@@ -1338,13 +1339,15 @@ def run_case(client, backend, case, stats):
 
 
 def check_internal(backend):
-    """The guard's own reads (index lists, task lookups): GETs with the upstream key."""
+    """The guard's own reads (index lists and lookups, task lookups): GETs with the upstream
+    key."""
     problems = []
     for record in backend.untagged:
         route = route_of(record["method"], record["target"])
         auth = [v for n, v in record["headers"] if n == "authorization"]
         if record["method"] != "GET" or not isinstance(route, tuple) or route[0] not in (
-                "/indexes", "/tasks/{task_id}") or auth != ["Bearer " + UPSTREAM_KEY]:
+                "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}") or \
+                auth != ["Bearer " + UPSTREAM_KEY]:
             problems.append("untagged backend request %s %s (auth %r)" % (
                 record["method"], record["target"], auth))
     return problems
