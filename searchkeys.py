@@ -2581,9 +2581,11 @@ ONE_INDEX_TASK_KINDS = frozenset((
 
 
 def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a scoped key: as upstream (and as GET
-    /batches lists it), a batch of one-index tasks with at least one
-    covered index."""
+    """GET /batches/{id} for a scoped key: as upstream's
+    get_batch_ids_from_authorized_indexes means it (and as GET /batches
+    lists it), a batch of one-index tasks with at least one covered index.
+    (Upstream subtracts the task uids of the other kinds from the batch
+    uids, a slip: it would show a dump batch to every scoped key.)"""
     stats = answer.get("stats") if isinstance(answer, dict) else None
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
     kinds = stats.get("types") if isinstance(stats, dict) else None
