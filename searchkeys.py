@@ -362,6 +362,13 @@ class Principal:
     def may_use_index(self, index):
         return self.index_refusal(index) is None
 
+    def may_create_index(self, index):
+        """Upstream's allow_index_creation: may a write that finds no index
+        `index` create it? Only when the key grants indexes.create and
+        covers `index` (the master key always may)."""
+        return self.key is None or authorize(self.key, "indexes.create", index,
+                                             tenant_rules=self.rules) is None
+
     @property
     def restrictions(self):
         """The key's (or the token's parent key's) Restrictions, or None."""
@@ -2574,9 +2581,11 @@ ONE_INDEX_TASK_KINDS = frozenset((
 
 
 def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a scoped key: as upstream (and as GET
-    /batches lists it), a batch of one-index tasks with at least one
-    covered index."""
+    """GET /batches/{id} for a scoped key: as upstream's
+    get_batch_ids_from_authorized_indexes means it (and as GET /batches
+    lists it), a batch of one-index tasks with at least one covered index.
+    (Upstream subtracts the task uids of the other kinds from the batch
+    uids, a slip: it would show a dump batch to every scoped key.)"""
     stats = answer.get("stats") if isinstance(answer, dict) else None
     uids = stats.get("indexUids") if isinstance(stats, dict) else None
     kinds = stats.get("types") if isinstance(stats, dict) else None
@@ -2679,17 +2688,25 @@ def _task_change_query(verb):
     return query
 
 
+def fetch_or_refuse(upstream, target, what):
+    """GET `target` from the backend for the guard's own check: its 200
+    JSON answer; its refusal (a Meilisearch error: a bad uid, not found...)
+    relayed as the caller's; anything else a 502, so the check fails closed."""
+    status, answer = upstream.fetch_json(target)
+    if status != 200 and status < 500 and isinstance(answer, dict) \
+            and all(isinstance(answer.get(f), str) for f in ("message", "code", "type")):
+        raise ApiError(status, answer["code"], answer["message"], answer["type"])
+    if status != 200:
+        raise upstream_unreachable(upstream, "%s answered %s" % (what, status))
+    return answer
+
+
 def _task_documents_query(context):
     """A task's documents, only once the backend showed the task, on an
     index the principal covers; its refusal (a bad uid...) is relayed."""
     task_id = context.params["task_id"]
-    status, task = context.upstream.fetch_json("/tasks/" + urllib.parse.quote(task_id))
-    if status != 200 and status < 500 and isinstance(task, dict) \
-            and all(isinstance(task.get(f), str) for f in ("message", "code", "type")):
-        raise ApiError(status, task["code"], task["message"], task["type"])
-    if status != 200:
-        raise upstream_unreachable(context.upstream, "asking for task %s answered %s"
-                                   % (_uid_shown(task_id), status))
+    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id),
+                           "asking for task %s" % _uid_shown(task_id))
     check_task_answer(context.principal, task_id, task)
     return context.query
 
@@ -2727,19 +2744,21 @@ def count_queries(body):
 
 
 class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable")):
+        "Route", "method pattern actions local rule hits searches repeatable creates_index")):
     """One route: the `actions` it needs; who answers it (`local`, None for
     the backend); the handler `rule` for a scoped principal; where it asks
     for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
     body); how many searches its body runs (`searches`, for rate limits;
     None: one); whether it is safe to send twice (`repeatable`: GETs and
-    read-only POSTs)."""
+    read-only POSTs); whether it creates its index when missing and the
+    caller may create indexes (`creates_index`: upstream's handlers passing
+    allow_index_creation)."""
 
     def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None):
+                searches=None, repeatable=None, creates_index=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable)
+                               searches, repeatable, creates_index)
 
     @property
     def is_meilisearch(self):
@@ -2767,7 +2786,7 @@ def _settings_routes():
         for name in names:
             pattern = "/indexes/{index_uid}/settings/" + name
             routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",)),
+                       Route(verb, pattern, ("settings.update",), creates_index=True),
                        Route("DELETE", pattern, ("settings.update",))]
     return routes
 
@@ -2811,8 +2830,8 @@ ROUTES = tuple([
     Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
           hits=cap_search_object, repeatable=True),
     Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
-    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",)),
-    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",)),
+    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
@@ -2821,7 +2840,7 @@ ROUTES = tuple([
     Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",)),
+    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",)),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
@@ -2910,6 +2929,7 @@ def plan_forward(route, request, principal, params, upstream):
         value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
     if upstream is None:
         raise no_upstream()
+    check_no_implicit_creation(route, principal, index, upstream)
     if rule is not None and rule.when == UNENFORCEABLE:
         raise scope_not_enforceable(route, "")
     target, answer_filter = request.target, None
@@ -2930,6 +2950,32 @@ def plan_forward(route, request, principal, params, upstream):
         value = route.hits(value, cap)
     body = None if value is NOT_READ else compact_json(value).encode()
     return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
+
+
+def check_no_implicit_creation(route, principal, index, upstream, missing_status=404):
+    """A documents or settings write on a missing index creates it when the
+    caller may create indexes (upstream's allow_index_creation). The backend
+    gets our --upstream-key, which may: for a caller who may not, the index
+    must exist already. Upstream would enqueue a task failing with
+    `index_not_found`; the guard cannot enqueue, so it answers that error
+    now (`missing_status`: 403 for /authorize, as nginx takes any other
+    refusal for its own error). Without a backend to ask (/authorize in
+    nginx mode) it refuses.
+    An index deleted between this check and the forward is still created:
+    the backend offers no "write only if the index exists"."""
+    if not route.creates_index or principal.may_create_index(index):
+        return
+    if upstream is None:
+        raise invalid_api_key(
+            "This API key may not create indexes, and searchkeys runs without --upstream, "
+            "so it cannot check that the index `%s` exists; the request is refused." % index)
+    try:
+        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
+                        "asking for index %s" % index)
+    except ApiError as error:
+        if error.status == 404:
+            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+        raise
 
 
 def check_unseen(principal, route, uri):
@@ -3692,6 +3738,7 @@ class Service:
             raise scope_not_enforceable(
                 route, "through `GET /authorize`, which never sees the body nor the answer "
                 "(use `searchkeys.py serve --upstream` for such keys)")
+        check_no_implicit_creation(route, principal, index, self.upstream, 403)
         return Response(204, authorize_headers(principal))
 
 

@@ -147,6 +147,23 @@ def test_nginx_passes_what_searchkeys_allows_and_nothing_else(stack):
     assert request(listen, "GET", "/health")[0] == 200  # public: allowed without a key
 
 
+def test_a_write_that_may_create_an_index_needs_indexes_create_without_upstream(stack):
+    """Meilisearch creates a missing index on a documents write only for a key with
+    `indexes.create`; nginx forwards with the backend key, which has it, and searchkeys
+    without --upstream cannot ask whether the index exists: it refuses."""
+    guard, listen, backend = stack
+    writer = create_key(guard.port, ["documents.add"], ["movies"])
+    creator = create_key(guard.port, ["documents.add", "indexes.create"], ["movies"])
+    backend.seen.clear()
+    assert_meilisearch_error(request(listen, "POST", "/indexes/movies/documents", b"[]", {
+        "Authorization": "Bearer " + writer, "Content-Type": "application/json"}),
+        403, "invalid_api_key")
+    assert backend.seen == []
+    status, _, data = request(listen, "POST", "/indexes/movies/documents", b"[]", {
+        "Authorization": "Bearer " + creator, "Content-Type": "application/json"})
+    assert status == 200 and json.loads(data)["path"] == "/indexes/movies/documents"
+
+
 def request_from(address, port, method, path, headers):
     """A request whose source is another loopback address (Linux answers on all of 127/8)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(address, 0))

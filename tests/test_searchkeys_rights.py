@@ -36,7 +36,7 @@ class Backend:
                 status, value = script.get(self.path.partition("?")[0], (200, {"hits": []}))
                 answer_json(self, json.dumps(value).encode(), status)
 
-            do_GET = do_POST = do_DELETE = answer
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = answer
 
             def log_message(self, *args):
                 pass
@@ -124,6 +124,52 @@ def test_a_multi_search_counts_each_query_against_the_rate_limit(guard, seen):
         "Authorization": "Bearer " + many["key"], "X-Original-URI": "/multi-search",
         "X-Original-Method": "POST"})
     assert status == 403
+
+
+# --- index creation ------------------------------------------------------------------------------
+
+MISSING = (404, {"message": "Index `shows` not found.", "code": "index_not_found",
+                 "type": "invalid_request",
+                 "link": "https://docs.meilisearch.com/errors#index_not_found"})
+CREATING_WRITES = [("POST", "/indexes/%s/documents", [{"id": 1}]),
+                   ("PUT", "/indexes/%s/documents", [{"id": 1}]),
+                   ("PATCH", "/indexes/%s/settings", {"stopWords": ["a"]}),
+                   ("PUT", "/indexes/%s/settings/stop-words", ["a"]),
+                   ("PATCH", "/indexes/%s/settings/typo-tolerance", {"enabled": False})]
+
+
+@pytest.mark.parametrize("method, path, body", CREATING_WRITES)
+def test_a_write_never_creates_an_index_for_a_key_without_indexes_create(
+        guard, seen, method, path, body):
+    """Meilisearch lets a documents or settings write create its missing index only for a key
+    with `indexes.create`; the backend gets the upstream key, which has it."""
+    writer = new_key(guard, None, actions=["documents.add", "settings.update"])
+    seen.script["/indexes/shows"] = MISSING
+    status, error = call(guard, writer, method, path % "shows", body)
+    assert (status, error) == MISSING
+    assert seen.targets() == [("GET", "/indexes/shows")]  # the guard's question, no write
+    seen.script["/indexes/shows"] = (503, {"message": "busy", "code": "unavailable",
+                                           "type": "system", "link": "x"})
+    status, error = call(guard, writer, method, path % "shows", body)
+    assert status == 502 and error["code"] == "upstream_unavailable"
+    status, _, _ = guard.request("GET", "/authorize", None, {
+        "Authorization": "Bearer " + writer["key"], "X-Original-URI": path % "shows",
+        "X-Original-Method": method})
+    assert status != 204
+    seen.script["/indexes/shows"] = MISSING
+    status, _, data = guard.request("GET", "/authorize", None, {
+        "Authorization": "Bearer " + writer["key"], "X-Original-URI": path % "shows",
+        "X-Original-Method": method})
+    assert status == 403 and json.loads(data)["code"] == "index_not_found"
+    assert (method, path % "shows") not in seen.targets()
+    seen.seen.clear()
+    assert call(guard, writer, method, path % "movies", body)[0] == 200  # an index that exists
+    assert seen.targets() == [("GET", "/indexes/movies"), (method, path % "movies")]
+    creator = new_key(guard, None, actions=["documents.add", "settings.update",
+                                            "indexes.create"], indexes=["shows", "movies"])
+    seen.seen.clear()
+    assert call(guard, creator, method, path % "shows", body)[0] == 200
+    assert seen.targets() == [(method, path % "shows")]
 
 
 # --- restrictions belong to the key -------------------------------------------------------------
