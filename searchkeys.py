@@ -31,6 +31,12 @@ The backend gets --upstream-key, not the caller's key, so for an index-scoped
 key or a tenant token the guard also does what Meilisearch's handlers do with
 the caller's key: check the indexes named in bodies, add tenant-token filters
 to searches, filter index/stats/task listings.
+
+The file reads in that order: HTTP (requests, responses, the http.server
+glue), the service, authentication and the permission model, the handler
+rules and the route table, the restrictions gate, the /keys API and its
+store, the upstream; then the pure libraries (restrictions, validation,
+UUIDs, dates, key derivation, tenant tokens), the client and the command line.
 """
 
 import argparse
@@ -66,6 +72,7 @@ import urllib.parse
 import urllib.request
 
 __version__ = "1.0"
+
 
 # =============================================================================
 # Constants: actions, wildcard expansion, index scopes
@@ -189,6 +196,7 @@ MAX_KEYS_BODY = 1024 * 1024  # bytes accepted on /keys bodies
 MAX_HANDLER_BODY = 16 * 1024 * 1024  # bodies read to check their indexes (multi-search...)
 DEFAULT_URL = "http://127.0.0.1:7700"
 
+
 # =============================================================================
 # Errors: upstream's JSON error shape
 # =============================================================================
@@ -238,6 +246,955 @@ def internal_error(message):
 
 def key_not_found(segment):
     return ApiError(404, "api_key_not_found", "API key `%s` not found." % segment)
+
+
+# =============================================================================
+# Requests and responses: what the service reads and answers, pure of sockets
+# =============================================================================
+
+SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
+MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
+MAX_HEADERS = 100       # header lines in a request head
+CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
+LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
+NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
+OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
+_ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
+_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
+# Header lines as every party reads them alike: a token, a colon, a value
+# without CR or NUL (a bare CR may read as a line break to a backend, which
+# would then see headers, Transfer-Encoding..., the guard never saw); no
+# continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r?\n)*")
+
+
+class BrokenBody(Exception):
+    """A request body ended early or is not valid chunked coding."""
+
+
+def payload_too_large(limit):
+    return ApiError(413, "payload_too_large",
+                    "The provided payload reached the size limit. The maximum accepted payload "
+                    "size is %s." % ("%.2f MiB" % (limit / 1048576.0)))
+
+
+def origin_form(target):
+    """The request target if it is in origin form (`/path?query`), else a
+    400: an absolute or bare target (`http://indexes/keys`, `x/keys`) is
+    routed by the backend on a path the guard would not have authorized."""
+    if not _ORIGIN_FORM_RE.match(target):
+        raise bad_request("The request target `%s` is not supported: it must be a path "
+                          "starting with `/`." % printable(target[:200]))
+    return target
+
+
+class Body:
+    """A request body, framed by its Content-Length or by chunked coding,
+    read from the caller's buffered stream as the service asks for it.
+    `before_read` runs once before the first read (the deferred 100 Continue)."""
+
+    def __init__(self, stream, length=0, chunked=False, before_read=None):
+        self.stream = stream
+        self.chunked = chunked
+        self.remaining = length
+        self.size_known = not chunked
+        self.finished = not chunked and length == 0
+        self.started = self.broken = False
+        self.before_read = before_read
+
+    @classmethod
+    def of_request(cls, stream, headers, before_read=None):
+        """The body a request announces; 400 ApiError for framing that two
+        parties could read differently (the stuff of request smuggling)."""
+        lengths = {value.strip() for value in headers.get_all("Content-Length", ())}
+        encodings = headers.get_all("Transfer-Encoding", ())
+        if encodings:
+            if lengths or len(encodings) > 1 or encodings[0].strip().lower() != "chunked":
+                raise bad_request("Unsupported request framing: use either Content-Length or "
+                                  "Transfer-Encoding: chunked.")
+            return cls(stream, chunked=True, before_read=before_read)
+        if len(lengths) > 1:
+            raise bad_request("Conflicting Content-Length headers.")
+        length = lengths.pop() if lengths else "0"
+        if not is_decimal(length):
+            raise bad_request("The Content-Length header `%s` is invalid." % length)
+        return cls(stream, int(length), before_read=before_read)
+
+    def chunks(self, piece=SMALL_BODY):
+        """Yield the body in pieces as it arrives."""
+        if not self.started:
+            self.started = True
+            if self.before_read is not None and not self.finished:
+                self.before_read()
+        stream = self.stream
+        try:
+            while self.remaining:
+                data = stream.read1(min(piece, self.remaining))
+                if not data:
+                    raise BrokenBody("body cut short")
+                self.remaining -= len(data)
+                yield data
+            while self.chunked and not self.finished:
+                size_line = stream.readline(1024)
+                size_text = size_line.split(b";", 1)[0].strip()
+                if not size_line.endswith(b"\n") or not size_text \
+                        or size_text.strip(b"0123456789abcdefABCDEF"):
+                    raise BrokenBody("bad chunk size")
+                size = int(size_text, 16)
+                if size == 0:
+                    self._skip_trailers()
+                    break
+                while size:
+                    data = stream.read1(min(piece, size))
+                    if not data:
+                        raise BrokenBody("body cut short")
+                    size -= len(data)
+                    yield data
+                if stream.readline(3) not in (b"\r\n", b"\n"):
+                    raise BrokenBody("chunk not followed by CRLF")
+        except BrokenBody:
+            self.broken = True
+            raise
+        except (OSError, ValueError) as exc:  # a timeout, a reset, a chunk size past all
+            self.broken = True
+            raise BrokenBody(str(exc))
+        self.finished = True
+
+    def _skip_trailers(self):
+        budget = MAX_HEAD
+        while budget > 0:
+            line = self.stream.readline(budget)
+            if line in (b"\r\n", b"\n", b""):
+                return
+            budget -= len(line)
+        raise BrokenBody("trailers too large")
+
+    def read(self, limit):
+        """The whole body, or a 413 ApiError when it is over `limit` bytes."""
+        if self.size_known and self.remaining > limit:
+            raise payload_too_large(limit)
+        if self.size_known and self.remaining <= SMALL_BODY:  # the common case, in one read
+            return b"".join(self.chunks(self.remaining))
+        data, size = [], 0
+        for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            data.append(chunk)
+        return b"".join(data)
+
+    def discard(self, limit=MAX_KEYS_BODY):
+        """Skip an unread body so the connection can serve on; False when that
+        is unwise (too big, broken, or a caller still waiting for 100 Continue)."""
+        if self.finished:
+            return True
+        if self.broken or (self.before_read is not None and not self.started) or \
+                (self.size_known and self.remaining > limit):
+            return False
+        try:
+            size = 0
+            for chunk in self.chunks():
+                size += len(chunk)
+                if size > limit:
+                    return False
+        except BrokenBody:
+            return False
+        return True
+
+
+class Request:
+    """One request as the service sees it: method, target (origin form is
+    checked by the service), headers (`get`, `get_all`), body."""
+
+    __slots__ = ("method", "target", "headers", "body", "version", "peer")
+
+    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
+        self.method, self.target, self.headers = method, target, headers
+        self.body, self.version = body, version
+        self.peer = peer  # the socket's remote address (see Gate.client)
+
+    @property
+    def path(self):
+        return self.target.partition("?")[0]
+
+    @property
+    def query(self):
+        return self.target.partition("?")[2]
+
+    def read_json_body(self):
+        """Content type, size cap, then JSON: upstream's order."""
+        check_content_type(self.headers.get("Content-Type"))
+        return parse_json_body(self.body.read(MAX_KEYS_BODY))
+
+
+class Response:
+    """An answer: status, headers, and a body as bytes, or as `stream`, an
+    iterable of byte chunks of `length` bytes (None: unknown) that is closed
+    once written or abandoned."""
+
+    __slots__ = ("status", "headers", "body", "stream", "length")
+
+    def __init__(self, status, headers=(), body=b"", stream=None, length=None):
+        self.status, self.headers, self.body = status, list(headers), body
+        self.stream, self.length = stream, length
+
+    @classmethod
+    def json(cls, status, value, headers=()):
+        if value is None:
+            return cls(status, headers)
+        return cls(status, list(headers) + [("Content-Type", "application/json")],
+                   compact_json(value).encode())
+
+    @classmethod
+    def error(cls, error, headers=()):
+        return cls.json(error.status, error.to_json(), headers)
+
+
+# =============================================================================
+# HTTP: http.server glue (KeysServer + KeysHandler)
+# =============================================================================
+
+
+class KeysHandler(http.server.BaseHTTPRequestHandler):
+    """Reads a request, asks `server.service` for the answer, writes it."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "searchkeys/" + __version__
+    sys_version = ""
+    timeout = CLIENT_TIMEOUT
+    wbufsize = SMALL_BODY  # a head and a small body leave in one send
+    default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
+    body = None
+
+    def setup(self):
+        """StreamRequestHandler's, on a Connection: the bytes read ahead of
+        this request come first, and its head is bounded in total time."""
+        self.connection = self.request.sock
+        self.connection.settimeout(self.timeout)
+        self.reader = ReadAhead(self.request)
+        self.rfile = io.BufferedReader(self.reader)
+        self.wfile = self.connection.makefile("wb", self.wbufsize)
+
+    def handle(self):
+        """One request a turn: between requests the server holds the
+        connection without a thread, with what was read past this one."""
+        connection = self.request
+        connection.keep, connection.read_ahead = False, b""
+        self.close_connection = True
+        self.handle_one_request()
+        if not self.close_connection:
+            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
+
+    def handle_one_request(self):
+        """Like http.server's, with the whole head (not each line) bounded
+        at MAX_HEAD, and one pipeline instead of do_* methods."""
+        self.status, self.body, self.command = None, None, None
+        self.path, self.request_version = None, self.default_request_version
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
+            started = time.monotonic()  # not before: a keep-alive connection waits idle
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if len(self.raw_requestline) > MAX_HEAD:
+                self.send_error(414, "Request line too long")
+            elif self.parse_request():
+                request = Request(self.command, self.path, self.headers, self.body,
+                                  self.request_version, self.client_address[0])
+                self.send_answer(self.server.service.handle(request))
+            self.wfile.flush()
+        except (TimeoutError, socket.timeout, ConnectionError):
+            self.close_connection = True
+        finally:
+            if self.status is not None or self.command:
+                self.server.service.log("%s %s %s %.2fms" % (
+                    printable(self.command or "-"), safe_path(self.path or "-")
+                    if self.command else "-", self.status or "-",
+                    (time.monotonic() - started) * 1000))
+
+    def parse_request(self):
+        """Replaces http.server's: a request line of three words and HTTP/1.x
+        (no HTTP/0.9, whose answers have no head), the whole head within
+        MAX_HEAD but no cap per line, header lines every party reads alike,
+        one unambiguous body framing; 100 Continue waits until the body is read."""
+        self.close_connection = True
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        words = self.requestline.split()
+        if not words:
+            return False
+        version = _HTTP_VERSION_RE.match(words[-1])
+        if len(words) != 3 or not version:
+            self.send_error(400, "Bad request line")
+            return False
+        if version.group(1) != "1":
+            self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported")
+            return False
+        self.command, self.path = words[0], words[1]  # the target as sent: the service checks it
+        self.request_version = "HTTP/1.1" if int(version.group(2)) else "HTTP/1.0"
+        head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
+        if head is None:
+            return False
+        self.reader.end_of_head()
+        self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
+        connection = self.headers.get("Connection", "").lower()
+        self.close_connection = connection == "close" or (
+            self.request_version == "HTTP/1.0" and connection != "keep-alive")
+        expecting = self.request_version == "HTTP/1.1" and \
+            self.headers.get("Expect", "").lower() == "100-continue"
+        try:
+            self.body = Body.of_request(self.rfile, self.headers,
+                                        self.send_continue if expecting else None)
+        except ApiError as error:
+            self.close_connection = True
+            self.send_answer(Response.error(error))
+            return False
+        return True
+
+    def read_header_block(self, budget):
+        """The header lines within `budget` bytes as text, or None once refused."""
+        lines = []
+        while True:
+            line = self.rfile.readline(budget + 1)
+            budget -= len(line)
+            if budget < 0 or len(lines) > MAX_HEADERS:
+                self.send_error(431, "Header fields too large")
+                return None
+            if line in (b"\r\n", b"\n", b""):
+                break
+            lines.append(line)
+        block = b"".join(lines)
+        if not _HEADER_BLOCK_RE.fullmatch(block):
+            self.send_error(400, "Bad header line")
+            return None
+        return block.decode("iso-8859-1")
+
+    def send_continue(self):
+        """100 Continue, sent when the body is first read: a refused request
+        never invites its body (http.server's handle_expect_100 is not used)."""
+        self.send_response_only(100)
+        self.end_headers()
+        self.wfile.flush()
+
+    def send_error(self, code, message=None, explain=None):
+        """Refusals of http.server's own checks, as upstream's JSON error."""
+        self.close_connection = True
+        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
+        self.send_answer(Response.error(error))
+
+    def send_answer(self, response):
+        """Write a Response, framed for this hop."""
+        body = self.body
+        if body is not None and not body.discard():
+            self.close_connection = True
+        status, head_only = response.status, self.command == "HEAD"
+        self.status = status
+        self.send_response_only(status)
+        names = set()
+        for name, value in response.headers:
+            names.add(name.lower())
+            self.send_header(name, value)
+        if "date" not in names:
+            self.send_header("Date", self.date_time_string())
+        chunked = False
+        if response.stream is None:
+            if status >= 200 and status not in (204, 304) and not (
+                    head_only and "content-length" in names):
+                self.send_header("Content-Length", str(len(response.body)))
+        elif response.length is not None:
+            self.send_header("Content-Length", str(response.length))
+        elif self.request_version == "HTTP/1.1":
+            chunked = True
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True  # an HTTP/1.0 caller: the end is the close
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if response.stream is None:
+            if not head_only:
+                self.wfile.write(response.body)
+            return
+        self.write_stream(response.stream, chunked)
+
+    def write_stream(self, stream, chunked):
+        """A streamed body, each piece sent as it comes; a backend or caller
+        that breaks off ends the connection (its framing cannot be finished)."""
+        try:
+            for data in stream:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except (OSError, http.client.HTTPException):
+            self.close_connection = True
+        finally:
+            stream.close()
+
+    _date = (0, "")
+
+    def date_time_string(self, timestamp=None):
+        """http.server's, formatted once a second (formatting is slow)."""
+        if timestamp is not None:
+            return super().date_time_string(timestamp)
+        now = int(time.time())
+        if KeysHandler._date[0] != now:
+            KeysHandler._date = (now, super().date_time_string(now))
+        return KeysHandler._date[1]
+
+    def log_message(self, format, *args):
+        self.server.service.log("searchkeys: %s" % printable(format % args))
+
+
+class Connection:
+    """A caller's connection between requests: its socket, the bytes read
+    ahead of its next request, and when that request's head must be in."""
+
+    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
+
+    def __init__(self, sock, address):
+        self.sock, self.address = sock, address
+        self.read_ahead, self.deadline, self.keep = b"", None, False
+
+    def head_arrived(self):
+        """Has a whole head come (or all that a waiting connection may hold)?"""
+        data = self.read_ahead
+        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
+
+
+class ReadAhead(io.RawIOBase):
+    """What a handler reads: its connection's read-ahead bytes, then the
+    socket, the head by its deadline in total (a timeout per recv would let
+    a client sending a byte now and then hold a worker for ever)."""
+
+    def __init__(self, connection):
+        super().__init__()
+        self.sock, self.deadline = connection.sock, connection.deadline
+        self.pending = memoryview(connection.read_ahead)
+        self.probing = False
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.pending:
+            count = min(len(buffer), len(self.pending))
+            buffer[:count] = self.pending[:count]
+            self.pending = self.pending[count:]
+            return count
+        if self.probing:
+            return None  # "nothing without waiting", to leftover()
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the request head took too long")
+            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
+        return self.sock.recv_into(buffer)
+
+    def end_of_head(self):
+        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
+        if self.deadline is not None:
+            self.deadline = None
+            self.sock.settimeout(CLIENT_TIMEOUT)
+
+    def leftover(self, rfile):
+        """What `rfile` (reading this) already holds past the request just
+        answered: the start of the next one. Never waits."""
+        self.probing = True
+        pieces = []
+        while True:
+            piece = rfile.read1(SMALL_BODY)
+            if not piece:
+                return b"".join(pieces)
+            pieces.append(piece)
+
+
+class ConnectionWatcher:
+    """Connections waiting for their next request, held without a thread:
+    one thread watches them all (selectors), reads what arrives, and hands
+    a connection to `ready` once its head is in. A connection has
+    CLIENT_TIMEOUT for its next head in total, then is closed; while
+    `crowded()`, the connection waiting longest is closed for a newcomer."""
+
+    def __init__(self, ready, close, crowded):
+        self.ready, self.close, self.crowded = ready, close, crowded
+        self._selector = selectors.DefaultSelector()
+        self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
+        self._incoming = collections.deque()  # parked by other threads, not yet watched
+        self._wake, self._waker = socket.socketpair()
+        for sock in (self._wake, self._waker):
+            sock.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def park(self, connection):
+        """Watch `connection` until its next head is in (from any thread)."""
+        connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self._incoming.append(connection)
+        self._wake_up()
+
+    def stop(self):
+        self._running = False
+        self._wake_up()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for connection in list(self._waiting) + list(self._incoming):
+            connection.sock.close()
+        self._selector.close()
+        self._wake.close()
+        self._waker.close()
+
+    def _wake_up(self):
+        try:
+            self._waker.send(b"\0")
+        except OSError:
+            pass  # full: a wake-up is pending anyway
+
+    def _run(self):
+        while self._running:
+            for key, _ in self._selector.select(1.0):
+                if key.data is None:
+                    while self._drain():
+                        pass
+                else:
+                    self._receive(key.data)
+            while self._incoming:
+                self._watch(self._incoming.popleft())
+            now = time.monotonic()
+            while self._waiting and (next(iter(self._waiting)).deadline <= now or
+                                     self.crowded()):
+                self._drop(next(iter(self._waiting)))
+
+    def _drain(self):
+        try:
+            return self._wake.recv(4096)
+        except OSError:
+            return b""
+
+    def _watch(self, connection):
+        try:
+            connection.sock.setblocking(False)
+            self._selector.register(connection.sock, selectors.EVENT_READ, connection)
+        except (OSError, ValueError):  # closed meanwhile: nothing to watch
+            self.close(connection)
+            return
+        self._waiting[connection] = None
+
+    def _unwatch(self, connection):
+        del self._waiting[connection]
+        self._selector.unregister(connection.sock)
+
+    def _drop(self, connection):
+        self._unwatch(connection)
+        self.close(connection)
+
+    def _receive(self, connection):
+        try:
+            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = connection.read_ahead = b""  # reset: nothing left to answer
+        if data:
+            connection.read_ahead += data
+            if not connection.head_arrived():
+                return
+        if not connection.read_ahead:  # closed between requests
+            self._drop(connection)
+            return
+        self._unwatch(connection)
+        self.ready(connection)  # a head, or the end of a cut-off one
+
+
+def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
+    """Raise the soft limit on open files towards `wanted` (within the hard
+    limit): each waiting connection holds one. Returns the limit in force."""
+    import resource  # Unix only, like fcntl
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
+        if hard != resource.RLIM_INFINITY:
+            target = min(target, hard)
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+def listen_family(host):
+    """AF_INET, or AF_INET6 for a host with only IPv6 addresses (`::1`, `::`)."""
+    families = {info[0] for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM, 0,
+                                                       socket.AI_PASSIVE)}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+
+
+class KeysServer(http.server.HTTPServer):
+    """Between requests a connection waits in a ConnectionWatcher, without
+    a thread; a request whose head is in is served by one of at most
+    `max_connections` worker threads (the rest wait their turn). So idle
+    keep-alive connections and slow heads hold no thread, and a newcomer is
+    served while thousands of them are open. Past `max_open` connections
+    the one waiting longest is closed. (ThreadingMixIn's thread for each
+    connection is what this replaces.)"""
+
+    request_queue_size = 1024
+    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
+
+    def __init__(self, address, service, max_connections=512, max_open=1000):
+        self.service = service
+        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
+        self._ready = collections.deque()
+        self._turns = threading.Condition()
+        self._workers = self._idle_workers = 0
+        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
+                                         lambda: self.open > self.max_open)
+        self.address_family = listen_family(address[0])
+        super().__init__(address, KeysHandler)
+
+    def server_bind(self):
+        """An IPv6 socket takes IPv4 callers too where the system allows it
+        (`--host ::` is then every address of both families)."""
+        if self.address_family == socket.AF_INET6:
+            try:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        super().server_bind()
+
+    def serve_forever(self, poll_interval=0.5):
+        self.watcher.start()
+        super().serve_forever(poll_interval)
+
+    def server_close(self):
+        super().server_close()
+        self.watcher.stop()
+
+    def process_request(self, request, client_address):
+        """A new connection waits for its first request like any other."""
+        try:
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        with self._turns:
+            self.open += 1
+        self.watcher.park(Connection(request, client_address))
+
+    def _queue(self, connection):
+        """Serve `connection`'s request on a waiting worker, or a new one
+        while there are fewer than max_connections."""
+        with self._turns:
+            self._ready.append(connection)
+            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
+            if start:
+                self._workers += 1
+            self._turns.notify()
+        if start:
+            try:
+                threading.Thread(target=self._work, daemon=True).start()
+            except RuntimeError:  # no thread to be had: the running workers take it
+                with self._turns:
+                    self._workers -= 1
+
+    def _work(self):
+        while True:
+            with self._turns:
+                while not self._ready:
+                    self._idle_workers += 1
+                    woken = self._turns.wait(self.worker_idle_seconds)
+                    self._idle_workers -= 1
+                    if not woken and not self._ready:
+                        self._workers -= 1
+                        return
+                connection = self._ready.popleft()
+            self._serve_turn(connection)
+
+    def _serve_turn(self, connection):
+        """Requests of one connection while they come at once and nobody
+        else waits for a worker; then it waits for its next one, or closes."""
+        while True:
+            try:
+                self.finish_request(connection, connection.address)
+            except Exception:
+                self.handle_error(connection.sock, connection.address)
+                connection.keep = False
+            if connection.keep and not connection.head_arrived() and not self._ready:
+                self._next_request_soon(connection)
+            if not connection.keep:
+                self._close(connection, True)
+                return
+            if not connection.head_arrived():
+                self.watcher.park(connection)
+                return
+            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+            if self._ready:  # others wait: take turns
+                self._queue(connection)
+                return
+
+    @staticmethod
+    def _next_request_soon(connection):
+        """Read what comes within NEXT_REQUEST_WAIT: a keep-alive caller sends
+        its next request right away more often than not, and serving it here
+        saves the trip through the watcher to another worker."""
+        sock = connection.sock
+        try:
+            sock.settimeout(NEXT_REQUEST_WAIT)
+            data = sock.recv(READ_AHEAD - len(connection.read_ahead))
+        except OSError:  # the timeout most often: the watcher will see what comes
+            return
+        if not data:
+            connection.keep = False  # closed by the caller
+        connection.read_ahead += data
+
+    def _close(self, connection, linger):
+        if linger:
+            self.shutdown_request(connection.sock)
+        else:
+            self.close_request(connection.sock)
+        with self._turns:
+            self.open -= 1
+
+    def shutdown_request(self, request):
+        """socketserver's, plus a lingering close: what the caller still sends
+        is read and dropped for a moment, or closing with unread bytes would
+        reset the connection and lose an answer sent before the request was
+        read to its end (a refused head, an oversized body)."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(LINGER_SECONDS)
+            budget = MAX_KEYS_BODY
+            while budget > 0:
+                data = request.recv(SMALL_BODY)
+                if not data:
+                    break
+                budget -= len(data)
+        except OSError:
+            pass
+        self.close_request(request)
+
+    def handle_error(self, request, client_address):
+        self.service.log("searchkeys: internal error: %s" % printable(
+            repr(sys.exc_info()[1])))
+
+
+# =============================================================================
+# Service: request -> authenticate -> authorize -> validate -> store or forward
+# =============================================================================
+
+
+class Service:
+    """The server's request pipeline, pure of sockets: `handle(request)`
+    returns the Response; every refusal is upstream's JSON error."""
+
+    def __init__(self, store, master_key, upstream=None, log=None, limits=None):
+        self.store = store
+        self.guard = Guard(store, master_key)
+        self.keys_api = KeysApi(store)
+        self.gate = Gate(self.guard, limits)
+        self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
+        self.upstream = upstream
+        self.log = log or (lambda message: None)
+
+    def handle(self, request):
+        try:
+            response = self.dispatch(request)
+        except ApiError as error:
+            response = Response.error(error, getattr(error, "headers", ()))
+        except BrokenBody as exc:
+            response = Response.error(bad_request("The request body is malformed: %s." % exc))
+        except Exception as exc:  # a bug: answer 500, never a traceback
+            self.log("searchkeys: internal error on %s %s: %s: %s" % (
+                printable(request.method), safe_path(request.target), type(exc).__name__, exc))
+            response = Response.error(internal_error("An internal error occurred."))
+        if request.headers.get("Origin") and not any(
+                name.lower() == "access-control-allow-origin" for name, _ in response.headers):
+            response.headers.append(("Access-Control-Allow-Origin", "*"))
+        return response
+
+    def dispatch(self, request):
+        """Route, authenticate, authorize, then answer, store or forward."""
+        method = request.method
+        if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
+            return Response(200, _preflight_headers(request.headers))
+        route = match_route(method, path_segments(origin_form(request.target)))
+        if route is None:
+            return Response(404)
+        if route == "method":
+            return Response(405)
+        route, index, params = route
+        if route.local == AUTHORIZE:
+            return self.answer_authorize(request)
+        if route.local == HEALTH:
+            return Response.json(200, {"status": "available"})
+        principal = self.gate.check(request, route.actions, index)
+        if route.local == RESTRICTIONS:
+            return self.restrictions_api.handle(request, principal, params["key"])
+        if route.local == KEYS:
+            status, value = self.keys_api.handle(request, principal, method, params,
+                                                 request.query)
+            return Response.json(status, value)
+        return self.forward(request, principal, route, params)
+
+    def forward(self, request, principal, route, params):
+        """Send the backend what `plan_forward` makes of the request; relay its answer."""
+        plan = plan_forward(route, request, principal, params, self.upstream)
+        self.gate.charge(request, principal, plan.searches)
+        upstream, body = self.upstream, plan.body
+        headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
+        if body is None:
+            body = self.caller_body(request.body, headers)
+        return upstream.forward(route.method, plan.target, headers, body,
+                                is_repeatable(route.method, route.pattern), plan.answer_filter)
+
+    @staticmethod
+    def caller_body(body, headers):
+        """The caller's body to send on: bytes when small, else its chunks
+        as they arrive (with its length when it announced one)."""
+        if body.finished:
+            return b""
+        if body.size_known and body.remaining <= SMALL_BODY:
+            return body.read(SMALL_BODY)
+        if body.size_known:
+            headers.append(("Content-Length", str(body.remaining)))
+        return body.chunks()
+
+    def answer_authorize(self, request):
+        """nginx auth_request: 204 when the original request is allowed."""
+        uri = request.headers.get("X-Original-URI")
+        if not uri:
+            raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
+                              "`X-Original-Method`) of the request to authorize.")
+        method = (request.headers.get("X-Original-Method") or "").strip().upper()
+        if not method:  # judged as a GET, a POST adding documents would pass as a read
+            raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
+                              "`X-Original-URI`) of the request to authorize.")
+        route = match_route(method, path_segments(origin_form(uri)))
+        if route is None or route == "method" or not route[0].is_meilisearch:
+            raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
+                           % (printable(method), safe_path(uri)), "auth")
+        route, index, _params = route
+        principal = self.gate.check(request, route.actions, index)
+        check_unseen(principal, route, uri)
+        if route.scope_rule(principal, index) is not None:
+            raise scope_not_enforceable(
+                route, "through `GET /authorize`, which never sees the body nor the answer "
+                "(use `searchkeys.py serve --upstream` for such keys)")
+        check_no_implicit_creation(route, principal, index, self.upstream, 403)
+        return Response(204, authorize_headers(principal))
+
+
+def _preflight_headers(headers):
+    """CORS preflight, as upstream's permissive actix-cors answers it."""
+    answer = [("Access-Control-Allow-Origin", "*"),
+              ("Access-Control-Allow-Methods", headers.get("Access-Control-Request-Method", "")),
+              ("Access-Control-Max-Age", "86400")]
+    wanted = headers.get("Access-Control-Request-Headers")
+    if wanted:
+        answer.append(("Access-Control-Allow-Headers", wanted))
+    return answer
+
+
+def printable(text):
+    """`text` safe to print on one log line: controls and non-ASCII escaped."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def safe_path(raw):
+    """The path for logs: normalized, no query string, no segment that may
+    be a secret (a key value after /keys/, or any long token), and escaped
+    (a decoded `%0A` must not start a forged log line)."""
+    segments = list(path_segments(raw))
+    for i, segment in enumerate(segments):
+        after_keys = i > 0 and segments[i - 1] == "keys"
+        if (after_keys or len(segment) >= 32) and not _CANONICAL_UUID_RE.match(segment.lower()):
+            segments[i] = "<hidden>"
+    return printable("/" + "/".join(segments))
+
+
+# =============================================================================
+# Authentication: Authorization header -> master key, API key or tenant token
+# =============================================================================
+
+
+def _visible_ascii(value):
+    """The header as actix's `to_str()` sees it: empty unless visible ASCII."""
+    if value is None:
+        return None
+    if value.isascii() and value.replace("\t", " ").isprintable():
+        return value
+    return ""
+
+
+class Guard:
+    """Decides whether a bearer credential may perform a route's actions."""
+
+    def __init__(self, store, master_key):
+        self.store = store
+        self.master_key = master_key
+        self._master_bytes = master_key.encode() if master_key is not None else None
+
+    def check(self, authorization, actions, index):
+        """The Principal allowed to perform `actions` on `index` (None on
+        index-less routes); raises upstream's 401/403 ApiError otherwise."""
+        if not actions:
+            return OPEN  # public route: no header check at all
+        header = _visible_ascii(authorization)
+        if header is None:
+            if self.master_key is not None:
+                raise missing_authorization_header()
+            return self._authenticate("", actions, index)  # open instance: all but /keys
+        scheme, space, token = header.partition(" ")
+        if scheme != "Bearer":
+            raise missing_authorization_header()
+        if not space:
+            raise invalid_api_key()
+        return self._authenticate(token, actions, index)
+
+    def _authenticate(self, token, actions, index):
+        principal = OPEN
+        for action in actions:
+            principal = self.policy(token, action, index)
+        return principal
+
+    def policy(self, token, action, index):
+        """Upstream's ActionPolicy for one action: a Principal, or raises."""
+        if self.master_key is None:  # no master key: everything but /keys is open
+            if action in KEYS_ACTIONS:
+                raise missing_master_key()
+            return OPEN
+        if hmac.compare_digest(self._master_bytes, token.encode()):
+            return OPEN
+        rules = None
+        key = None
+        if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
+            try:
+                claims = verify_tenant_token(token, self.store.derive)
+            except NotATenantToken:
+                pass
+            except TenantTokenError as exc:
+                raise invalid_api_key(str(exc))
+            else:
+                rules = claims["searchRules"]
+                key = self.store.by_uid(claims["apiKeyUid"])
+                if key is None:
+                    raise invalid_api_key()
+        if rules is None:
+            key = self.store.by_value(token)
+            if key is None:
+                raise invalid_api_key()
+        refusal = authorize(key, action, index, tenant_rules=rules)
+        if refusal is not None:
+            raise refusal
+        return Principal(key, rules)
 
 
 # =============================================================================
@@ -455,6 +1412,2018 @@ def path_segments(raw_path):
     if "%" in path:
         segments = [urllib.parse.unquote(s, errors="replace") for s in segments]
     return tuple(segments)
+
+
+# =============================================================================
+# Handler rules: what upstream's handlers check and filter for a scoped
+# principal (an index-scoped key or a tenant token), and the hit caps of a
+# key's maxHitsPerQuery. The backend gets our --upstream-key, not the
+# caller's credential, so the guard applies them.
+# =============================================================================
+
+def _capped(value, cap):
+    """A requested count, capped; values that are not counts are left for
+    the backend to refuse."""
+    if type(value) is int and value > cap:
+        return cap
+    return value
+
+
+def cap_search_object(query, cap):
+    """A search query object (POST search/similar body, one multi-search
+    query, a federation) asking for at most `cap` hits. Meilisearch pages by
+    `hitsPerPage` when `page` or `hitsPerPage` is set (null is unset), else
+    by `limit`: that count is capped (its default 20 made explicit when the
+    cap is lower), and the other one too when it is given."""
+    if not isinstance(query, dict):
+        return query
+    paged = query.get("page") is not None or query.get("hitsPerPage") is not None
+    field, other = ("hitsPerPage", "limit") if paged else ("limit", "hitsPerPage")
+    wanted = query.get(field)
+    capped = {field: _capped(DEFAULT_SEARCH_LIMIT if wanted is None else wanted, cap)}
+    if query.get(other) is not None:
+        capped[other] = _capped(query[other], cap)
+    if all(query.get(name, DEFAULT_SEARCH_LIMIT) == count for name, count in capped.items()):
+        return query
+    return dict(query, **capped)
+
+
+def cap_multi_search(body, cap):
+    """Every query of a multi-search, and its federation's window, capped."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if isinstance(body.get("queries"), list):
+        federated = isinstance(body.get("federation"), dict)
+        # federated queries may not carry `limit` (Meilisearch refuses it)
+        body["queries"] = body["queries"] if federated else \
+            [cap_search_object(q, cap) for q in body["queries"]]
+    if isinstance(body.get("federation"), dict):
+        body["federation"] = cap_search_object(body["federation"], cap)
+    return body
+
+
+def _parameter_name(part):
+    name = part.partition("=")[0]
+    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
+
+
+def search_query_hits(query):
+    """(field, asked count or None when unparseable, parts, names) of a GET
+    search/similar query string: which count Meilisearch reads as its page
+    size, and what was asked for (the default when absent). The parts stay
+    as sent: a rewrite changes only the count."""
+    parts = query.split("&") if query else []
+    names = [_parameter_name(part) for part in parts]
+    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
+    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
+    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
+        else DEFAULT_SEARCH_LIMIT
+    return field, asked, parts, names
+
+
+def cap_search_query(query, cap):
+    """A GET search/similar query string asking for at most `cap` hits."""
+    field, asked, parts, names = search_query_hits(query)
+    if asked is None or asked <= cap:
+        return query
+    return "&".join([part for part, name in zip(parts, names) if name != field] +
+                    ["%s=%d" % (field, cap)])
+
+
+def tenant_filter(rules, index):
+    """The filter a tenant token adds to searches on `index`: the rule of
+    the most specific matching pattern (exact beats prefix, longer beats
+    shorter), or None."""
+    if not isinstance(rules, dict):
+        return None
+    matching = [p for p in rules if pattern_matches(p, index)]
+    if not matching:
+        return None
+    rule = rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+    return rule.get("filter") if isinstance(rule, dict) else None
+
+
+def fuse_filters(left, right):
+    """Upstream's fuse_filters (None: no filter): both sides as one AND-list,
+    an array side spliced in, so an inner array keeps meaning OR."""
+    if left is None:
+        return right
+    if right is None:
+        return left
+    return (left if isinstance(left, list) else [left]) + \
+        (right if isinstance(right, list) else [right])
+
+
+def with_tenant_filter(query, rules, index):
+    """A search query (JSON object) with the token's filter fused in, the
+    way upstream's add_search_rules does it."""
+    rule = tenant_filter(rules, index)
+    if rule is None or not isinstance(query, dict):
+        return query
+    return dict(query, filter=fuse_filters(query.get("filter"), rule))
+
+
+def check_index_creation(principal, index, body):
+    """POST /indexes: the new index's uid must be one the key covers."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not principal.may_use_index(uid):
+        raise invalid_api_key()
+    return body
+
+
+def scope_multi_search(principal, index, body):
+    """POST /multi-search (federated or not): every query's indexUid must be
+    covered; a tenant token's filters are fused into each query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    scoped = []
+    for position, query in enumerate(queries):
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        if isinstance(uid, str):
+            if not principal.may_use_index(uid):
+                raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
+                                      % position)
+            query = with_tenant_filter(query, principal.rules, uid)
+        scoped.append(query)
+    return dict(body, queries=scoped)
+
+
+def check_index_swap(principal, index, body):
+    """POST /swap-indexes: both indexes of every swap must be covered."""
+    for swap in body if isinstance(body, list) else ():
+        indexes = swap.get("indexes") if isinstance(swap, dict) else None
+        for uid in indexes if isinstance(indexes, list) else ():
+            if isinstance(uid, str) and not principal.may_use_index(uid):
+                raise invalid_api_key()
+    return body
+
+
+def scope_search_body(principal, index, body):
+    """POST search, facet-search, similar on one index: fuse the token's filter."""
+    return with_tenant_filter(body, principal.rules, index)
+
+
+def scope_search_query(principal, index, query):
+    """GET search/similar: the token's filter fused with the `filter`
+    parameter, which upstream reads as JSON when it parses as JSON (a JSON
+    `null` included) and as a string otherwise."""
+    rule = tenant_filter(principal.rules, index)
+    if rule is None:
+        return query
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    current = None
+    for name, value in pairs:
+        if name == "filter":
+            try:
+                current = strict_json(value)
+            except (ValueError, RecursionError):
+                current = value
+            if current is None:
+                current = [None]  # upstream's Some(Null): fused as one element
+    pairs = [(n, v) for n, v in pairs if n != "filter"]
+    pairs.append(("filter", compact_json(fuse_filters(current, rule))))
+    return urllib.parse.urlencode(pairs)
+
+
+ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
+
+
+def all_indexes_query(query):
+    """GET /indexes for a scoped key: (the query that asks the backend
+    for every index, offset, limit to apply after filtering); upstream's 400
+    ApiError for parameters it refuses, so none goes unfiltered."""
+    offset, limit = validate_list_query(query, "index")
+    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
+
+
+def filter_index_list(principal, answer, offset, limit):
+    """GET /indexes for a scoped key: only its indexes, paginated after
+    filtering as upstream does."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
+        return answer
+    allowed = [i for i in answer["results"]
+               if isinstance(i, dict) and principal.may_use_index(str(i.get("uid")))]
+    return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
+                total=len(allowed))
+
+
+def filter_stats(principal, answer, covered):
+    """GET /stats for a scoped key: only its indexes, and upstream's
+    `lastUpdate` over them: the latest `updatedAt` of `covered` (the
+    backend's index objects the key covers), null for none."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
+        return answer
+    updates = [(instant.ns, text) for instant, text in (
+        (parse_expires_at(i.get("updatedAt")) if isinstance(i.get("updatedAt"), str) else None,
+         i.get("updatedAt")) for i in covered) if instant is not None]
+    return dict(answer, lastUpdate=max(updates)[1] if updates else None,
+                indexes={uid: stats for uid, stats in answer["indexes"].items()
+                         if principal.may_use_index(uid)})
+
+
+def scope_task_query(query, allowed_uids):
+    """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
+    `indexUids` parameter to the indexes the key covers. With none left,
+    name an index that cannot exist, so the backend matches nothing."""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    asked = [v for n, v in pairs if n == "indexUids"]
+    uids = set(allowed_uids)
+    if asked:
+        wanted = {u.strip() for u in ",".join(asked).split(",")}
+        if "*" not in wanted:
+            uids &= wanted
+    if not uids:
+        uids = {"searchkeys-no-index-" + secrets.token_hex(8)}
+    pairs = [(n, v) for n, v in pairs if n != "indexUids"]
+    return urllib.parse.urlencode(pairs + [("indexUids", ",".join(sorted(uids)))])
+
+
+def check_task_answer(principal, task_id, answer):
+    """GET /tasks/{id} for a scoped key: a task on another index (or on
+    none) does not exist for it."""
+    uid = answer.get("indexUid") if isinstance(answer, dict) else None
+    if not isinstance(uid, str) or not principal.may_use_index(uid):
+        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
+    return answer
+
+
+# Task kinds of one index (upstream's Kind::related_to_one_index); a batch
+# of other kinds (a swap, a dump...) is never shown to a scoped key.
+ONE_INDEX_TASK_KINDS = frozenset((
+    "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
+    "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
+
+
+def check_batch_answer(principal, batch_id, answer):
+    """GET /batches/{id} for a scoped key: as upstream's
+    get_batch_ids_from_authorized_indexes means it (and as GET /batches
+    lists it), a batch of one-index tasks with at least one covered index.
+    (Upstream subtracts the task uids of the other kinds from the batch
+    uids, a slip: it would show a dump batch to every scoped key.)"""
+    stats = answer.get("stats") if isinstance(answer, dict) else None
+    uids = stats.get("indexUids") if isinstance(stats, dict) else None
+    kinds = stats.get("types") if isinstance(stats, dict) else None
+    if not isinstance(uids, dict) or not any(principal.may_use_index(uid) for uid in uids) \
+            or not isinstance(kinds, dict) or not ONE_INDEX_TASK_KINDS.issuperset(kinds):
+        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
+    return answer
+
+
+def check_task_filters(query, verb):
+    """DELETE /tasks, POST /tasks/cancel: upstream's 400 without a filter
+    (the guard would otherwise add one: "every task of my indexes"). Every
+    parameter upstream accepts there is a filter; with another, it refuses
+    the request itself."""
+    if not urllib.parse.parse_qsl(query, keep_blank_values=True):
+        raise ApiError(400, "missing_task_filters", "Query parameters to filter the tasks to %s "
+                       "are missing. Available query parameters are: `uids`, `indexUids`, "
+                       "`statuses`, `types`, `canceledBy`, `beforeEnqueuedAt`, "
+                       "`afterEnqueuedAt`, `beforeStartedAt`, `afterStartedAt`, "
+                       "`beforeFinishedAt`, `afterFinishedAt`." % verb)
+
+
+def _uid_shown(text):
+    """A task or batch uid as upstream's message shows it: the parsed u32."""
+    number = parse_rust_uint(text, U32_MAX)
+    return text if number is None else number
+
+
+class RuleContext:
+    """What a handler rule sees of one request: the principal, the route's
+    parameters and query string, and the backend (some rules ask it which
+    indexes exist)."""
+
+    __slots__ = ("principal", "params", "query", "upstream")
+
+    def __init__(self, principal, params, query, upstream):
+        self.principal, self.params, self.query = principal, params, query
+        self.upstream = upstream
+
+    @property
+    def index(self):
+        return self.params.get("index_uid")
+
+    def covered_indexes(self):
+        """The backend's index objects (uid, updatedAt...) the principal covers."""
+        status, answer = self.upstream.fetch_json(
+            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
+        return [i for i in answer.get("results", ())
+                if isinstance(i, dict) and isinstance(i.get("uid"), str)
+                and self.principal.may_use_index(i["uid"])]
+
+    def allowed_indexes(self):
+        """The uids of the backend's indexes the principal covers."""
+        return [i["uid"] for i in self.covered_indexes()]
+
+
+# When a rule applies: to any scoped principal, only to a tenant token whose
+# rules filter the route's index, or never forwarded for such principals.
+SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
+
+
+class Rule(collections.namedtuple("Rule", "when body query answer")):
+    """A handler rule: `body(principal, index, json)` checks or rewrites the
+    JSON body; `query(context)` returns the query string to forward;
+    `answer(context, json)` checks or filters a 200 answer."""
+
+    def __new__(cls, when, body=None, query=None, answer=None):
+        return super().__new__(cls, when, body, query, answer)
+
+    def applies(self, principal, index):
+        if principal.unscoped:
+            return False
+        if self.when == TOKEN_FILTER:
+            return index is not None and tenant_filter(principal.rules, index) is not None
+        return True
+
+
+def _index_page_query(context):
+    paging = all_indexes_query(context.query)
+    return context.query if paging is None else paging[0]  # else the backend explains
+
+
+def _index_page_answer(context, answer):
+    paging = all_indexes_query(context.query)
+    if paging is None:
+        return answer
+    return filter_index_list(context.principal, answer, paging[1], paging[2])
+
+
+def _task_listing_query(context):
+    return scope_task_query(context.query, context.allowed_indexes())
+
+
+def _task_change_query(verb):
+    def query(context):
+        check_task_filters(context.query, verb)
+        return _task_listing_query(context)
+    return query
+
+
+def fetch_or_refuse(upstream, target, what):
+    """GET `target` from the backend for the guard's own check: its 200
+    JSON answer; its refusal (a Meilisearch error: a bad uid, not found...)
+    relayed as the caller's; anything else a 502, so the check fails closed."""
+    status, answer = upstream.fetch_json(target)
+    if status != 200 and status < 500 and isinstance(answer, dict) \
+            and all(isinstance(answer.get(f), str) for f in ("message", "code", "type")):
+        raise ApiError(status, answer["code"], answer["message"], answer["type"])
+    if status != 200:
+        raise upstream_unreachable(upstream, "%s answered %s" % (what, status))
+    return answer
+
+
+def _task_documents_query(context):
+    """A task's documents, only once the backend showed the task, on an
+    index the principal covers; its refusal (a bad uid...) is relayed."""
+    task_id = context.params["task_id"]
+    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id),
+                           "asking for task %s" % _uid_shown(task_id))
+    check_task_answer(context.principal, task_id, task)
+    return context.query
+
+
+SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
+SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
+    c.principal, c.index, c.query))
+TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query)
+# The chat's search tool and the document a template renders are scoped by
+# handlers the guard does not reproduce: refused instead.
+NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
+
+
+def scope_not_enforceable(route, where):
+    return invalid_api_key(
+        "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
+        "cannot enforce that scope on `%s %s`%s; the request is refused."
+        % (route.method, route.pattern, " " + where if where else ""))
+
+
+# =============================================================================
+# Routes: one record per route, and what a principal's request becomes
+# =============================================================================
+
+# Who answers a route when the backend does not: the /keys API, and this
+# server's own endpoints (not Meilisearch routes: /authorize refuses them).
+KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
+QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
+
+
+def count_queries(body):
+    """The searches a multi-search body runs (federated or not): one a query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    return len(queries) if isinstance(queries, list) else 1
+
+
+class Route(collections.namedtuple(
+        "Route", "method pattern actions local rule hits searches repeatable creates_index")):
+    """One route: the `actions` it needs; who answers it (`local`, None for
+    the backend); the handler `rule` for a scoped principal; where it asks
+    for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
+    body); how many searches its body runs (`searches`, for rate limits;
+    None: one); whether it is safe to send twice (`repeatable`: GETs and
+    read-only POSTs); whether it creates its index when missing and the
+    caller may create indexes (`creates_index`: upstream's handlers passing
+    allow_index_creation)."""
+
+    def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
+                searches=None, repeatable=None, creates_index=False):
+        repeatable = method == "GET" if repeatable is None else repeatable
+        return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
+                               searches, repeatable, creates_index)
+
+    @property
+    def is_meilisearch(self):
+        return self.local not in (AUTHORIZE, RESTRICTIONS)
+
+    def scope_rule(self, principal, index):
+        """The rule that holds `principal` to its indexes and filters on
+        this route (None: the index check was enough)."""
+        rule = self.rule
+        return rule if rule is not None and rule.applies(principal, index) else None
+
+
+def _settings_routes():
+    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
+    put_names = (
+        "filterable-attributes", "sortable-attributes", "displayed-attributes",
+        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+        "prefix-search", "foreign-keys",
+    )
+    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+    routes = []
+    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
+        for name in names:
+            pattern = "/indexes/{index_uid}/settings/" + name
+            routes += [Route("GET", pattern, ("settings.get",)),
+                       Route(verb, pattern, ("settings.update",), creates_index=True),
+                       Route("DELETE", pattern, ("settings.update",))]
+    return routes
+
+
+# The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
+# each. Like actix, the first pattern matching a path wins (in table order);
+# a method it lacks is a 405. "{index_uid}" segments are checked against the
+# key's index patterns; other "{...}" segments match anything.
+ROUTES = tuple([
+    Route("GET", "/health", PUBLIC, local=HEALTH),
+    Route("GET", "/authorize", PUBLIC, local=AUTHORIZE),
+    Route("GET", "/", PUBLIC),
+    Route("GET", "/version", ("version",)),
+    Route("GET", "/stats", ("stats.get",), rule=Rule(SCOPED, answer=lambda c, a: filter_stats(
+        c.principal, a, c.covered_indexes()))),
+    Route("GET", "/keys", ("keys.get",), local=KEYS),
+    Route("POST", "/keys", ("keys.create",), local=KEYS),
+    Route("GET", "/keys/{key}", ("keys.get",), local=KEYS),
+    Route("PATCH", "/keys/{key}", ("keys.update",), local=KEYS),
+    Route("DELETE", "/keys/{key}", ("keys.delete",), local=KEYS),
+    Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
+    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("GET", "/indexes", ("indexes.get",), rule=Rule(
+        SCOPED, query=_index_page_query, answer=_index_page_answer)),
+    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
+    Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
+    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",)),
+    Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
+    Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
+    Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
+    Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
+    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
+          hits=QUERY_HITS),
+    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
+          hits=cap_search_object, repeatable=True),
+    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
+          repeatable=True),
+    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
+          hits=QUERY_HITS),
+    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
+          hits=cap_search_object, repeatable=True),
+    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
+    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+    Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
+    Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
+    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True),
+    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
+    Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
+    Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
+    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
+    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",)),
+] + _settings_routes() + [
+    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
+          hits=cap_multi_search, searches=count_queries, repeatable=True),
+    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
+    Route("POST", "/render-template", ("settings.get", "documents.get"),
+          rule=NOT_ENFORCEABLE_RULE),
+    Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
+    Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
+        SCOPED, query=_task_change_query("delete"))),
+    Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
+        SCOPED, query=_task_change_query("cancel"))),
+    Route("POST", "/tasks/compact", ("tasks.compact",)),
+    Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
+        SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
+    Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
+        SCOPED, query=_task_documents_query)),
+    Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
+    Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
+        SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
+    Route("POST", "/dumps", ("dumps.create",)),
+    Route("POST", "/snapshots", ("snapshots.create",)),
+    Route("GET", "/metrics", ("metrics.get",)),
+    Route("POST", "/logs/stream", ("metrics.get",)),
+    Route("DELETE", "/logs/stream", ("metrics.get",)),
+    Route("POST", "/logs/stderr", ("metrics.get",)),
+    Route("GET", "/experimental-features", ("experimental.get",)),
+    Route("PATCH", "/experimental-features", ("experimental.update",)),
+    Route("POST", "/export", ("export",)),
+    Route("GET", "/network", ("network.get",)),
+    Route("PATCH", "/network", ("network.update",)),
+    Route("POST", "/network/control", ("network.update",)),
+    Route("GET", "/webhooks", ("webhooks.get",)),
+    Route("POST", "/webhooks", ("webhooks.create",)),
+    Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
+    Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
+    Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
+    Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
+    Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
+    Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
+    Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
+    Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
+    Route("GET", "/chats", ("chats.get",)),
+    Route("GET", "/chats/{workspace}", ("chats.get",)),
+    Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
+    Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
+    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+    Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+    Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
+          rule=NOT_ENFORCEABLE_RULE),
+])
+ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
+_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
+
+
+def is_repeatable(method, pattern):
+    """Is the request safe to send the backend a second time (a read)?"""
+    route = ROUTE_INDEX.get((method, pattern))
+    return route is not None and route.repeatable
+
+
+NOT_READ = object()  # a body left for the caller's stream to send on
+
+
+class Forward(collections.namedtuple("Forward", "target body answer_filter searches")):
+    """What the backend is sent for one request: `target`; `body` as bytes,
+    or None for the caller's body as it comes; `answer_filter` rewriting a
+    200 JSON answer, or None; the `searches` it runs, for rate limits."""
+
+
+def plan_forward(route, request, principal, params, upstream):
+    """What `principal`'s authorized `request` on `route` becomes: the one
+    place that says what a credential gets from the backend. A scoped
+    principal's rule checks the indexes its body names, fuses tenant-token
+    filters, filters listings; a key's restrictions cap hits and count each
+    query. Without an `upstream` the answer is 501, once the body checks
+    (upstream's 403) have had their say."""
+    index = params.get("index_uid")
+    rule = route.scope_rule(principal, index)
+    restrictions = principal.restrictions
+    cap = restrictions.max_hits if restrictions is not None else None
+    body_capped = cap is not None and callable(route.hits)
+    counted = route.searches is not None and restrictions is not None and restrictions.rated
+    value = NOT_READ
+    if rule is not None and rule.body is not None:
+        value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
+    if upstream is None:
+        raise no_upstream()
+    check_no_implicit_creation(route, principal, index, upstream)
+    if rule is not None and rule.when == UNENFORCEABLE:
+        raise scope_not_enforceable(route, "")
+    target, answer_filter = request.target, None
+    if rule is not None:
+        context = RuleContext(principal, params, request.query, upstream)
+        if rule.query is not None:
+            query = rule.query(context)
+            target = request.path + ("?" + query if query else "")
+        if rule.answer is not None:
+            answer_filter = functools.partial(rule.answer, context)
+    if cap is not None and route.hits == QUERY_HITS:
+        path, _, query = target.partition("?")
+        capped = cap_search_query(query, cap)
+        target = target if capped == query else path + "?" + capped
+    if (body_capped or counted) and value is NOT_READ:
+        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+    if body_capped:
+        value = route.hits(value, cap)
+    body = None if value is NOT_READ else compact_json(value).encode()
+    return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
+
+
+def check_no_implicit_creation(route, principal, index, upstream, missing_status=404):
+    """A documents or settings write on a missing index creates it when the
+    caller may create indexes (upstream's allow_index_creation). The backend
+    gets our --upstream-key, which may: for a caller who may not, the index
+    must exist already. Upstream would enqueue a task failing with
+    `index_not_found`; the guard cannot enqueue, so it answers that error
+    now (`missing_status`: 403 for /authorize, as nginx takes any other
+    refusal for its own error). Without a backend to ask (/authorize in
+    nginx mode) it refuses.
+    An index deleted between this check and the forward is still created:
+    the backend offers no "write only if the index exists"."""
+    if not route.creates_index or principal.may_create_index(index):
+        return
+    if upstream is None:
+        raise invalid_api_key(
+            "This API key may not create indexes, and searchkeys runs without --upstream, "
+            "so it cannot check that the index `%s` exists; the request is refused." % index)
+    try:
+        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
+                        "asking for index %s" % index)
+    except ApiError as error:
+        if error.status == 404:
+            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+        raise
+
+
+def check_unseen(principal, route, uri):
+    """/authorize cannot rewrite what nginx forwards, nor read its body: a
+    query asking for more hits than the key's cap, a capped body, or a
+    multi-search whose queries a rate limit must count, is refused."""
+    restrictions = principal.restrictions
+    if restrictions is None:
+        return
+    if restrictions.rated and route.searches is not None:
+        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
+                                  "it never sees")
+    cap = restrictions.max_hits
+    if cap is None or route.hits is None:
+        return
+    if route.hits != QUERY_HITS:
+        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
+                                  "whose body it never sees")
+    asked = search_query_hits(uri.partition("?")[2])[1]
+    if asked is None or asked > cap:
+        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
+
+
+# =============================================================================
+# Restrictions: enforced by the Gate (client address -> brute-force throttle
+# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
+# and GET/PUT/DELETE /keys/{key}/restrictions
+# =============================================================================
+
+
+class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
+    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
+    throttle (a Rate of failures, or None: off) and the counters' bound."""
+
+    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
+        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
+
+
+class TooManyRequests(ApiError):
+    """429 with Retry-After and RateLimit-* headers (`headers`)."""
+
+    def __init__(self, message, wait, rate):
+        super().__init__(429, "too_many_requests", message)
+        seconds = str(max(1, int(-(-wait // 1))))
+        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
+                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
+                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
+        self.headers += NOT_CACHEABLE
+
+
+def too_many_failures(wait, throttle):
+    return TooManyRequests("Too many failed authentications from your address; retry later.",
+                           wait, throttle)
+
+
+# An answer that depends on more than method, URI and credential (the client's
+# address, its Origin, the time) must not be kept by nginx's decision cache.
+NOT_CACHEABLE = [("Cache-Control", "no-store")]
+
+
+def restriction_refused(field, what):
+    """403 naming the restriction, never its settings."""
+    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
+                     "`%s` restriction)." % (what, field), "auth")
+    error.headers = NOT_CACHEABLE
+    return error
+
+
+def authorize_headers(principal):
+    """Headers of /authorize's 204: not cacheable for a restricted key."""
+    key = principal.key
+    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
+
+
+class Gate:
+    """Guard.check plus what restrictions add: callers over the brute-force
+    throttle get 429 before their credential is looked at; an authorized
+    key's (or tenant token's parent key's) restrictions are then applied."""
+
+    def __init__(self, guard, limits=None):
+        self.guard = guard
+        self.limits = limits or Limits()
+        self.counters = Counters(self.limits.max_clients)
+        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
+
+    def client(self, request):
+        trusted = self.limits.trusted_proxies
+        forwarded = None
+        if trusted:
+            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
+        return client_address(request.peer or "", forwarded, trusted)
+
+    def check(self, request, actions, index):
+        """The Principal, as Guard.check; raises its refusals, 403 for an
+        address or referrer the key does not allow, 429 over a rate."""
+        throttle, address = self.limits.throttle, None
+        if throttle is not None and actions:
+            address = self.client(request)
+            left = self.failures.throttled(counter_client(address))
+            if left is not None:
+                raise too_many_failures(left, throttle)
+        try:
+            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        except ApiError:
+            if throttle is not None and actions and \
+                    not self.failures.fail(counter_client(address)):
+                raise too_many_failures(throttle.window, throttle)
+            raise
+        key = principal.key
+        restrictions = key.restrictions if key is not None else None
+        if restrictions is None:
+            return principal
+        if address is None:
+            address = self.client(request)
+        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
+            raise restriction_refused("allowedIps", "from your address")
+        self._take(self._rates(key, address))  # before the referrer check: a refusal counts
+        if restrictions.referrers is not None and not referrer_allowed(
+                restrictions.referrers, request.headers.get("Origin"),
+                request.headers.get("Referer")):
+            raise restriction_refused("allowedReferrers", "from this site")
+        return principal
+
+    def charge(self, request, principal, searches):
+        """Count a request's further searches (a multi-search runs one a
+        query; `check` counted the first) against the key's rates: 429 over
+        a rate, 403 when one request holds more than a rate allows."""
+        key = principal.key
+        if searches <= 1 or key is None or key.restrictions is None:
+            return
+        wanted = self._rates(key, self.client(request))
+        if any(searches > rate.count for _, rate in wanted):
+            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
+        for _ in range(searches - 1):
+            self._take(wanted)
+
+    @staticmethod
+    def _rates(key, address):
+        """The (counter, Rate) pairs a request with `key` from `address` counts against."""
+        restrictions, wanted = key.restrictions, []
+        if restrictions.per_ip is not None:
+            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
+        if restrictions.per_key is not None:
+            wanted.append((key.uid, restrictions.per_key))
+        return wanted
+
+    def _take(self, wanted):
+        refusal = self.counters.take(wanted) if wanted else None
+        if refusal is not None:
+            wait, rate = refusal
+            raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
+                                  "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
+                                  wait, rate)
+
+
+class RestrictionsApi:
+    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
+
+    def __init__(self, store, write):
+        self.store, self.write = store, write
+
+    def handle(self, request, principal, segment):
+        if principal.key is not None:
+            raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
+                           "the restrictions of a key.", "auth")
+        if request.method == "GET":
+            restrictions = self.store.find(segment).restrictions
+            return Response.json(200, restrictions.to_json() if restrictions
+                                 else dict.fromkeys(RESTRICTION_FIELDS))
+        if request.method == "DELETE":
+            self.write(self.store.restrict, segment, None)
+            return Response(204)
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(request.read_json_body())
+        key = self.write(self.store.restrict, segment, restrictions)
+        return Response.json(200, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
+
+
+# =============================================================================
+# The /keys API: validate -> store -> respond
+# =============================================================================
+
+
+class KeysApi:
+    """The five /keys endpoints, once the request is authorized."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def handle(self, request, principal, method, params, query):
+        """(status, JSON value or None) for a /keys request `principal` may make."""
+        segment = params.get("key")
+        if method == "GET" and segment is None:
+            offset, limit = validate_list_query(query)
+            keys, total = self.store.page(offset, limit)
+            return 200, {"results": [k.to_json() for k in keys], "offset": offset,
+                         "limit": limit, "total": total}
+        if method == "GET":
+            return 200, self.store.find(segment).to_json()
+        if method == "DELETE":
+            self._write(self.store.delete, segment, principal.key is None)
+            return 204, None
+        body = request.read_json_body()
+        if method == "POST":
+            fields = validate_create(body, time.time_ns())
+            return 201, self._write(self.store.create, fields).to_json()
+        changes = validate_patch(body)
+        return 200, self._write(self.store.update, segment, changes).to_json()
+
+    def _write(self, operation, *args):
+        """Run a store change; one that could not be made durable was not
+        applied: log it for the operator and answer 500."""
+        try:
+            return operation(*args)
+        except StoreWriteError as exc:
+            self.store.log("searchkeys: %s" % exc)
+            raise internal_error("The change could not be saved: %s" % exc)
+
+
+# =============================================================================
+# Keys and the key store
+# =============================================================================
+
+
+class StoreError(Exception):
+    """The store file cannot be used; the server must not start."""
+
+
+class StoreWriteError(Exception):
+    """A change could not be made durable; it was not applied."""
+
+
+class ApiKey:
+    """One stored API key. Immutable: a change makes a new ApiKey."""
+
+    __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
+                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
+                 "restrictions")
+
+    def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
+                 updated_ns, value, stored=None, restrictions=None):
+        self.uid = uid
+        self.name = name
+        self.description = description
+        self.actions = tuple(actions)
+        self.indexes = tuple(indexes)
+        self.expires_at = expires_at  # Instant or None (never)
+        self.created_ns = created_ns
+        self.updated_ns = updated_ns
+        self.value = value  # derived hex value; None without a master key
+        self.grants = grants(self.actions)
+        self.is_global = "*" in self.indexes
+        self._stored = stored  # the record's JSON text, once known
+        self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
+
+    def is_expired(self, now_ns=None):
+        if self.expires_at is None:
+            return False
+        return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
+
+    def expires_at_text(self):
+        return format_rfc3339(self.expires_at) if self.expires_at else None
+
+    def changed(self, changes, updated_ns):
+        """A copy with `name`/`description` from `changes` and a new updatedAt."""
+        return ApiKey(self.uid, changes.get("name", self.name),
+                      changes.get("description", self.description), self.actions,
+                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
+                      restrictions=self.restrictions)
+
+    def with_restrictions(self, restrictions):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=restrictions)
+
+    def to_json(self):
+        """The key as upstream shows it, in upstream's field order."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "key": self.value,
+            "uid": self.uid,
+            "actions": list(self.actions),
+            "indexes": list(self.indexes),
+            "expiresAt": self.expires_at_text(),
+            "createdAt": format_timestamp(self.created_ns),
+            "updatedAt": format_timestamp(self.updated_ns),
+        }
+
+    def stored_json(self):
+        """to_record() as compact JSON text, computed once: every write of
+        the store includes every key, and re-encoding them each time is slow."""
+        if self._stored is None:
+            self._stored = compact_json(self.to_record())
+        return self._stored
+
+    def to_record(self):
+        """The key as stored: everything but the (derived, secret) value."""
+        record = {
+            "uid": self.uid, "name": self.name, "description": self.description,
+            "actions": list(self.actions), "indexes": list(self.indexes),
+            "expiresAt": self.expires_at_text(),
+            "createdAt": self.created_ns, "updatedAt": self.updated_ns,
+        }
+        if self.restrictions is not None:
+            record["restrictions"] = self.restrictions.to_record()
+        return record
+
+    @classmethod
+    def from_record(cls, record, derive, stored=None):
+        """A stored record -> ApiKey; ValueError says what is wrong with it.
+
+        `derive` computes the value from the uid (see key_deriver), or is
+        None without a master key; `stored` is the record's JSON text.
+        """
+        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
+            raise ValueError("a key record needs exactly the fields %s"
+                             % ", ".join(sorted(_RECORD_FIELDS)))
+        uid = record["uid"]
+        if not isinstance(uid, str) or not _CANONICAL_UUID_RE.match(uid):
+            raise ValueError("bad uid %r" % (uid,))
+        name, description = record["name"], record["description"]
+        if not (name is None or isinstance(name, str)) \
+                or not (description is None or isinstance(description, str)):
+            raise ValueError("bad name or description in key %s" % uid)
+        actions, indexes = record["actions"], record["indexes"]
+        if not isinstance(actions, list) or not _valid_stored_actions(tuple(actions)):
+            raise ValueError("bad actions in key %s" % uid)
+        if not isinstance(indexes, list) or not _valid_stored_indexes(tuple(indexes)):
+            raise ValueError("bad indexes in key %s" % uid)
+        expires_at = record["expiresAt"]
+        if expires_at is not None:
+            expires_at = parse_expires_at(expires_at) if isinstance(expires_at, str) else None
+            if expires_at is None:
+                raise ValueError("bad expiresAt in key %s" % uid)
+        created, updated = record["createdAt"], record["updatedAt"]
+        if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
+            raise ValueError("bad createdAt or updatedAt in key %s" % uid)
+        return cls(uid, name, description, actions, indexes, expires_at, created, updated,
+                   derive(uid) if derive is not None else None, stored,
+                   stored_restrictions(record.get("restrictions"), uid))
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_stored_actions(actions):
+    # cached: a large store has few distinct action lists
+    return all(isinstance(a, str) and a in ACTION_SET for a in actions)
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_stored_indexes(indexes):
+    return all(is_valid_index_pattern(i) for i in indexes)
+
+
+_RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
+                            "createdAt", "updatedAt"))
+
+
+class KeyStore:
+    """All keys in memory, indexed by uid and by derived value, optionally
+    made durable in a StoreFile. Writers serialize on one lock and write the
+    file before the change goes live; readers (the per-request key lookup)
+    never wait: keys are immutable and dict reads are atomic.
+    """
+
+    def __init__(self, master_key=None, path=None, log=None):
+        self.derive = key_deriver(master_key) if master_key is not None else None
+        self.log = log or (lambda message: None)
+        self.clock = Clock()
+        self._keys = {}       # uid -> ApiKey, oldest first
+        self._by_value = {}   # derived value -> ApiKey
+        self._lock = threading.Lock()
+        self._file = StoreFile(path, self.log) if path else None
+        try:
+            self._load()
+            if not self._keys:  # all four in one write: a crash leaves none or all
+                defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
+                            for name, description, actions in DEFAULT_KEYS]
+                if self._file:
+                    self._file.write([key.stored_json() for key in defaults])
+                for key in defaults:
+                    self._put(key)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self):
+        """Read the store file (and fold in a journal an older version left)."""
+        if not self._file:
+            return
+        collecting = gc.isenabled()
+        gc.disable()  # loading makes ~6 objects a key, none of them garbage
+        try:
+            keys, changes = self._file.open(
+                lambda record, text: ApiKey.from_record(record, self.derive, text))
+            for key in keys:
+                self._put(key)
+            for change in changes or ():
+                self._replay(change)
+        except ValueError as exc:
+            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
+        finally:
+            if collecting:
+                gc.enable()
+        # Newest-first listing relies on dict order == createdAt order.
+        ordered = list(self._keys.values())
+        if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
+            self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
+        if ordered:
+            self.clock.advance_past(max(key.created_ns for key in ordered))
+        if changes is not None:
+            self._file.write(self._records())
+            self._file.retire_journal()
+
+    # -- reads ---------------------------------------------------------------
+
+    def __len__(self):
+        return len(self._keys)
+
+    def by_uid(self, uid):
+        return self._keys.get(uid)
+
+    def by_value(self, token):
+        """The key whose value is `token` (hex, any case), or None.
+
+        A hash lookup finds the one candidate; the final comparison is
+        constant time.
+        """
+        if len(token) != 64 or not token.isascii():
+            return None
+        token = token.lower()
+        key = self._by_value.get(token)
+        if key is not None and hmac.compare_digest(key.value.encode(), token.encode()):
+            return key
+        return None
+
+    def find(self, key_or_uid):
+        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        try:
+            uid = parse_uuid(key_or_uid)
+        except ValueError:
+            key = self.by_value(key_or_uid)
+            if key is None:
+                raise key_not_found(key_or_uid)
+            return key
+        key = self._keys.get(uid)
+        if key is None:
+            raise key_not_found(uid)
+        return key
+
+    def page(self, offset, limit):
+        """(keys newest first, skipping `offset`, at most `limit`; total)."""
+        with self._lock:
+            total = len(self._keys)
+            start, stop = min(offset, total), min(offset + limit, total)
+            return list(itertools.islice(reversed(self._keys.values()), start, stop)), total
+
+    # -- writes --------------------------------------------------------------
+
+    def create(self, fields):
+        """Create a key from validated POST fields; 409 ApiError on a used uid."""
+        with self._lock:
+            uid = fields.get("uid")
+            if uid is None:
+                uid = new_uid()
+                while uid in self._keys:
+                    uid = new_uid()
+            elif uid in self._keys:
+                raise ApiError(409, "api_key_already_exists",
+                               "`uid` field value `%s` is already an existing API key." % uid)
+            key = self._new_key(uid, fields.get("name"), fields.get("description"),
+                                fields["actions"], fields["indexes"], fields.get("expiresAt"))
+            self._commit(key)
+            return key
+
+    def update(self, key_or_uid, changes):
+        with self._lock:
+            key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
+            self._commit(key)
+            return key
+
+    def delete(self, key_or_uid, by_master=True):
+        """Delete a key. One with restrictions only by the master key: else
+        an admin key could delete it and create it again (same uid, same
+        value) without them."""
+        with self._lock:
+            key = self.find(key_or_uid)
+            if key.restrictions is not None and not by_master:
+                raise ApiError(403, "invalid_api_key", "Only the master key can delete a key "
+                               "that has restrictions.", "auth")
+            self._commit(None, removed=key.uid)
+
+    def restrict(self, key_or_uid, restrictions):
+        """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
+        with self._lock:
+            key = self.find(key_or_uid)
+            self._commit(key.with_restrictions(restrictions))
+            return self._keys[key.uid]
+
+    def _new_key(self, uid, name, description, actions, indexes, expires_at):
+        now = self.clock.now_ns()
+        value = self.derive(uid) if self.derive is not None else None
+        return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
+
+    def _commit(self, key, removed=None):
+        """Write the store with `key` put (or uid `removed` deleted), then
+        make the change live; StoreWriteError leaves everything as it was.
+        The caller holds the lock or is the constructor."""
+        if self._file:
+            changed = key.uid if key is not None else removed
+            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
+            if key is not None:
+                # an update keeps its place: the file stays in createdAt order
+                records.insert(self._position(key.uid), key.stored_json())
+            self._file.write(records)
+        if key is not None:
+            self._put(key)
+        else:
+            self._remove(removed)
+
+    def _position(self, uid):
+        if uid not in self._keys:
+            return len(self._keys)
+        return next(i for i, other in enumerate(self._keys) if other == uid)
+
+    def _replay(self, change):
+        """Apply one line of an older version's journal."""
+        if change.get("op") == "put":
+            self._put(ApiKey.from_record(change.get("key"), self.derive))
+        elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
+            self._remove(change["uid"])
+        else:
+            raise ValueError("unknown change %r" % (change,))
+
+    def _put(self, key):
+        old = self._keys.get(key.uid)
+        if old is not None and old.value is not None:
+            self._by_value.pop(old.value, None)
+        self._keys[key.uid] = key
+        if key.value is not None:
+            self._by_value[key.value] = key
+
+    def _remove(self, uid):
+        old = self._keys.pop(uid, None)
+        if old is not None and old.value is not None:
+            self._by_value.pop(old.value, None)
+
+    def _records(self):
+        return [key.stored_json() for key in self._keys.values()]
+
+    def close(self):
+        """Release the store file (its lock) so another KeyStore may open it."""
+        if self._file:
+            self._file.close()
+
+
+def new_uid():
+    import uuid  # local: only key creation needs it
+    return str(uuid.uuid4())
+
+
+class StoreFile:
+    """The keys on disk: one JSON document, rewritten whole on each change.
+
+    A write goes to a temp file in the same folder, is fsync'd, renamed over
+    the store and the folder fsync'd, so the store is always either the old
+    or the new document, and an acknowledged change survives kill -9 and
+    power loss. A symlinked store is written through to its target (the
+    link stays). FILE.lock, held with flock, keeps a second server away.
+    Files are 0600 and hold uids and metadata, never key values.
+    Older versions kept changes in FILE.journal (one JSON line each): such
+    a journal is folded into the document at the first start, then removed.
+    """
+
+    FORMAT = "searchkeys-store"
+    VERSION = 1
+    _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
+
+    def __init__(self, path, log):
+        self.shown = path
+        self.path = os.path.realpath(path)  # write through a symlink to its target
+        self.folder = os.path.dirname(self.path)
+        self.journal_path = os.path.abspath(path) + ".journal"
+        self.log = log
+        self._lock_fd = None
+
+    def open(self, build):
+        """(keys, journal changes or None); StoreError if unusable.
+
+        `build(record, text)` turns a record (and its JSON text, when
+        known) into a key."""
+        self._lock()
+        data = self._read(self.path)
+        keys = [] if data is None else self._parse(data, build)
+        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
+        changes = None if journal is None else self._parse_journal(journal)
+        self._remove_stale_temp_files()
+        return keys, changes
+
+    def _lock(self):
+        lock_path = self.path + ".lock"
+        try:
+            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreError("cannot open the lock file %s of store %s: %s"
+                             % (lock_path, self.shown, exc.strerror or exc))
+        try:
+            os.fchmod(self._lock_fd, 0o600)  # one left by a looser umask or hand
+        except OSError:
+            pass  # not ours to change; it holds nothing
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
+                             % (self.shown, lock_path))
+
+    def _read(self, path, follow=True):
+        """The file's bytes, or None if there is none. Unless `follow`, a
+        symbolic link is refused, not read (nor its target made 0600)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if not follow and os.path.islink(path):
+                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
+                                 "itself there)" % path)
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise StoreError("store %s is a folder, not a file" % path)
+            if mode & 0o077:
+                self._tighten(fd, path, mode)
+            with open(fd, "rb", closefd=False) as file:
+                return file.read()
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
+        finally:
+            os.close(fd)
+
+    def _tighten(self, fd, path, mode):
+        try:
+            os.fchmod(fd, 0o600)
+            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
+        except OSError as exc:
+            self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
+                     "0600: %s" % (path, mode, exc.strerror or exc))
+
+    def _parse(self, data, build):
+        try:
+            document = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
+                             "is left untouched" % (self.path, exc))
+        if not isinstance(document, dict) or document.get("format") != self.FORMAT \
+                or document.get("version") != self.VERSION \
+                or not isinstance(document.get("keys"), list):
+            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
+                             "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+        records = document.pop("keys")
+        # In the layout write() makes (one record a line) each record's text
+        # is kept for the next write, which then need not re-encode it.
+        lines = data.split(b"\n")
+        del data
+        texts = itertools.repeat(None)
+        if len(lines) == len(records) + 3 and lines[0] == self._HEADER[:-1] \
+                and lines[-2:] == [b"]}", b""]:
+            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-2])
+        keys = []
+        for position, text in zip(range(len(records)), texts):
+            keys.append(build(records[position], text))
+            records[position] = None  # free the parsed record early
+        return keys
+
+    def _parse_journal(self, data):
+        """The changes of an older version's journal. Its torn last line (no
+        newline: a crash mid-append) was never acknowledged and is dropped."""
+        lines = data.split(b"\n")
+        torn = lines.pop()
+        changes = []
+        for number, line in enumerate(lines, 1):
+            try:
+                change = json.loads(line.decode("utf-8"))
+                if not isinstance(change, dict) or change.get("op") not in ("put", "delete"):
+                    raise ValueError("not a change")
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise StoreError("store journal %s is corrupt at line %d (%s); refusing to "
+                                 "start, the file is left untouched"
+                                 % (self.journal_path, number, exc))
+            changes.append(change)
+        if torn:
+            self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
+                     "was never acknowledged" % (self.journal_path, len(torn)))
+        return changes
+
+    def retire_journal(self):
+        """Remove an older version's journal once write() holds its changes."""
+        try:
+            os.unlink(self.journal_path)
+        except OSError as exc:
+            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
+                             % (self.journal_path, self.path, exc.strerror or exc))
+        self._sync_folder(os.path.dirname(self.journal_path))
+        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
+
+    def _remove_stale_temp_files(self):
+        # temp files of a process killed mid-write; ours, as we hold the lock
+        prefix = os.path.basename(self.path) + ".tmp-"
+        try:
+            names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
+            for name in names:
+                os.unlink(os.path.join(self.folder, name))
+        except OSError:
+            pass  # harmless leftovers; the next start tries again
+
+    def write(self, records):
+        """Replace the document with `records` (JSON texts) atomically, or
+        raise StoreWriteError leaving it as it was."""
+        temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
+        body = ",\n".join(records).encode("utf-8")
+        data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, self.path)
+        except OSError as exc:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self._sync_folder(self.folder)
+
+    def _sync_folder(self, folder):
+        """fsync a folder after a rename or unlink. The change is made once
+        that succeeded (the file holds it, and so must memory); a failed
+        sync only leaves it less durable, so it is logged, not raised."""
+        try:
+            _fsync_folder(folder)
+        except OSError as exc:
+            self.log("searchkeys: warning: cannot sync folder %s (the change to %s is made, but "
+                     "may not survive a power loss): %s"
+                     % (folder, self.shown, exc.strerror or exc))
+
+    def close(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # also drops the flock
+            self._lock_fd = None
+
+
+def _write_all(fd, data):
+    """os.write until all of `data` is written (a write may be partial)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_folder(folder):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# =============================================================================
+# Forwarding: one Upstream on http.client, with a shared connection pool
+# =============================================================================
+
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailer", "trailers",
+                        "transfer-encoding", "upgrade"))
+# Request headers the proxy sets itself.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect"}
+# Meilisearch believes these from its network peers (a remote's search, an
+# import): a caller must not send them with our backend key.
+NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
+# Answer headers not relayed as is: this hop frames the body itself, and a
+# filtered answer is re-encoded as plain JSON.
+NOT_RELAYED = HOP_BY_HOP | {"content-length"}
+NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
+MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+def _kept_headers(headers, dropped):
+    """`headers` as (name, value) pairs, without the names in `dropped` and
+    those the Connection header lists (hop-by-hop too)."""
+    for name, value in headers:
+        if name.lower() == "connection":
+            dropped = dropped | {token.strip().lower() for token in value.split(",")}
+    return [(name, value) for name, value in headers if name.lower() not in dropped]
+
+
+class UpstreamError(Exception):
+    """The backend could not be reached, or answered something that is not HTTP."""
+
+
+def upstream_unreachable(upstream, reason):
+    """502 that names no internal address nor exception (the log has them)."""
+    upstream.log("searchkeys: the search backend at %s could not be reached: %s"
+                 % (upstream.display_url, printable(str(reason))))
+    return ApiError(502, "upstream_unavailable", "The search backend is unavailable.",
+                    "system")
+
+
+def no_upstream():
+    return ApiError(501, "no_upstream",
+                    "The request is authorized, but searchkeys runs without --upstream: there "
+                    "is no search backend to forward it to.", "system")
+
+
+def _readable(sock):
+    """Has an idle `sock` data or an EOF waiting (the backend closed it)?
+    poll() where there is one: select() fails on descriptors past 1023."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+# What a pooled connection the backend closed (a keep-alive timeout, a
+# restart) fails with before any byte of an answer: the only failures retried.
+CLOSED_BY_BACKEND = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
+class Upstream:
+    """The search backend: keep-alive http.client connections shared by all
+    callers. A request is sent at most once, unless it is safe to repeat
+    and its body is at hand: then, when a pooled connection turns out to be
+    closed before any answer came, it is sent once more on a new one (never
+    after a timeout: the backend may still be working on it)."""
+
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
+        self.host_header = parts.netloc.rpartition("@")[2]  # without any user:password@
+        self.display_url = "%s://%s" % (parts.scheme, self.host_header)
+        self.prefix = parts.path.rstrip("/")
+        self.authorization = "Bearer " + api_key if api_key else None
+        self.timeout = timeout
+        self.pool_size = pool_size
+        self.tls = parts.scheme == "https"
+        self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
+        self.log = log or (lambda message: None)
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def _connection(self, check, fresh=False):
+        """(connection, reused): a pooled connection or (`fresh`) a new one.
+        With `check` (a request that may not be repeated), a pooled
+        connection the backend closed while idle is dropped before anything
+        is sent."""
+        while True:
+            connection = None
+            if not fresh:
+                with self._lock:
+                    connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                if self.tls:
+                    import ssl  # only for https backends
+                    return http.client.HTTPSConnection(
+                        *self.address, timeout=self.timeout,
+                        context=ssl.create_default_context()), False
+                return http.client.HTTPConnection(*self.address, timeout=self.timeout), False
+            if not check or not _readable(connection.sock):
+                return connection, True
+            connection.close()
+
+    def _release(self, connection):
+        with self._lock:
+            if len(self._idle) < self.pool_size:
+                self._idle.append(connection)
+                return
+        connection.close()
+
+    def headers_for(self, incoming, keep_encoding=True):
+        """The caller's headers minus hop-by-hop ones and its credential, plus ours."""
+        dropped = NOT_FORWARDED if keep_encoding else NOT_FORWARDED | {"accept-encoding"}
+        headers = [(name, value) for name, value in _kept_headers(incoming, dropped)
+                   if not name.lower().startswith(NETWORK_HEADER_PREFIXES)]
+        headers.append(("Host", self.host_header))
+        if self.authorization:
+            headers.append(("Authorization", self.authorization))
+        return headers
+
+    def send(self, method, target, headers, body, repeatable):
+        """Send one request: (connection, http.client.HTTPResponse), head read.
+        `headers` go as they are, repeated ones included; `body` is bytes,
+        or an iterable of chunks sent as they come (with the Content-Length
+        in `headers`, or chunked)."""
+        at_hand = isinstance(body, bytes)
+        chunked = not at_hand and not any(n.lower() == "content-length" for n, _ in headers)
+        if at_hand and (body or method in ("POST", "PUT", "PATCH")):
+            headers = headers + [("Content-Length", str(len(body)))]
+        elif chunked:
+            headers = headers + [("Transfer-Encoding", "chunked")]
+        for attempt in (1, 2):
+            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
+            try:
+                connection.putrequest(method, self.prefix + target, skip_host=True,
+                                      skip_accept_encoding=True)
+                for name, value in headers:
+                    connection.putheader(name, value)
+                connection.endheaders(body or None, encode_chunked=chunked)
+                return connection, connection.getresponse()
+            except BrokenBody:  # the caller's body broke off: the backend got half a request
+                connection.close()
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                if not (repeatable and at_hand and reused and attempt == 1 and
+                        isinstance(exc, CLOSED_BY_BACKEND)):
+                    raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
+                                        else type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    def finish(self, connection, response):
+        """After a fully read answer: keep the connection for the next request."""
+        response.close()  # read1 leaves a finished answer open, and the connection unusable
+        if response.will_close or connection.sock is None:
+            connection.close()
+        else:
+            self._release(connection)
+
+    def fetch_json(self, target):
+        """GET `target` with the upstream key: (status, JSON value or None).
+        Used by the handler rules, e.g. to learn which indexes exist."""
+        headers = [("Accept", "application/json"), ("Host", self.host_header)]
+        if self.authorization:
+            headers.append(("Authorization", self.authorization))
+        try:
+            connection, response = self.send("GET", target, headers, b"", True)
+            data = response.read(MAX_UPSTREAM_JSON)
+        except (UpstreamError, OSError, http.client.HTTPException) as exc:
+            raise upstream_unreachable(self, exc)
+        self.finish(connection, response)
+        try:
+            return response.status, json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return response.status, None
+
+    def forward(self, method, target, headers, body, repeatable, answer_filter=None):
+        """The backend's answer to one request, as a Response: whole when it
+        is small or filtered (`answer_filter` rewrites a 200 JSON answer),
+        else streamed through as it arrives."""
+        try:
+            connection, response = self.send(method, target, headers, body, repeatable)
+        except UpstreamError as exc:
+            raise upstream_unreachable(self, exc)
+        try:
+            headers = list(response.getheaders())
+            if answer_filter is not None and response.status == 200:
+                data = self._filtered(response, answer_filter)
+                headers = _kept_headers(headers, NOT_RELAYED_FILTERED)
+                if not any(name.lower() == "content-type" for name, _ in headers):
+                    headers.append(("Content-Type", "application/json"))
+            elif response.length is not None and response.length <= SMALL_BODY \
+                    or response.status in (204, 304):
+                data = response.read()
+                headers = _kept_headers(headers, NOT_RELAYED)
+            else:
+                return Response(response.status, _kept_headers(headers, NOT_RELAYED),
+                                stream=self._relay(connection, response),
+                                length=response.length)
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            raise upstream_unreachable(self, "its answer broke off: %s" % type(exc).__name__)
+        except BaseException:
+            connection.close()
+            raise
+        self.finish(connection, response)
+        return Response(response.status, headers, data)
+
+    @staticmethod
+    def _filtered(response, answer_filter):
+        data = response.read(MAX_UPSTREAM_JSON + 1)
+        try:
+            if len(data) > MAX_UPSTREAM_JSON:
+                raise ValueError("too large")
+            return compact_json(answer_filter(json.loads(data.decode("utf-8")))).encode()
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
+                           "JSON; it cannot be filtered for this key.", "system")
+
+    def _relay(self, connection, response):
+        """The answer's body, piece by piece as the backend sends it; the
+        connection is kept only if the whole answer went through."""
+        done = False
+        try:
+            while True:
+                data = response.read1(SMALL_BODY)
+                if not data:
+                    break
+                yield data
+            done = True
+        finally:
+            if done:
+                self.finish(connection, response)
+            else:
+                connection.close()
+
+
+# =============================================================================
+# Key restrictions (pure): rate specs, referrer patterns, IP ranges, client
+# addresses, and the bounded counters that rate limits keep (the hit caps a
+# key's maxHitsPerQuery puts on a search are with the handler rules)
+# =============================================================================
+
+RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
+RATE_FIELDS = ("perIp", "perKey")
+RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+_RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
+MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
+MAX_REFERRER_PATTERN = 512
+MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
+DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+# What `keys restrict --preset search` sets on a public search key: a visitor
+# typing fires a query per keystroke (bursts up to the limit are let through),
+# and no results page needs more than 100 hits.
+RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
+class Rate(collections.namedtuple("Rate", "count window text")):
+    """`count` requests per `window` seconds, written `text` (`60/minute`)."""
+
+    @property
+    def interval(self):
+        return self.window / self.count
+
+
+def parse_rate(text):
+    """`60/minute` -> Rate; ValueError otherwise."""
+    match = _RATE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError("`%s` is not a rate: write COUNT/second, COUNT/minute, COUNT/hour or "
+                         "COUNT/day, with COUNT from 1 to 999999999 (e.g. `60/minute`)" % (text,))
+    return Rate(int(match.group(1)), RATE_WINDOWS[match.group(2)], text)
+
+
+def referrer_pattern(text):
+    """A parsed allowedReferrers pattern: `*` stands for any text. A
+    pattern with `://` is matched against the whole URL, one without it
+    (`*.example.org`) against the host only; both ignore case."""
+    if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
+            or not (text.isascii() and text.isprintable()) or " " in text:
+        raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
+                         "`*` stands for any text, e.g. `https://example.com/*` or "
+                         "`*.example.org`" % (text,))
+    return tuple(text.lower().split("*")), "://" in text
+
+
+def wildcard_match(pieces, subject):
+    """Does `subject` read as pieces[0] * pieces[1] * ... (pieces joined by
+    any text)? Greedy, left to right: each piece is found once, so the time
+    is linear in the subject (a regex with several `.*` backtracks)."""
+    first, last = pieces[0], pieces[-1]
+    if len(pieces) == 1:
+        return subject == first
+    if len(subject) < len(first) + len(last) or not subject.startswith(first) \
+            or not subject.endswith(last):
+        return False
+    position, end = len(first), len(subject) - len(last)
+    for piece in pieces[1:-1]:
+        found = subject.find(piece, position, end)
+        if found < 0:
+            return False
+        position = found + len(piece)
+    return True
+
+
+def _url_host(url):
+    """The host of a URL, or None when it has none or is malformed (`http://[::1/`)."""
+    try:
+        return urllib.parse.urlsplit(url).hostname if "://" in url else None
+    except ValueError:
+        return None
+
+
+def referrer_allowed(patterns, origin, referer):
+    """Does Origin or Referer (either may be None) match one of `patterns`?
+    Values longer than MAX_REFERRER never do."""
+    urls = [u for u in ((origin + "/") if origin else None, referer) if u]
+    if any(len(url) > MAX_REFERRER for url in urls):
+        return False
+    for url in urls:
+        url = url.lower()
+        host = _url_host(url)
+        for pieces, whole_url in patterns:
+            subject = url if whole_url else host
+            if subject and wildcard_match(pieces, subject):
+                return True
+    return False
+
+
+def ip_range(text):
+    """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
+    import ipaddress
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        return ipaddress.ip_network(text, strict=True)
+    except ValueError as exc:
+        raise ValueError("`%s` is not an IP range: %s (write e.g. `10.0.0.0/8`, "
+                         "`2001:db8::/32` or one address)" % (text, exc))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_address(text):
+    """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
+    import ipaddress
+    try:
+        address = ipaddress.ip_address(text.strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+def in_ranges(address, ranges):
+    return address is not None and any(address in network for network in ranges)
+
+
+def client_address(peer, forwarded_for, trusted):
+    """The caller's address: the socket's `peer`, unless that is a trusted
+    proxy; then the right-most X-Forwarded-For entry (`forwarded_for`, all
+    such headers joined) that is not a trusted proxy. An entry that is not
+    an address stops the walk at the last trusted hop, which wrote it."""
+    address = parse_address(peer)
+    if not trusted or not in_ranges(address, trusted) or not forwarded_for:
+        return address
+    for entry in reversed(forwarded_for.split(",")):
+        hop = parse_address(entry)
+        if hop is None:
+            return address
+        address = hop
+        if not in_ranges(hop, trusted):
+            return hop
+    return address
+
+
+# IPv6 prefixes (their top 96 bits) that carry an IPv4 address in their last 32
+# bits: IPv4-mapped (::ffff:0:0/96) and NAT64's well-known 64:ff9b::/96 (RFC 6052).
+_IPV4_IN_IPV6 = (0xFFFF, 0x64FF9B << 64)
+
+
+@functools.lru_cache(maxsize=4096)
+def counter_client(address):
+    """What per-client counters count: an IPv4 address, or an IPv6 address's
+    /64 (one host usually holds a whole /64, and could rotate through it).
+    An IPv4 address carried in IPv6 counts as itself: behind NAT64 every
+    IPv4 user would otherwise share one /64."""
+    if address is None:
+        return "unknown"
+    if address.version == 6:
+        number = int(address)
+        if number >> 32 in _IPV4_IN_IPV6:
+            import ipaddress
+            return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
+        return "%x/64" % (number >> 64)
+    return str(address)
+
+
+class Restrictions:
+    """What one key's restrictions allow, parsed once (immutable)."""
+
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
+
+    def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
+                 source=None):
+        self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
+        self.ips = None if ips is None else [ip_range(r) for r in ips]
+        self._json = source
+
+    @property
+    def rated(self):
+        """Does a rate limit count this key's requests?"""
+        return self.per_ip is not None or self.per_key is not None
+
+    def to_json(self):
+        """All four fields, null when not set (the GET answer)."""
+        return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
+
+    def to_record(self):
+        """Only the fields that are set (the store's record)."""
+        return dict(self._json)
+
+    @classmethod
+    def from_json(cls, body):
+        """A PUT body (or a stored record) -> Restrictions, or None when
+        nothing is restricted; ApiError with Meilisearch's message shapes."""
+        fields = {}
+        for name, value in require_object(body).items():
+            if name not in RESTRICTION_FIELDS:
+                raise unknown_field(name, RESTRICTION_FIELDS)
+            if value is not None:
+                fields[name] = value
+        rate = _validate_rate_limit(fields.get("rateLimit"))
+        referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
+                                               referrer_pattern)
+        ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
+        max_hits = fields.get("maxHitsPerQuery")
+        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
+            if type(max_hits) is not int:
+                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                 "a positive integer", max_hits)
+            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
+                                "`%d` is not 1 or more." % max_hits)
+        if rate is not None:
+            fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
+        else:
+            fields.pop("rateLimit", None)
+        if not fields:
+            return None
+        return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
+                   ips and list(ips), max_hits, fields)
+
+
+def stored_restrictions(record, uid):
+    """A store record's `restrictions` -> Restrictions; ValueError if bad."""
+    if record is None:
+        return None
+    try:
+        restrictions = Restrictions.from_json(record)
+    except ApiError as exc:
+        raise ValueError("bad restrictions in key %s: %s" % (uid, exc.message))
+    if restrictions is None:
+        raise ValueError("empty restrictions in key %s" % uid)
+    return restrictions
+
+
+def _validate_rate_limit(value):
+    code = "invalid_restrictions_rate_limit"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".rateLimit", "an object", value)
+    rates = dict.fromkeys(RATE_FIELDS)
+    for name, text in value.items():
+        if name not in RATE_FIELDS:
+            raise ApiError(400, code, "Unknown field `%s` inside `.rateLimit`: %sexpected one "
+                           "of %s" % (name, did_you_mean(name, RATE_FIELDS),
+                                      backticked(RATE_FIELDS)))
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise wrong_type(code, ".rateLimit." + name, "a string", text)
+        try:
+            rates[name] = parse_rate(text)
+        except ValueError as exc:
+            raise invalid_value(code, ".rateLimit." + name, "%s." % exc)
+    return rates if any(rates.values()) else None
+
+
+def _validate_restriction_list(field, value, parse):
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    _string_list(code, field, value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, "." + field, "give 1 to %d items (or null for no "
+                            "restriction)." % MAX_RESTRICTION_ITEMS)
+    for i, item in enumerate(value):
+        try:
+            parse(item)
+        except ValueError as exc:
+            raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
+    return value
+
+
+class Counters:
+    """Rate counters in memory, bounded: an LRU of at most `capacity`
+    counters (the least recently used one is forgotten first, which only
+    ever lets its client start afresh). Rates use the generic cell rate
+    algorithm: one float a counter, bursts of up to the rate's count.
+    Failed authentications are counted apart, by a FailureCounts."""
+
+    def __init__(self, capacity=100000, clock=time.monotonic):
+        self.capacity = capacity
+        self.clock = clock
+        self._tat = collections.OrderedDict()  # counter -> theoretical arrival time
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._tat)
+
+    def take(self, wanted):
+        """Count one request against each (counter, Rate) of `wanted`, all
+        or none: None when every rate allows it, else (seconds to wait,
+        Rate) of the first that refuses."""
+        now = self.clock()
+        with self._lock:
+            updates = []
+            for counter, rate in wanted:
+                tat = max(self._tat.get(counter, now), now)
+                wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
+                if wait > 0:
+                    return wait, rate
+                updates.append((counter, tat + rate.interval))
+            for counter, tat in updates:
+                self._remember(counter, tat)
+        return None
+
+    def _remember(self, counter, value):
+        tat = self._tat
+        tat[counter] = value
+        tat.move_to_end(counter)
+        while len(tat) > self.capacity:
+            tat.popitem(last=False)
+
+
+
+
+class FailureCounts:
+    """Failed authentications per client, `rate.count` at most in a fixed
+    window of `rate.window` seconds, for at most `capacity` clients. Unlike
+    a rate counter, a throttled client must not be forgotten (it would
+    start afresh): clients under the limit go least recently used first,
+    a throttled one only when its window ends; when every entry is a live
+    throttle, a new failing client is refused as if throttled."""
+
+    def __init__(self, rate, capacity=100000, clock=time.monotonic):
+        self.rate, self.capacity, self.clock = rate, capacity, clock
+        self._counting = collections.OrderedDict()  # client -> (window end, failures)
+        self._throttled = {}  # client -> window end
+        self._ends = []       # heap of (window end, client) of _throttled
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._counting) + len(self._throttled)
+
+    def throttled(self, client):
+        """Seconds until `client` may try again, or None when it may now."""
+        now = self.clock()
+        end = self._throttled.get(client)
+        return end - now if end is not None and end > now else None
+
+    def fail(self, client):
+        """Count one failure of `client`: False when it could not be
+        remembered (every entry a live throttle), and is refused."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            if client in self._throttled:
+                return True
+            end, failures = self._counting.pop(client, (0, 0))
+            if end <= now:
+                end, failures = now + self.rate.window, 0
+            while len(self) >= self.capacity and self._counting:
+                self._counting.popitem(last=False)
+            if len(self) >= self.capacity:
+                return False
+            if failures + 1 >= self.rate.count:
+                self._throttled[client] = end
+                heapq.heappush(self._ends, (end, client))
+            else:
+                self._counting[client] = (end, failures + 1)
+            return True
+
+    def _expire(self, now):
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            end, client = heapq.heappop(ends)
+            if self._throttled.get(client) == end:
+                del self._throttled[client]
 
 
 # =============================================================================
@@ -1343,2966 +4312,6 @@ def verify_tenant_token(token, api_key, now=None):
         raise TenantTokenError("Tenant token expired. Was valid up to `%d` and we're now `%d`."
                                % (claims["exp"], now))
     return claims
-
-
-# =============================================================================
-# Key restrictions (pure): rate specs, referrer patterns, IP ranges, hit caps,
-# client addresses, and the bounded counters that rate limits keep
-# =============================================================================
-
-RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
-RATE_FIELDS = ("perIp", "perKey")
-RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
-_RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
-MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
-MAX_REFERRER_PATTERN = 512
-MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
-DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
-# What `keys restrict --preset search` sets on a public search key: a visitor
-# typing fires a query per keystroke (bursts up to the limit are let through),
-# and no results page needs more than 100 hits.
-RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
-
-
-class Rate(collections.namedtuple("Rate", "count window text")):
-    """`count` requests per `window` seconds, written `text` (`60/minute`)."""
-
-    @property
-    def interval(self):
-        return self.window / self.count
-
-
-def parse_rate(text):
-    """`60/minute` -> Rate; ValueError otherwise."""
-    match = _RATE_RE.match(text) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError("`%s` is not a rate: write COUNT/second, COUNT/minute, COUNT/hour or "
-                         "COUNT/day, with COUNT from 1 to 999999999 (e.g. `60/minute`)" % (text,))
-    return Rate(int(match.group(1)), RATE_WINDOWS[match.group(2)], text)
-
-
-def referrer_pattern(text):
-    """A parsed allowedReferrers pattern: `*` stands for any text. A
-    pattern with `://` is matched against the whole URL, one without it
-    (`*.example.org`) against the host only; both ignore case."""
-    if not isinstance(text, str) or not text.strip("*") or len(text) > MAX_REFERRER_PATTERN \
-            or not (text.isascii() and text.isprintable()) or " " in text:
-        raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
-                         "`*` stands for any text, e.g. `https://example.com/*` or "
-                         "`*.example.org`" % (text,))
-    return tuple(text.lower().split("*")), "://" in text
-
-
-def wildcard_match(pieces, subject):
-    """Does `subject` read as pieces[0] * pieces[1] * ... (pieces joined by
-    any text)? Greedy, left to right: each piece is found once, so the time
-    is linear in the subject (a regex with several `.*` backtracks)."""
-    first, last = pieces[0], pieces[-1]
-    if len(pieces) == 1:
-        return subject == first
-    if len(subject) < len(first) + len(last) or not subject.startswith(first) \
-            or not subject.endswith(last):
-        return False
-    position, end = len(first), len(subject) - len(last)
-    for piece in pieces[1:-1]:
-        found = subject.find(piece, position, end)
-        if found < 0:
-            return False
-        position = found + len(piece)
-    return True
-
-
-def _url_host(url):
-    """The host of a URL, or None when it has none or is malformed (`http://[::1/`)."""
-    try:
-        return urllib.parse.urlsplit(url).hostname if "://" in url else None
-    except ValueError:
-        return None
-
-
-def referrer_allowed(patterns, origin, referer):
-    """Does Origin or Referer (either may be None) match one of `patterns`?
-    Values longer than MAX_REFERRER never do."""
-    urls = [u for u in ((origin + "/") if origin else None, referer) if u]
-    if any(len(url) > MAX_REFERRER for url in urls):
-        return False
-    for url in urls:
-        url = url.lower()
-        host = _url_host(url)
-        for pieces, whole_url in patterns:
-            subject = url if whole_url else host
-            if subject and wildcard_match(pieces, subject):
-                return True
-    return False
-
-
-def ip_range(text):
-    """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
-    import ipaddress
-    try:
-        if not isinstance(text, str):
-            raise ValueError("not a string")
-        return ipaddress.ip_network(text, strict=True)
-    except ValueError as exc:
-        raise ValueError("`%s` is not an IP range: %s (write e.g. `10.0.0.0/8`, "
-                         "`2001:db8::/32` or one address)" % (text, exc))
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_address(text):
-    """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
-    import ipaddress
-    try:
-        address = ipaddress.ip_address(text.strip().strip("[]"))
-    except ValueError:
-        return None
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped if mapped is not None else address
-
-
-def in_ranges(address, ranges):
-    return address is not None and any(address in network for network in ranges)
-
-
-def client_address(peer, forwarded_for, trusted):
-    """The caller's address: the socket's `peer`, unless that is a trusted
-    proxy; then the right-most X-Forwarded-For entry (`forwarded_for`, all
-    such headers joined) that is not a trusted proxy. An entry that is not
-    an address stops the walk at the last trusted hop, which wrote it."""
-    address = parse_address(peer)
-    if not trusted or not in_ranges(address, trusted) or not forwarded_for:
-        return address
-    for entry in reversed(forwarded_for.split(",")):
-        hop = parse_address(entry)
-        if hop is None:
-            return address
-        address = hop
-        if not in_ranges(hop, trusted):
-            return hop
-    return address
-
-
-# IPv6 prefixes (their top 96 bits) that carry an IPv4 address in their last 32
-# bits: IPv4-mapped (::ffff:0:0/96) and NAT64's well-known 64:ff9b::/96 (RFC 6052).
-_IPV4_IN_IPV6 = (0xFFFF, 0x64FF9B << 64)
-
-
-@functools.lru_cache(maxsize=4096)
-def counter_client(address):
-    """What per-client counters count: an IPv4 address, or an IPv6 address's
-    /64 (one host usually holds a whole /64, and could rotate through it).
-    An IPv4 address carried in IPv6 counts as itself: behind NAT64 every
-    IPv4 user would otherwise share one /64."""
-    if address is None:
-        return "unknown"
-    if address.version == 6:
-        number = int(address)
-        if number >> 32 in _IPV4_IN_IPV6:
-            import ipaddress
-            return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
-        return "%x/64" % (number >> 64)
-    return str(address)
-
-
-class Restrictions:
-    """What one key's restrictions allow, parsed once (immutable)."""
-
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
-
-    def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None):
-        self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
-        self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
-        self.ips = None if ips is None else [ip_range(r) for r in ips]
-        self._json = source
-
-    @property
-    def rated(self):
-        """Does a rate limit count this key's requests?"""
-        return self.per_ip is not None or self.per_key is not None
-
-    def to_json(self):
-        """All four fields, null when not set (the GET answer)."""
-        return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
-
-    def to_record(self):
-        """Only the fields that are set (the store's record)."""
-        return dict(self._json)
-
-    @classmethod
-    def from_json(cls, body):
-        """A PUT body (or a stored record) -> Restrictions, or None when
-        nothing is restricted; ApiError with Meilisearch's message shapes."""
-        fields = {}
-        for name, value in require_object(body).items():
-            if name not in RESTRICTION_FIELDS:
-                raise unknown_field(name, RESTRICTION_FIELDS)
-            if value is not None:
-                fields[name] = value
-        rate = _validate_rate_limit(fields.get("rateLimit"))
-        referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
-                                               referrer_pattern)
-        ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
-        max_hits = fields.get("maxHitsPerQuery")
-        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
-            if type(max_hits) is not int:
-                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                 "a positive integer", max_hits)
-            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                "`%d` is not 1 or more." % max_hits)
-        if rate is not None:
-            fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
-        else:
-            fields.pop("rateLimit", None)
-        if not fields:
-            return None
-        return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields)
-
-
-def stored_restrictions(record, uid):
-    """A store record's `restrictions` -> Restrictions; ValueError if bad."""
-    if record is None:
-        return None
-    try:
-        restrictions = Restrictions.from_json(record)
-    except ApiError as exc:
-        raise ValueError("bad restrictions in key %s: %s" % (uid, exc.message))
-    if restrictions is None:
-        raise ValueError("empty restrictions in key %s" % uid)
-    return restrictions
-
-
-def _validate_rate_limit(value):
-    code = "invalid_restrictions_rate_limit"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise wrong_type(code, ".rateLimit", "an object", value)
-    rates = dict.fromkeys(RATE_FIELDS)
-    for name, text in value.items():
-        if name not in RATE_FIELDS:
-            raise ApiError(400, code, "Unknown field `%s` inside `.rateLimit`: %sexpected one "
-                           "of %s" % (name, did_you_mean(name, RATE_FIELDS),
-                                      backticked(RATE_FIELDS)))
-        if text is None:
-            continue
-        if not isinstance(text, str):
-            raise wrong_type(code, ".rateLimit." + name, "a string", text)
-        try:
-            rates[name] = parse_rate(text)
-        except ValueError as exc:
-            raise invalid_value(code, ".rateLimit." + name, "%s." % exc)
-    return rates if any(rates.values()) else None
-
-
-def _validate_restriction_list(field, value, parse):
-    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
-    if value is None:
-        return None
-    _string_list(code, field, value)
-    if not value or len(value) > MAX_RESTRICTION_ITEMS:
-        raise invalid_value(code, "." + field, "give 1 to %d items (or null for no "
-                            "restriction)." % MAX_RESTRICTION_ITEMS)
-    for i, item in enumerate(value):
-        try:
-            parse(item)
-        except ValueError as exc:
-            raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
-    return value
-
-
-def _capped(value, cap):
-    """A requested count, capped; values that are not counts are left for
-    the backend to refuse."""
-    if type(value) is int and value > cap:
-        return cap
-    return value
-
-
-def cap_search_object(query, cap):
-    """A search query object (POST search/similar body, one multi-search
-    query, a federation) asking for at most `cap` hits. Meilisearch pages by
-    `hitsPerPage` when `page` or `hitsPerPage` is set (null is unset), else
-    by `limit`: that count is capped (its default 20 made explicit when the
-    cap is lower), and the other one too when it is given."""
-    if not isinstance(query, dict):
-        return query
-    paged = query.get("page") is not None or query.get("hitsPerPage") is not None
-    field, other = ("hitsPerPage", "limit") if paged else ("limit", "hitsPerPage")
-    wanted = query.get(field)
-    capped = {field: _capped(DEFAULT_SEARCH_LIMIT if wanted is None else wanted, cap)}
-    if query.get(other) is not None:
-        capped[other] = _capped(query[other], cap)
-    if all(query.get(name, DEFAULT_SEARCH_LIMIT) == count for name, count in capped.items()):
-        return query
-    return dict(query, **capped)
-
-
-def cap_multi_search(body, cap):
-    """Every query of a multi-search, and its federation's window, capped."""
-    if not isinstance(body, dict):
-        return body
-    body = dict(body)
-    if isinstance(body.get("queries"), list):
-        federated = isinstance(body.get("federation"), dict)
-        # federated queries may not carry `limit` (Meilisearch refuses it)
-        body["queries"] = body["queries"] if federated else \
-            [cap_search_object(q, cap) for q in body["queries"]]
-    if isinstance(body.get("federation"), dict):
-        body["federation"] = cap_search_object(body["federation"], cap)
-    return body
-
-
-def _parameter_name(part):
-    name = part.partition("=")[0]
-    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
-
-
-def search_query_hits(query):
-    """(field, asked count or None when unparseable, parts, names) of a GET
-    search/similar query string: which count Meilisearch reads as its page
-    size, and what was asked for (the default when absent). The parts stay
-    as sent: a rewrite changes only the count."""
-    parts = query.split("&") if query else []
-    names = [_parameter_name(part) for part in parts]
-    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
-    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
-    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
-        else DEFAULT_SEARCH_LIMIT
-    return field, asked, parts, names
-
-
-def cap_search_query(query, cap):
-    """A GET search/similar query string asking for at most `cap` hits."""
-    field, asked, parts, names = search_query_hits(query)
-    if asked is None or asked <= cap:
-        return query
-    return "&".join([part for part, name in zip(parts, names) if name != field] +
-                    ["%s=%d" % (field, cap)])
-
-
-class Counters:
-    """Rate counters in memory, bounded: an LRU of at most `capacity`
-    counters (the least recently used one is forgotten first, which only
-    ever lets its client start afresh). Rates use the generic cell rate
-    algorithm: one float a counter, bursts of up to the rate's count.
-    Failed authentications are counted apart, by a FailureCounts."""
-
-    def __init__(self, capacity=100000, clock=time.monotonic):
-        self.capacity = capacity
-        self.clock = clock
-        self._tat = collections.OrderedDict()  # counter -> theoretical arrival time
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return len(self._tat)
-
-    def take(self, wanted):
-        """Count one request against each (counter, Rate) of `wanted`, all
-        or none: None when every rate allows it, else (seconds to wait,
-        Rate) of the first that refuses."""
-        now = self.clock()
-        with self._lock:
-            updates = []
-            for counter, rate in wanted:
-                tat = max(self._tat.get(counter, now), now)
-                wait = (tat - now) - (rate.window - rate.interval)  # exact 0 when fresh
-                if wait > 0:
-                    return wait, rate
-                updates.append((counter, tat + rate.interval))
-            for counter, tat in updates:
-                self._remember(counter, tat)
-        return None
-
-    def _remember(self, counter, value):
-        tat = self._tat
-        tat[counter] = value
-        tat.move_to_end(counter)
-        while len(tat) > self.capacity:
-            tat.popitem(last=False)
-
-
-
-
-class FailureCounts:
-    """Failed authentications per client, `rate.count` at most in a fixed
-    window of `rate.window` seconds, for at most `capacity` clients. Unlike
-    a rate counter, a throttled client must not be forgotten (it would
-    start afresh): clients under the limit go least recently used first,
-    a throttled one only when its window ends; when every entry is a live
-    throttle, a new failing client is refused as if throttled."""
-
-    def __init__(self, rate, capacity=100000, clock=time.monotonic):
-        self.rate, self.capacity, self.clock = rate, capacity, clock
-        self._counting = collections.OrderedDict()  # client -> (window end, failures)
-        self._throttled = {}  # client -> window end
-        self._ends = []       # heap of (window end, client) of _throttled
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return len(self._counting) + len(self._throttled)
-
-    def throttled(self, client):
-        """Seconds until `client` may try again, or None when it may now."""
-        now = self.clock()
-        end = self._throttled.get(client)
-        return end - now if end is not None and end > now else None
-
-    def fail(self, client):
-        """Count one failure of `client`: False when it could not be
-        remembered (every entry a live throttle), and is refused."""
-        now = self.clock()
-        with self._lock:
-            self._expire(now)
-            if client in self._throttled:
-                return True
-            end, failures = self._counting.pop(client, (0, 0))
-            if end <= now:
-                end, failures = now + self.rate.window, 0
-            while len(self) >= self.capacity and self._counting:
-                self._counting.popitem(last=False)
-            if len(self) >= self.capacity:
-                return False
-            if failures + 1 >= self.rate.count:
-                self._throttled[client] = end
-                heapq.heappush(self._ends, (end, client))
-            else:
-                self._counting[client] = (end, failures + 1)
-            return True
-
-    def _expire(self, now):
-        ends = self._ends
-        while ends and ends[0][0] <= now:
-            end, client = heapq.heappop(ends)
-            if self._throttled.get(client) == end:
-                del self._throttled[client]
-
-
-# =============================================================================
-# Keys and the key store
-# =============================================================================
-
-
-class StoreError(Exception):
-    """The store file cannot be used; the server must not start."""
-
-
-class StoreWriteError(Exception):
-    """A change could not be made durable; it was not applied."""
-
-
-class ApiKey:
-    """One stored API key. Immutable: a change makes a new ApiKey."""
-
-    __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
-                 "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions")
-
-    def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None, restrictions=None):
-        self.uid = uid
-        self.name = name
-        self.description = description
-        self.actions = tuple(actions)
-        self.indexes = tuple(indexes)
-        self.expires_at = expires_at  # Instant or None (never)
-        self.created_ns = created_ns
-        self.updated_ns = updated_ns
-        self.value = value  # derived hex value; None without a master key
-        self.grants = grants(self.actions)
-        self.is_global = "*" in self.indexes
-        self._stored = stored  # the record's JSON text, once known
-        self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
-
-    def is_expired(self, now_ns=None):
-        if self.expires_at is None:
-            return False
-        return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
-
-    def expires_at_text(self):
-        return format_rfc3339(self.expires_at) if self.expires_at else None
-
-    def changed(self, changes, updated_ns):
-        """A copy with `name`/`description` from `changes` and a new updatedAt."""
-        return ApiKey(self.uid, changes.get("name", self.name),
-                      changes.get("description", self.description), self.actions,
-                      self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions)
-
-    def with_restrictions(self, restrictions):
-        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
-                      self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions)
-
-    def to_json(self):
-        """The key as upstream shows it, in upstream's field order."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "key": self.value,
-            "uid": self.uid,
-            "actions": list(self.actions),
-            "indexes": list(self.indexes),
-            "expiresAt": self.expires_at_text(),
-            "createdAt": format_timestamp(self.created_ns),
-            "updatedAt": format_timestamp(self.updated_ns),
-        }
-
-    def stored_json(self):
-        """to_record() as compact JSON text, computed once: every write of
-        the store includes every key, and re-encoding them each time is slow."""
-        if self._stored is None:
-            self._stored = compact_json(self.to_record())
-        return self._stored
-
-    def to_record(self):
-        """The key as stored: everything but the (derived, secret) value."""
-        record = {
-            "uid": self.uid, "name": self.name, "description": self.description,
-            "actions": list(self.actions), "indexes": list(self.indexes),
-            "expiresAt": self.expires_at_text(),
-            "createdAt": self.created_ns, "updatedAt": self.updated_ns,
-        }
-        if self.restrictions is not None:
-            record["restrictions"] = self.restrictions.to_record()
-        return record
-
-    @classmethod
-    def from_record(cls, record, derive, stored=None):
-        """A stored record -> ApiKey; ValueError says what is wrong with it.
-
-        `derive` computes the value from the uid (see key_deriver), or is
-        None without a master key; `stored` is the record's JSON text.
-        """
-        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
-            raise ValueError("a key record needs exactly the fields %s"
-                             % ", ".join(sorted(_RECORD_FIELDS)))
-        uid = record["uid"]
-        if not isinstance(uid, str) or not _CANONICAL_UUID_RE.match(uid):
-            raise ValueError("bad uid %r" % (uid,))
-        name, description = record["name"], record["description"]
-        if not (name is None or isinstance(name, str)) \
-                or not (description is None or isinstance(description, str)):
-            raise ValueError("bad name or description in key %s" % uid)
-        actions, indexes = record["actions"], record["indexes"]
-        if not isinstance(actions, list) or not _valid_stored_actions(tuple(actions)):
-            raise ValueError("bad actions in key %s" % uid)
-        if not isinstance(indexes, list) or not _valid_stored_indexes(tuple(indexes)):
-            raise ValueError("bad indexes in key %s" % uid)
-        expires_at = record["expiresAt"]
-        if expires_at is not None:
-            expires_at = parse_expires_at(expires_at) if isinstance(expires_at, str) else None
-            if expires_at is None:
-                raise ValueError("bad expiresAt in key %s" % uid)
-        created, updated = record["createdAt"], record["updatedAt"]
-        if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
-            raise ValueError("bad createdAt or updatedAt in key %s" % uid)
-        return cls(uid, name, description, actions, indexes, expires_at, created, updated,
-                   derive(uid) if derive is not None else None, stored,
-                   stored_restrictions(record.get("restrictions"), uid))
-
-
-@functools.lru_cache(maxsize=4096)
-def _valid_stored_actions(actions):
-    # cached: a large store has few distinct action lists
-    return all(isinstance(a, str) and a in ACTION_SET for a in actions)
-
-
-@functools.lru_cache(maxsize=4096)
-def _valid_stored_indexes(indexes):
-    return all(is_valid_index_pattern(i) for i in indexes)
-
-
-_RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
-                            "createdAt", "updatedAt"))
-
-
-class KeyStore:
-    """All keys in memory, indexed by uid and by derived value, optionally
-    made durable in a StoreFile. Writers serialize on one lock and write the
-    file before the change goes live; readers (the per-request key lookup)
-    never wait: keys are immutable and dict reads are atomic.
-    """
-
-    def __init__(self, master_key=None, path=None, log=None):
-        self.derive = key_deriver(master_key) if master_key is not None else None
-        self.log = log or (lambda message: None)
-        self.clock = Clock()
-        self._keys = {}       # uid -> ApiKey, oldest first
-        self._by_value = {}   # derived value -> ApiKey
-        self._lock = threading.Lock()
-        self._file = StoreFile(path, self.log) if path else None
-        try:
-            self._load()
-            if not self._keys:  # all four in one write: a crash leaves none or all
-                defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
-                            for name, description, actions in DEFAULT_KEYS]
-                if self._file:
-                    self._file.write([key.stored_json() for key in defaults])
-                for key in defaults:
-                    self._put(key)
-        except BaseException:
-            self.close()
-            raise
-
-    def _load(self):
-        """Read the store file (and fold in a journal an older version left)."""
-        if not self._file:
-            return
-        collecting = gc.isenabled()
-        gc.disable()  # loading makes ~6 objects a key, none of them garbage
-        try:
-            keys, changes = self._file.open(
-                lambda record, text: ApiKey.from_record(record, self.derive, text))
-            for key in keys:
-                self._put(key)
-            for change in changes or ():
-                self._replay(change)
-        except ValueError as exc:
-            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
-        finally:
-            if collecting:
-                gc.enable()
-        # Newest-first listing relies on dict order == createdAt order.
-        ordered = list(self._keys.values())
-        if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
-            self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
-        if ordered:
-            self.clock.advance_past(max(key.created_ns for key in ordered))
-        if changes is not None:
-            self._file.write(self._records())
-            self._file.retire_journal()
-
-    # -- reads ---------------------------------------------------------------
-
-    def __len__(self):
-        return len(self._keys)
-
-    def by_uid(self, uid):
-        return self._keys.get(uid)
-
-    def by_value(self, token):
-        """The key whose value is `token` (hex, any case), or None.
-
-        A hash lookup finds the one candidate; the final comparison is
-        constant time.
-        """
-        if len(token) != 64 or not token.isascii():
-            return None
-        token = token.lower()
-        key = self._by_value.get(token)
-        if key is not None and hmac.compare_digest(key.value.encode(), token.encode()):
-            return key
-        return None
-
-    def find(self, key_or_uid):
-        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
-        try:
-            uid = parse_uuid(key_or_uid)
-        except ValueError:
-            key = self.by_value(key_or_uid)
-            if key is None:
-                raise key_not_found(key_or_uid)
-            return key
-        key = self._keys.get(uid)
-        if key is None:
-            raise key_not_found(uid)
-        return key
-
-    def page(self, offset, limit):
-        """(keys newest first, skipping `offset`, at most `limit`; total)."""
-        with self._lock:
-            total = len(self._keys)
-            start, stop = min(offset, total), min(offset + limit, total)
-            return list(itertools.islice(reversed(self._keys.values()), start, stop)), total
-
-    # -- writes --------------------------------------------------------------
-
-    def create(self, fields):
-        """Create a key from validated POST fields; 409 ApiError on a used uid."""
-        with self._lock:
-            uid = fields.get("uid")
-            if uid is None:
-                uid = new_uid()
-                while uid in self._keys:
-                    uid = new_uid()
-            elif uid in self._keys:
-                raise ApiError(409, "api_key_already_exists",
-                               "`uid` field value `%s` is already an existing API key." % uid)
-            key = self._new_key(uid, fields.get("name"), fields.get("description"),
-                                fields["actions"], fields["indexes"], fields.get("expiresAt"))
-            self._commit(key)
-            return key
-
-    def update(self, key_or_uid, changes):
-        with self._lock:
-            key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
-            self._commit(key)
-            return key
-
-    def delete(self, key_or_uid, by_master=True):
-        """Delete a key. One with restrictions only by the master key: else
-        an admin key could delete it and create it again (same uid, same
-        value) without them."""
-        with self._lock:
-            key = self.find(key_or_uid)
-            if key.restrictions is not None and not by_master:
-                raise ApiError(403, "invalid_api_key", "Only the master key can delete a key "
-                               "that has restrictions.", "auth")
-            self._commit(None, removed=key.uid)
-
-    def restrict(self, key_or_uid, restrictions):
-        """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
-        with self._lock:
-            key = self.find(key_or_uid)
-            self._commit(key.with_restrictions(restrictions))
-            return self._keys[key.uid]
-
-    def _new_key(self, uid, name, description, actions, indexes, expires_at):
-        now = self.clock.now_ns()
-        value = self.derive(uid) if self.derive is not None else None
-        return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
-
-    def _commit(self, key, removed=None):
-        """Write the store with `key` put (or uid `removed` deleted), then
-        make the change live; StoreWriteError leaves everything as it was.
-        The caller holds the lock or is the constructor."""
-        if self._file:
-            changed = key.uid if key is not None else removed
-            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
-            if key is not None:
-                # an update keeps its place: the file stays in createdAt order
-                records.insert(self._position(key.uid), key.stored_json())
-            self._file.write(records)
-        if key is not None:
-            self._put(key)
-        else:
-            self._remove(removed)
-
-    def _position(self, uid):
-        if uid not in self._keys:
-            return len(self._keys)
-        return next(i for i, other in enumerate(self._keys) if other == uid)
-
-    def _replay(self, change):
-        """Apply one line of an older version's journal."""
-        if change.get("op") == "put":
-            self._put(ApiKey.from_record(change.get("key"), self.derive))
-        elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
-            self._remove(change["uid"])
-        else:
-            raise ValueError("unknown change %r" % (change,))
-
-    def _put(self, key):
-        old = self._keys.get(key.uid)
-        if old is not None and old.value is not None:
-            self._by_value.pop(old.value, None)
-        self._keys[key.uid] = key
-        if key.value is not None:
-            self._by_value[key.value] = key
-
-    def _remove(self, uid):
-        old = self._keys.pop(uid, None)
-        if old is not None and old.value is not None:
-            self._by_value.pop(old.value, None)
-
-    def _records(self):
-        return [key.stored_json() for key in self._keys.values()]
-
-    def close(self):
-        """Release the store file (its lock) so another KeyStore may open it."""
-        if self._file:
-            self._file.close()
-
-
-def new_uid():
-    import uuid  # local: only key creation needs it
-    return str(uuid.uuid4())
-
-
-class StoreFile:
-    """The keys on disk: one JSON document, rewritten whole on each change.
-
-    A write goes to a temp file in the same folder, is fsync'd, renamed over
-    the store and the folder fsync'd, so the store is always either the old
-    or the new document, and an acknowledged change survives kill -9 and
-    power loss. A symlinked store is written through to its target (the
-    link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values.
-    Older versions kept changes in FILE.journal (one JSON line each): such
-    a journal is folded into the document at the first start, then removed.
-    """
-
-    FORMAT = "searchkeys-store"
-    VERSION = 1
-    _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
-
-    def __init__(self, path, log):
-        self.shown = path
-        self.path = os.path.realpath(path)  # write through a symlink to its target
-        self.folder = os.path.dirname(self.path)
-        self.journal_path = os.path.abspath(path) + ".journal"
-        self.log = log
-        self._lock_fd = None
-
-    def open(self, build):
-        """(keys, journal changes or None); StoreError if unusable.
-
-        `build(record, text)` turns a record (and its JSON text, when
-        known) into a key."""
-        self._lock()
-        data = self._read(self.path)
-        keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
-        changes = None if journal is None else self._parse_journal(journal)
-        self._remove_stale_temp_files()
-        return keys, changes
-
-    def _lock(self):
-        lock_path = self.path + ".lock"
-        try:
-            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise StoreError("cannot open the lock file %s of store %s: %s"
-                             % (lock_path, self.shown, exc.strerror or exc))
-        try:
-            os.fchmod(self._lock_fd, 0o600)  # one left by a looser umask or hand
-        except OSError:
-            pass  # not ours to change; it holds nothing
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.close()
-            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
-                             % (self.shown, lock_path))
-
-    def _read(self, path, follow=True):
-        """The file's bytes, or None if there is none. Unless `follow`, a
-        symbolic link is refused, not read (nor its target made 0600)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if not follow and os.path.islink(path):
-                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
-                                 "itself there)" % path)
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise StoreError("store %s is a folder, not a file" % path)
-            if mode & 0o077:
-                self._tighten(fd, path, mode)
-            with open(fd, "rb", closefd=False) as file:
-                return file.read()
-        except OSError as exc:
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        finally:
-            os.close(fd)
-
-    def _tighten(self, fd, path, mode):
-        try:
-            os.fchmod(fd, 0o600)
-            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
-        except OSError as exc:
-            self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
-                     "0600: %s" % (path, mode, exc.strerror or exc))
-
-    def _parse(self, data, build):
-        try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
-                             "is left untouched" % (self.path, exc))
-        if not isinstance(document, dict) or document.get("format") != self.FORMAT \
-                or document.get("version") != self.VERSION \
-                or not isinstance(document.get("keys"), list):
-            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
-                             "refusing to start" % (self.path, self.FORMAT, self.VERSION))
-        records = document.pop("keys")
-        # In the layout write() makes (one record a line) each record's text
-        # is kept for the next write, which then need not re-encode it.
-        lines = data.split(b"\n")
-        del data
-        texts = itertools.repeat(None)
-        if len(lines) == len(records) + 3 and lines[0] == self._HEADER[:-1] \
-                and lines[-2:] == [b"]}", b""]:
-            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-2])
-        keys = []
-        for position, text in zip(range(len(records)), texts):
-            keys.append(build(records[position], text))
-            records[position] = None  # free the parsed record early
-        return keys
-
-    def _parse_journal(self, data):
-        """The changes of an older version's journal. Its torn last line (no
-        newline: a crash mid-append) was never acknowledged and is dropped."""
-        lines = data.split(b"\n")
-        torn = lines.pop()
-        changes = []
-        for number, line in enumerate(lines, 1):
-            try:
-                change = json.loads(line.decode("utf-8"))
-                if not isinstance(change, dict) or change.get("op") not in ("put", "delete"):
-                    raise ValueError("not a change")
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise StoreError("store journal %s is corrupt at line %d (%s); refusing to "
-                                 "start, the file is left untouched"
-                                 % (self.journal_path, number, exc))
-            changes.append(change)
-        if torn:
-            self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
-                     "was never acknowledged" % (self.journal_path, len(torn)))
-        return changes
-
-    def retire_journal(self):
-        """Remove an older version's journal once write() holds its changes."""
-        try:
-            os.unlink(self.journal_path)
-        except OSError as exc:
-            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
-                             % (self.journal_path, self.path, exc.strerror or exc))
-        self._sync_folder(os.path.dirname(self.journal_path))
-        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
-
-    def _remove_stale_temp_files(self):
-        # temp files of a process killed mid-write; ours, as we hold the lock
-        prefix = os.path.basename(self.path) + ".tmp-"
-        try:
-            names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
-            for name in names:
-                os.unlink(os.path.join(self.folder, name))
-        except OSError:
-            pass  # harmless leftovers; the next start tries again
-
-    def write(self, records):
-        """Replace the document with `records` (JSON texts) atomically, or
-        raise StoreWriteError leaving it as it was."""
-        temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
-        body = ",\n".join(records).encode("utf-8")
-        data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, self.path)
-        except OSError as exc:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
-        self._sync_folder(self.folder)
-
-    def _sync_folder(self, folder):
-        """fsync a folder after a rename or unlink. The change is made once
-        that succeeded (the file holds it, and so must memory); a failed
-        sync only leaves it less durable, so it is logged, not raised."""
-        try:
-            _fsync_folder(folder)
-        except OSError as exc:
-            self.log("searchkeys: warning: cannot sync folder %s (the change to %s is made, but "
-                     "may not survive a power loss): %s"
-                     % (folder, self.shown, exc.strerror or exc))
-
-    def close(self):
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # also drops the flock
-            self._lock_fd = None
-
-
-def _write_all(fd, data):
-    """os.write until all of `data` is written (a write may be partial)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _fsync_folder(folder):
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# =============================================================================
-# Authentication: Authorization header -> master key, API key or tenant token
-# =============================================================================
-
-
-def _visible_ascii(value):
-    """The header as actix's `to_str()` sees it: empty unless visible ASCII."""
-    if value is None:
-        return None
-    if value.isascii() and value.replace("\t", " ").isprintable():
-        return value
-    return ""
-
-
-class Guard:
-    """Decides whether a bearer credential may perform a route's actions."""
-
-    def __init__(self, store, master_key):
-        self.store = store
-        self.master_key = master_key
-        self._master_bytes = master_key.encode() if master_key is not None else None
-
-    def check(self, authorization, actions, index):
-        """The Principal allowed to perform `actions` on `index` (None on
-        index-less routes); raises upstream's 401/403 ApiError otherwise."""
-        if not actions:
-            return OPEN  # public route: no header check at all
-        header = _visible_ascii(authorization)
-        if header is None:
-            if self.master_key is not None:
-                raise missing_authorization_header()
-            return self._authenticate("", actions, index)  # open instance: all but /keys
-        scheme, space, token = header.partition(" ")
-        if scheme != "Bearer":
-            raise missing_authorization_header()
-        if not space:
-            raise invalid_api_key()
-        return self._authenticate(token, actions, index)
-
-    def _authenticate(self, token, actions, index):
-        principal = OPEN
-        for action in actions:
-            principal = self.policy(token, action, index)
-        return principal
-
-    def policy(self, token, action, index):
-        """Upstream's ActionPolicy for one action: a Principal, or raises."""
-        if self.master_key is None:  # no master key: everything but /keys is open
-            if action in KEYS_ACTIONS:
-                raise missing_master_key()
-            return OPEN
-        if hmac.compare_digest(self._master_bytes, token.encode()):
-            return OPEN
-        rules = None
-        key = None
-        if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
-            try:
-                claims = verify_tenant_token(token, self.store.derive)
-            except NotATenantToken:
-                pass
-            except TenantTokenError as exc:
-                raise invalid_api_key(str(exc))
-            else:
-                rules = claims["searchRules"]
-                key = self.store.by_uid(claims["apiKeyUid"])
-                if key is None:
-                    raise invalid_api_key()
-        if rules is None:
-            key = self.store.by_value(token)
-            if key is None:
-                raise invalid_api_key()
-        refusal = authorize(key, action, index, tenant_rules=rules)
-        if refusal is not None:
-            raise refusal
-        return Principal(key, rules)
-
-
-# =============================================================================
-# Handler rules: what upstream's handlers check and filter for a scoped
-# principal (an index-scoped key or a tenant token). The backend gets our
-# --upstream-key, not the caller's credential, so the guard applies them.
-# =============================================================================
-
-
-def tenant_filter(rules, index):
-    """The filter a tenant token adds to searches on `index`: the rule of
-    the most specific matching pattern (exact beats prefix, longer beats
-    shorter), or None."""
-    if not isinstance(rules, dict):
-        return None
-    matching = [p for p in rules if pattern_matches(p, index)]
-    if not matching:
-        return None
-    rule = rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
-    return rule.get("filter") if isinstance(rule, dict) else None
-
-
-def fuse_filters(left, right):
-    """Upstream's fuse_filters (None: no filter): both sides as one AND-list,
-    an array side spliced in, so an inner array keeps meaning OR."""
-    if left is None:
-        return right
-    if right is None:
-        return left
-    return (left if isinstance(left, list) else [left]) + \
-        (right if isinstance(right, list) else [right])
-
-
-def with_tenant_filter(query, rules, index):
-    """A search query (JSON object) with the token's filter fused in, the
-    way upstream's add_search_rules does it."""
-    rule = tenant_filter(rules, index)
-    if rule is None or not isinstance(query, dict):
-        return query
-    return dict(query, filter=fuse_filters(query.get("filter"), rule))
-
-
-def check_index_creation(principal, index, body):
-    """POST /indexes: the new index's uid must be one the key covers."""
-    uid = body.get("uid") if isinstance(body, dict) else None
-    if isinstance(uid, str) and not principal.may_use_index(uid):
-        raise invalid_api_key()
-    return body
-
-
-def scope_multi_search(principal, index, body):
-    """POST /multi-search (federated or not): every query's indexUid must be
-    covered; a tenant token's filters are fused into each query."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    if not isinstance(queries, list):
-        return body
-    scoped = []
-    for position, query in enumerate(queries):
-        uid = query.get("indexUid") if isinstance(query, dict) else None
-        if isinstance(uid, str):
-            if not principal.may_use_index(uid):
-                raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
-                                      % position)
-            query = with_tenant_filter(query, principal.rules, uid)
-        scoped.append(query)
-    return dict(body, queries=scoped)
-
-
-def check_index_swap(principal, index, body):
-    """POST /swap-indexes: both indexes of every swap must be covered."""
-    for swap in body if isinstance(body, list) else ():
-        indexes = swap.get("indexes") if isinstance(swap, dict) else None
-        for uid in indexes if isinstance(indexes, list) else ():
-            if isinstance(uid, str) and not principal.may_use_index(uid):
-                raise invalid_api_key()
-    return body
-
-
-def scope_search_body(principal, index, body):
-    """POST search, facet-search, similar on one index: fuse the token's filter."""
-    return with_tenant_filter(body, principal.rules, index)
-
-
-def scope_search_query(principal, index, query):
-    """GET search/similar: the token's filter fused with the `filter`
-    parameter, which upstream reads as JSON when it parses as JSON (a JSON
-    `null` included) and as a string otherwise."""
-    rule = tenant_filter(principal.rules, index)
-    if rule is None:
-        return query
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    current = None
-    for name, value in pairs:
-        if name == "filter":
-            try:
-                current = strict_json(value)
-            except (ValueError, RecursionError):
-                current = value
-            if current is None:
-                current = [None]  # upstream's Some(Null): fused as one element
-    pairs = [(n, v) for n, v in pairs if n != "filter"]
-    pairs.append(("filter", compact_json(fuse_filters(current, rule))))
-    return urllib.parse.urlencode(pairs)
-
-
-ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
-
-
-def all_indexes_query(query):
-    """GET /indexes for a scoped key: (the query that asks the backend
-    for every index, offset, limit to apply after filtering); upstream's 400
-    ApiError for parameters it refuses, so none goes unfiltered."""
-    offset, limit = validate_list_query(query, "index")
-    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
-
-
-def filter_index_list(principal, answer, offset, limit):
-    """GET /indexes for a scoped key: only its indexes, paginated after
-    filtering as upstream does."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
-        return answer
-    allowed = [i for i in answer["results"]
-               if isinstance(i, dict) and principal.may_use_index(str(i.get("uid")))]
-    return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
-                total=len(allowed))
-
-
-def filter_stats(principal, answer, covered):
-    """GET /stats for a scoped key: only its indexes, and upstream's
-    `lastUpdate` over them: the latest `updatedAt` of `covered` (the
-    backend's index objects the key covers), null for none."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
-        return answer
-    updates = [(instant.ns, text) for instant, text in (
-        (parse_expires_at(i.get("updatedAt")) if isinstance(i.get("updatedAt"), str) else None,
-         i.get("updatedAt")) for i in covered) if instant is not None]
-    return dict(answer, lastUpdate=max(updates)[1] if updates else None,
-                indexes={uid: stats for uid, stats in answer["indexes"].items()
-                         if principal.may_use_index(uid)})
-
-
-def scope_task_query(query, allowed_uids):
-    """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
-    `indexUids` parameter to the indexes the key covers. With none left,
-    name an index that cannot exist, so the backend matches nothing."""
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = [v for n, v in pairs if n == "indexUids"]
-    uids = set(allowed_uids)
-    if asked:
-        wanted = {u.strip() for u in ",".join(asked).split(",")}
-        if "*" not in wanted:
-            uids &= wanted
-    if not uids:
-        uids = {"searchkeys-no-index-" + secrets.token_hex(8)}
-    pairs = [(n, v) for n, v in pairs if n != "indexUids"]
-    return urllib.parse.urlencode(pairs + [("indexUids", ",".join(sorted(uids)))])
-
-
-def check_task_answer(principal, task_id, answer):
-    """GET /tasks/{id} for a scoped key: a task on another index (or on
-    none) does not exist for it."""
-    uid = answer.get("indexUid") if isinstance(answer, dict) else None
-    if not isinstance(uid, str) or not principal.may_use_index(uid):
-        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
-    return answer
-
-
-# Task kinds of one index (upstream's Kind::related_to_one_index); a batch
-# of other kinds (a swap, a dump...) is never shown to a scoped key.
-ONE_INDEX_TASK_KINDS = frozenset((
-    "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
-    "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
-
-
-def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a scoped key: as upstream's
-    get_batch_ids_from_authorized_indexes means it (and as GET /batches
-    lists it), a batch of one-index tasks with at least one covered index.
-    (Upstream subtracts the task uids of the other kinds from the batch
-    uids, a slip: it would show a dump batch to every scoped key.)"""
-    stats = answer.get("stats") if isinstance(answer, dict) else None
-    uids = stats.get("indexUids") if isinstance(stats, dict) else None
-    kinds = stats.get("types") if isinstance(stats, dict) else None
-    if not isinstance(uids, dict) or not any(principal.may_use_index(uid) for uid in uids) \
-            or not isinstance(kinds, dict) or not ONE_INDEX_TASK_KINDS.issuperset(kinds):
-        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
-    return answer
-
-
-def check_task_filters(query, verb):
-    """DELETE /tasks, POST /tasks/cancel: upstream's 400 without a filter
-    (the guard would otherwise add one: "every task of my indexes"). Every
-    parameter upstream accepts there is a filter; with another, it refuses
-    the request itself."""
-    if not urllib.parse.parse_qsl(query, keep_blank_values=True):
-        raise ApiError(400, "missing_task_filters", "Query parameters to filter the tasks to %s "
-                       "are missing. Available query parameters are: `uids`, `indexUids`, "
-                       "`statuses`, `types`, `canceledBy`, `beforeEnqueuedAt`, "
-                       "`afterEnqueuedAt`, `beforeStartedAt`, `afterStartedAt`, "
-                       "`beforeFinishedAt`, `afterFinishedAt`." % verb)
-
-
-def _uid_shown(text):
-    """A task or batch uid as upstream's message shows it: the parsed u32."""
-    number = parse_rust_uint(text, U32_MAX)
-    return text if number is None else number
-
-
-class RuleContext:
-    """What a handler rule sees of one request: the principal, the route's
-    parameters and query string, and the backend (some rules ask it which
-    indexes exist)."""
-
-    __slots__ = ("principal", "params", "query", "upstream")
-
-    def __init__(self, principal, params, query, upstream):
-        self.principal, self.params, self.query = principal, params, query
-        self.upstream = upstream
-
-    @property
-    def index(self):
-        return self.params.get("index_uid")
-
-    def covered_indexes(self):
-        """The backend's index objects (uid, updatedAt...) the principal covers."""
-        status, answer = self.upstream.fetch_json(
-            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
-        if status != 200 or not isinstance(answer, dict):
-            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
-        return [i for i in answer.get("results", ())
-                if isinstance(i, dict) and isinstance(i.get("uid"), str)
-                and self.principal.may_use_index(i["uid"])]
-
-    def allowed_indexes(self):
-        """The uids of the backend's indexes the principal covers."""
-        return [i["uid"] for i in self.covered_indexes()]
-
-
-# When a rule applies: to any scoped principal, only to a tenant token whose
-# rules filter the route's index, or never forwarded for such principals.
-SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
-
-
-class Rule(collections.namedtuple("Rule", "when body query answer")):
-    """A handler rule: `body(principal, index, json)` checks or rewrites the
-    JSON body; `query(context)` returns the query string to forward;
-    `answer(context, json)` checks or filters a 200 answer."""
-
-    def __new__(cls, when, body=None, query=None, answer=None):
-        return super().__new__(cls, when, body, query, answer)
-
-    def applies(self, principal, index):
-        if principal.unscoped:
-            return False
-        if self.when == TOKEN_FILTER:
-            return index is not None and tenant_filter(principal.rules, index) is not None
-        return True
-
-
-def _index_page_query(context):
-    paging = all_indexes_query(context.query)
-    return context.query if paging is None else paging[0]  # else the backend explains
-
-
-def _index_page_answer(context, answer):
-    paging = all_indexes_query(context.query)
-    if paging is None:
-        return answer
-    return filter_index_list(context.principal, answer, paging[1], paging[2])
-
-
-def _task_listing_query(context):
-    return scope_task_query(context.query, context.allowed_indexes())
-
-
-def _task_change_query(verb):
-    def query(context):
-        check_task_filters(context.query, verb)
-        return _task_listing_query(context)
-    return query
-
-
-def fetch_or_refuse(upstream, target, what):
-    """GET `target` from the backend for the guard's own check: its 200
-    JSON answer; its refusal (a Meilisearch error: a bad uid, not found...)
-    relayed as the caller's; anything else a 502, so the check fails closed."""
-    status, answer = upstream.fetch_json(target)
-    if status != 200 and status < 500 and isinstance(answer, dict) \
-            and all(isinstance(answer.get(f), str) for f in ("message", "code", "type")):
-        raise ApiError(status, answer["code"], answer["message"], answer["type"])
-    if status != 200:
-        raise upstream_unreachable(upstream, "%s answered %s" % (what, status))
-    return answer
-
-
-def _task_documents_query(context):
-    """A task's documents, only once the backend showed the task, on an
-    index the principal covers; its refusal (a bad uid...) is relayed."""
-    task_id = context.params["task_id"]
-    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id),
-                           "asking for task %s" % _uid_shown(task_id))
-    check_task_answer(context.principal, task_id, task)
-    return context.query
-
-
-SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
-SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
-    c.principal, c.index, c.query))
-TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query)
-# The chat's search tool and the document a template renders are scoped by
-# handlers the guard does not reproduce: refused instead.
-NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
-
-
-def scope_not_enforceable(route, where):
-    return invalid_api_key(
-        "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
-        "cannot enforce that scope on `%s %s`%s; the request is refused."
-        % (route.method, route.pattern, " " + where if where else ""))
-
-
-# =============================================================================
-# Routes: one record per route, and what a principal's request becomes
-# =============================================================================
-
-# Who answers a route when the backend does not: the /keys API, and this
-# server's own endpoints (not Meilisearch routes: /authorize refuses them).
-KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
-QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
-
-
-def count_queries(body):
-    """The searches a multi-search body runs (federated or not): one a query."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    return len(queries) if isinstance(queries, list) else 1
-
-
-class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable creates_index")):
-    """One route: the `actions` it needs; who answers it (`local`, None for
-    the backend); the handler `rule` for a scoped principal; where it asks
-    for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
-    body); how many searches its body runs (`searches`, for rate limits;
-    None: one); whether it is safe to send twice (`repeatable`: GETs and
-    read-only POSTs); whether it creates its index when missing and the
-    caller may create indexes (`creates_index`: upstream's handlers passing
-    allow_index_creation)."""
-
-    def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False):
-        repeatable = method == "GET" if repeatable is None else repeatable
-        return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable, creates_index)
-
-    @property
-    def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS)
-
-    def scope_rule(self, principal, index):
-        """The rule that holds `principal` to its indexes and filters on
-        this route (None: the index check was enough)."""
-        rule = self.rule
-        return rule if rule is not None and rule.applies(principal, index) else None
-
-
-def _settings_routes():
-    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
-    put_names = (
-        "filterable-attributes", "sortable-attributes", "displayed-attributes",
-        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
-        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
-        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
-        "prefix-search", "foreign-keys",
-    )
-    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
-    routes = []
-    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
-        for name in names:
-            pattern = "/indexes/{index_uid}/settings/" + name
-            routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",), creates_index=True),
-                       Route("DELETE", pattern, ("settings.update",))]
-    return routes
-
-
-# The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
-# each. Like actix, the first pattern matching a path wins (in table order);
-# a method it lacks is a 405. "{index_uid}" segments are checked against the
-# key's index patterns; other "{...}" segments match anything.
-ROUTES = tuple([
-    Route("GET", "/health", PUBLIC, local=HEALTH),
-    Route("GET", "/authorize", PUBLIC, local=AUTHORIZE),
-    Route("GET", "/", PUBLIC),
-    Route("GET", "/version", ("version",)),
-    Route("GET", "/stats", ("stats.get",), rule=Rule(SCOPED, answer=lambda c, a: filter_stats(
-        c.principal, a, c.covered_indexes()))),
-    Route("GET", "/keys", ("keys.get",), local=KEYS),
-    Route("POST", "/keys", ("keys.create",), local=KEYS),
-    Route("GET", "/keys/{key}", ("keys.get",), local=KEYS),
-    Route("PATCH", "/keys/{key}", ("keys.update",), local=KEYS),
-    Route("DELETE", "/keys/{key}", ("keys.delete",), local=KEYS),
-    Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
-    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("GET", "/indexes", ("indexes.get",), rule=Rule(
-        SCOPED, query=_index_page_query, answer=_index_page_answer)),
-    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
-    Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",)),
-    Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
-    Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
-    Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
-    Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
-    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
-    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
-    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
-          repeatable=True),
-    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
-    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
-    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-    Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
-    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
-    Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
-    Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
-    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",)),
-] + _settings_routes() + [
-    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
-          hits=cap_multi_search, searches=count_queries, repeatable=True),
-    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
-    Route("POST", "/render-template", ("settings.get", "documents.get"),
-          rule=NOT_ENFORCEABLE_RULE),
-    Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
-    Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
-        SCOPED, query=_task_change_query("delete"))),
-    Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
-        SCOPED, query=_task_change_query("cancel"))),
-    Route("POST", "/tasks/compact", ("tasks.compact",)),
-    Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
-        SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
-    Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-        SCOPED, query=_task_documents_query)),
-    Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
-    Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
-        SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
-    Route("POST", "/dumps", ("dumps.create",)),
-    Route("POST", "/snapshots", ("snapshots.create",)),
-    Route("GET", "/metrics", ("metrics.get",)),
-    Route("POST", "/logs/stream", ("metrics.get",)),
-    Route("DELETE", "/logs/stream", ("metrics.get",)),
-    Route("POST", "/logs/stderr", ("metrics.get",)),
-    Route("GET", "/experimental-features", ("experimental.get",)),
-    Route("PATCH", "/experimental-features", ("experimental.update",)),
-    Route("POST", "/export", ("export",)),
-    Route("GET", "/network", ("network.get",)),
-    Route("PATCH", "/network", ("network.update",)),
-    Route("POST", "/network/control", ("network.update",)),
-    Route("GET", "/webhooks", ("webhooks.get",)),
-    Route("POST", "/webhooks", ("webhooks.create",)),
-    Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
-    Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
-    Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
-    Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
-    Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
-    Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
-    Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
-    Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
-    Route("GET", "/chats", ("chats.get",)),
-    Route("GET", "/chats/{workspace}", ("chats.get",)),
-    Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
-    Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
-    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
-    Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
-    Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
-          rule=NOT_ENFORCEABLE_RULE),
-])
-ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
-_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
-
-
-def is_repeatable(method, pattern):
-    """Is the request safe to send the backend a second time (a read)?"""
-    route = ROUTE_INDEX.get((method, pattern))
-    return route is not None and route.repeatable
-
-
-NOT_READ = object()  # a body left for the caller's stream to send on
-
-
-class Forward(collections.namedtuple("Forward", "target body answer_filter searches")):
-    """What the backend is sent for one request: `target`; `body` as bytes,
-    or None for the caller's body as it comes; `answer_filter` rewriting a
-    200 JSON answer, or None; the `searches` it runs, for rate limits."""
-
-
-def plan_forward(route, request, principal, params, upstream):
-    """What `principal`'s authorized `request` on `route` becomes: the one
-    place that says what a credential gets from the backend. A scoped
-    principal's rule checks the indexes its body names, fuses tenant-token
-    filters, filters listings; a key's restrictions cap hits and count each
-    query. Without an `upstream` the answer is 501, once the body checks
-    (upstream's 403) have had their say."""
-    index = params.get("index_uid")
-    rule = route.scope_rule(principal, index)
-    restrictions = principal.restrictions
-    cap = restrictions.max_hits if restrictions is not None else None
-    body_capped = cap is not None and callable(route.hits)
-    counted = route.searches is not None and restrictions is not None and restrictions.rated
-    value = NOT_READ
-    if rule is not None and rule.body is not None:
-        value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
-    if upstream is None:
-        raise no_upstream()
-    check_no_implicit_creation(route, principal, index, upstream)
-    if rule is not None and rule.when == UNENFORCEABLE:
-        raise scope_not_enforceable(route, "")
-    target, answer_filter = request.target, None
-    if rule is not None:
-        context = RuleContext(principal, params, request.query, upstream)
-        if rule.query is not None:
-            query = rule.query(context)
-            target = request.path + ("?" + query if query else "")
-        if rule.answer is not None:
-            answer_filter = functools.partial(rule.answer, context)
-    if cap is not None and route.hits == QUERY_HITS:
-        path, _, query = target.partition("?")
-        capped = cap_search_query(query, cap)
-        target = target if capped == query else path + "?" + capped
-    if (body_capped or counted) and value is NOT_READ:
-        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    if body_capped:
-        value = route.hits(value, cap)
-    body = None if value is NOT_READ else compact_json(value).encode()
-    return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
-
-
-def check_no_implicit_creation(route, principal, index, upstream, missing_status=404):
-    """A documents or settings write on a missing index creates it when the
-    caller may create indexes (upstream's allow_index_creation). The backend
-    gets our --upstream-key, which may: for a caller who may not, the index
-    must exist already. Upstream would enqueue a task failing with
-    `index_not_found`; the guard cannot enqueue, so it answers that error
-    now (`missing_status`: 403 for /authorize, as nginx takes any other
-    refusal for its own error). Without a backend to ask (/authorize in
-    nginx mode) it refuses.
-    An index deleted between this check and the forward is still created:
-    the backend offers no "write only if the index exists"."""
-    if not route.creates_index or principal.may_create_index(index):
-        return
-    if upstream is None:
-        raise invalid_api_key(
-            "This API key may not create indexes, and searchkeys runs without --upstream, "
-            "so it cannot check that the index `%s` exists; the request is refused." % index)
-    try:
-        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
-                        "asking for index %s" % index)
-    except ApiError as error:
-        if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
-        raise
-
-
-def check_unseen(principal, route, uri):
-    """/authorize cannot rewrite what nginx forwards, nor read its body: a
-    query asking for more hits than the key's cap, a capped body, or a
-    multi-search whose queries a rate limit must count, is refused."""
-    restrictions = principal.restrictions
-    if restrictions is None:
-        return
-    if restrictions.rated and route.searches is not None:
-        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
-                                  "it never sees")
-    cap = restrictions.max_hits
-    if cap is None or route.hits is None:
-        return
-    if route.hits != QUERY_HITS:
-        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
-                                  "whose body it never sees")
-    asked = search_query_hits(uri.partition("?")[2])[1]
-    if asked is None or asked > cap:
-        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
-
-
-# =============================================================================
-# The /keys API: validate -> store -> respond
-# =============================================================================
-
-
-class KeysApi:
-    """The five /keys endpoints, once the request is authorized."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def handle(self, request, principal, method, params, query):
-        """(status, JSON value or None) for a /keys request `principal` may make."""
-        segment = params.get("key")
-        if method == "GET" and segment is None:
-            offset, limit = validate_list_query(query)
-            keys, total = self.store.page(offset, limit)
-            return 200, {"results": [k.to_json() for k in keys], "offset": offset,
-                         "limit": limit, "total": total}
-        if method == "GET":
-            return 200, self.store.find(segment).to_json()
-        if method == "DELETE":
-            self._write(self.store.delete, segment, principal.key is None)
-            return 204, None
-        body = request.read_json_body()
-        if method == "POST":
-            fields = validate_create(body, time.time_ns())
-            return 201, self._write(self.store.create, fields).to_json()
-        changes = validate_patch(body)
-        return 200, self._write(self.store.update, segment, changes).to_json()
-
-    def _write(self, operation, *args):
-        """Run a store change; one that could not be made durable was not
-        applied: log it for the operator and answer 500."""
-        try:
-            return operation(*args)
-        except StoreWriteError as exc:
-            self.store.log("searchkeys: %s" % exc)
-            raise internal_error("The change could not be saved: %s" % exc)
-
-
-# =============================================================================
-# Restrictions: enforced by the Gate (client address -> brute-force throttle
-# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
-# and GET/PUT/DELETE /keys/{key}/restrictions
-# =============================================================================
-
-
-class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
-    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
-    throttle (a Rate of failures, or None: off) and the counters' bound."""
-
-    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
-        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
-
-
-class TooManyRequests(ApiError):
-    """429 with Retry-After and RateLimit-* headers (`headers`)."""
-
-    def __init__(self, message, wait, rate):
-        super().__init__(429, "too_many_requests", message)
-        seconds = str(max(1, int(-(-wait // 1))))
-        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
-                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
-                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
-        self.headers += NOT_CACHEABLE
-
-
-def too_many_failures(wait, throttle):
-    return TooManyRequests("Too many failed authentications from your address; retry later.",
-                           wait, throttle)
-
-
-# An answer that depends on more than method, URI and credential (the client's
-# address, its Origin, the time) must not be kept by nginx's decision cache.
-NOT_CACHEABLE = [("Cache-Control", "no-store")]
-
-
-def restriction_refused(field, what):
-    """403 naming the restriction, never its settings."""
-    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
-                     "`%s` restriction)." % (what, field), "auth")
-    error.headers = NOT_CACHEABLE
-    return error
-
-
-def authorize_headers(principal):
-    """Headers of /authorize's 204: not cacheable for a restricted key."""
-    key = principal.key
-    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
-
-
-class Gate:
-    """Guard.check plus what restrictions add: callers over the brute-force
-    throttle get 429 before their credential is looked at; an authorized
-    key's (or tenant token's parent key's) restrictions are then applied."""
-
-    def __init__(self, guard, limits=None):
-        self.guard = guard
-        self.limits = limits or Limits()
-        self.counters = Counters(self.limits.max_clients)
-        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
-
-    def client(self, request):
-        trusted = self.limits.trusted_proxies
-        forwarded = None
-        if trusted:
-            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
-        return client_address(request.peer or "", forwarded, trusted)
-
-    def check(self, request, actions, index):
-        """The Principal, as Guard.check; raises its refusals, 403 for an
-        address or referrer the key does not allow, 429 over a rate."""
-        throttle, address = self.limits.throttle, None
-        if throttle is not None and actions:
-            address = self.client(request)
-            left = self.failures.throttled(counter_client(address))
-            if left is not None:
-                raise too_many_failures(left, throttle)
-        try:
-            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
-        except ApiError:
-            if throttle is not None and actions and \
-                    not self.failures.fail(counter_client(address)):
-                raise too_many_failures(throttle.window, throttle)
-            raise
-        key = principal.key
-        restrictions = key.restrictions if key is not None else None
-        if restrictions is None:
-            return principal
-        if address is None:
-            address = self.client(request)
-        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
-            raise restriction_refused("allowedIps", "from your address")
-        self._take(self._rates(key, address))  # before the referrer check: a refusal counts
-        if restrictions.referrers is not None and not referrer_allowed(
-                restrictions.referrers, request.headers.get("Origin"),
-                request.headers.get("Referer")):
-            raise restriction_refused("allowedReferrers", "from this site")
-        return principal
-
-    def charge(self, request, principal, searches):
-        """Count a request's further searches (a multi-search runs one a
-        query; `check` counted the first) against the key's rates: 429 over
-        a rate, 403 when one request holds more than a rate allows."""
-        key = principal.key
-        if searches <= 1 or key is None or key.restrictions is None:
-            return
-        wanted = self._rates(key, self.client(request))
-        if any(searches > rate.count for _, rate in wanted):
-            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
-        for _ in range(searches - 1):
-            self._take(wanted)
-
-    @staticmethod
-    def _rates(key, address):
-        """The (counter, Rate) pairs a request with `key` from `address` counts against."""
-        restrictions, wanted = key.restrictions, []
-        if restrictions.per_ip is not None:
-            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
-        if restrictions.per_key is not None:
-            wanted.append((key.uid, restrictions.per_key))
-        return wanted
-
-    def _take(self, wanted):
-        refusal = self.counters.take(wanted) if wanted else None
-        if refusal is not None:
-            wait, rate = refusal
-            raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
-                                  "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
-                                  wait, rate)
-
-
-class RestrictionsApi:
-    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
-
-    def __init__(self, store, write):
-        self.store, self.write = store, write
-
-    def handle(self, request, principal, segment):
-        if principal.key is not None:
-            raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
-                           "the restrictions of a key.", "auth")
-        if request.method == "GET":
-            restrictions = self.store.find(segment).restrictions
-            return Response.json(200, restrictions.to_json() if restrictions
-                                 else dict.fromkeys(RESTRICTION_FIELDS))
-        if request.method == "DELETE":
-            self.write(self.store.restrict, segment, None)
-            return Response(204)
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
-        restrictions = Restrictions.from_json(request.read_json_body())
-        key = self.write(self.store.restrict, segment, restrictions)
-        return Response.json(200, key.restrictions.to_json() if key.restrictions
-                             else dict.fromkeys(RESTRICTION_FIELDS))
-
-
-# =============================================================================
-# Requests and responses: what the service reads and answers, pure of sockets
-# =============================================================================
-
-SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
-MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
-MAX_HEADERS = 100       # header lines in a request head
-CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
-READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
-NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
-OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
-_ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
-_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
-# Header lines as every party reads them alike: a token, a colon, a value
-# without CR or NUL (a bare CR may read as a line break to a backend, which
-# would then see headers, Transfer-Encoding..., the guard never saw); no
-# continuation lines.
-_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r?\n)*")
-
-
-class BrokenBody(Exception):
-    """A request body ended early or is not valid chunked coding."""
-
-
-def payload_too_large(limit):
-    return ApiError(413, "payload_too_large",
-                    "The provided payload reached the size limit. The maximum accepted payload "
-                    "size is %s." % ("%.2f MiB" % (limit / 1048576.0)))
-
-
-def origin_form(target):
-    """The request target if it is in origin form (`/path?query`), else a
-    400: an absolute or bare target (`http://indexes/keys`, `x/keys`) is
-    routed by the backend on a path the guard would not have authorized."""
-    if not _ORIGIN_FORM_RE.match(target):
-        raise bad_request("The request target `%s` is not supported: it must be a path "
-                          "starting with `/`." % printable(target[:200]))
-    return target
-
-
-class Body:
-    """A request body, framed by its Content-Length or by chunked coding,
-    read from the caller's buffered stream as the service asks for it.
-    `before_read` runs once before the first read (the deferred 100 Continue)."""
-
-    def __init__(self, stream, length=0, chunked=False, before_read=None):
-        self.stream = stream
-        self.chunked = chunked
-        self.remaining = length
-        self.size_known = not chunked
-        self.finished = not chunked and length == 0
-        self.started = self.broken = False
-        self.before_read = before_read
-
-    @classmethod
-    def of_request(cls, stream, headers, before_read=None):
-        """The body a request announces; 400 ApiError for framing that two
-        parties could read differently (the stuff of request smuggling)."""
-        lengths = {value.strip() for value in headers.get_all("Content-Length", ())}
-        encodings = headers.get_all("Transfer-Encoding", ())
-        if encodings:
-            if lengths or len(encodings) > 1 or encodings[0].strip().lower() != "chunked":
-                raise bad_request("Unsupported request framing: use either Content-Length or "
-                                  "Transfer-Encoding: chunked.")
-            return cls(stream, chunked=True, before_read=before_read)
-        if len(lengths) > 1:
-            raise bad_request("Conflicting Content-Length headers.")
-        length = lengths.pop() if lengths else "0"
-        if not is_decimal(length):
-            raise bad_request("The Content-Length header `%s` is invalid." % length)
-        return cls(stream, int(length), before_read=before_read)
-
-    def chunks(self, piece=SMALL_BODY):
-        """Yield the body in pieces as it arrives."""
-        if not self.started:
-            self.started = True
-            if self.before_read is not None and not self.finished:
-                self.before_read()
-        stream = self.stream
-        try:
-            while self.remaining:
-                data = stream.read1(min(piece, self.remaining))
-                if not data:
-                    raise BrokenBody("body cut short")
-                self.remaining -= len(data)
-                yield data
-            while self.chunked and not self.finished:
-                size_line = stream.readline(1024)
-                size_text = size_line.split(b";", 1)[0].strip()
-                if not size_line.endswith(b"\n") or not size_text \
-                        or size_text.strip(b"0123456789abcdefABCDEF"):
-                    raise BrokenBody("bad chunk size")
-                size = int(size_text, 16)
-                if size == 0:
-                    self._skip_trailers()
-                    break
-                while size:
-                    data = stream.read1(min(piece, size))
-                    if not data:
-                        raise BrokenBody("body cut short")
-                    size -= len(data)
-                    yield data
-                if stream.readline(3) not in (b"\r\n", b"\n"):
-                    raise BrokenBody("chunk not followed by CRLF")
-        except BrokenBody:
-            self.broken = True
-            raise
-        except (OSError, ValueError) as exc:  # a timeout, a reset, a chunk size past all
-            self.broken = True
-            raise BrokenBody(str(exc))
-        self.finished = True
-
-    def _skip_trailers(self):
-        budget = MAX_HEAD
-        while budget > 0:
-            line = self.stream.readline(budget)
-            if line in (b"\r\n", b"\n", b""):
-                return
-            budget -= len(line)
-        raise BrokenBody("trailers too large")
-
-    def read(self, limit):
-        """The whole body, or a 413 ApiError when it is over `limit` bytes."""
-        if self.size_known and self.remaining > limit:
-            raise payload_too_large(limit)
-        if self.size_known and self.remaining <= SMALL_BODY:  # the common case, in one read
-            return b"".join(self.chunks(self.remaining))
-        data, size = [], 0
-        for chunk in self.chunks():
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            data.append(chunk)
-        return b"".join(data)
-
-    def discard(self, limit=MAX_KEYS_BODY):
-        """Skip an unread body so the connection can serve on; False when that
-        is unwise (too big, broken, or a caller still waiting for 100 Continue)."""
-        if self.finished:
-            return True
-        if self.broken or (self.before_read is not None and not self.started) or \
-                (self.size_known and self.remaining > limit):
-            return False
-        try:
-            size = 0
-            for chunk in self.chunks():
-                size += len(chunk)
-                if size > limit:
-                    return False
-        except BrokenBody:
-            return False
-        return True
-
-
-class Request:
-    """One request as the service sees it: method, target (origin form is
-    checked by the service), headers (`get`, `get_all`), body."""
-
-    __slots__ = ("method", "target", "headers", "body", "version", "peer")
-
-    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
-        self.method, self.target, self.headers = method, target, headers
-        self.body, self.version = body, version
-        self.peer = peer  # the socket's remote address (see Gate.client)
-
-    @property
-    def path(self):
-        return self.target.partition("?")[0]
-
-    @property
-    def query(self):
-        return self.target.partition("?")[2]
-
-    def read_json_body(self):
-        """Content type, size cap, then JSON: upstream's order."""
-        check_content_type(self.headers.get("Content-Type"))
-        return parse_json_body(self.body.read(MAX_KEYS_BODY))
-
-
-class Response:
-    """An answer: status, headers, and a body as bytes, or as `stream`, an
-    iterable of byte chunks of `length` bytes (None: unknown) that is closed
-    once written or abandoned."""
-
-    __slots__ = ("status", "headers", "body", "stream", "length")
-
-    def __init__(self, status, headers=(), body=b"", stream=None, length=None):
-        self.status, self.headers, self.body = status, list(headers), body
-        self.stream, self.length = stream, length
-
-    @classmethod
-    def json(cls, status, value, headers=()):
-        if value is None:
-            return cls(status, headers)
-        return cls(status, list(headers) + [("Content-Type", "application/json")],
-                   compact_json(value).encode())
-
-    @classmethod
-    def error(cls, error, headers=()):
-        return cls.json(error.status, error.to_json(), headers)
-
-
-# =============================================================================
-# Forwarding: one Upstream on http.client, with a shared connection pool
-# =============================================================================
-
-HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "proxy-authenticate",
-                        "proxy-authorization", "te", "trailer", "trailers",
-                        "transfer-encoding", "upgrade"))
-# Request headers the proxy sets itself.
-NOT_FORWARDED = HOP_BY_HOP | {"host", "authorization", "content-length", "expect"}
-# Meilisearch believes these from its network peers (a remote's search, an
-# import): a caller must not send them with our backend key.
-NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
-# Answer headers not relayed as is: this hop frames the body itself, and a
-# filtered answer is re-encoded as plain JSON.
-NOT_RELAYED = HOP_BY_HOP | {"content-length"}
-NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
-MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
-def _kept_headers(headers, dropped):
-    """`headers` as (name, value) pairs, without the names in `dropped` and
-    those the Connection header lists (hop-by-hop too)."""
-    for name, value in headers:
-        if name.lower() == "connection":
-            dropped = dropped | {token.strip().lower() for token in value.split(",")}
-    return [(name, value) for name, value in headers if name.lower() not in dropped]
-
-
-class UpstreamError(Exception):
-    """The backend could not be reached, or answered something that is not HTTP."""
-
-
-def upstream_unreachable(upstream, reason):
-    """502 that names no internal address nor exception (the log has them)."""
-    upstream.log("searchkeys: the search backend at %s could not be reached: %s"
-                 % (upstream.display_url, printable(str(reason))))
-    return ApiError(502, "upstream_unavailable", "The search backend is unavailable.",
-                    "system")
-
-
-def no_upstream():
-    return ApiError(501, "no_upstream",
-                    "The request is authorized, but searchkeys runs without --upstream: there "
-                    "is no search backend to forward it to.", "system")
-
-
-def _readable(sock):
-    """Has an idle `sock` data or an EOF waiting (the backend closed it)?
-    poll() where there is one: select() fails on descriptors past 1023."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([sock], [], [], 0)[0])
-
-
-# What a pooled connection the backend closed (a keep-alive timeout, a
-# restart) fails with before any byte of an answer: the only failures retried.
-CLOSED_BY_BACKEND = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
-
-
-class Upstream:
-    """The search backend: keep-alive http.client connections shared by all
-    callers. A request is sent at most once, unless it is safe to repeat
-    and its body is at hand: then, when a pooled connection turns out to be
-    closed before any answer came, it is sent once more on a new one (never
-    after a timeout: the backend may still be working on it)."""
-
-    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None):
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
-        self.host_header = parts.netloc.rpartition("@")[2]  # without any user:password@
-        self.display_url = "%s://%s" % (parts.scheme, self.host_header)
-        self.prefix = parts.path.rstrip("/")
-        self.authorization = "Bearer " + api_key if api_key else None
-        self.timeout = timeout
-        self.pool_size = pool_size
-        self.tls = parts.scheme == "https"
-        self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
-        self.log = log or (lambda message: None)
-        self._idle = []
-        self._lock = threading.Lock()
-
-    def _connection(self, check, fresh=False):
-        """(connection, reused): a pooled connection or (`fresh`) a new one.
-        With `check` (a request that may not be repeated), a pooled
-        connection the backend closed while idle is dropped before anything
-        is sent."""
-        while True:
-            connection = None
-            if not fresh:
-                with self._lock:
-                    connection = self._idle.pop() if self._idle else None
-            if connection is None:
-                if self.tls:
-                    import ssl  # only for https backends
-                    return http.client.HTTPSConnection(
-                        *self.address, timeout=self.timeout,
-                        context=ssl.create_default_context()), False
-                return http.client.HTTPConnection(*self.address, timeout=self.timeout), False
-            if not check or not _readable(connection.sock):
-                return connection, True
-            connection.close()
-
-    def _release(self, connection):
-        with self._lock:
-            if len(self._idle) < self.pool_size:
-                self._idle.append(connection)
-                return
-        connection.close()
-
-    def headers_for(self, incoming, keep_encoding=True):
-        """The caller's headers minus hop-by-hop ones and its credential, plus ours."""
-        dropped = NOT_FORWARDED if keep_encoding else NOT_FORWARDED | {"accept-encoding"}
-        headers = [(name, value) for name, value in _kept_headers(incoming, dropped)
-                   if not name.lower().startswith(NETWORK_HEADER_PREFIXES)]
-        headers.append(("Host", self.host_header))
-        if self.authorization:
-            headers.append(("Authorization", self.authorization))
-        return headers
-
-    def send(self, method, target, headers, body, repeatable):
-        """Send one request: (connection, http.client.HTTPResponse), head read.
-        `headers` go as they are, repeated ones included; `body` is bytes,
-        or an iterable of chunks sent as they come (with the Content-Length
-        in `headers`, or chunked)."""
-        at_hand = isinstance(body, bytes)
-        chunked = not at_hand and not any(n.lower() == "content-length" for n, _ in headers)
-        if at_hand and (body or method in ("POST", "PUT", "PATCH")):
-            headers = headers + [("Content-Length", str(len(body)))]
-        elif chunked:
-            headers = headers + [("Transfer-Encoding", "chunked")]
-        for attempt in (1, 2):
-            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
-            try:
-                connection.putrequest(method, self.prefix + target, skip_host=True,
-                                      skip_accept_encoding=True)
-                for name, value in headers:
-                    connection.putheader(name, value)
-                connection.endheaders(body or None, encode_chunked=chunked)
-                return connection, connection.getresponse()
-            except BrokenBody:  # the caller's body broke off: the backend got half a request
-                connection.close()
-                raise
-            except (OSError, http.client.HTTPException) as exc:
-                connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1 and
-                        isinstance(exc, CLOSED_BY_BACKEND)):
-                    raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
-                                        else type(exc).__name__)
-        raise AssertionError("unreachable")
-
-    def finish(self, connection, response):
-        """After a fully read answer: keep the connection for the next request."""
-        response.close()  # read1 leaves a finished answer open, and the connection unusable
-        if response.will_close or connection.sock is None:
-            connection.close()
-        else:
-            self._release(connection)
-
-    def fetch_json(self, target):
-        """GET `target` with the upstream key: (status, JSON value or None).
-        Used by the handler rules, e.g. to learn which indexes exist."""
-        headers = [("Accept", "application/json"), ("Host", self.host_header)]
-        if self.authorization:
-            headers.append(("Authorization", self.authorization))
-        try:
-            connection, response = self.send("GET", target, headers, b"", True)
-            data = response.read(MAX_UPSTREAM_JSON)
-        except (UpstreamError, OSError, http.client.HTTPException) as exc:
-            raise upstream_unreachable(self, exc)
-        self.finish(connection, response)
-        try:
-            return response.status, json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return response.status, None
-
-    def forward(self, method, target, headers, body, repeatable, answer_filter=None):
-        """The backend's answer to one request, as a Response: whole when it
-        is small or filtered (`answer_filter` rewrites a 200 JSON answer),
-        else streamed through as it arrives."""
-        try:
-            connection, response = self.send(method, target, headers, body, repeatable)
-        except UpstreamError as exc:
-            raise upstream_unreachable(self, exc)
-        try:
-            headers = list(response.getheaders())
-            if answer_filter is not None and response.status == 200:
-                data = self._filtered(response, answer_filter)
-                headers = _kept_headers(headers, NOT_RELAYED_FILTERED)
-                if not any(name.lower() == "content-type" for name, _ in headers):
-                    headers.append(("Content-Type", "application/json"))
-            elif response.length is not None and response.length <= SMALL_BODY \
-                    or response.status in (204, 304):
-                data = response.read()
-                headers = _kept_headers(headers, NOT_RELAYED)
-            else:
-                return Response(response.status, _kept_headers(headers, NOT_RELAYED),
-                                stream=self._relay(connection, response),
-                                length=response.length)
-        except (OSError, http.client.HTTPException) as exc:
-            connection.close()
-            raise upstream_unreachable(self, "its answer broke off: %s" % type(exc).__name__)
-        except BaseException:
-            connection.close()
-            raise
-        self.finish(connection, response)
-        return Response(response.status, headers, data)
-
-    @staticmethod
-    def _filtered(response, answer_filter):
-        data = response.read(MAX_UPSTREAM_JSON + 1)
-        try:
-            if len(data) > MAX_UPSTREAM_JSON:
-                raise ValueError("too large")
-            return compact_json(answer_filter(json.loads(data.decode("utf-8")))).encode()
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise ApiError(502, "upstream_unavailable", "The search backend's answer is not "
-                           "JSON; it cannot be filtered for this key.", "system")
-
-    def _relay(self, connection, response):
-        """The answer's body, piece by piece as the backend sends it; the
-        connection is kept only if the whole answer went through."""
-        done = False
-        try:
-            while True:
-                data = response.read1(SMALL_BODY)
-                if not data:
-                    break
-                yield data
-            done = True
-        finally:
-            if done:
-                self.finish(connection, response)
-            else:
-                connection.close()
-
-
-# =============================================================================
-# Service: request -> authenticate -> authorize -> validate -> store or forward
-# =============================================================================
-
-
-class Service:
-    """The server's request pipeline, pure of sockets: `handle(request)`
-    returns the Response; every refusal is upstream's JSON error."""
-
-    def __init__(self, store, master_key, upstream=None, log=None, limits=None):
-        self.store = store
-        self.guard = Guard(store, master_key)
-        self.keys_api = KeysApi(store)
-        self.gate = Gate(self.guard, limits)
-        self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
-        self.upstream = upstream
-        self.log = log or (lambda message: None)
-
-    def handle(self, request):
-        try:
-            response = self.dispatch(request)
-        except ApiError as error:
-            response = Response.error(error, getattr(error, "headers", ()))
-        except BrokenBody as exc:
-            response = Response.error(bad_request("The request body is malformed: %s." % exc))
-        except Exception as exc:  # a bug: answer 500, never a traceback
-            self.log("searchkeys: internal error on %s %s: %s: %s" % (
-                printable(request.method), safe_path(request.target), type(exc).__name__, exc))
-            response = Response.error(internal_error("An internal error occurred."))
-        if request.headers.get("Origin") and not any(
-                name.lower() == "access-control-allow-origin" for name, _ in response.headers):
-            response.headers.append(("Access-Control-Allow-Origin", "*"))
-        return response
-
-    def dispatch(self, request):
-        """Route, authenticate, authorize, then answer, store or forward."""
-        method = request.method
-        if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            return Response(200, _preflight_headers(request.headers))
-        route = match_route(method, path_segments(origin_form(request.target)))
-        if route is None:
-            return Response(404)
-        if route == "method":
-            return Response(405)
-        route, index, params = route
-        if route.local == AUTHORIZE:
-            return self.answer_authorize(request)
-        if route.local == HEALTH:
-            return Response.json(200, {"status": "available"})
-        principal = self.gate.check(request, route.actions, index)
-        if route.local == RESTRICTIONS:
-            return self.restrictions_api.handle(request, principal, params["key"])
-        if route.local == KEYS:
-            status, value = self.keys_api.handle(request, principal, method, params,
-                                                 request.query)
-            return Response.json(status, value)
-        return self.forward(request, principal, route, params)
-
-    def forward(self, request, principal, route, params):
-        """Send the backend what `plan_forward` makes of the request; relay its answer."""
-        plan = plan_forward(route, request, principal, params, self.upstream)
-        self.gate.charge(request, principal, plan.searches)
-        upstream, body = self.upstream, plan.body
-        headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
-        if body is None:
-            body = self.caller_body(request.body, headers)
-        return upstream.forward(route.method, plan.target, headers, body,
-                                is_repeatable(route.method, route.pattern), plan.answer_filter)
-
-    @staticmethod
-    def caller_body(body, headers):
-        """The caller's body to send on: bytes when small, else its chunks
-        as they arrive (with its length when it announced one)."""
-        if body.finished:
-            return b""
-        if body.size_known and body.remaining <= SMALL_BODY:
-            return body.read(SMALL_BODY)
-        if body.size_known:
-            headers.append(("Content-Length", str(body.remaining)))
-        return body.chunks()
-
-    def answer_authorize(self, request):
-        """nginx auth_request: 204 when the original request is allowed."""
-        uri = request.headers.get("X-Original-URI")
-        if not uri:
-            raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
-                              "`X-Original-Method`) of the request to authorize.")
-        method = (request.headers.get("X-Original-Method") or "").strip().upper()
-        if not method:  # judged as a GET, a POST adding documents would pass as a read
-            raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
-                              "`X-Original-URI`) of the request to authorize.")
-        route = match_route(method, path_segments(origin_form(uri)))
-        if route is None or route == "method" or not route[0].is_meilisearch:
-            raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
-                           % (printable(method), safe_path(uri)), "auth")
-        route, index, _params = route
-        principal = self.gate.check(request, route.actions, index)
-        check_unseen(principal, route, uri)
-        if route.scope_rule(principal, index) is not None:
-            raise scope_not_enforceable(
-                route, "through `GET /authorize`, which never sees the body nor the answer "
-                "(use `searchkeys.py serve --upstream` for such keys)")
-        check_no_implicit_creation(route, principal, index, self.upstream, 403)
-        return Response(204, authorize_headers(principal))
-
-
-def _preflight_headers(headers):
-    """CORS preflight, as upstream's permissive actix-cors answers it."""
-    answer = [("Access-Control-Allow-Origin", "*"),
-              ("Access-Control-Allow-Methods", headers.get("Access-Control-Request-Method", "")),
-              ("Access-Control-Max-Age", "86400")]
-    wanted = headers.get("Access-Control-Request-Headers")
-    if wanted:
-        answer.append(("Access-Control-Allow-Headers", wanted))
-    return answer
-
-
-def printable(text):
-    """`text` safe to print on one log line: controls and non-ASCII escaped."""
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
-
-
-def safe_path(raw):
-    """The path for logs: normalized, no query string, no segment that may
-    be a secret (a key value after /keys/, or any long token), and escaped
-    (a decoded `%0A` must not start a forged log line)."""
-    segments = list(path_segments(raw))
-    for i, segment in enumerate(segments):
-        after_keys = i > 0 and segments[i - 1] == "keys"
-        if (after_keys or len(segment) >= 32) and not _CANONICAL_UUID_RE.match(segment.lower()):
-            segments[i] = "<hidden>"
-    return printable("/" + "/".join(segments))
-
-
-# =============================================================================
-# HTTP: http.server glue (KeysServer + KeysHandler)
-# =============================================================================
-
-
-class KeysHandler(http.server.BaseHTTPRequestHandler):
-    """Reads a request, asks `server.service` for the answer, writes it."""
-
-    protocol_version = "HTTP/1.1"
-    server_version = "searchkeys/" + __version__
-    sys_version = ""
-    timeout = CLIENT_TIMEOUT
-    wbufsize = SMALL_BODY  # a head and a small body leave in one send
-    default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
-    body = None
-
-    def setup(self):
-        """StreamRequestHandler's, on a Connection: the bytes read ahead of
-        this request come first, and its head is bounded in total time."""
-        self.connection = self.request.sock
-        self.connection.settimeout(self.timeout)
-        self.reader = ReadAhead(self.request)
-        self.rfile = io.BufferedReader(self.reader)
-        self.wfile = self.connection.makefile("wb", self.wbufsize)
-
-    def handle(self):
-        """One request a turn: between requests the server holds the
-        connection without a thread, with what was read past this one."""
-        connection = self.request
-        connection.keep, connection.read_ahead = False, b""
-        self.close_connection = True
-        self.handle_one_request()
-        if not self.close_connection:
-            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
-
-    def handle_one_request(self):
-        """Like http.server's, with the whole head (not each line) bounded
-        at MAX_HEAD, and one pipeline instead of do_* methods."""
-        self.status, self.body, self.command = None, None, None
-        self.path, self.request_version = None, self.default_request_version
-        try:
-            self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
-            started = time.monotonic()  # not before: a keep-alive connection waits idle
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if len(self.raw_requestline) > MAX_HEAD:
-                self.send_error(414, "Request line too long")
-            elif self.parse_request():
-                request = Request(self.command, self.path, self.headers, self.body,
-                                  self.request_version, self.client_address[0])
-                self.send_answer(self.server.service.handle(request))
-            self.wfile.flush()
-        except (TimeoutError, socket.timeout, ConnectionError):
-            self.close_connection = True
-        finally:
-            if self.status is not None or self.command:
-                self.server.service.log("%s %s %s %.2fms" % (
-                    printable(self.command or "-"), safe_path(self.path or "-")
-                    if self.command else "-", self.status or "-",
-                    (time.monotonic() - started) * 1000))
-
-    def parse_request(self):
-        """Replaces http.server's: a request line of three words and HTTP/1.x
-        (no HTTP/0.9, whose answers have no head), the whole head within
-        MAX_HEAD but no cap per line, header lines every party reads alike,
-        one unambiguous body framing; 100 Continue waits until the body is read."""
-        self.close_connection = True
-        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        words = self.requestline.split()
-        if not words:
-            return False
-        version = _HTTP_VERSION_RE.match(words[-1])
-        if len(words) != 3 or not version:
-            self.send_error(400, "Bad request line")
-            return False
-        if version.group(1) != "1":
-            self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported")
-            return False
-        self.command, self.path = words[0], words[1]  # the target as sent: the service checks it
-        self.request_version = "HTTP/1.1" if int(version.group(2)) else "HTTP/1.0"
-        head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
-        if head is None:
-            return False
-        self.reader.end_of_head()
-        self.headers = email.parser.Parser(_class=self.MessageClass).parsestr(head)
-        connection = self.headers.get("Connection", "").lower()
-        self.close_connection = connection == "close" or (
-            self.request_version == "HTTP/1.0" and connection != "keep-alive")
-        expecting = self.request_version == "HTTP/1.1" and \
-            self.headers.get("Expect", "").lower() == "100-continue"
-        try:
-            self.body = Body.of_request(self.rfile, self.headers,
-                                        self.send_continue if expecting else None)
-        except ApiError as error:
-            self.close_connection = True
-            self.send_answer(Response.error(error))
-            return False
-        return True
-
-    def read_header_block(self, budget):
-        """The header lines within `budget` bytes as text, or None once refused."""
-        lines = []
-        while True:
-            line = self.rfile.readline(budget + 1)
-            budget -= len(line)
-            if budget < 0 or len(lines) > MAX_HEADERS:
-                self.send_error(431, "Header fields too large")
-                return None
-            if line in (b"\r\n", b"\n", b""):
-                break
-            lines.append(line)
-        block = b"".join(lines)
-        if not _HEADER_BLOCK_RE.fullmatch(block):
-            self.send_error(400, "Bad header line")
-            return None
-        return block.decode("iso-8859-1")
-
-    def send_continue(self):
-        """100 Continue, sent when the body is first read: a refused request
-        never invites its body (http.server's handle_expect_100 is not used)."""
-        self.send_response_only(100)
-        self.end_headers()
-        self.wfile.flush()
-
-    def send_error(self, code, message=None, explain=None):
-        """Refusals of http.server's own checks, as upstream's JSON error."""
-        self.close_connection = True
-        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
-        self.send_answer(Response.error(error))
-
-    def send_answer(self, response):
-        """Write a Response, framed for this hop."""
-        body = self.body
-        if body is not None and not body.discard():
-            self.close_connection = True
-        status, head_only = response.status, self.command == "HEAD"
-        self.status = status
-        self.send_response_only(status)
-        names = set()
-        for name, value in response.headers:
-            names.add(name.lower())
-            self.send_header(name, value)
-        if "date" not in names:
-            self.send_header("Date", self.date_time_string())
-        chunked = False
-        if response.stream is None:
-            if status >= 200 and status not in (204, 304) and not (
-                    head_only and "content-length" in names):
-                self.send_header("Content-Length", str(len(response.body)))
-        elif response.length is not None:
-            self.send_header("Content-Length", str(response.length))
-        elif self.request_version == "HTTP/1.1":
-            chunked = True
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True  # an HTTP/1.0 caller: the end is the close
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if response.stream is None:
-            if not head_only:
-                self.wfile.write(response.body)
-            return
-        self.write_stream(response.stream, chunked)
-
-    def write_stream(self, stream, chunked):
-        """A streamed body, each piece sent as it comes; a backend or caller
-        that breaks off ends the connection (its framing cannot be finished)."""
-        try:
-            for data in stream:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
-                self.wfile.flush()
-            if chunked:
-                self.wfile.write(b"0\r\n\r\n")
-        except (OSError, http.client.HTTPException):
-            self.close_connection = True
-        finally:
-            stream.close()
-
-    _date = (0, "")
-
-    def date_time_string(self, timestamp=None):
-        """http.server's, formatted once a second (formatting is slow)."""
-        if timestamp is not None:
-            return super().date_time_string(timestamp)
-        now = int(time.time())
-        if KeysHandler._date[0] != now:
-            KeysHandler._date = (now, super().date_time_string(now))
-        return KeysHandler._date[1]
-
-    def log_message(self, format, *args):
-        self.server.service.log("searchkeys: %s" % printable(format % args))
-
-
-class Connection:
-    """A caller's connection between requests: its socket, the bytes read
-    ahead of its next request, and when that request's head must be in."""
-
-    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
-
-    def __init__(self, sock, address):
-        self.sock, self.address = sock, address
-        self.read_ahead, self.deadline, self.keep = b"", None, False
-
-    def head_arrived(self):
-        """Has a whole head come (or all that a waiting connection may hold)?"""
-        data = self.read_ahead
-        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
-
-
-class ReadAhead(io.RawIOBase):
-    """What a handler reads: its connection's read-ahead bytes, then the
-    socket, the head by its deadline in total (a timeout per recv would let
-    a client sending a byte now and then hold a worker for ever)."""
-
-    def __init__(self, connection):
-        super().__init__()
-        self.sock, self.deadline = connection.sock, connection.deadline
-        self.pending = memoryview(connection.read_ahead)
-        self.probing = False
-
-    def readable(self):
-        return True
-
-    def readinto(self, buffer):
-        if self.pending:
-            count = min(len(buffer), len(self.pending))
-            buffer[:count] = self.pending[:count]
-            self.pending = self.pending[count:]
-            return count
-        if self.probing:
-            return None  # "nothing without waiting", to leftover()
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("the request head took too long")
-            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
-        return self.sock.recv_into(buffer)
-
-    def end_of_head(self):
-        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
-        if self.deadline is not None:
-            self.deadline = None
-            self.sock.settimeout(CLIENT_TIMEOUT)
-
-    def leftover(self, rfile):
-        """What `rfile` (reading this) already holds past the request just
-        answered: the start of the next one. Never waits."""
-        self.probing = True
-        pieces = []
-        while True:
-            piece = rfile.read1(SMALL_BODY)
-            if not piece:
-                return b"".join(pieces)
-            pieces.append(piece)
-
-
-class ConnectionWatcher:
-    """Connections waiting for their next request, held without a thread:
-    one thread watches them all (selectors), reads what arrives, and hands
-    a connection to `ready` once its head is in. A connection has
-    CLIENT_TIMEOUT for its next head in total, then is closed; while
-    `crowded()`, the connection waiting longest is closed for a newcomer."""
-
-    def __init__(self, ready, close, crowded):
-        self.ready, self.close, self.crowded = ready, close, crowded
-        self._selector = selectors.DefaultSelector()
-        self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
-        self._incoming = collections.deque()  # parked by other threads, not yet watched
-        self._wake, self._waker = socket.socketpair()
-        for sock in (self._wake, self._waker):
-            sock.setblocking(False)
-        self._selector.register(self._wake, selectors.EVENT_READ)
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
-
-    def start(self):
-        self._thread.start()
-
-    def park(self, connection):
-        """Watch `connection` until its next head is in (from any thread)."""
-        connection.deadline = time.monotonic() + CLIENT_TIMEOUT
-        self._incoming.append(connection)
-        self._wake_up()
-
-    def stop(self):
-        self._running = False
-        self._wake_up()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        for connection in list(self._waiting) + list(self._incoming):
-            connection.sock.close()
-        self._selector.close()
-        self._wake.close()
-        self._waker.close()
-
-    def _wake_up(self):
-        try:
-            self._waker.send(b"\0")
-        except OSError:
-            pass  # full: a wake-up is pending anyway
-
-    def _run(self):
-        while self._running:
-            for key, _ in self._selector.select(1.0):
-                if key.data is None:
-                    while self._drain():
-                        pass
-                else:
-                    self._receive(key.data)
-            while self._incoming:
-                self._watch(self._incoming.popleft())
-            now = time.monotonic()
-            while self._waiting and (next(iter(self._waiting)).deadline <= now or
-                                     self.crowded()):
-                self._drop(next(iter(self._waiting)))
-
-    def _drain(self):
-        try:
-            return self._wake.recv(4096)
-        except OSError:
-            return b""
-
-    def _watch(self, connection):
-        try:
-            connection.sock.setblocking(False)
-            self._selector.register(connection.sock, selectors.EVENT_READ, connection)
-        except (OSError, ValueError):  # closed meanwhile: nothing to watch
-            self.close(connection)
-            return
-        self._waiting[connection] = None
-
-    def _unwatch(self, connection):
-        del self._waiting[connection]
-        self._selector.unregister(connection.sock)
-
-    def _drop(self, connection):
-        self._unwatch(connection)
-        self.close(connection)
-
-    def _receive(self, connection):
-        try:
-            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = connection.read_ahead = b""  # reset: nothing left to answer
-        if data:
-            connection.read_ahead += data
-            if not connection.head_arrived():
-                return
-        if not connection.read_ahead:  # closed between requests
-            self._drop(connection)
-            return
-        self._unwatch(connection)
-        self.ready(connection)  # a head, or the end of a cut-off one
-
-
-def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
-    """Raise the soft limit on open files towards `wanted` (within the hard
-    limit): each waiting connection holds one. Returns the limit in force."""
-    import resource  # Unix only, like fcntl
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
-        if hard != resource.RLIM_INFINITY:
-            target = min(target, hard)
-        if soft == resource.RLIM_INFINITY or soft >= target:
-            break
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            return target
-        except (ValueError, OSError):
-            continue
-    return soft
-
-
-def listen_family(host):
-    """AF_INET, or AF_INET6 for a host with only IPv6 addresses (`::1`, `::`)."""
-    families = {info[0] for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM, 0,
-                                                       socket.AI_PASSIVE)}
-    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
-
-
-class KeysServer(http.server.HTTPServer):
-    """Between requests a connection waits in a ConnectionWatcher, without
-    a thread; a request whose head is in is served by one of at most
-    `max_connections` worker threads (the rest wait their turn). So idle
-    keep-alive connections and slow heads hold no thread, and a newcomer is
-    served while thousands of them are open. Past `max_open` connections
-    the one waiting longest is closed. (ThreadingMixIn's thread for each
-    connection is what this replaces.)"""
-
-    request_queue_size = 1024
-    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
-
-    def __init__(self, address, service, max_connections=512, max_open=1000):
-        self.service = service
-        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
-        self._ready = collections.deque()
-        self._turns = threading.Condition()
-        self._workers = self._idle_workers = 0
-        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
-                                         lambda: self.open > self.max_open)
-        self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler)
-
-    def server_bind(self):
-        """An IPv6 socket takes IPv4 callers too where the system allows it
-        (`--host ::` is then every address of both families)."""
-        if self.address_family == socket.AF_INET6:
-            try:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except (AttributeError, OSError):
-                pass  # IPv6 only, as the system has it
-        super().server_bind()
-
-    def serve_forever(self, poll_interval=0.5):
-        self.watcher.start()
-        super().serve_forever(poll_interval)
-
-    def server_close(self):
-        super().server_close()
-        self.watcher.stop()
-
-    def process_request(self, request, client_address):
-        """A new connection waits for its first request like any other."""
-        try:
-            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        with self._turns:
-            self.open += 1
-        self.watcher.park(Connection(request, client_address))
-
-    def _queue(self, connection):
-        """Serve `connection`'s request on a waiting worker, or a new one
-        while there are fewer than max_connections."""
-        with self._turns:
-            self._ready.append(connection)
-            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
-            if start:
-                self._workers += 1
-            self._turns.notify()
-        if start:
-            try:
-                threading.Thread(target=self._work, daemon=True).start()
-            except RuntimeError:  # no thread to be had: the running workers take it
-                with self._turns:
-                    self._workers -= 1
-
-    def _work(self):
-        while True:
-            with self._turns:
-                while not self._ready:
-                    self._idle_workers += 1
-                    woken = self._turns.wait(self.worker_idle_seconds)
-                    self._idle_workers -= 1
-                    if not woken and not self._ready:
-                        self._workers -= 1
-                        return
-                connection = self._ready.popleft()
-            self._serve_turn(connection)
-
-    def _serve_turn(self, connection):
-        """Requests of one connection while they come at once and nobody
-        else waits for a worker; then it waits for its next one, or closes."""
-        while True:
-            try:
-                self.finish_request(connection, connection.address)
-            except Exception:
-                self.handle_error(connection.sock, connection.address)
-                connection.keep = False
-            if connection.keep and not connection.head_arrived() and not self._ready:
-                self._next_request_soon(connection)
-            if not connection.keep:
-                self._close(connection, True)
-                return
-            if not connection.head_arrived():
-                self.watcher.park(connection)
-                return
-            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
-            if self._ready:  # others wait: take turns
-                self._queue(connection)
-                return
-
-    @staticmethod
-    def _next_request_soon(connection):
-        """Read what comes within NEXT_REQUEST_WAIT: a keep-alive caller sends
-        its next request right away more often than not, and serving it here
-        saves the trip through the watcher to another worker."""
-        sock = connection.sock
-        try:
-            sock.settimeout(NEXT_REQUEST_WAIT)
-            data = sock.recv(READ_AHEAD - len(connection.read_ahead))
-        except OSError:  # the timeout most often: the watcher will see what comes
-            return
-        if not data:
-            connection.keep = False  # closed by the caller
-        connection.read_ahead += data
-
-    def _close(self, connection, linger):
-        if linger:
-            self.shutdown_request(connection.sock)
-        else:
-            self.close_request(connection.sock)
-        with self._turns:
-            self.open -= 1
-
-    def shutdown_request(self, request):
-        """socketserver's, plus a lingering close: what the caller still sends
-        is read and dropped for a moment, or closing with unread bytes would
-        reset the connection and lose an answer sent before the request was
-        read to its end (a refused head, an oversized body)."""
-        try:
-            request.shutdown(socket.SHUT_WR)
-            request.settimeout(LINGER_SECONDS)
-            budget = MAX_KEYS_BODY
-            while budget > 0:
-                data = request.recv(SMALL_BODY)
-                if not data:
-                    break
-                budget -= len(data)
-        except OSError:
-            pass
-        self.close_request(request)
-
-    def handle_error(self, request, client_address):
-        self.service.log("searchkeys: internal error: %s" % printable(
-            repr(sys.exc_info()[1])))
 
 
 # =============================================================================

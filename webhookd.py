@@ -23,6 +23,11 @@ Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``
 (glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
+
+The file reads in that order: the command line, the hooks model (files, hooks, the registry
+with hot reload), HTTP (heads, the http.server glue), the pipeline with its payload parsers and
+rules, the runner, the run history, then the lifecycle (systemd, process setup, signals, main);
+the YAML reader is an appendix at the end.
 """
 
 import argparse
@@ -66,6 +71,7 @@ from xml.parsers import expat
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
 VERSION = "2.8.0"  # the adnanh/webhook release whose behaviour webhookd reproduces
 PROGRAM = "webhook"
+
 
 # ---------------------------------------------------------------------------
 # Upstream messages and Go compatibility tables
@@ -130,6 +136,8 @@ GO_CIPHER_SUITES = {
 }
 
 log = logging.getLogger("webhookd")
+
+
 # ---------------------------------------------------------------------------
 # Command line: argparse built from one flag table, after a normalisation of Go's spellings
 # ---------------------------------------------------------------------------
@@ -364,6 +372,7 @@ def usage_text(program):
         lines.append(text)
     return "\n".join(lines) + "\n"
 
+
 # ---------------------------------------------------------------------------
 # Hooks files: template expansion (pure)
 # ---------------------------------------------------------------------------
@@ -456,692 +465,6 @@ def expand_template(text, filename, environ=None):
         line, col = line_col(text, pos + rest.index("{{"))
         raise HooksFileError("%s:%d:%d: unclosed template action" % (filename, line, col))
     out.append(rest)
-    return "".join(out)
-
-
-# ---------------------------------------------------------------------------
-# Hooks files: YAML reader (pure)
-# ---------------------------------------------------------------------------
-# Upstream reads every hooks file with go-yaml v2 (YAML 1.1) and turns the result into JSON before
-# decoding it.  `load_yaml(text)` returns the same JSON-like values for the YAML hooks files use:
-# block and flow collections, the three scalar styles, block scalars, anchors, aliases and merge
-# keys.  What it does not read (tags, several documents, complex keys) is refused by line, never
-# read differently.
-
-class YamlError(ValueError):
-    """A YAML text that cannot be read; `line` and `column` count from 1."""
-
-    def __init__(self, message, line, column):
-        ValueError.__init__(self, "%d:%d: %s" % (line, column, message))
-        self.message, self.line, self.column = message, line, column
-
-
-class YamlMap(dict):
-    """A mapping read from YAML; `lines[key]` is the line the key is on."""
-
-    __slots__ = ("lines",)
-
-
-class YamlList(list):
-    """A sequence read from YAML; `lines[i]` is the line item i starts on."""
-
-    __slots__ = ("lines",)
-
-
-YAML_CONSTANTS = {"": None, "~": None, "null": None, "Null": None, "NULL": None,
-                  ".nan": float("nan"), ".NaN": float("nan"), ".NAN": float("nan")}
-YAML_CONSTANTS.update(dict.fromkeys(("y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE",
-                                     "on", "On", "ON"), True))
-YAML_CONSTANTS.update(dict.fromkeys(("n", "N", "no", "No", "NO", "false", "False", "FALSE",
-                                     "off", "Off", "OFF"), False))
-for _sign, _value in (("", float("inf")), ("+", float("inf")), ("-", float("-inf"))):
-    YAML_CONSTANTS.update(dict.fromkeys((_sign + ".inf", _sign + ".Inf", _sign + ".INF"), _value))
-YAML_GO_INT = re.compile(r"([-+]?)(0[xX][0-9a-fA-F]+|0[bB][01]+|0[oO][0-7]+|0[0-7]*|[1-9][0-9]*)\Z")
-YAML_FLOAT = re.compile(r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+][0-9]+)?\Z")
-YAML_DOT_FLOAT = re.compile(r"\.[0-9]+(?:[eE][-+]?[0-9]+)?\Z")
-YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n", "v": "\v",
-                "f": "\f", "r": "\r", "e": "\x1b", " ": " ", '"': '"', "'": "'", "\\": "\\",
-                "N": "\x85", "_": "\xa0", "L": "\u2028", "P": "\u2029"}
-YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
-# Where a plain scalar's line ends.  Blanks count only from the first of a run (look-behind):
-# trying every blank of a long run as a start would take quadratic time.
-YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=[\n%s])|[ \t]*\Z)"
-YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END % "")
-YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END % r",:?\[\]{}")
-YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
-YAML_LINE_SPACE = re.compile(r"[ \t]*")
-YAML_MAX_ALIASED = 100000  # values all aliases together may expand to
-YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
-YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
-YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
-YAML_SINGLE_STOPS = re.compile(r"['\n]")
-# Markers no decoded text contains (surrogateescape yields only U+DC80..U+DCFF): an escaped
-# blank to keep at a line's edge, and an escaped line break.
-YAML_KEEP, YAML_ESCAPED_BREAK = "\ud800", "\ud801"
-
-
-def resolve_plain(text):
-    """A plain (unquoted) scalar as go-yaml v2 resolves it: None, bool, int, float or str.
-    YAML 1.1: `yes`/`on`/`y` are true, `0777` is octal, `1_000` is 1000, `1e3` stays a string."""
-    if text in YAML_CONSTANTS:
-        return YAML_CONSTANTS[text]
-    first = text[:1]
-    if first == "." and YAML_DOT_FLOAT.match(text):
-        value = float(text)
-        return text if math.isinf(value) else value
-    if not first or first not in "+-0123456789":
-        return text
-    plain = text.replace("_", "")
-    number = YAML_GO_INT.match(plain)
-    if number:
-        sign, digits = number.groups()
-        base = {"x": 16, "b": 2, "o": 8}.get(digits[1:2].lower(), 8 if digits[:1] == "0" else 10)
-        magnitude = int(digits[2:] if base != 10 and digits[1:2].isalpha() else digits, base)
-        value = -magnitude if sign == "-" else magnitude
-        if -2 ** 63 <= value < 2 ** 63 or (not sign and value < 2 ** 64):
-            return value
-    if YAML_FLOAT.match(plain):
-        value = float(plain)
-        if not math.isinf(value):
-            return value
-    return text
-
-
-def go_float32_text(value):
-    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
-    if value != value:
-        return "NaN"
-    try:
-        single = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        single = value * math.inf
-    if math.isinf(single):
-        return "+Inf" if single > 0 else "-Inf"
-    if single == 0:
-        return "-0" if math.copysign(1, single) < 0 else "0"
-    for precision in range(1, 10):
-        shortest = "%.*e" % (precision - 1, single)
-        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
-            break
-    mantissa, exponent = shortest.split("e")
-    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
-    digits = digits.replace(".", "").rstrip("0") or "0"
-    exponent = int(exponent)
-    if exponent < -4 or exponent >= 6:
-        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
-        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
-    if exponent < 0:
-        return sign + "0." + "0" * (-exponent - 1) + digits
-    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
-    fraction = digits[exponent + 1:]
-    return sign + whole + ("." + fraction if fraction else "")
-
-
-def yaml_key_text(key):
-    """A mapping key as text, as upstream turns keys into JSON object names."""
-    if isinstance(key, str):
-        return key
-    if isinstance(key, bool):
-        return "true" if key else "false"
-    if isinstance(key, int) and key < 2 ** 63:
-        return str(key)
-    if isinstance(key, float):
-        return {"+Inf": ".inf", "-Inf": "-.inf", "NaN": ".nan"}.get(go_float32_text(key),
-                                                                      go_float32_text(key))
-    raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
-
-
-def load_yaml(text):
-    """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
-    int, float, bool, None).  Raises YamlError naming the line and column."""
-    return YamlReader(text).document()
-
-
-class YamlScanner:
-    """The cursor under YamlReader: `pos` is an offset into the text; positions for errors,
-    blanks, comments and line ends, and the scalars (plain, quoted and block)."""
-
-    def __init__(self, text):
-        self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
-        self.pos = 0
-        self.anchors = {}
-        self.aliased, self.sizes = 0, {}  # values reached through aliases; expanded_size memo
-        self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
-
-    # -- positions and errors
-
-    def where(self, pos):
-        line = bisect.bisect_right(self.line_starts, pos)
-        return line, pos - self.line_starts[line - 1] + 1
-
-    def line_of(self, pos):
-        return bisect.bisect_right(self.line_starts, pos)
-
-    def column(self, pos):
-        return pos - self.line_starts[self.line_of(pos) - 1]
-
-    def fail(self, message, pos=None):
-        line, column = self.where(self.pos if pos is None else pos)
-        raise YamlError(message, line, column)
-
-    def char(self, offset=0):
-        return self.text[self.pos + offset:self.pos + offset + 1]
-
-    def blank_after(self, offset):
-        return self.char(offset) in ("", " ", "\t", "\n")
-
-    def at_marker(self, pos):
-        text = self.text
-        return (text.startswith(("---", "..."), pos) and (pos == 0 or text[pos - 1] == "\n")
-                and text[pos + 3:pos + 4] in ("", " ", "\t", "\n"))
-
-    def skip_line_space(self):
-        """Skip blanks and a comment up to the end of the current line."""
-        text = self.text
-        pos = YAML_LINE_SPACE.match(text, self.pos).end()
-        if text.startswith("#", pos) and (pos == self.pos or text[pos - 1] in " \t\n"):
-            end = text.find("\n", pos)
-            pos = len(text) if end < 0 else end
-        self.pos = pos
-
-    def at_line_end(self):
-        self.skip_line_space()
-        return self.pos >= len(self.text) or self.text[self.pos] == "\n"
-
-    def next_content(self):
-        """Skip blanks, comments and line breaks; the column of what follows, or -1 at the end
-        of the document (end of text or a `---`/`...` marker)."""
-        self.skip_line_space()
-        text, pos = self.text, self.pos
-        if pos < len(text) and text[pos] == "\n":
-            self.pos = YAML_BLANK_LINES.match(text, pos + 1).end()
-            self.skip_line_space()
-            pos = self.pos
-            start = text.rfind("\n", 0, pos) + 1
-            if "\t" in text[start:pos] and pos < len(text):
-                self.fail("found a tab character that violates indentation")
-        else:
-            start = text.rfind("\n", 0, pos) + 1
-        if pos >= len(text) or self.at_marker(pos):
-            return -1
-        return pos - start
-
-    # -- document
-
-    def skip_to_line_end(self):
-        end = self.text.find("\n", self.pos)
-        self.pos = len(self.text) if end < 0 else end
-
-    # -- block context
-
-    def plain_line(self, pattern):
-        """A plain scalar's text up to the end of its first line; (text, followed by `: `)."""
-        end = pattern.search(self.text, self.pos)
-        text = self.text[self.pos:end.start()]
-        self.pos = end.start()
-        return text, self.text.startswith(":", self.pos)
-
-    def plain_continued(self, first, parent, flow=False):
-        """Continue a plain scalar on more-indented lines (any line in flow context)."""
-        lines, text = [first], self.text
-        while True:
-            more = YAML_CONTINUATION.match(text, self.pos)
-            if more is None or more.end() >= len(text):
-                break
-            line_start, pos = more.start(2), more.end()
-            if (text[pos] == "#" or self.at_marker(line_start)
-                    or (flow and text[pos] in ",]}:?")
-                    or (not flow and pos - line_start <= parent)):
-                break
-            self.pos = pos
-            line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
-            if flow and self.char() == ":" and not self.blank_after(1):
-                self.fail("found unexpected ':'")
-            lines.extend([""] * more.group(1).count("\n"))
-            lines.append(line)
-        return fold_lines(lines) if len(lines) > 1 else first
-
-    def block_scalar(self, parent):
-        """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
-        indentation (1-9) indicators, folded and chomped as go-yaml v2 does."""
-        start, text = self.pos, self.text
-        folded = text[start] == ">"
-        self.pos += 1
-        chomping, increment = "clip", 0
-        for _ in range(2):
-            char = self.char()
-            if char in ("+", "-") and chomping == "clip":
-                chomping = "keep" if char == "+" else "strip"
-            elif char in "0123456789" and char and not increment:
-                if char == "0":
-                    self.fail("found an indentation indicator equal to 0")
-                increment = int(char)
-            else:
-                break
-            self.pos += 1
-        if self.char() not in ("", " ", "\t", "\n") or not self.at_line_end():
-            self.fail("did not find expected comment or line break", start)
-        indent = (parent + increment if parent >= 0 else increment) if increment else 0
-        pos = self.pos + 1
-        if not indent:
-            deepest, probe = 0, pos
-            while probe < len(text):
-                end = text.find("\n", probe)
-                line = text[probe:len(text) if end < 0 else end]
-                deepest = max(deepest, len(line) - len(line.lstrip(" ")))
-                if line.strip(" ") or end < 0:
-                    break
-                probe = end + 1
-            indent = max(deepest, parent + 1, 1)
-        entries, breaks, last_break = [], 0, False
-        while pos < len(text):
-            end = text.find("\n", pos)
-            end = len(text) if end < 0 else end
-            line = text[pos:end]
-            if line.strip(" ") and len(line) - len(line.lstrip(" ")) < indent:
-                break
-            if len(line) > indent:
-                entries.append((breaks, line[indent:]))
-                breaks, last_break = 0, end < len(text)
-            elif end < len(text):
-                breaks += 1
-            self.pos, pos = end, end + 1
-        pieces, previous_blank = [], False
-        for index, (before, content) in enumerate(entries):
-            blank = content[:1] in (" ", "\t")
-            if index:
-                if folded and not previous_blank and not blank:
-                    pieces.append("" if before else " ")
-                else:
-                    pieces.append("\n")
-            pieces.append("\n" * before)
-            pieces.append(content)
-            previous_blank = blank
-        if last_break and chomping != "strip":
-            pieces.append("\n")
-        if chomping == "keep":
-            pieces.append("\n" * breaks)
-        return "".join(pieces)
-
-    # -- flow context and scalars
-
-    def quoted(self):
-        """A single- or double-quoted scalar (with YAML escapes), folded over lines."""
-        start, text = self.pos, self.text
-        quote = text[start]
-        stops = YAML_DOUBLE_STOPS if quote == '"' else YAML_SINGLE_STOPS
-        out, pos, lines = [], start + 1, []
-        while True:
-            found = stops.search(text, pos)
-            if found is None:
-                self.fail("found unexpected end of stream while scanning a quoted scalar", start)
-            end = found.start()
-            out.append(text[pos:end])
-            char = text[end]
-            if char == quote:
-                if quote == "'" and text.startswith("''", end):
-                    out.append("'")
-                    pos = end + 2
-                    continue
-                pos = end + 1
-                break
-            if char == "\n":
-                lines.append("".join(out))
-                out, pos = [], end + 1
-                if self.at_marker(pos):
-                    self.fail("found unexpected document indicator", pos)
-                continue
-            escape = text[end + 1:end + 2]
-            if escape == "\n":
-                out.append(YAML_ESCAPED_BREAK)
-                lines.append("".join(out))
-                out, pos = [], end + 2
-            elif escape in YAML_ESCAPES and escape:
-                value = YAML_ESCAPES[escape]
-                out.append(YAML_KEEP + value + YAML_KEEP if value in " \t" else value)
-                pos = end + 2
-            elif escape in YAML_HEX_ESCAPES and escape:
-                width = YAML_HEX_ESCAPES[escape]
-                digits = text[end + 2:end + 2 + width]
-                if len(digits) < width or not all(c in "0123456789abcdefABCDEF" for c in digits):
-                    self.fail("did not find expected hexdecimal number", end)
-                code = int(digits, 16)
-                if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
-                    self.fail("found invalid Unicode character escape code", end)
-                out.append(chr(code))
-                pos = end + 2 + width
-            else:
-                self.fail("found unknown escape character", end)
-        self.pos = pos
-        lines.append("".join(out))
-        return fold_lines(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
-
-
-class YamlReader(YamlScanner):
-    """Recursive descent over the structure: documents, nodes, block and flow collections,
-    anchors and aliases; indentation counts columns."""
-
-    def document(self):
-        text = self.text
-        column = self.next_content()
-        while column == 0 and text.startswith("%", self.pos):
-            if not text.startswith("%YAML", self.pos):
-                self.fail("directives other than %YAML are not supported")
-            self.skip_to_line_end()
-            column = self.next_content()
-        value = None
-        if column == -1 and text.startswith("---", self.pos):
-            self.pos += 3
-            if not self.at_line_end():
-                value = self.node(-1, True)
-            elif self.next_content() >= 0:
-                value = self.node(-1, True)
-        elif column >= 0:
-            value = self.node(-1, True)
-        column = self.next_content()
-        if column == -1 and text.startswith("...", self.pos):
-            self.pos += 3
-            column = self.next_content()
-        if column == -1 and text.startswith("---", self.pos):
-            marker = self.pos
-            self.pos += 3  # an empty document after it changes nothing (upstream reads one)
-            if self.next_content() != -1 or self.pos < len(text):
-                self.fail("several YAML documents in one file are not supported", marker)
-        if self.pos < len(text):
-            self.fail("did not find expected <document start>")
-        return value
-
-    def node(self, parent, can_be_key):
-        """The node at `pos`, inside a block indented `parent` columns; `can_be_key`: it may open
-        a block mapping (it does not follow a key on the same line)."""
-        char, start = self.char(), self.pos
-        if char == "!":
-            self.fail("tags are not supported")
-        if char == "&":
-            name = self.anchor_name()
-            if self.at_line_end():
-                column = self.next_content()
-                if column > parent:
-                    value = self.node(parent, True)
-                elif column == parent and self.char() == "-" and self.blank_after(1) and \
-                        not can_be_key:
-                    value = self.block_sequence(column)
-                else:
-                    value = None
-            else:
-                value = self.node(parent, False)
-            self.anchors[name] = value
-            return value
-        if char == "*":
-            value = self.alias()
-            self.skip_line_space()
-            if self.char() == ":":
-                self.fail("aliases as mapping keys are not supported")
-            if not self.at_line_end():
-                self.fail("did not find expected key")
-            return value
-        if char == "-" and self.blank_after(1):
-            if not can_be_key:
-                self.fail("block sequence entries are not allowed in this context")
-            return self.block_sequence(self.column(start))
-        if char == "?" and self.blank_after(1):
-            self.fail("complex mapping keys (?) are not supported")
-        if char in "[{":
-            value = self.flow_collection()
-            self.skip_line_space()
-            if self.char() == ":":
-                self.fail("complex mapping keys (a collection as key) are not supported", start)
-            if not self.at_line_end():
-                self.fail("did not find expected key")
-            return value
-        if char in "|>":
-            return self.block_scalar(parent)
-        if char in ("'", '"'):
-            value = self.quoted()
-            if self.line_of(self.pos) == self.line_of(start):
-                self.skip_line_space()
-                if self.char() == ":" and self.blank_after(1):
-                    if not can_be_key:
-                        self.fail("mapping values are not allowed in this context")
-                    return self.block_mapping(self.column(start), value, start)
-            if not self.at_line_end():
-                self.fail("did not find expected key")
-            return value
-        if char == ":" and self.blank_after(1):
-            self.fail("a mapping key is missing (null keys are not supported)")
-        if char in ",]}#@`%":
-            self.fail("found character that cannot start any token")
-        text, key_like = self.plain_line(YAML_PLAIN_END)
-        if key_like:
-            if not can_be_key:
-                self.fail("mapping values are not allowed in this context")
-            return self.block_mapping(self.column(start), resolve_plain(text), start)
-        text = self.plain_continued(text, parent)
-        if self.char() == ":":
-            self.fail("mapping values are not allowed in this context")
-        return resolve_plain(text)
-
-    def block_mapping(self, column, key, key_pos):
-        result = YamlMap()
-        result.lines = {}
-        while True:
-            self.pos += 1  # the ':'
-            if self.at_line_end():
-                content = self.next_content()
-                if content > column:
-                    value = self.node(column, True)
-                elif content == column and self.char() == "-" and self.blank_after(1):
-                    value = self.block_sequence(column)
-                else:
-                    value = None
-            else:
-                value = self.node(column, False)
-            self.store(result, key, value, key_pos)
-            content = self.next_content()
-            if content < column:
-                return result
-            if content > column:
-                self.fail("bad indentation of a mapping entry")
-            key_pos = self.pos
-            key = self.mapping_key()
-
-    def mapping_key(self):
-        char = self.char()
-        if char in ("'", '"'):
-            key = self.quoted()
-            self.skip_line_space()
-        elif char == "?" and self.blank_after(1):
-            self.fail("complex mapping keys (?) are not supported")
-        elif char in "[{":
-            self.fail("complex mapping keys (a collection as key) are not supported")
-        elif char in "&*!":
-            self.fail("anchors, aliases and tags on mapping keys are not supported")
-        elif char == "-" and self.blank_after(1):
-            self.fail("did not find expected key")
-        elif char == ":" and self.blank_after(1):
-            self.fail("a mapping key is missing (null keys are not supported)")
-        else:
-            text, _ = self.plain_line(YAML_PLAIN_END)
-            key = resolve_plain(text)
-        if not (self.char() == ":" and self.blank_after(1)):
-            self.fail("could not find expected ':'")
-        return key
-
-    def store(self, mapping, key, value, key_pos):
-        """Set one entry; a plain `<<` merges mappings in as go-yaml v2 does (in order)."""
-        if key == "<<" and self.text.startswith("<<", key_pos):
-            sources = value if isinstance(value, list) else [value]
-            for source in reversed(sources):
-                if not isinstance(source, dict):
-                    self.fail("map merge requires map or sequence of maps as the value",
-                              key_pos)
-                for name, item in source.items():
-                    mapping[name] = item
-                    mapping.lines[name] = source.lines.get(name, self.line_of(key_pos))
-            return
-        try:
-            name = yaml_key_text(key)
-        except ValueError as exc:
-            self.fail(str(exc), key_pos)
-        mapping[name] = value
-        mapping.lines[name] = self.line_of(key_pos)
-
-    def block_sequence(self, column):
-        result = YamlList()
-        result.lines = []
-        while True:
-            result.lines.append(self.line_of(self.pos))
-            self.pos += 1  # the '-'
-            if self.at_line_end():
-                item = self.node(column, True) if self.next_content() > column else None
-            else:
-                item = self.node(column, True)
-            result.append(item)
-            content = self.next_content()
-            if content < column or (content == column and not (
-                    self.char() == "-" and self.blank_after(1))):
-                return result
-            if content > column:
-                self.fail("bad indentation of a sequence entry")
-
-    def anchor_name(self):
-        match = YAML_ANCHOR.match(self.text, self.pos + 1)
-        if match is None or not self.blank_after(match.end() - self.pos) and \
-                self.text[match.end()] not in ",[]{}":
-            self.fail("did not find expected alphabetic or numeric character")
-        self.pos = match.end()
-        return match.group()
-
-    def alias(self):
-        """The anchored value (shared, not copied); what aliases expand to is counted, so a
-        file of nested aliases (a "billion laughs") fails here instead of exhausting time
-        and memory later, as go-yaml's "excessive aliasing" check does."""
-        start = self.pos
-        name = self.anchor_name()
-        if name not in self.anchors:
-            self.fail("unknown anchor '%s' referenced" % name, start)
-        value = self.anchors[name]
-        self.aliased += expanded_size(value, self.sizes)
-        if self.aliased > YAML_MAX_ALIASED:
-            self.fail("document contains excessive aliasing (aliases expand to more than %d "
-                      "values)" % YAML_MAX_ALIASED, start)
-        return value
-
-    def flow_space(self):
-        text = self.text
-        while True:
-            while self.pos < len(text) and text[self.pos] in " \t\n":
-                self.pos += 1
-            if self.char() == "#" and text[self.pos - 1] in " \t\n":
-                end = text.find("\n", self.pos)
-                self.pos = len(text) if end < 0 else end
-            else:
-                return
-
-    def flow_collection(self):
-        start, mapping = self.pos, self.char() == "{"
-        closing = "}" if mapping else "]"
-        result = YamlMap() if mapping else YamlList()
-        result.lines = {} if mapping else []
-        self.pos += 1
-        while True:
-            self.flow_space()
-            if self.char() == closing:
-                self.pos += 1
-                return result
-            if not self.char():
-                self.fail("did not find expected ',' or '%s'" % closing, start)
-            if self.char() == "?" and self.blank_after(1):
-                self.fail("complex mapping keys (?) are not supported")
-            entry_pos = self.pos
-            value = self.flow_node()
-            self.flow_space()
-            if self.char() == ":" or mapping:
-                if isinstance(value, (list, dict)):
-                    self.fail("complex mapping keys (a collection as key) are not supported",
-                              entry_pos)
-                key, value = value, None
-                if self.char() == ":":
-                    self.pos += 1
-                    self.flow_space()
-                    if self.char() not in (",", closing):
-                        value = self.flow_node()
-                        self.flow_space()
-                pair = result if mapping else YamlMap()
-                if not mapping:
-                    pair.lines = {}
-                self.store(pair, key, value, entry_pos)
-                if not mapping:
-                    result.append(pair)
-                    result.lines.append(self.line_of(entry_pos))
-            else:
-                result.append(value)
-                result.lines.append(self.line_of(entry_pos))
-            if self.char() == ",":
-                self.pos += 1
-            elif self.char() != closing:  # at the end of the text: point at the opening
-                self.fail("did not find expected ',' or '%s'" % closing,
-                          None if self.char() else start)
-
-    def flow_node(self):
-        char = self.char()
-        if char in "[{":
-            return self.flow_collection()
-        if char in ("'", '"'):
-            return self.quoted()
-        if char == "&":
-            name = self.anchor_name()
-            self.flow_space()
-            value = None if self.char() in (",", "]", "}", ":") else self.flow_node()
-            self.anchors[name] = value
-            return value
-        if char == "*":
-            return self.alias()
-        if char == "!":
-            self.fail("tags are not supported")
-        if char == "-" and self.blank_after(1):
-            self.fail("block sequence entries are not allowed in this context")
-        if not char or char in ",]}#|>@`%" or (char in "?:" and self.blank_after(1)):
-            self.fail("did not find expected node content")
-        text, _ = self.plain_line(YAML_FLOW_PLAIN_END)
-        if self.char() == ":" and not self.blank_after(1):
-            self.fail("found unexpected ':'")
-        return resolve_plain(self.plain_continued(text, -1, flow=True))
-
-def expanded_size(value, sizes):
-    """How many values `value` is once every alias in it is expanded; each collection is
-    counted once (`sizes`: memo by id, holding the collection so that its id stays its own)."""
-    if not isinstance(value, (list, dict)):
-        return 1
-    known = sizes.get(id(value))
-    if known is None:
-        items = value.values() if isinstance(value, dict) else value
-        known = (value, 1 + sum(expanded_size(item, sizes) for item in items))
-        sizes[id(value)] = known
-    return known[1]
-
-
-def fold_lines(lines):
-    """Fold the lines of a plain or quoted scalar: a break is a space, n empty lines are n
-    breaks; in quoted ones an escaped break joins without a space and escaped blanks at a
-    line's edge are kept (plain text never holds those markers)."""
-    out, breaks, joined, last = [], 0, False, len(lines) - 1
-    for index, line in enumerate(lines):
-        escaped_break = index < last and line.endswith(YAML_ESCAPED_BREAK)
-        if escaped_break:
-            line = line[:-1]
-        if index:
-            line = line.lstrip(" \t")
-        if index < last and not escaped_break:
-            line = line.rstrip(" \t")
-        line = line.replace(YAML_KEEP, "")
-        if 0 < index < last and not line:
-            breaks += 1
-            continue
-        if index:
-            out.append("\n" * breaks if breaks else ("" if joined else " "))
-        out.append(line)
-        breaks, joined = 0, escaped_break
     return "".join(out)
 
 
@@ -1773,6 +1096,1373 @@ def validate_files(paths, template=False):
                 except OSError as exc:
                     found.append(("error", "%s: execute-command: %s" % (where, exc.strerror)))
     return found
+
+
+# ---------------------------------------------------------------------------
+# Hook registry and hot reload
+# ---------------------------------------------------------------------------
+
+def file_signature(path):
+    """What the poller compares: inode, device, size, mtime (None if the file is missing)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
+
+
+def iso_time(timestamp):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
+
+
+MTIME_TICK_SECONDS = 2.0  # coarser than any file system's timestamp granularity
+
+
+class HooksFile:
+    """One -hooks file: its hooks as last loaded successfully, and the state of the last load."""
+
+    def __init__(self, path):
+        self.path = path
+        self.hooks = []
+        self.error = None
+        self.loaded_at = None
+        self.signature = None
+        self.missing_since = None
+        self.digest = None  # of the content last read, loaded or not
+        self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
+        self.seen = None  # what the last poll saw: a change is loaded once seen twice
+
+
+class Registry:
+    """The loaded hooks, by id; reloads swap the lookup table in one assignment."""
+
+    VANISH_GRACE = 1.0  # a deleted file keeps its hooks this long (git's unlink + create)
+
+    def __init__(self, paths, template):
+        self.files = [HooksFile(p) for p in paths]  # a file given twice is a duplicate-id error
+        self.template = template
+        self.by_id = {}
+        self.gates = {}
+        self.lock = threading.Lock()
+        self.last_load = None
+        self.last_reload_failed = False
+
+    def hook(self, hook_id):
+        return self.by_id.get(hook_id)
+
+    def gate(self, hook_id):
+        return self.gates.get(hook_id)
+
+    def count(self):
+        return len(self.by_id)
+
+    def load(self, files=None, startup=False):
+        """(Re)load the given files (default all), one by one in command-line order, as
+        upstream: a file that fails to parse, or that brings an id another file already serves,
+        keeps its old hooks (at startup a duplicate id is fatal).  True if all loaded."""
+        with self.lock:
+            files = self.files if files is None else files
+            ok, now = True, time.time()
+            for hf in files:
+                log.info("attempting to %s hooks from %s", "load" if startup else "reload",
+                         hf.path)
+                hf.signature = file_signature(hf.path)
+                if hf.signature:  # a second write within the same mtime tick keeps size and
+                    # mtime: for a moment, poll() compares the content as well
+                    hf.recheck_until = hf.signature[3] / 1e9 + MTIME_TICK_SECONDS
+                try:
+                    raw = read_bytes(hf.path)
+                    hf.digest = hash(raw)
+                    hooks, problems = parse_hooks_file(raw, hf.path, self.template)
+                except HooksFileError as exc:
+                    ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
+                    continue
+                for severity, message in problems.items:  # errors are shown without -verbose
+                    (log.error if severity == "error" else log.warning)("%s: %s", severity,
+                                                                        message)
+                log.info("found %d hook(s) in file", len(hooks))
+                served = {h.id for other in self.files if other is not hf for h in other.hooks}
+                clash = sorted(served & {h.id for h in hooks})
+                if clash:
+                    message = ("error: hook with the id %s has already been loaded!\nplease "
+                               "check your hooks file for duplicate hooks ids!" % clash[0])
+                    if startup:
+                        raise HooksFileError(message)
+                    ok = self._keep_old(hf, message, "%s: duplicate hook id %r"
+                                        % (hf.path, clash[0]))
+                    continue
+                self._warn_lost_rules(hf, hooks)
+                hf.hooks, hf.error, hf.loaded_at = hooks, None, now
+                for hook in hooks:
+                    log.info("\tloaded: %s", hook.id)
+            self._publish()
+            self.last_load = now
+            self.last_reload_failed = not ok
+            return ok
+
+    def _warn_lost_rules(self, hf, hooks):
+        """A served hook that had a trigger-rule and has none now runs for every request: said
+        loudly, as it is more often a half-written or mis-edited file than a wish."""
+        for hook in hooks:
+            served = self.by_id.get(hook.id)
+            if hook.trigger_rule is None and served is not None and \
+                    served.trigger_rule is not None:
+                log.warning("warning: hook %s in %s lost its trigger-rule: it now runs for "
+                            "every request", hook.id, hf.path)
+
+    @staticmethod
+    def _keep_old(hf, message, error):
+        log.error("%s", message)
+        if hf.hooks:
+            log.error("keeping the %d hook(s) loaded before from %s", len(hf.hooks), hf.path)
+        hf.error = error
+        return False
+
+    def _publish(self):
+        table = {}
+        for hf in self.files:
+            for hook in hf.hooks:
+                table.setdefault(hook.id, hook)  # first definition wins, as upstream
+        for hook_id, hook in table.items():
+            gate = self.gates.get(hook_id)
+            if gate is None:
+                self.gates[hook_id] = HookGate(hook.max_concurrency)
+            elif gate.limit != hook.max_concurrency:
+                gate.set_limit(hook.max_concurrency)
+        self.by_id = table
+
+    def poll(self):
+        """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
+        stayed the same for one poll interval, so that a file being written is not loaded
+        half-written; a file missing for longer than VANISH_GRACE loses its hooks here."""
+        changed, now = [], time.monotonic()
+        for hf in self.files:
+            signature = file_signature(hf.path)
+            if signature is None:
+                if hf.signature is None:
+                    continue
+                if hf.missing_since is None:
+                    hf.missing_since = now
+                elif now - hf.missing_since >= self.VANISH_GRACE:
+                    self._drop(hf)
+                continue
+            hf.missing_since = None
+            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
+            steady, hf.seen = seen == hf.seen, seen
+            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
+                changed.append(hf)
+        for hf in changed:
+            log.info("hooks file %s modified", hf.path)
+        return changed
+
+    @staticmethod
+    def _digest(hf):
+        try:
+            return hash(read_bytes(hf.path))
+        except HooksFileError:
+            return "unreadable"
+
+    def _drop(self, hf):
+        with self.lock:
+            log.info("hooks file %s removed, removing hooks that were loaded from it", hf.path)
+            for hook in hf.hooks:
+                log.info("\tremoving: %s", hook.id)
+            log.info("removed %d hook(s) that were loaded from file %s", len(hf.hooks), hf.path)
+            hf.hooks, hf.signature, hf.missing_since = [], None, None
+            hf.error = "%s: file removed" % hf.path
+            self._publish()
+            self.last_load = time.time()
+
+    def status(self):
+        files = [{"path": hf.path, "hooks": [h.id for h in hf.hooks], "loaded": hf.error is None,
+                  "error": hf.error, "last_load": iso_time(hf.loaded_at)} for hf in self.files]
+        return files, [hf.error for hf in self.files if hf.error]
+
+
+# ---------------------------------------------------------------------------
+# HTTP: request heads, bodies and responses
+# ---------------------------------------------------------------------------
+
+MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
+NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
+KEEPALIVE_IDLE_SECONDS = 75.0
+KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
+NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
+
+
+class BadRequest(Exception):
+    """A malformed request: answered as Go's server does (`<code> <reason>[: detail]` as status
+    line and body, unless `body` is given) and the connection closed."""
+
+    def __init__(self, status, message, public=False, body=None):
+        Exception.__init__(self, message)
+        self.status = status
+        self.public = "%d %s" % (status, GO_STATUS_TEXT.get(status, ""))
+        if public:
+            self.public += ": " + message
+        self.body = body
+
+    def response(self):
+        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
+                                                         "Connection: close"])
+        return head + (self.body if self.body is not None else self.public.encode())
+
+
+class BodyError(Exception):
+    """The request body broke off or was malformed mid-way: `partial` is what was read."""
+
+    def __init__(self, message, partial):
+        Exception.__init__(self, message)
+        self.partial = partial
+
+
+class RequestHead:
+    """Request line and headers: `headers` maps canonical names to all their values."""
+
+    __slots__ = ("method", "target", "version", "headers")
+
+    def __init__(self, method, target, version, headers):
+        self.method, self.target, self.version, self.headers = method, target, version, headers
+
+    def get(self, name, default=""):
+        values = self.headers.get(name)
+        return values[0] if values else default
+
+    def keep_alive(self):
+        connection = ",".join(self.headers.get("Connection", ())).lower()
+        if self.version == "HTTP/1.1":
+            return "close" not in connection
+        return "keep-alive" in connection
+
+
+HTTP_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
+CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")  # Go refuses longer sizes too
+CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not TAB, CR, LF
+
+
+def parse_head(data):
+    """Parse a request head (bytes up to and including the blank line) with the checks of Go's
+    server: HTTP/1.x only, a Host header for 1.1, valid header names and values."""
+    text = data.decode("utf-8", "surrogateescape").lstrip("\r\n")
+    lines = text.split("\n")
+    parts = lines[0].rstrip("\r").split(" ")
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        raise BadRequest(400, "malformed HTTP request %s" % json.dumps(lines[0][:100]))
+    method, target, version = parts
+    if not set(method) <= TOKEN_CHARS or CONTROL_CHARS.search(target) or "\t" in target:
+        raise BadRequest(400, "invalid method or request target")
+    bad_bytes = CONTROL_CHARS.search(text)  # one scan of the whole head: names and values
+    numbers = HTTP_VERSION.match(version)
+    if numbers is None:
+        raise BadRequest(400, "malformed HTTP version %s" % json.dumps(version[:20]))
+    if numbers.group(1) != "1":
+        raise BadRequest(505, "unsupported protocol version", public=True)
+    version = "HTTP/1.0" if numbers.group(2) == "0" else "HTTP/1.1"
+    headers, last, folded = {}, None, []
+    for line in lines[1:]:
+        line = line.rstrip("\r")
+        if not line:
+            break
+        if line[0] in " \t" and last is not None:  # obsolete line folding: a continuation
+            folded.append(line.strip(" \t"))
+            continue
+        unfold(last, folded)
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest(400, "malformed MIME header line")
+        if not name or not set(name) <= TOKEN_CHARS:
+            raise BadRequest(400, "invalid header name", public=True)
+        value = value.strip(" \t")
+        if bad_bytes and CONTROL_CHARS.search(value) or "\r" in value:
+            raise BadRequest(400, "invalid header value", public=True)
+        last = headers.setdefault(canonical_header(name), [])
+        last.append(value)
+    unfold(last, folded)
+    hosts = headers.get("Host", ())
+    if len(hosts) > 1:
+        raise BadRequest(400, "too many Host headers")
+    if not hosts and version == "HTTP/1.1":
+        raise BadRequest(400, "missing required Host header", public=True)
+    return RequestHead(method, target, version, headers)
+
+
+def unfold(values, folded):
+    """Join continuation lines to the last value, a space between non-empty pieces: in one
+    join, as adding them one by one costs quadratic time."""
+    if folded:
+        values[-1] = " ".join(piece for piece in [values[-1]] + folded if piece)
+        folded.clear()
+
+
+_date_cache = [0, ""]
+
+
+def http_date():
+    now = int(time.time())
+    if now != _date_cache[0]:
+        _date_cache[1] = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now))
+        _date_cache[0] = now
+    return _date_cache[1]
+
+
+HTML_SIGNATURES = (b"<!DOCTYPE HTML", b"<HTML", b"<HEAD", b"<SCRIPT", b"<IFRAME", b"<H1",
+                   b"<DIV", b"<FONT", b"<TABLE", b"<A", b"<STYLE", b"<TITLE", b"<B", b"<BODY",
+                   b"<BR", b"<P", b"<!--")
+BINARY_BYTES = re.compile(b"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f]")
+
+
+def sniff_content_type(body):
+    """The common cases of Go's http.DetectContentType (HTML, XML, text, binary)."""
+    data = body[:512].lstrip(b"\t\n\x0c\r ")
+    if data.startswith(b"<"):
+        upper = data[:16].upper()
+        for signature in HTML_SIGNATURES:
+            if upper.startswith(signature) and data[len(signature):len(signature) + 1] in (
+                    b" ", b">"):
+                return "text/html; charset=utf-8"
+        if data.startswith(b"<?xml"):
+            return "text/xml; charset=utf-8"
+    if BINARY_BYTES.search(body, 0, 512):
+        return "application/octet-stream"
+    return TEXT_PLAIN
+
+
+class Response:
+    """A complete answer; headers as an ordered dict of canonical name -> value."""
+
+    __slots__ = ("status", "headers", "body", "close", "sent", "secret_params")
+
+    def __init__(self, status, body=b"", headers=None, close=False, sent=False):
+        self.status, self.body, self.close, self.sent = status, body, close, sent
+        self.secret_params = ()  # query parameters whose values the access log hides
+        self.headers = headers if headers is not None else {}
+
+
+HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
+
+
+def header_lines(headers):
+    """`Name: value` lines as Go writes them: names that are not tokens are dropped, CR and LF
+    in values become spaces, framing headers are ours to set."""
+    return ["%s: %s" % (name, value.replace("\r", " ").replace("\n", " "))
+            for name, value in headers.items()
+            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
+
+
+def response_head(version, status, lines):
+    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
+    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
+            ).encode("utf-8", "surrogateescape")
+
+
+def status_line(status):
+    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
+
+
+def serialize_response(response, head, keep_alive):
+    """The whole response as one bytes object (status line, headers, body): one send."""
+    status = response.status
+    version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
+    lines = []
+    body = response.body
+    headers = response.headers
+    if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
+        lines.append("Content-Type: " + sniff_content_type(body))
+    lines += header_lines(headers)
+    lines.append("Date: " + http_date())
+    if status in NO_BODY_STATUSES:
+        body = b""
+    else:
+        lines.append("Content-Length: %d" % len(body))
+    if not keep_alive:
+        lines.append("Connection: close")
+    elif version == "HTTP/1.0":
+        lines.append("Connection: keep-alive")
+    if head is not None and head.method == "HEAD":
+        body = b""
+    return response_head(version, status_line(status), lines) + body
+
+
+def clean_path(path):
+    """Go's path.Clean, keeping a trailing slash, as gorilla/mux does before routing."""
+    if path.startswith("/") and "//" not in path and "/." not in path:
+        return path  # already clean: the common case, decided without splitting
+    if path == "":
+        return "/"
+    if path[0] != "/":
+        path = "/" + path
+    parts = []
+    for segment in path.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(segment)
+    cleaned = "/" + "/".join(parts)
+    if path.endswith("/") and cleaned != "/":
+        cleaned += "/"
+    return cleaned
+
+
+def go_escape_path(path):
+    """A path for Location, bytes that are not UTF-8 (kept as surrogates) included, as Go."""
+    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~", errors="surrogateescape")
+
+
+# ---------------------------------------------------------------------------
+# HTTP: http.server glue (one handler, a bounded threading server)
+# ---------------------------------------------------------------------------
+
+def format_peer(address):
+    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
+    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = address[0]
+        if host.lower().startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
+    return "@"  # Unix socket peers, as Go prints them
+
+
+def head_end(buf, start=0):
+    """Index just past the blank line ending the request head, or -1.  The bytes before `start`
+    are known to hold no end (a head arriving in pieces is scanned once, not again and again)."""
+    start = max(0, start - 3)
+    crlf = buf.find(b"\r\n\r\n", start)
+    lf = buf.find(b"\n\n", start, crlf if crlf >= 0 else len(buf))
+    if lf >= 0:
+        return lf + 2
+    return crlf + 4 if crlf >= 0 else -1
+
+
+def read_chunked(conn, limit):
+    """A chunked request body from a Connection, capped at limit bytes; trailers are ignored."""
+    body = bytearray()
+
+    def line():
+        text = conn.readline(4097)
+        if not text.endswith(b"\n"):
+            if len(text) > 4096:
+                raise BadRequest(400, "chunk header too long")
+            raise ConnectionResetError("client closed the connection")
+        return text
+    while True:
+        # as Go: hex digits only (int() would also take `-5`, `0x5`, ` 5`, `5_0`)
+        size_text = line().rstrip(b" \t\r\n").split(b";")[0]
+        if not CHUNK_SIZE.fullmatch(size_text):
+            raise BodyError("invalid byte in chunk length", bytes(body))
+        size = int(size_text, 16)
+        if len(body) + size > limit:
+            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+        if size == 0:
+            while line().strip():
+                pass
+            return bytes(body)
+        chunk = conn.read(size)
+        if len(chunk) < size:
+            raise ConnectionResetError("client closed the connection")
+        body += chunk
+        if line().strip():
+            raise BodyError("malformed chunked encoding", bytes(body))
+
+
+RECV_BYTES = 1 << 16
+PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
+
+
+class Connection:
+    """One client connection and the bytes read ahead of the request being served: kept while
+    the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
+    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
+    from the first byte of a later head), else -read-header-timeout per read and -write-timeout
+    per write."""
+
+    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "handshaking")
+
+    def __init__(self, sock, address, server, due):
+        self.sock, self.address, self.server, self.due = sock, address, server, due
+        self.buffer = bytearray()
+        self.scanned = 0  # the start of the buffer known to hold no head end
+        self.handshaking = server.tls_context is not None
+
+    def head_end(self):
+        end = head_end(self.buffer, self.scanned)
+        if end < 0:
+            self.scanned = len(self.buffer)
+        return end
+
+    def head_ready(self):
+        """Whether a worker should take over: a whole head is here, or a large part of one."""
+        return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
+
+    def wait_for_bytes(self, seconds):
+        """A worker's short wait for the client's next request before parking the connection
+        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
+        if not self.pending():
+            poller = select.poll()  # no syscall but the wait: the socket stays blocking
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(seconds * 1000):
+                return True
+        try:
+            return self.fill()
+        except OSError:
+            return False
+
+    def pending(self):
+        """Decrypted bytes a TLS socket holds that no readiness event will announce."""
+        return self.sock.pending() if self.server.ssl else 0
+
+    def take(self, size):
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        self.scanned = 0
+        return data
+
+    def fill(self):
+        """One blocking recv into the buffer, under the deadline; False at end of stream."""
+        app = self.server.app
+        due = self.due if self.due is not None else time.monotonic() + app.header_timeout
+        data = self.server.deadlines.during(self.sock, due, self.sock.recv, RECV_BYTES)
+        self.buffer += data
+        return bool(data)
+
+    def read(self, size):
+        while len(self.buffer) < size and self.fill():
+            pass
+        return self.take(size)
+
+    def read1(self, size):
+        """What is buffered, or one recv's worth: at most size bytes (b"" at end of stream)."""
+        if not self.buffer:
+            self.fill()
+        return self.take(size)
+
+    def readline(self, limit):
+        while True:
+            end = self.buffer.find(b"\n", 0, limit)
+            if end >= 0:
+                return self.take(end + 1)
+            if len(self.buffer) >= limit or not self.fill():
+                return self.take(limit)
+
+    def send(self, data):
+        """Write it all, within -write-timeout: a client that does not read is cut off."""
+        due = time.monotonic() + self.server.write_timeout
+        self.server.deadlines.during(self.sock, due, self.sock.sendall, data)
+
+
+class Deadlines:
+    """Ends a blocked read or write that overstays its deadline by shutting its socket down, so
+    that sockets stay blocking (a socket timeout costs a poll() before every recv and send).
+    A deadline lives exactly as long as the call it guards; the WaitingRoom's thread expires
+    them on its tick."""
+
+    def __init__(self):
+        self.due = {}  # socket -> monotonic time
+        self.lock = threading.Lock()
+
+    def during(self, sock, due, call, *args):
+        with self.lock:
+            self.due[sock] = due
+        try:
+            return call(*args)
+        finally:
+            with self.lock:
+                self.due.pop(sock, None)
+
+    def expire(self, now):
+        with self.lock:  # held while shutting down: never a deadline set again meanwhile
+            for sock in [sock for sock, due in self.due.items() if due <= now]:
+                del self.due[sock]
+                try:  # the plain socket's shutdown: a TLS one is woken up the same way
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class WaitingRoom:
+    """Connections with no request to serve: new ones, kept-alive ones between requests, and
+    slow ones still sending a head.  One thread watches them all with a selector (no thread
+    each) and hands a connection to the Workers once a whole head has come.  It closes those
+    past their deadline, and when more wait than descriptors allow, the oldest idle ones."""
+
+    TICK_SECONDS = 0.25
+
+    def __init__(self, workers, capacity):
+        self.workers, self.capacity = workers, capacity
+        self.deadlines = Deadlines()
+        self.selector = selectors.DefaultSelector()
+        self.inbox = deque()  # connections parked by other threads, for the watcher to take
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.idle = {}  # socket -> kept-alive Connection awaiting its next request, oldest first
+        self.arriving = {}  # socket -> Connection whose request head is on its way
+        threading.Thread(target=self._watch, name="waiting-room", daemon=True).start()
+
+    def park(self, conn):
+        """From any thread: the connection waits here, holding no thread, for its next head."""
+        self.inbox.append(conn)
+        try:
+            self.wake_w.send(b"\0")
+        except OSError:
+            pass  # the wake-up socket is full: the watcher is about to run anyway
+
+    def _watch(self):
+        swept = 0.0
+        while True:
+            for key, _ in self.selector.select(self.TICK_SECONDS):
+                if key.fileobj is self.wake_r:
+                    self._take_inbox()
+                else:
+                    self._attend(key.data)
+            now = time.monotonic()
+            if now - swept >= self.TICK_SECONDS:
+                swept = now
+                self.deadlines.expire(now)
+                for waiting in (self.idle, self.arriving):
+                    for conn in [c for c in waiting.values()
+                                 if c.due <= now or c.server.app.stopping]:
+                        self._drop(conn)
+
+    def _take_inbox(self):
+        try:
+            while self.wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        while self.inbox:
+            self._attend(self.inbox.popleft(), admit=True)
+            # those waiting for a thread count too: they hold a descriptor each
+            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
+                                                    + len(self.workers.ready) > self.capacity):
+                self._drop(next(iter((self.idle or self.arriving).values())))
+
+    def _admit(self, conn):
+        conn.sock.setblocking(False)
+        kept_alive = conn.due is None  # a new connection's head deadline runs from accept
+        if kept_alive:
+            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
+                                           else KEEPALIVE_IDLE_SECONDS)
+        waiting = self.idle if kept_alive and not conn.buffer else self.arriving
+        waiting[conn.sock] = conn
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _attend(self, conn, admit=False):
+        try:
+            if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
+                self._admit(conn)
+            if conn.handshaking:
+                self._handshake(conn)
+            else:
+                self._read(conn)
+        except Exception:  # a bug must cost one connection, never the watcher
+            log.exception("unexpected error with the connection from %s",
+                          format_peer(conn.address))
+            self._drop(conn)
+
+    def _handshake(self, conn):
+        ssl = conn.server.ssl
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            return
+        except ssl.SSLWantWriteError:
+            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        except OSError as exc:  # closed at once, not when its deadline comes
+            log.info("connection from %s: %s", format_peer(conn.address), exc)
+            self._drop(conn)
+            return
+        conn.handshaking = False
+        self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._read(conn)
+
+    def _read(self, conn):
+        """Take what the client sent; hand the connection over once its head is here."""
+        try:
+            while True:
+                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
+                if not data:  # the client closed it (mid-head too: as Go, no answer)
+                    self._drop(conn)
+                    return
+                conn.buffer += data
+                if conn.head_ready():
+                    self._forget(conn)
+                    conn.sock.setblocking(True)
+                    self.workers.hand_over(conn)
+                    return
+                if not conn.pending():
+                    break
+        except conn.server.would_block:
+            pass
+        except OSError:
+            self._drop(conn)
+            return
+        if conn.buffer and self.idle.pop(conn.sock, None) is not None:
+            conn.due = time.monotonic() + conn.server.app.header_timeout  # a head is coming
+            self.arriving[conn.sock] = conn
+
+    def _forget(self, conn):
+        with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
+            self.selector.unregister(conn.sock)
+        self.idle.pop(conn.sock, None)
+        self.arriving.pop(conn.sock, None)
+
+    def _drop(self, conn):
+        self._forget(conn)
+        conn.sock.close()
+
+
+class Workers:
+    """The threads serving requests: at most -max-connections, each serving one connection at
+    a time, from its first complete head until it is parked again or closed.  A thread with
+    nothing to do waits a while for the next connection, then ends."""
+
+    IDLE_THREAD_SECONDS = 5.0
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.ready = deque()  # connections with a head, waiting for a thread
+        self.cond = threading.Condition()
+        self.threads = 0
+        self.waiting = 0  # threads waiting for a connection
+
+    def hand_over(self, conn):
+        with self.cond:
+            self.ready.append(conn)
+            if len(self.ready) > self.waiting and self.threads < self.limit:
+                self.threads += 1
+                threading.Thread(target=self._work, name="request", daemon=True).start()
+            else:
+                self.cond.notify()
+
+    def saturated(self):
+        """Every thread is taken and a connection waits: no time to wait for a client."""
+        return self.threads >= self.limit and bool(self.ready)
+
+    def _work(self):
+        while True:
+            with self.cond:
+                until = time.monotonic() + self.IDLE_THREAD_SECONDS
+                while not self.ready:
+                    if time.monotonic() >= until:
+                        self.threads -= 1
+                        return
+                    self.waiting += 1
+                    self.cond.wait(until - time.monotonic())
+                    self.waiting -= 1
+                conn = self.ready.popleft()
+            conn.server.serve(conn)
+
+
+INTERNAL_ERROR = BadRequest(500, "")
+
+
+class HookHandler(BaseHTTPRequestHandler):
+    """One turn of a worker with a connection: thin glue between its bytes and the Pipeline.
+    Overrides the documented hooks where Go's server behaves differently: the head is checked
+    as Go checks it (parse_request), malformed requests get Go's answers (send_error),
+    `100 Continue` is sent only when the body is wanted (handle_expect_100), any method is
+    served, and each answer is one write with no Server header.  Serves the requests whose
+    heads have come, then leaves the connection kept alive (`kept_alive`) or to be closed."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        self.conn = self.request  # a Connection
+        self.connection, self.rfile = self.conn.sock, self.conn
+        self.remote_addr = format_peer(self.client_address)
+        self.head = None
+        self.kept_alive = False
+        self.answering = False  # some of the answer is written: too late for another
+        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
+
+    def handle(self):
+        while True:
+            self.handle_one_request()
+            if self.close_connection or self.server.app.stopping:
+                return
+            if self.conn.head_ready():
+                continue
+            if not self.server.room.workers.saturated():
+                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                    return  # the client closed it
+                if self.conn.head_ready():
+                    continue
+            self.kept_alive = True  # the next request has not (fully) come: park it
+            return
+
+    def finish(self):
+        pass  # nothing to flush: each answer is written as it is made
+
+    def handle_one_request(self):
+        self.close_connection, self.answering = True, False
+        try:
+            if self.parse_request():
+                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
+        except BadRequest as exc:
+            self.send_error(exc.status, exc)
+        except OSError:  # the client went away or stalled: nothing to answer
+            pass
+        except Exception:  # a bug: logged and answered 500, never a silently dropped client
+            log.exception("unexpected error handling a request from %s", self.remote_addr)
+            if not self.answering:
+                with contextlib.suppress(OSError):
+                    self.write(INTERNAL_ERROR.response())
+
+    def parse_request(self):
+        """Read the rest of the head, if it did not all come while the connection waited
+        (-read-header-timeout for all of it), and check it as Go does."""
+        conn = self.conn
+        if conn.due is None:  # a head that came while a worker held the connection
+            conn.due = time.monotonic() + self.server.app.header_timeout
+        end = conn.head_end()
+        while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
+            if not conn.fill():
+                raise ConnectionResetError("client closed the connection")
+            end = conn.head_end()
+        if end < 0 or end > MAX_HEADER_BYTES:
+            raise BadRequest(431, "request header too large")
+        self.head = parse_head(conn.take(end))
+        conn.due = None  # from here on, each read of the body has -read-header-timeout
+        self.command, self.path = self.head.method, self.head.target
+        self.request_version = self.head.version
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
+        client is still sending is read for a moment so it gets the answer, not a reset."""
+        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+        log.info("bad request from %s: %s", self.remote_addr, exc)
+        self.close_connection = True
+        try:
+            self.write(exc.response())
+            self.connection.shutdown(socket.SHUT_WR)
+            self.conn.due, drained = time.monotonic() + 1.0, 0
+            while drained < MAX_HEADER_BYTES and self.conn.fill():
+                drained += len(self.conn.buffer)
+                self.conn.buffer.clear()
+        except OSError:
+            pass
+
+    def handle_expect_100(self):
+        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
+        return True
+
+    def log_message(self, format, *args):
+        log.info("%s: " + format, self.remote_addr, *args)
+
+    def write(self, data):
+        self.answering = True
+        self.conn.send(data)
+
+    def read_body(self):
+        """The body by Content-Length or chunked, capped at -max-body-bytes."""
+        app = self.server.app
+        size = app.body_length(self.head)
+        if size is None:
+            return read_chunked(self.conn, app.max_body)
+        body = bytearray()
+        while len(body) < size:
+            chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
+            if not chunk:
+                raise ConnectionResetError("client closed the connection")
+            body += chunk
+        return bytes(body)
+
+    def serve(self):
+        """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
+        app, head = self.server.app, self.head
+        started = time.monotonic()
+        with app.in_flight():
+            rid = app.request_id(head)
+            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
+            if response is None:
+                response = self.answer_hook(rid, hook, raw_query)
+            else:
+                self.skip_body(response)
+            keep_alive = head.keep_alive() and not response.close and not app.stopping
+            if not response.sent:
+                self.write(serialize_response(response, head, keep_alive))
+        self.close_connection = not keep_alive
+        app.log_access(rid, head, response, started)
+
+    def skip_body(self, response):
+        """An answer that does not need the body: read past it, or close if the client waits
+        for `100 Continue`."""
+        if self.head.get("Expect").lower() == "100-continue":
+            response.close = True
+            return
+        try:
+            self.read_body()
+        except BodyError:
+            response.close = True
+
+    def answer_hook(self, rid, hook, raw_query):
+        app, head = self.server.app, self.head
+        if head.get("Expect").lower() == "100-continue":
+            app.body_length(head)  # a body we would refuse is refused before it is sent
+            self.handle_expect_100()
+        broken = False
+        try:
+            body = self.read_body()
+        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
+            log.info("error reading the request body: %s", exc)
+            body, broken = exc.partial, True
+        request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
+        try:
+            response = app.trigger(head, hook, request, self)
+        except Exception:  # a bug must cost one 500, not a hung connection
+            log.exception("unexpected error handling %s %s", head.method, head.target)
+            response = Response(500, b"500 Internal Server Error", close=True)
+        response.close = response.close or broken
+        response.secret_params = hook.secret_params
+        return response
+
+    # The one writer of answers sent while they are made (stream-command-output, a running
+    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
+    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
+
+    def start_chunked(self, status, headers):
+        """Send the head; False if the client has gone."""
+        head = self.head
+        self.chunked, self.client_here = head.version == "HTTP/1.1", True
+        self.streamed_body = head.method != "HEAD"
+        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
+                                         if self.chunked else "Connection: close"]
+        return self.write_streamed(response_head(head.version, status_line(status), lines))
+
+    def write_chunk(self, data):
+        """Send a piece of the body (the connection's -write-timeout for each); False if the
+        client has gone."""
+        if data and self.streamed_body:
+            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
+                                       else data)
+        return self.client_here
+
+    def end_chunks(self, complete=True):
+        """End the answer, with its closing chunk if `complete` (else the client sees it cut
+        short); whether the connection may serve another request."""
+        if complete and self.chunked and self.streamed_body:
+            self.write_streamed(b"0\r\n\r\n")
+        return complete and self.chunked and self.client_here
+
+    def write_streamed(self, data):
+        if self.client_here:
+            try:
+                self.write(data)
+            except OSError:
+                self.client_here = False
+        return self.client_here
+
+
+class HookServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's).  An
+    accepted connection holds no thread: it waits in the WaitingRoom until a whole request
+    head has come, a worker serves it, and it waits there again between requests."""
+
+    daemon_threads = True
+
+    def __init__(self, listener, app, room, tls_context):
+        socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
+        self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
+        self.deadlines = room.deadlines
+        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
+        self.ssl, self.would_block = None, BlockingIOError
+        if tls_context is not None:
+            import ssl
+            self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
+                                               ssl.SSLWantWriteError)
+
+    def process_request(self, request, client_address):
+        if self.app.stopping:
+            self.shutdown_request(request)
+            return
+        if request.family != socket.AF_UNIX:
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls_context is not None:  # the handshake is the WaitingRoom's, unblocked
+            request = self.tls_context.wrap_socket(request, server_side=True,
+                                                   do_handshake_on_connect=False)
+        due = time.monotonic() + self.app.header_timeout  # the first head's, from accept
+        self.room.park(Connection(request, client_address, self, due))
+
+    def serve(self, conn):
+        """A worker's turn with a connection: its requests, then parked again or closed."""
+        handler = None
+        try:
+            handler = self.RequestHandlerClass(conn, conn.address, self)
+        except Exception:
+            self.handle_error(conn.sock, conn.address)
+        if handler is not None and handler.kept_alive:
+            self.room.park(conn)
+        else:
+            self.shutdown_request(conn.sock)
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.info("connection from %s: %s", format_peer(client_address), exc)
+        else:
+            log.exception("unexpected error serving %s", format_peer(client_address))
+
+
+# ---------------------------------------------------------------------------
+# Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
+# ---------------------------------------------------------------------------
+
+class HookRun:
+    """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
+    the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
+    run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
+    (`has_turn` once granted) and the run's record (None without run history)."""
+
+    def __init__(self, hook, request_id, mode, gate, record):
+        self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
+        self.record, self.invocation, self.failure = record, None, None
+        self.has_turn = False
+
+
+class Pipeline:
+    """What a request does, with no socket in sight: route() finds the hook (or the plain
+    answer), trigger() parses the payload, checks the rules, builds argv/env and runs the
+    command in the hook's mode.  Also counts what is in flight for the graceful stop."""
+
+    def __init__(self, opts, registry):
+        self.opts = opts
+        self.registry = registry
+        self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
+        self.response_headers = {canonical_header(n): v for n, v in opts.header}
+        methods = opts.http_methods.replace(" ", "")
+        self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
+        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
+        self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
+            else NO_TIMEOUT
+        self.runner = Runner()
+        self.background = BackgroundRuns(opts.max_async_runs)
+        self.stopping = False
+        self.busy = 0  # requests and background runs not finished: the graceful stop waits
+        self.busy_lock = threading.Lock()
+        self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
+        self.started = time.time()
+        self.runs = make_run_store(opts)
+        self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        with self.busy_lock:
+            self.busy += 1
+        try:
+            yield
+        finally:
+            with self.busy_lock:
+                self.busy -= 1
+
+    def request_id(self, head):
+        if self.opts.x_request_id:
+            given = head.get("X-Request-Id")
+            if given:
+                limit = self.opts.x_request_id_limit
+                return given[:limit] if limit > 0 else given
+        return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
+
+    def body_length(self, head):
+        """The declared body size (None: chunked); a bad or too large one is refused."""
+        if "Transfer-Encoding" in head.headers:
+            encoding = ",".join(head.headers["Transfer-Encoding"]).strip().lower()
+            if encoding != "chunked":
+                raise BadRequest(501, "unsupported transfer encoding",
+                                 body=b"Unsupported transfer encoding")
+            return None
+        lengths = head.headers.get("Content-Length")
+        if not lengths:
+            return 0
+        if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]):
+            raise BadRequest(400, "bad Content-Length")
+        size = int(lengths[0])
+        if size > self.max_body:
+            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+        return size
+
+    def log_access(self, rid, head, response, started):
+        if log.isEnabledFor(logging.INFO):
+            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
+                     len(response.body), (time.monotonic() - started) * 1000.0,
+                     head.get("Host"), head.method,
+                     redact_target(head.target, response.secret_params))
+
+    def route(self, head, rid, remote_addr, stream=None):
+        """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
+        target = head.target
+        if target.startswith(("http://", "https://")):
+            target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
+        if target == "*" and head.method == "OPTIONS":
+            return None, None, Response(200)
+        raw_path, _, raw_query = target.partition("?")
+        path = go_unescape(raw_path, False)
+        if path is None or not raw_path.startswith("/"):
+            raise BadRequest(400, "invalid request target")
+        cleaned = clean_path(path)
+        if cleaned != path:
+            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
+            return None, None, Response(301, b"", {"Location": location})
+        if path == "/":
+            return None, None, Response(200, b"OK")
+        if self.opts.status_path and path == self.opts.status_path:
+            return None, None, self.status_response(head, remote_addr)
+        if self.opts.status_path and self.runs_page.wants(path):
+            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
+                                                     lambda: self.stopping)
+        if not path.startswith(self.prefix) or "\n" in path:
+            return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
+                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
+        hook_id = path[len(self.prefix):]
+        hook = self.registry.hook(hook_id)
+        if hook is None:
+            return None, None, Response(404, MSG_HOOK_NOT_FOUND)
+        allowed = hook.allowed_methods or self.default_methods
+        if allowed and head.method not in allowed:
+            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
+                     json.dumps(hook_id))
+            return None, None, Response(405)
+        return hook, raw_query, None
+
+    def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
+        """The plain HookRequest the hook model sees; logs the match."""
+        log.info("[%s] %s got matched", rid, hook.id)
+        if self.opts.debug:
+            shown = {name: ["<redacted>"] if name in hook.secret_headers else values
+                     for name, values in head.headers.items()}
+            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
+                      redact_target(head.target, hook.secret_params), head.version, shown,
+                      len(body))
+        return HookRequest(rid, head.method, remote_addr,
+                           {k: v[0] for k, v in head.headers.items()
+                            if k not in ("Host", "Transfer-Encoding")},
+                           parse_query(raw_query)[0], body,
+                           hook.incoming_content_type or head.get("Content-Type"))
+
+    def trigger(self, head, hook, request, stream):
+        """parse payload -> check rules -> build argv/env -> run -> the Response."""
+        rid, headers = request.id, dict(self.response_headers)
+        try:
+            messages = parse_payload(request, hook, head.get("Content-Type"))
+        except MultipartError as exc:
+            log.info("[%s] error parsing multipart form: %s", rid, exc)
+            return Response(500, MSG_MULTIPART_ERROR, headers)
+        messages += apply_json_parameters(hook, request)
+        for message in messages:
+            log.info("[%s] %s", rid, message)
+
+        satisfied, error, note = rules_satisfied(hook, request)
+        if note:
+            log.info("[%s] %s", rid, note)
+        if error is not None:
+            log.info("[%s] error evaluating hook: %s", rid, error)
+            return Response(500, MSG_RULES_ERROR, headers)
+        if not satisfied:
+            log.info("[%s] %s got matched, but didn't get triggered because the trigger rules "
+                     "were not satisfied", rid, hook.id)
+            return Response(status_or_200(hook.mismatch_status, rid, hook),
+                            MSG_RULES_NOT_SATISFIED, headers)
+        log.info("[%s] %s hook triggered successfully", rid, hook.id)
+        for name, value in hook.response_headers:
+            headers[canonical_header(name)] = value
+        mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
+            else "background"
+        if mode == "background" and not self.background.reserve():
+            log.info("[%s] %d background runs waiting already: %s refused", rid,
+                     ASYNC_BACKLOG_LIMIT, hook.id)
+            return Response(503, MSG_BACKLOG_FULL, headers)
+        run = self.prepare(hook, request, mode)
+        if run.record is not None:
+            headers["X-Webhookd-Run"] = run.record.id
+        success = status_or_200(hook.success_status, rid, hook)
+        if run.mode == "streamed":
+            return self.run_streamed(run, stream, headers, success)
+        if run.mode == "captured":
+            return captured_response(hook, self.execute(run), headers, success)
+        self.run_in_background(run)
+        return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
+                        headers)
+
+    def prepare(self, hook, request, mode):
+        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
+        and its argv/env, built now so that no request or body waits in a queue."""
+        run = HookRun(hook, request.id, mode, self.gate(hook),
+                      self.runs.open(hook.id, request))
+        try:
+            run.invocation = build_invocation(hook, request)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
+            log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
+            if " " in hook.execute_command:
+                log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
+                         request.id, hook.execute_command.split()[0])
+            run.failure = exc
+            return run
+        for message in run.invocation.messages:
+            log.info("[%s] %s", request.id, message)
+        return run
+
+    def gate(self, hook):
+        return self.registry.gate(hook.id) or HookGate(0)
+
+    def execute(self, run, on_output=None, keep_output=True):
+        """Wait for the hook's max-concurrency turn (unless the run holds it) -> run -> log,
+        giving the turn back: a CommandResult.  The record ends whatever happens."""
+        if not run.has_turn:
+            run.gate.wait_turn()
+        try:
+            return self.run_command(run, on_output, keep_output)
+        finally:
+            run.gate.leave()
+
+    def run_command(self, run, on_output, keep_output):
+        hook, record = run.hook, run.record
+        result = CommandResult(False, error=run.failure or "unexpected error")
+        try:
+            if run.failure is not None:
+                return result  # as Go: nothing more is logged
+            sink, collected = on_output, None
+            if record is not None:
+                self.runs.started(record)
+                sink, collected = self.runs.output_sink(record, on_output, keep_output)
+            result = self.runner.run(run.invocation, run.request_id, hook.command_timeout,
+                                     sink, keep_output)
+            if collected is not None:
+                result.output = b"".join(collected)
+            log_result(hook, run.request_id, result, on_output is None and keep_output)
+            return result
+        finally:
+            if record is not None:
+                self.runs.ended(record, result, self.stopping)
+
+    def run_in_background(self, run):
+        """Default mode, the backlog reserved: the run waits for its max-concurrency turn
+        holding no thread, then for a -max-async-runs thread."""
+        with self.busy_lock:
+            self.busy += 1
+
+        def job():
+            try:
+                if self.stopping:  # its record says `killed` at exit
+                    log.info("[%s] stopping: queued run of %s dropped", run.request_id,
+                             run.hook.id)
+                    run.gate.leave()
+                else:
+                    self.execute(run, keep_output=log.isEnabledFor(logging.INFO))
+            finally:
+                with self.busy_lock:
+                    self.busy -= 1
+
+        def granted():
+            run.has_turn = True
+            self.background.submit(job)
+        run.gate.enter(granted)
+
+    def run_streamed(self, run, stream, headers, success):
+        """stream-command-output: chunked output while the command runs.  A failed or timed
+        out run ends without the closing chunk, so the client sees an incomplete response."""
+        headers.setdefault("Content-Type", TEXT_PLAIN)
+        head_sent = []
+
+        def on_output(chunk):
+            if not head_sent:
+                head_sent.append(stream.start_chunked(success, headers))
+            stream.write_chunk(chunk)
+
+        result = self.execute(run, on_output)
+        if not result.started:
+            headers["Content-Type"] = TEXT_PLAIN
+            return Response(500, MSG_COMMAND_ERROR, headers)
+        if not head_sent:
+            stream.start_chunked(success, headers)
+        keep_alive = stream.end_chunks(complete=result.ok)
+        return Response(success, b"", headers, close=not keep_alive, sent=True)
+
+    def status_response(self, head, remote_addr):
+        """The status page; an untrusted client (see RunsPage.trusted) sees only whether the
+        daemon is healthy, never hook ids (some hooks rely on theirs being secret), paths,
+        load errors or runs."""
+        if head.method not in ("GET", "HEAD"):
+            return Response(405)
+        health = {"status": "degraded" if self.registry.count() == 0
+                  or self.registry.last_reload_failed else "ok", "version": VERSION}
+        if not self.runs_page.trusted(head, remote_addr):
+            return json_response(200, health)
+        return json_response(200, dict(health, **status_details(self.registry, self.runs,
+                                                                self.started)))
+
+
+def status_details(registry, runs, started):
+    """What the status page shows trusted clients besides its health."""
+    files, errors = registry.status()
+    running = {}
+    for hook_id, gate in list(registry.gates.items()):
+        if gate.running or gate.waiting:
+            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
+    return {
+        "implementation": "webhookd.py",
+        "webhookd_version": __version__,
+        "started": iso_time(started),
+        "uptime_seconds": round(time.time() - started, 3),
+        "hooks_loaded": registry.count(),
+        "hooks_files": files,
+        "last_load": iso_time(registry.last_load),
+        "last_reload_failed": registry.last_reload_failed,
+        "load_errors": errors,
+        "last_runs": runs.last_per_hook(),
+        "runs": running,
+        "runs_in_progress": sum(r["running"] for r in running.values()),
+        "runs_queued": sum(r["queued"] for r in running.values()),
+    }
+
+
+def status_or_200(code, rid, hook):
+    """A hook's configured status, or 200 (logged) for a code Go's StatusText lacks, as upstream."""
+    if not code:
+        return 200
+    if code in GO_STATUS_TEXT and code >= 200:
+        return code
+    log.info("[%s] %s got matched, but the configured return code %d is unknown - "
+             "defaulting to 200", rid, hook.id, code)
+    return 200
+
+
+def log_result(hook, rid, result, output_collected):
+    """Upstream's log lines for a finished (or failed) run."""
+    if not result.started:
+        log.info("[%s] error occurred: %s", rid, result.error)
+    else:
+        if output_collected:
+            log.info("[%s] command output: %s", rid,
+                     result.output.decode("utf-8", "replace"))
+        if result.timed_out:
+            log.info("[%s] error occurred: command timed out after %gs; process group "
+                     "stopped", rid, hook.command_timeout)
+        elif result.returncode:
+            log.info("[%s] error occurred: %s", rid, describe_exit(result.returncode))
+    log.info("[%s] finished handling %s", rid, hook.id)
+
+
+def captured_response(hook, result, headers, success):
+    """The answer of include-command-output-in-response, once the command has ended."""
+    if result.ok:
+        return Response(success, result.output, headers)
+    headers["Content-Type"] = TEXT_PLAIN
+    if result.timed_out:
+        return Response(504, MSG_TIMED_OUT, headers)
+    body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
+    return Response(500, body, headers)
+
+
+def describe_exit(returncode):
+    name = signal_name(returncode)
+    return "exit status %d" % returncode if name is None else "signal: " + name
 
 
 # ---------------------------------------------------------------------------
@@ -3654,1373 +4344,6 @@ def follow_log(path, handle, out):
 
 
 # ---------------------------------------------------------------------------
-# Hook registry and hot reload
-# ---------------------------------------------------------------------------
-
-def file_signature(path):
-    """What the poller compares: inode, device, size, mtime (None if the file is missing)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
-
-
-def iso_time(timestamp):
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
-
-
-MTIME_TICK_SECONDS = 2.0  # coarser than any file system's timestamp granularity
-
-
-class HooksFile:
-    """One -hooks file: its hooks as last loaded successfully, and the state of the last load."""
-
-    def __init__(self, path):
-        self.path = path
-        self.hooks = []
-        self.error = None
-        self.loaded_at = None
-        self.signature = None
-        self.missing_since = None
-        self.digest = None  # of the content last read, loaded or not
-        self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
-        self.seen = None  # what the last poll saw: a change is loaded once seen twice
-
-
-class Registry:
-    """The loaded hooks, by id; reloads swap the lookup table in one assignment."""
-
-    VANISH_GRACE = 1.0  # a deleted file keeps its hooks this long (git's unlink + create)
-
-    def __init__(self, paths, template):
-        self.files = [HooksFile(p) for p in paths]  # a file given twice is a duplicate-id error
-        self.template = template
-        self.by_id = {}
-        self.gates = {}
-        self.lock = threading.Lock()
-        self.last_load = None
-        self.last_reload_failed = False
-
-    def hook(self, hook_id):
-        return self.by_id.get(hook_id)
-
-    def gate(self, hook_id):
-        return self.gates.get(hook_id)
-
-    def count(self):
-        return len(self.by_id)
-
-    def load(self, files=None, startup=False):
-        """(Re)load the given files (default all), one by one in command-line order, as
-        upstream: a file that fails to parse, or that brings an id another file already serves,
-        keeps its old hooks (at startup a duplicate id is fatal).  True if all loaded."""
-        with self.lock:
-            files = self.files if files is None else files
-            ok, now = True, time.time()
-            for hf in files:
-                log.info("attempting to %s hooks from %s", "load" if startup else "reload",
-                         hf.path)
-                hf.signature = file_signature(hf.path)
-                if hf.signature:  # a second write within the same mtime tick keeps size and
-                    # mtime: for a moment, poll() compares the content as well
-                    hf.recheck_until = hf.signature[3] / 1e9 + MTIME_TICK_SECONDS
-                try:
-                    raw = read_bytes(hf.path)
-                    hf.digest = hash(raw)
-                    hooks, problems = parse_hooks_file(raw, hf.path, self.template)
-                except HooksFileError as exc:
-                    ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
-                    continue
-                for severity, message in problems.items:  # errors are shown without -verbose
-                    (log.error if severity == "error" else log.warning)("%s: %s", severity,
-                                                                        message)
-                log.info("found %d hook(s) in file", len(hooks))
-                served = {h.id for other in self.files if other is not hf for h in other.hooks}
-                clash = sorted(served & {h.id for h in hooks})
-                if clash:
-                    message = ("error: hook with the id %s has already been loaded!\nplease "
-                               "check your hooks file for duplicate hooks ids!" % clash[0])
-                    if startup:
-                        raise HooksFileError(message)
-                    ok = self._keep_old(hf, message, "%s: duplicate hook id %r"
-                                        % (hf.path, clash[0]))
-                    continue
-                self._warn_lost_rules(hf, hooks)
-                hf.hooks, hf.error, hf.loaded_at = hooks, None, now
-                for hook in hooks:
-                    log.info("\tloaded: %s", hook.id)
-            self._publish()
-            self.last_load = now
-            self.last_reload_failed = not ok
-            return ok
-
-    def _warn_lost_rules(self, hf, hooks):
-        """A served hook that had a trigger-rule and has none now runs for every request: said
-        loudly, as it is more often a half-written or mis-edited file than a wish."""
-        for hook in hooks:
-            served = self.by_id.get(hook.id)
-            if hook.trigger_rule is None and served is not None and \
-                    served.trigger_rule is not None:
-                log.warning("warning: hook %s in %s lost its trigger-rule: it now runs for "
-                            "every request", hook.id, hf.path)
-
-    @staticmethod
-    def _keep_old(hf, message, error):
-        log.error("%s", message)
-        if hf.hooks:
-            log.error("keeping the %d hook(s) loaded before from %s", len(hf.hooks), hf.path)
-        hf.error = error
-        return False
-
-    def _publish(self):
-        table = {}
-        for hf in self.files:
-            for hook in hf.hooks:
-                table.setdefault(hook.id, hook)  # first definition wins, as upstream
-        for hook_id, hook in table.items():
-            gate = self.gates.get(hook_id)
-            if gate is None:
-                self.gates[hook_id] = HookGate(hook.max_concurrency)
-            elif gate.limit != hook.max_concurrency:
-                gate.set_limit(hook.max_concurrency)
-        self.by_id = table
-
-    def poll(self):
-        """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
-        stayed the same for one poll interval, so that a file being written is not loaded
-        half-written; a file missing for longer than VANISH_GRACE loses its hooks here."""
-        changed, now = [], time.monotonic()
-        for hf in self.files:
-            signature = file_signature(hf.path)
-            if signature is None:
-                if hf.signature is None:
-                    continue
-                if hf.missing_since is None:
-                    hf.missing_since = now
-                elif now - hf.missing_since >= self.VANISH_GRACE:
-                    self._drop(hf)
-                continue
-            hf.missing_since = None
-            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
-            steady, hf.seen = seen == hf.seen, seen
-            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
-                changed.append(hf)
-        for hf in changed:
-            log.info("hooks file %s modified", hf.path)
-        return changed
-
-    @staticmethod
-    def _digest(hf):
-        try:
-            return hash(read_bytes(hf.path))
-        except HooksFileError:
-            return "unreadable"
-
-    def _drop(self, hf):
-        with self.lock:
-            log.info("hooks file %s removed, removing hooks that were loaded from it", hf.path)
-            for hook in hf.hooks:
-                log.info("\tremoving: %s", hook.id)
-            log.info("removed %d hook(s) that were loaded from file %s", len(hf.hooks), hf.path)
-            hf.hooks, hf.signature, hf.missing_since = [], None, None
-            hf.error = "%s: file removed" % hf.path
-            self._publish()
-            self.last_load = time.time()
-
-    def status(self):
-        files = [{"path": hf.path, "hooks": [h.id for h in hf.hooks], "loaded": hf.error is None,
-                  "error": hf.error, "last_load": iso_time(hf.loaded_at)} for hf in self.files]
-        return files, [hf.error for hf in self.files if hf.error]
-
-
-# ---------------------------------------------------------------------------
-# HTTP: request heads, bodies and responses
-# ---------------------------------------------------------------------------
-
-MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
-NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
-KEEPALIVE_IDLE_SECONDS = 75.0
-KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
-NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
-
-
-class BadRequest(Exception):
-    """A malformed request: answered as Go's server does (`<code> <reason>[: detail]` as status
-    line and body, unless `body` is given) and the connection closed."""
-
-    def __init__(self, status, message, public=False, body=None):
-        Exception.__init__(self, message)
-        self.status = status
-        self.public = "%d %s" % (status, GO_STATUS_TEXT.get(status, ""))
-        if public:
-            self.public += ": " + message
-        self.body = body
-
-    def response(self):
-        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
-                                                         "Connection: close"])
-        return head + (self.body if self.body is not None else self.public.encode())
-
-
-class BodyError(Exception):
-    """The request body broke off or was malformed mid-way: `partial` is what was read."""
-
-    def __init__(self, message, partial):
-        Exception.__init__(self, message)
-        self.partial = partial
-
-
-class RequestHead:
-    """Request line and headers: `headers` maps canonical names to all their values."""
-
-    __slots__ = ("method", "target", "version", "headers")
-
-    def __init__(self, method, target, version, headers):
-        self.method, self.target, self.version, self.headers = method, target, version, headers
-
-    def get(self, name, default=""):
-        values = self.headers.get(name)
-        return values[0] if values else default
-
-    def keep_alive(self):
-        connection = ",".join(self.headers.get("Connection", ())).lower()
-        if self.version == "HTTP/1.1":
-            return "close" not in connection
-        return "keep-alive" in connection
-
-
-HTTP_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
-CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")  # Go refuses longer sizes too
-CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not TAB, CR, LF
-
-
-def parse_head(data):
-    """Parse a request head (bytes up to and including the blank line) with the checks of Go's
-    server: HTTP/1.x only, a Host header for 1.1, valid header names and values."""
-    text = data.decode("utf-8", "surrogateescape").lstrip("\r\n")
-    lines = text.split("\n")
-    parts = lines[0].rstrip("\r").split(" ")
-    if len(parts) != 3 or not parts[0] or not parts[1]:
-        raise BadRequest(400, "malformed HTTP request %s" % json.dumps(lines[0][:100]))
-    method, target, version = parts
-    if not set(method) <= TOKEN_CHARS or CONTROL_CHARS.search(target) or "\t" in target:
-        raise BadRequest(400, "invalid method or request target")
-    bad_bytes = CONTROL_CHARS.search(text)  # one scan of the whole head: names and values
-    numbers = HTTP_VERSION.match(version)
-    if numbers is None:
-        raise BadRequest(400, "malformed HTTP version %s" % json.dumps(version[:20]))
-    if numbers.group(1) != "1":
-        raise BadRequest(505, "unsupported protocol version", public=True)
-    version = "HTTP/1.0" if numbers.group(2) == "0" else "HTTP/1.1"
-    headers, last, folded = {}, None, []
-    for line in lines[1:]:
-        line = line.rstrip("\r")
-        if not line:
-            break
-        if line[0] in " \t" and last is not None:  # obsolete line folding: a continuation
-            folded.append(line.strip(" \t"))
-            continue
-        unfold(last, folded)
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise BadRequest(400, "malformed MIME header line")
-        if not name or not set(name) <= TOKEN_CHARS:
-            raise BadRequest(400, "invalid header name", public=True)
-        value = value.strip(" \t")
-        if bad_bytes and CONTROL_CHARS.search(value) or "\r" in value:
-            raise BadRequest(400, "invalid header value", public=True)
-        last = headers.setdefault(canonical_header(name), [])
-        last.append(value)
-    unfold(last, folded)
-    hosts = headers.get("Host", ())
-    if len(hosts) > 1:
-        raise BadRequest(400, "too many Host headers")
-    if not hosts and version == "HTTP/1.1":
-        raise BadRequest(400, "missing required Host header", public=True)
-    return RequestHead(method, target, version, headers)
-
-
-def unfold(values, folded):
-    """Join continuation lines to the last value, a space between non-empty pieces: in one
-    join, as adding them one by one costs quadratic time."""
-    if folded:
-        values[-1] = " ".join(piece for piece in [values[-1]] + folded if piece)
-        folded.clear()
-
-
-_date_cache = [0, ""]
-
-
-def http_date():
-    now = int(time.time())
-    if now != _date_cache[0]:
-        _date_cache[1] = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now))
-        _date_cache[0] = now
-    return _date_cache[1]
-
-
-HTML_SIGNATURES = (b"<!DOCTYPE HTML", b"<HTML", b"<HEAD", b"<SCRIPT", b"<IFRAME", b"<H1",
-                   b"<DIV", b"<FONT", b"<TABLE", b"<A", b"<STYLE", b"<TITLE", b"<B", b"<BODY",
-                   b"<BR", b"<P", b"<!--")
-BINARY_BYTES = re.compile(b"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f]")
-
-
-def sniff_content_type(body):
-    """The common cases of Go's http.DetectContentType (HTML, XML, text, binary)."""
-    data = body[:512].lstrip(b"\t\n\x0c\r ")
-    if data.startswith(b"<"):
-        upper = data[:16].upper()
-        for signature in HTML_SIGNATURES:
-            if upper.startswith(signature) and data[len(signature):len(signature) + 1] in (
-                    b" ", b">"):
-                return "text/html; charset=utf-8"
-        if data.startswith(b"<?xml"):
-            return "text/xml; charset=utf-8"
-    if BINARY_BYTES.search(body, 0, 512):
-        return "application/octet-stream"
-    return TEXT_PLAIN
-
-
-class Response:
-    """A complete answer; headers as an ordered dict of canonical name -> value."""
-
-    __slots__ = ("status", "headers", "body", "close", "sent", "secret_params")
-
-    def __init__(self, status, body=b"", headers=None, close=False, sent=False):
-        self.status, self.body, self.close, self.sent = status, body, close, sent
-        self.secret_params = ()  # query parameters whose values the access log hides
-        self.headers = headers if headers is not None else {}
-
-
-HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
-
-
-def header_lines(headers):
-    """`Name: value` lines as Go writes them: names that are not tokens are dropped, CR and LF
-    in values become spaces, framing headers are ours to set."""
-    return ["%s: %s" % (name, value.replace("\r", " ").replace("\n", " "))
-            for name, value in headers.items()
-            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
-
-
-def response_head(version, status, lines):
-    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
-    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
-            ).encode("utf-8", "surrogateescape")
-
-
-def status_line(status):
-    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
-
-
-def serialize_response(response, head, keep_alive):
-    """The whole response as one bytes object (status line, headers, body): one send."""
-    status = response.status
-    version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
-    lines = []
-    body = response.body
-    headers = response.headers
-    if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
-        lines.append("Content-Type: " + sniff_content_type(body))
-    lines += header_lines(headers)
-    lines.append("Date: " + http_date())
-    if status in NO_BODY_STATUSES:
-        body = b""
-    else:
-        lines.append("Content-Length: %d" % len(body))
-    if not keep_alive:
-        lines.append("Connection: close")
-    elif version == "HTTP/1.0":
-        lines.append("Connection: keep-alive")
-    if head is not None and head.method == "HEAD":
-        body = b""
-    return response_head(version, status_line(status), lines) + body
-
-
-def clean_path(path):
-    """Go's path.Clean, keeping a trailing slash, as gorilla/mux does before routing."""
-    if path.startswith("/") and "//" not in path and "/." not in path:
-        return path  # already clean: the common case, decided without splitting
-    if path == "":
-        return "/"
-    if path[0] != "/":
-        path = "/" + path
-    parts = []
-    for segment in path.split("/"):
-        if segment in ("", "."):
-            continue
-        if segment == "..":
-            if parts:
-                parts.pop()
-            continue
-        parts.append(segment)
-    cleaned = "/" + "/".join(parts)
-    if path.endswith("/") and cleaned != "/":
-        cleaned += "/"
-    return cleaned
-
-
-def go_escape_path(path):
-    """A path for Location, bytes that are not UTF-8 (kept as surrogates) included, as Go."""
-    return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~", errors="surrogateescape")
-
-
-# ---------------------------------------------------------------------------
-# HTTP: http.server glue (one handler, a bounded threading server)
-# ---------------------------------------------------------------------------
-
-def format_peer(address):
-    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
-    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
-    if isinstance(address, tuple) and len(address) >= 2:
-        host = address[0]
-        if host.lower().startswith("::ffff:") and "." in host:
-            host = host[7:]
-        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
-    return "@"  # Unix socket peers, as Go prints them
-
-
-def head_end(buf, start=0):
-    """Index just past the blank line ending the request head, or -1.  The bytes before `start`
-    are known to hold no end (a head arriving in pieces is scanned once, not again and again)."""
-    start = max(0, start - 3)
-    crlf = buf.find(b"\r\n\r\n", start)
-    lf = buf.find(b"\n\n", start, crlf if crlf >= 0 else len(buf))
-    if lf >= 0:
-        return lf + 2
-    return crlf + 4 if crlf >= 0 else -1
-
-
-def read_chunked(conn, limit):
-    """A chunked request body from a Connection, capped at limit bytes; trailers are ignored."""
-    body = bytearray()
-
-    def line():
-        text = conn.readline(4097)
-        if not text.endswith(b"\n"):
-            if len(text) > 4096:
-                raise BadRequest(400, "chunk header too long")
-            raise ConnectionResetError("client closed the connection")
-        return text
-    while True:
-        # as Go: hex digits only (int() would also take `-5`, `0x5`, ` 5`, `5_0`)
-        size_text = line().rstrip(b" \t\r\n").split(b";")[0]
-        if not CHUNK_SIZE.fullmatch(size_text):
-            raise BodyError("invalid byte in chunk length", bytes(body))
-        size = int(size_text, 16)
-        if len(body) + size > limit:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
-        if size == 0:
-            while line().strip():
-                pass
-            return bytes(body)
-        chunk = conn.read(size)
-        if len(chunk) < size:
-            raise ConnectionResetError("client closed the connection")
-        body += chunk
-        if line().strip():
-            raise BodyError("malformed chunked encoding", bytes(body))
-
-
-RECV_BYTES = 1 << 16
-PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
-
-
-class Connection:
-    """One client connection and the bytes read ahead of the request being served: kept while
-    the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
-    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
-    from the first byte of a later head), else -read-header-timeout per read and -write-timeout
-    per write."""
-
-    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "handshaking")
-
-    def __init__(self, sock, address, server, due):
-        self.sock, self.address, self.server, self.due = sock, address, server, due
-        self.buffer = bytearray()
-        self.scanned = 0  # the start of the buffer known to hold no head end
-        self.handshaking = server.tls_context is not None
-
-    def head_end(self):
-        end = head_end(self.buffer, self.scanned)
-        if end < 0:
-            self.scanned = len(self.buffer)
-        return end
-
-    def head_ready(self):
-        """Whether a worker should take over: a whole head is here, or a large part of one."""
-        return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
-
-    def wait_for_bytes(self, seconds):
-        """A worker's short wait for the client's next request before parking the connection
-        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
-        if not self.pending():
-            poller = select.poll()  # no syscall but the wait: the socket stays blocking
-            poller.register(self.sock, select.POLLIN)
-            if not poller.poll(seconds * 1000):
-                return True
-        try:
-            return self.fill()
-        except OSError:
-            return False
-
-    def pending(self):
-        """Decrypted bytes a TLS socket holds that no readiness event will announce."""
-        return self.sock.pending() if self.server.ssl else 0
-
-    def take(self, size):
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        self.scanned = 0
-        return data
-
-    def fill(self):
-        """One blocking recv into the buffer, under the deadline; False at end of stream."""
-        app = self.server.app
-        due = self.due if self.due is not None else time.monotonic() + app.header_timeout
-        data = self.server.deadlines.during(self.sock, due, self.sock.recv, RECV_BYTES)
-        self.buffer += data
-        return bool(data)
-
-    def read(self, size):
-        while len(self.buffer) < size and self.fill():
-            pass
-        return self.take(size)
-
-    def read1(self, size):
-        """What is buffered, or one recv's worth: at most size bytes (b"" at end of stream)."""
-        if not self.buffer:
-            self.fill()
-        return self.take(size)
-
-    def readline(self, limit):
-        while True:
-            end = self.buffer.find(b"\n", 0, limit)
-            if end >= 0:
-                return self.take(end + 1)
-            if len(self.buffer) >= limit or not self.fill():
-                return self.take(limit)
-
-    def send(self, data):
-        """Write it all, within -write-timeout: a client that does not read is cut off."""
-        due = time.monotonic() + self.server.write_timeout
-        self.server.deadlines.during(self.sock, due, self.sock.sendall, data)
-
-
-class Deadlines:
-    """Ends a blocked read or write that overstays its deadline by shutting its socket down, so
-    that sockets stay blocking (a socket timeout costs a poll() before every recv and send).
-    A deadline lives exactly as long as the call it guards; the WaitingRoom's thread expires
-    them on its tick."""
-
-    def __init__(self):
-        self.due = {}  # socket -> monotonic time
-        self.lock = threading.Lock()
-
-    def during(self, sock, due, call, *args):
-        with self.lock:
-            self.due[sock] = due
-        try:
-            return call(*args)
-        finally:
-            with self.lock:
-                self.due.pop(sock, None)
-
-    def expire(self, now):
-        with self.lock:  # held while shutting down: never a deadline set again meanwhile
-            for sock in [sock for sock, due in self.due.items() if due <= now]:
-                del self.due[sock]
-                try:  # the plain socket's shutdown: a TLS one is woken up the same way
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
-class WaitingRoom:
-    """Connections with no request to serve: new ones, kept-alive ones between requests, and
-    slow ones still sending a head.  One thread watches them all with a selector (no thread
-    each) and hands a connection to the Workers once a whole head has come.  It closes those
-    past their deadline, and when more wait than descriptors allow, the oldest idle ones."""
-
-    TICK_SECONDS = 0.25
-
-    def __init__(self, workers, capacity):
-        self.workers, self.capacity = workers, capacity
-        self.deadlines = Deadlines()
-        self.selector = selectors.DefaultSelector()
-        self.inbox = deque()  # connections parked by other threads, for the watcher to take
-        self.wake_r, self.wake_w = socket.socketpair()
-        self.wake_r.setblocking(False)
-        self.wake_w.setblocking(False)
-        self.selector.register(self.wake_r, selectors.EVENT_READ)
-        self.idle = {}  # socket -> kept-alive Connection awaiting its next request, oldest first
-        self.arriving = {}  # socket -> Connection whose request head is on its way
-        threading.Thread(target=self._watch, name="waiting-room", daemon=True).start()
-
-    def park(self, conn):
-        """From any thread: the connection waits here, holding no thread, for its next head."""
-        self.inbox.append(conn)
-        try:
-            self.wake_w.send(b"\0")
-        except OSError:
-            pass  # the wake-up socket is full: the watcher is about to run anyway
-
-    def _watch(self):
-        swept = 0.0
-        while True:
-            for key, _ in self.selector.select(self.TICK_SECONDS):
-                if key.fileobj is self.wake_r:
-                    self._take_inbox()
-                else:
-                    self._attend(key.data)
-            now = time.monotonic()
-            if now - swept >= self.TICK_SECONDS:
-                swept = now
-                self.deadlines.expire(now)
-                for waiting in (self.idle, self.arriving):
-                    for conn in [c for c in waiting.values()
-                                 if c.due <= now or c.server.app.stopping]:
-                        self._drop(conn)
-
-    def _take_inbox(self):
-        try:
-            while self.wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
-        while self.inbox:
-            self._attend(self.inbox.popleft(), admit=True)
-            # those waiting for a thread count too: they hold a descriptor each
-            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
-                                                    + len(self.workers.ready) > self.capacity):
-                self._drop(next(iter((self.idle or self.arriving).values())))
-
-    def _admit(self, conn):
-        conn.sock.setblocking(False)
-        kept_alive = conn.due is None  # a new connection's head deadline runs from accept
-        if kept_alive:
-            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
-                                           else KEEPALIVE_IDLE_SECONDS)
-        waiting = self.idle if kept_alive and not conn.buffer else self.arriving
-        waiting[conn.sock] = conn
-        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-
-    def _attend(self, conn, admit=False):
-        try:
-            if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
-                self._admit(conn)
-            if conn.handshaking:
-                self._handshake(conn)
-            else:
-                self._read(conn)
-        except Exception:  # a bug must cost one connection, never the watcher
-            log.exception("unexpected error with the connection from %s",
-                          format_peer(conn.address))
-            self._drop(conn)
-
-    def _handshake(self, conn):
-        ssl = conn.server.ssl
-        try:
-            conn.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            return
-        except ssl.SSLWantWriteError:
-            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
-            return
-        except OSError as exc:  # closed at once, not when its deadline comes
-            log.info("connection from %s: %s", format_peer(conn.address), exc)
-            self._drop(conn)
-            return
-        conn.handshaking = False
-        self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
-        self._read(conn)
-
-    def _read(self, conn):
-        """Take what the client sent; hand the connection over once its head is here."""
-        try:
-            while True:
-                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
-                if not data:  # the client closed it (mid-head too: as Go, no answer)
-                    self._drop(conn)
-                    return
-                conn.buffer += data
-                if conn.head_ready():
-                    self._forget(conn)
-                    conn.sock.setblocking(True)
-                    self.workers.hand_over(conn)
-                    return
-                if not conn.pending():
-                    break
-        except conn.server.would_block:
-            pass
-        except OSError:
-            self._drop(conn)
-            return
-        if conn.buffer and self.idle.pop(conn.sock, None) is not None:
-            conn.due = time.monotonic() + conn.server.app.header_timeout  # a head is coming
-            self.arriving[conn.sock] = conn
-
-    def _forget(self, conn):
-        with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
-            self.selector.unregister(conn.sock)
-        self.idle.pop(conn.sock, None)
-        self.arriving.pop(conn.sock, None)
-
-    def _drop(self, conn):
-        self._forget(conn)
-        conn.sock.close()
-
-
-class Workers:
-    """The threads serving requests: at most -max-connections, each serving one connection at
-    a time, from its first complete head until it is parked again or closed.  A thread with
-    nothing to do waits a while for the next connection, then ends."""
-
-    IDLE_THREAD_SECONDS = 5.0
-
-    def __init__(self, limit):
-        self.limit = limit
-        self.ready = deque()  # connections with a head, waiting for a thread
-        self.cond = threading.Condition()
-        self.threads = 0
-        self.waiting = 0  # threads waiting for a connection
-
-    def hand_over(self, conn):
-        with self.cond:
-            self.ready.append(conn)
-            if len(self.ready) > self.waiting and self.threads < self.limit:
-                self.threads += 1
-                threading.Thread(target=self._work, name="request", daemon=True).start()
-            else:
-                self.cond.notify()
-
-    def saturated(self):
-        """Every thread is taken and a connection waits: no time to wait for a client."""
-        return self.threads >= self.limit and bool(self.ready)
-
-    def _work(self):
-        while True:
-            with self.cond:
-                until = time.monotonic() + self.IDLE_THREAD_SECONDS
-                while not self.ready:
-                    if time.monotonic() >= until:
-                        self.threads -= 1
-                        return
-                    self.waiting += 1
-                    self.cond.wait(until - time.monotonic())
-                    self.waiting -= 1
-                conn = self.ready.popleft()
-            conn.server.serve(conn)
-
-
-INTERNAL_ERROR = BadRequest(500, "")
-
-
-class HookHandler(BaseHTTPRequestHandler):
-    """One turn of a worker with a connection: thin glue between its bytes and the Pipeline.
-    Overrides the documented hooks where Go's server behaves differently: the head is checked
-    as Go checks it (parse_request), malformed requests get Go's answers (send_error),
-    `100 Continue` is sent only when the body is wanted (handle_expect_100), any method is
-    served, and each answer is one write with no Server header.  Serves the requests whose
-    heads have come, then leaves the connection kept alive (`kept_alive`) or to be closed."""
-
-    protocol_version = "HTTP/1.1"
-
-    def setup(self):
-        self.conn = self.request  # a Connection
-        self.connection, self.rfile = self.conn.sock, self.conn
-        self.remote_addr = format_peer(self.client_address)
-        self.head = None
-        self.kept_alive = False
-        self.answering = False  # some of the answer is written: too late for another
-        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
-
-    def handle(self):
-        while True:
-            self.handle_one_request()
-            if self.close_connection or self.server.app.stopping:
-                return
-            if self.conn.head_ready():
-                continue
-            if not self.server.room.workers.saturated():
-                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
-                    return  # the client closed it
-                if self.conn.head_ready():
-                    continue
-            self.kept_alive = True  # the next request has not (fully) come: park it
-            return
-
-    def finish(self):
-        pass  # nothing to flush: each answer is written as it is made
-
-    def handle_one_request(self):
-        self.close_connection, self.answering = True, False
-        try:
-            if self.parse_request():
-                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
-        except BadRequest as exc:
-            self.send_error(exc.status, exc)
-        except OSError:  # the client went away or stalled: nothing to answer
-            pass
-        except Exception:  # a bug: logged and answered 500, never a silently dropped client
-            log.exception("unexpected error handling a request from %s", self.remote_addr)
-            if not self.answering:
-                with contextlib.suppress(OSError):
-                    self.write(INTERNAL_ERROR.response())
-
-    def parse_request(self):
-        """Read the rest of the head, if it did not all come while the connection waited
-        (-read-header-timeout for all of it), and check it as Go does."""
-        conn = self.conn
-        if conn.due is None:  # a head that came while a worker held the connection
-            conn.due = time.monotonic() + self.server.app.header_timeout
-        end = conn.head_end()
-        while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
-            if not conn.fill():
-                raise ConnectionResetError("client closed the connection")
-            end = conn.head_end()
-        if end < 0 or end > MAX_HEADER_BYTES:
-            raise BadRequest(431, "request header too large")
-        self.head = parse_head(conn.take(end))
-        conn.due = None  # from here on, each read of the body has -read-header-timeout
-        self.command, self.path = self.head.method, self.head.target
-        self.request_version = self.head.version
-        return True
-
-    def send_error(self, code, message=None, explain=None):
-        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
-        client is still sending is read for a moment so it gets the answer, not a reset."""
-        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
-        log.info("bad request from %s: %s", self.remote_addr, exc)
-        self.close_connection = True
-        try:
-            self.write(exc.response())
-            self.connection.shutdown(socket.SHUT_WR)
-            self.conn.due, drained = time.monotonic() + 1.0, 0
-            while drained < MAX_HEADER_BYTES and self.conn.fill():
-                drained += len(self.conn.buffer)
-                self.conn.buffer.clear()
-        except OSError:
-            pass
-
-    def handle_expect_100(self):
-        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
-        return True
-
-    def log_message(self, format, *args):
-        log.info("%s: " + format, self.remote_addr, *args)
-
-    def write(self, data):
-        self.answering = True
-        self.conn.send(data)
-
-    def read_body(self):
-        """The body by Content-Length or chunked, capped at -max-body-bytes."""
-        app = self.server.app
-        size = app.body_length(self.head)
-        if size is None:
-            return read_chunked(self.conn, app.max_body)
-        body = bytearray()
-        while len(body) < size:
-            chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
-            if not chunk:
-                raise ConnectionResetError("client closed the connection")
-            body += chunk
-        return bytes(body)
-
-    def serve(self):
-        """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
-        app, head = self.server.app, self.head
-        started = time.monotonic()
-        with app.in_flight():
-            rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
-            if response is None:
-                response = self.answer_hook(rid, hook, raw_query)
-            else:
-                self.skip_body(response)
-            keep_alive = head.keep_alive() and not response.close and not app.stopping
-            if not response.sent:
-                self.write(serialize_response(response, head, keep_alive))
-        self.close_connection = not keep_alive
-        app.log_access(rid, head, response, started)
-
-    def skip_body(self, response):
-        """An answer that does not need the body: read past it, or close if the client waits
-        for `100 Continue`."""
-        if self.head.get("Expect").lower() == "100-continue":
-            response.close = True
-            return
-        try:
-            self.read_body()
-        except BodyError:
-            response.close = True
-
-    def answer_hook(self, rid, hook, raw_query):
-        app, head = self.server.app, self.head
-        if head.get("Expect").lower() == "100-continue":
-            app.body_length(head)  # a body we would refuse is refused before it is sent
-            self.handle_expect_100()
-        broken = False
-        try:
-            body = self.read_body()
-        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
-            log.info("error reading the request body: %s", exc)
-            body, broken = exc.partial, True
-        request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
-        try:
-            response = app.trigger(head, hook, request, self)
-        except Exception:  # a bug must cost one 500, not a hung connection
-            log.exception("unexpected error handling %s %s", head.method, head.target)
-            response = Response(500, b"500 Internal Server Error", close=True)
-        response.close = response.close or broken
-        response.secret_params = hook.secret_params
-        return response
-
-    # The one writer of answers sent while they are made (stream-command-output, a running
-    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
-    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
-
-    def start_chunked(self, status, headers):
-        """Send the head; False if the client has gone."""
-        head = self.head
-        self.chunked, self.client_here = head.version == "HTTP/1.1", True
-        self.streamed_body = head.method != "HEAD"
-        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
-                                         if self.chunked else "Connection: close"]
-        return self.write_streamed(response_head(head.version, status_line(status), lines))
-
-    def write_chunk(self, data):
-        """Send a piece of the body (the connection's -write-timeout for each); False if the
-        client has gone."""
-        if data and self.streamed_body:
-            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
-                                       else data)
-        return self.client_here
-
-    def end_chunks(self, complete=True):
-        """End the answer, with its closing chunk if `complete` (else the client sees it cut
-        short); whether the connection may serve another request."""
-        if complete and self.chunked and self.streamed_body:
-            self.write_streamed(b"0\r\n\r\n")
-        return complete and self.chunked and self.client_here
-
-    def write_streamed(self, data):
-        if self.client_here:
-            try:
-                self.write(data)
-            except OSError:
-                self.client_here = False
-        return self.client_here
-
-
-class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's).  An
-    accepted connection holds no thread: it waits in the WaitingRoom until a whole request
-    head has come, a worker serves it, and it waits there again between requests."""
-
-    daemon_threads = True
-
-    def __init__(self, listener, app, room, tls_context):
-        socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
-        self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
-        self.deadlines = room.deadlines
-        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
-        self.ssl, self.would_block = None, BlockingIOError
-        if tls_context is not None:
-            import ssl
-            self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
-                                               ssl.SSLWantWriteError)
-
-    def process_request(self, request, client_address):
-        if self.app.stopping:
-            self.shutdown_request(request)
-            return
-        if request.family != socket.AF_UNIX:
-            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls_context is not None:  # the handshake is the WaitingRoom's, unblocked
-            request = self.tls_context.wrap_socket(request, server_side=True,
-                                                   do_handshake_on_connect=False)
-        due = time.monotonic() + self.app.header_timeout  # the first head's, from accept
-        self.room.park(Connection(request, client_address, self, due))
-
-    def serve(self, conn):
-        """A worker's turn with a connection: its requests, then parked again or closed."""
-        handler = None
-        try:
-            handler = self.RequestHandlerClass(conn, conn.address, self)
-        except Exception:
-            self.handle_error(conn.sock, conn.address)
-        if handler is not None and handler.kept_alive:
-            self.room.park(conn)
-        else:
-            self.shutdown_request(conn.sock)
-
-    def handle_error(self, request, client_address):
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            log.info("connection from %s: %s", format_peer(client_address), exc)
-        else:
-            log.exception("unexpected error serving %s", format_peer(client_address))
-
-
-# ---------------------------------------------------------------------------
-# Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
-# ---------------------------------------------------------------------------
-
-class HookRun:
-    """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
-    the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
-    run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
-    (`has_turn` once granted) and the run's record (None without run history)."""
-
-    def __init__(self, hook, request_id, mode, gate, record):
-        self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
-        self.record, self.invocation, self.failure = record, None, None
-        self.has_turn = False
-
-
-class Pipeline:
-    """What a request does, with no socket in sight: route() finds the hook (or the plain
-    answer), trigger() parses the payload, checks the rules, builds argv/env and runs the
-    command in the hook's mode.  Also counts what is in flight for the graceful stop."""
-
-    def __init__(self, opts, registry):
-        self.opts = opts
-        self.registry = registry
-        self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
-        self.response_headers = {canonical_header(n): v for n, v in opts.header}
-        methods = opts.http_methods.replace(" ", "")
-        self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
-        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
-        self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
-            else NO_TIMEOUT
-        self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs)
-        self.stopping = False
-        self.busy = 0  # requests and background runs not finished: the graceful stop waits
-        self.busy_lock = threading.Lock()
-        self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
-        self.started = time.time()
-        self.runs = make_run_store(opts)
-        self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
-
-    @contextlib.contextmanager
-    def in_flight(self):
-        with self.busy_lock:
-            self.busy += 1
-        try:
-            yield
-        finally:
-            with self.busy_lock:
-                self.busy -= 1
-
-    def request_id(self, head):
-        if self.opts.x_request_id:
-            given = head.get("X-Request-Id")
-            if given:
-                limit = self.opts.x_request_id_limit
-                return given[:limit] if limit > 0 else given
-        return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
-
-    def body_length(self, head):
-        """The declared body size (None: chunked); a bad or too large one is refused."""
-        if "Transfer-Encoding" in head.headers:
-            encoding = ",".join(head.headers["Transfer-Encoding"]).strip().lower()
-            if encoding != "chunked":
-                raise BadRequest(501, "unsupported transfer encoding",
-                                 body=b"Unsupported transfer encoding")
-            return None
-        lengths = head.headers.get("Content-Length")
-        if not lengths:
-            return 0
-        if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]):
-            raise BadRequest(400, "bad Content-Length")
-        size = int(lengths[0])
-        if size > self.max_body:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
-        return size
-
-    def log_access(self, rid, head, response, started):
-        if log.isEnabledFor(logging.INFO):
-            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
-                     len(response.body), (time.monotonic() - started) * 1000.0,
-                     head.get("Host"), head.method,
-                     redact_target(head.target, response.secret_params))
-
-    def route(self, head, rid, remote_addr, stream=None):
-        """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
-        target = head.target
-        if target.startswith(("http://", "https://")):
-            target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
-        if target == "*" and head.method == "OPTIONS":
-            return None, None, Response(200)
-        raw_path, _, raw_query = target.partition("?")
-        path = go_unescape(raw_path, False)
-        if path is None or not raw_path.startswith("/"):
-            raise BadRequest(400, "invalid request target")
-        cleaned = clean_path(path)
-        if cleaned != path:
-            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
-            return None, None, Response(301, b"", {"Location": location})
-        if path == "/":
-            return None, None, Response(200, b"OK")
-        if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head, remote_addr)
-        if self.opts.status_path and self.runs_page.wants(path):
-            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
-                                                     lambda: self.stopping)
-        if not path.startswith(self.prefix) or "\n" in path:
-            return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
-                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
-        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
-        hook_id = path[len(self.prefix):]
-        hook = self.registry.hook(hook_id)
-        if hook is None:
-            return None, None, Response(404, MSG_HOOK_NOT_FOUND)
-        allowed = hook.allowed_methods or self.default_methods
-        if allowed and head.method not in allowed:
-            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
-                     json.dumps(hook_id))
-            return None, None, Response(405)
-        return hook, raw_query, None
-
-    def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
-        """The plain HookRequest the hook model sees; logs the match."""
-        log.info("[%s] %s got matched", rid, hook.id)
-        if self.opts.debug:
-            shown = {name: ["<redacted>"] if name in hook.secret_headers else values
-                     for name, values in head.headers.items()}
-            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
-                      redact_target(head.target, hook.secret_params), head.version, shown,
-                      len(body))
-        return HookRequest(rid, head.method, remote_addr,
-                           {k: v[0] for k, v in head.headers.items()
-                            if k not in ("Host", "Transfer-Encoding")},
-                           parse_query(raw_query)[0], body,
-                           hook.incoming_content_type or head.get("Content-Type"))
-
-    def trigger(self, head, hook, request, stream):
-        """parse payload -> check rules -> build argv/env -> run -> the Response."""
-        rid, headers = request.id, dict(self.response_headers)
-        try:
-            messages = parse_payload(request, hook, head.get("Content-Type"))
-        except MultipartError as exc:
-            log.info("[%s] error parsing multipart form: %s", rid, exc)
-            return Response(500, MSG_MULTIPART_ERROR, headers)
-        messages += apply_json_parameters(hook, request)
-        for message in messages:
-            log.info("[%s] %s", rid, message)
-
-        satisfied, error, note = rules_satisfied(hook, request)
-        if note:
-            log.info("[%s] %s", rid, note)
-        if error is not None:
-            log.info("[%s] error evaluating hook: %s", rid, error)
-            return Response(500, MSG_RULES_ERROR, headers)
-        if not satisfied:
-            log.info("[%s] %s got matched, but didn't get triggered because the trigger rules "
-                     "were not satisfied", rid, hook.id)
-            return Response(status_or_200(hook.mismatch_status, rid, hook),
-                            MSG_RULES_NOT_SATISFIED, headers)
-        log.info("[%s] %s hook triggered successfully", rid, hook.id)
-        for name, value in hook.response_headers:
-            headers[canonical_header(name)] = value
-        mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
-            else "background"
-        if mode == "background" and not self.background.reserve():
-            log.info("[%s] %d background runs waiting already: %s refused", rid,
-                     ASYNC_BACKLOG_LIMIT, hook.id)
-            return Response(503, MSG_BACKLOG_FULL, headers)
-        run = self.prepare(hook, request, mode)
-        if run.record is not None:
-            headers["X-Webhookd-Run"] = run.record.id
-        success = status_or_200(hook.success_status, rid, hook)
-        if run.mode == "streamed":
-            return self.run_streamed(run, stream, headers, success)
-        if run.mode == "captured":
-            return captured_response(hook, self.execute(run), headers, success)
-        self.run_in_background(run)
-        return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
-                        headers)
-
-    def prepare(self, hook, request, mode):
-        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
-        and its argv/env, built now so that no request or body waits in a queue."""
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
-        try:
-            run.invocation = build_invocation(hook, request)
-        except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
-            log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
-            if " " in hook.execute_command:
-                log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
-                         request.id, hook.execute_command.split()[0])
-            run.failure = exc
-            return run
-        for message in run.invocation.messages:
-            log.info("[%s] %s", request.id, message)
-        return run
-
-    def gate(self, hook):
-        return self.registry.gate(hook.id) or HookGate(0)
-
-    def execute(self, run, on_output=None, keep_output=True):
-        """Wait for the hook's max-concurrency turn (unless the run holds it) -> run -> log,
-        giving the turn back: a CommandResult.  The record ends whatever happens."""
-        if not run.has_turn:
-            run.gate.wait_turn()
-        try:
-            return self.run_command(run, on_output, keep_output)
-        finally:
-            run.gate.leave()
-
-    def run_command(self, run, on_output, keep_output):
-        hook, record = run.hook, run.record
-        result = CommandResult(False, error=run.failure or "unexpected error")
-        try:
-            if run.failure is not None:
-                return result  # as Go: nothing more is logged
-            sink, collected = on_output, None
-            if record is not None:
-                self.runs.started(record)
-                sink, collected = self.runs.output_sink(record, on_output, keep_output)
-            result = self.runner.run(run.invocation, run.request_id, hook.command_timeout,
-                                     sink, keep_output)
-            if collected is not None:
-                result.output = b"".join(collected)
-            log_result(hook, run.request_id, result, on_output is None and keep_output)
-            return result
-        finally:
-            if record is not None:
-                self.runs.ended(record, result, self.stopping)
-
-    def run_in_background(self, run):
-        """Default mode, the backlog reserved: the run waits for its max-concurrency turn
-        holding no thread, then for a -max-async-runs thread."""
-        with self.busy_lock:
-            self.busy += 1
-
-        def job():
-            try:
-                if self.stopping:  # its record says `killed` at exit
-                    log.info("[%s] stopping: queued run of %s dropped", run.request_id,
-                             run.hook.id)
-                    run.gate.leave()
-                else:
-                    self.execute(run, keep_output=log.isEnabledFor(logging.INFO))
-            finally:
-                with self.busy_lock:
-                    self.busy -= 1
-
-        def granted():
-            run.has_turn = True
-            self.background.submit(job)
-        run.gate.enter(granted)
-
-    def run_streamed(self, run, stream, headers, success):
-        """stream-command-output: chunked output while the command runs.  A failed or timed
-        out run ends without the closing chunk, so the client sees an incomplete response."""
-        headers.setdefault("Content-Type", TEXT_PLAIN)
-        head_sent = []
-
-        def on_output(chunk):
-            if not head_sent:
-                head_sent.append(stream.start_chunked(success, headers))
-            stream.write_chunk(chunk)
-
-        result = self.execute(run, on_output)
-        if not result.started:
-            headers["Content-Type"] = TEXT_PLAIN
-            return Response(500, MSG_COMMAND_ERROR, headers)
-        if not head_sent:
-            stream.start_chunked(success, headers)
-        keep_alive = stream.end_chunks(complete=result.ok)
-        return Response(success, b"", headers, close=not keep_alive, sent=True)
-
-    def status_response(self, head, remote_addr):
-        """The status page; an untrusted client (see RunsPage.trusted) sees only whether the
-        daemon is healthy, never hook ids (some hooks rely on theirs being secret), paths,
-        load errors or runs."""
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        health = {"status": "degraded" if self.registry.count() == 0
-                  or self.registry.last_reload_failed else "ok", "version": VERSION}
-        if not self.runs_page.trusted(head, remote_addr):
-            return json_response(200, health)
-        return json_response(200, dict(health, **status_details(self.registry, self.runs,
-                                                                self.started)))
-
-
-def status_details(registry, runs, started):
-    """What the status page shows trusted clients besides its health."""
-    files, errors = registry.status()
-    running = {}
-    for hook_id, gate in list(registry.gates.items()):
-        if gate.running or gate.waiting:
-            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
-    return {
-        "implementation": "webhookd.py",
-        "webhookd_version": __version__,
-        "started": iso_time(started),
-        "uptime_seconds": round(time.time() - started, 3),
-        "hooks_loaded": registry.count(),
-        "hooks_files": files,
-        "last_load": iso_time(registry.last_load),
-        "last_reload_failed": registry.last_reload_failed,
-        "load_errors": errors,
-        "last_runs": runs.last_per_hook(),
-        "runs": running,
-        "runs_in_progress": sum(r["running"] for r in running.values()),
-        "runs_queued": sum(r["queued"] for r in running.values()),
-    }
-
-
-def status_or_200(code, rid, hook):
-    """A hook's configured status, or 200 (logged) for a code Go's StatusText lacks, as upstream."""
-    if not code:
-        return 200
-    if code in GO_STATUS_TEXT and code >= 200:
-        return code
-    log.info("[%s] %s got matched, but the configured return code %d is unknown - "
-             "defaulting to 200", rid, hook.id, code)
-    return 200
-
-
-def log_result(hook, rid, result, output_collected):
-    """Upstream's log lines for a finished (or failed) run."""
-    if not result.started:
-        log.info("[%s] error occurred: %s", rid, result.error)
-    else:
-        if output_collected:
-            log.info("[%s] command output: %s", rid,
-                     result.output.decode("utf-8", "replace"))
-        if result.timed_out:
-            log.info("[%s] error occurred: command timed out after %gs; process group "
-                     "stopped", rid, hook.command_timeout)
-        elif result.returncode:
-            log.info("[%s] error occurred: %s", rid, describe_exit(result.returncode))
-    log.info("[%s] finished handling %s", rid, hook.id)
-
-
-def captured_response(hook, result, headers, success):
-    """The answer of include-command-output-in-response, once the command has ended."""
-    if result.ok:
-        return Response(success, result.output, headers)
-    headers["Content-Type"] = TEXT_PLAIN
-    if result.timed_out:
-        return Response(504, MSG_TIMED_OUT, headers)
-    body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
-    return Response(500, body, headers)
-
-
-def describe_exit(returncode):
-    name = signal_name(returncode)
-    return "exit status %d" % returncode if name is None else "signal: " + name
-
-
-# ---------------------------------------------------------------------------
 # systemd integration: sd_notify and socket activation
 # ---------------------------------------------------------------------------
 
@@ -5488,6 +4811,694 @@ def serve(opts):
     log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
     return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
+
+
+
+
+# ---------------------------------------------------------------------------
+# Hooks files: YAML reader (pure)
+# ---------------------------------------------------------------------------
+# Upstream reads every hooks file with go-yaml v2 (YAML 1.1) and turns the result into JSON before
+# decoding it.  `load_yaml(text)` returns the same JSON-like values for the YAML hooks files use:
+# block and flow collections, the three scalar styles, block scalars, anchors, aliases and merge
+# keys.  What it does not read (tags, several documents, complex keys) is refused by line, never
+# read differently.
+
+class YamlError(ValueError):
+    """A YAML text that cannot be read; `line` and `column` count from 1."""
+
+    def __init__(self, message, line, column):
+        ValueError.__init__(self, "%d:%d: %s" % (line, column, message))
+        self.message, self.line, self.column = message, line, column
+
+
+class YamlMap(dict):
+    """A mapping read from YAML; `lines[key]` is the line the key is on."""
+
+    __slots__ = ("lines",)
+
+
+class YamlList(list):
+    """A sequence read from YAML; `lines[i]` is the line item i starts on."""
+
+    __slots__ = ("lines",)
+
+
+YAML_CONSTANTS = {"": None, "~": None, "null": None, "Null": None, "NULL": None,
+                  ".nan": float("nan"), ".NaN": float("nan"), ".NAN": float("nan")}
+YAML_CONSTANTS.update(dict.fromkeys(("y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE",
+                                     "on", "On", "ON"), True))
+YAML_CONSTANTS.update(dict.fromkeys(("n", "N", "no", "No", "NO", "false", "False", "FALSE",
+                                     "off", "Off", "OFF"), False))
+for _sign, _value in (("", float("inf")), ("+", float("inf")), ("-", float("-inf"))):
+    YAML_CONSTANTS.update(dict.fromkeys((_sign + ".inf", _sign + ".Inf", _sign + ".INF"), _value))
+YAML_GO_INT = re.compile(r"([-+]?)(0[xX][0-9a-fA-F]+|0[bB][01]+|0[oO][0-7]+|0[0-7]*|[1-9][0-9]*)\Z")
+YAML_FLOAT = re.compile(r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+][0-9]+)?\Z")
+YAML_DOT_FLOAT = re.compile(r"\.[0-9]+(?:[eE][-+]?[0-9]+)?\Z")
+YAML_ESCAPES = {"0": "\0", "a": "\a", "b": "\b", "t": "\t", "\t": "\t", "n": "\n", "v": "\v",
+                "f": "\f", "r": "\r", "e": "\x1b", " ": " ", '"': '"', "'": "'", "\\": "\\",
+                "N": "\x85", "_": "\xa0", "L": "\u2028", "P": "\u2029"}
+YAML_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+# Where a plain scalar's line ends.  Blanks count only from the first of a run (look-behind):
+# trying every blank of a long run as a start would take quadratic time.
+YAML_BLANKS_END = r"(?<![ \t])(?:[ \t]+#|[ \t]*(?=[\n%s])|[ \t]*\Z)"
+YAML_PLAIN_END = re.compile(r":(?=[ \t\n]|\Z)|" + YAML_BLANKS_END % "")
+YAML_FLOW_PLAIN_END = re.compile(r":|[,?\[\]{}]|" + YAML_BLANKS_END % r",:?\[\]{}")
+YAML_ANCHOR = re.compile(r"[0-9A-Za-z_-]+")
+YAML_LINE_SPACE = re.compile(r"[ \t]*")
+YAML_MAX_ALIASED = 100000  # values all aliases together may expand to
+YAML_BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
+YAML_CONTINUATION = re.compile(r"[ \t]*\n((?:[ \t]*\n)*)([ \t]*)")
+YAML_DOUBLE_STOPS = re.compile(r'["\\\n]')
+YAML_SINGLE_STOPS = re.compile(r"['\n]")
+# Markers no decoded text contains (surrogateescape yields only U+DC80..U+DCFF): an escaped
+# blank to keep at a line's edge, and an escaped line break.
+YAML_KEEP, YAML_ESCAPED_BREAK = "\ud800", "\ud801"
+
+
+def resolve_plain(text):
+    """A plain (unquoted) scalar as go-yaml v2 resolves it: None, bool, int, float or str.
+    YAML 1.1: `yes`/`on`/`y` are true, `0777` is octal, `1_000` is 1000, `1e3` stays a string."""
+    if text in YAML_CONSTANTS:
+        return YAML_CONSTANTS[text]
+    first = text[:1]
+    if first == "." and YAML_DOT_FLOAT.match(text):
+        value = float(text)
+        return text if math.isinf(value) else value
+    if not first or first not in "+-0123456789":
+        return text
+    plain = text.replace("_", "")
+    number = YAML_GO_INT.match(plain)
+    if number:
+        sign, digits = number.groups()
+        base = {"x": 16, "b": 2, "o": 8}.get(digits[1:2].lower(), 8 if digits[:1] == "0" else 10)
+        magnitude = int(digits[2:] if base != 10 and digits[1:2].isalpha() else digits, base)
+        value = -magnitude if sign == "-" else magnitude
+        if -2 ** 63 <= value < 2 ** 63 or (not sign and value < 2 ** 64):
+            return value
+    if YAML_FLOAT.match(plain):
+        value = float(plain)
+        if not math.isinf(value):
+            return value
+    return text
+
+
+def go_float32_text(value):
+    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
+    if value != value:
+        return "NaN"
+    try:
+        single = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        single = value * math.inf
+    if math.isinf(single):
+        return "+Inf" if single > 0 else "-Inf"
+    if single == 0:
+        return "-0" if math.copysign(1, single) < 0 else "0"
+    for precision in range(1, 10):
+        shortest = "%.*e" % (precision - 1, single)
+        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
+            break
+    mantissa, exponent = shortest.split("e")
+    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
+    digits = digits.replace(".", "").rstrip("0") or "0"
+    exponent = int(exponent)
+    if exponent < -4 or exponent >= 6:
+        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
+    if exponent < 0:
+        return sign + "0." + "0" * (-exponent - 1) + digits
+    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
+    fraction = digits[exponent + 1:]
+    return sign + whole + ("." + fraction if fraction else "")
+
+
+def yaml_key_text(key):
+    """A mapping key as text, as upstream turns keys into JSON object names."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    if isinstance(key, int) and key < 2 ** 63:
+        return str(key)
+    if isinstance(key, float):
+        return {"+Inf": ".inf", "-Inf": "-.inf", "NaN": ".nan"}.get(go_float32_text(key),
+                                                                      go_float32_text(key))
+    raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
+
+
+def load_yaml(text):
+    """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
+    int, float, bool, None).  Raises YamlError naming the line and column."""
+    return YamlReader(text).document()
+
+
+class YamlScanner:
+    """The cursor under YamlReader: `pos` is an offset into the text; positions for errors,
+    blanks, comments and line ends, and the scalars (plain, quoted and block)."""
+
+    def __init__(self, text):
+        self.text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+        self.pos = 0
+        self.anchors = {}
+        self.aliased, self.sizes = 0, {}  # values reached through aliases; expanded_size memo
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
+
+    # -- positions and errors
+
+    def where(self, pos):
+        line = bisect.bisect_right(self.line_starts, pos)
+        return line, pos - self.line_starts[line - 1] + 1
+
+    def line_of(self, pos):
+        return bisect.bisect_right(self.line_starts, pos)
+
+    def column(self, pos):
+        return pos - self.line_starts[self.line_of(pos) - 1]
+
+    def fail(self, message, pos=None):
+        line, column = self.where(self.pos if pos is None else pos)
+        raise YamlError(message, line, column)
+
+    def char(self, offset=0):
+        return self.text[self.pos + offset:self.pos + offset + 1]
+
+    def blank_after(self, offset):
+        return self.char(offset) in ("", " ", "\t", "\n")
+
+    def at_marker(self, pos):
+        text = self.text
+        return (text.startswith(("---", "..."), pos) and (pos == 0 or text[pos - 1] == "\n")
+                and text[pos + 3:pos + 4] in ("", " ", "\t", "\n"))
+
+    def skip_line_space(self):
+        """Skip blanks and a comment up to the end of the current line."""
+        text = self.text
+        pos = YAML_LINE_SPACE.match(text, self.pos).end()
+        if text.startswith("#", pos) and (pos == self.pos or text[pos - 1] in " \t\n"):
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+        self.pos = pos
+
+    def at_line_end(self):
+        self.skip_line_space()
+        return self.pos >= len(self.text) or self.text[self.pos] == "\n"
+
+    def next_content(self):
+        """Skip blanks, comments and line breaks; the column of what follows, or -1 at the end
+        of the document (end of text or a `---`/`...` marker)."""
+        self.skip_line_space()
+        text, pos = self.text, self.pos
+        if pos < len(text) and text[pos] == "\n":
+            self.pos = YAML_BLANK_LINES.match(text, pos + 1).end()
+            self.skip_line_space()
+            pos = self.pos
+            start = text.rfind("\n", 0, pos) + 1
+            if "\t" in text[start:pos] and pos < len(text):
+                self.fail("found a tab character that violates indentation")
+        else:
+            start = text.rfind("\n", 0, pos) + 1
+        if pos >= len(text) or self.at_marker(pos):
+            return -1
+        return pos - start
+
+    # -- document
+
+    def skip_to_line_end(self):
+        end = self.text.find("\n", self.pos)
+        self.pos = len(self.text) if end < 0 else end
+
+    # -- block context
+
+    def plain_line(self, pattern):
+        """A plain scalar's text up to the end of its first line; (text, followed by `: `)."""
+        end = pattern.search(self.text, self.pos)
+        text = self.text[self.pos:end.start()]
+        self.pos = end.start()
+        return text, self.text.startswith(":", self.pos)
+
+    def plain_continued(self, first, parent, flow=False):
+        """Continue a plain scalar on more-indented lines (any line in flow context)."""
+        lines, text = [first], self.text
+        while True:
+            more = YAML_CONTINUATION.match(text, self.pos)
+            if more is None or more.end() >= len(text):
+                break
+            line_start, pos = more.start(2), more.end()
+            if (text[pos] == "#" or self.at_marker(line_start)
+                    or (flow and text[pos] in ",]}:?")
+                    or (not flow and pos - line_start <= parent)):
+                break
+            self.pos = pos
+            line, _ = self.plain_line(YAML_FLOW_PLAIN_END if flow else YAML_PLAIN_END)
+            if flow and self.char() == ":" and not self.blank_after(1):
+                self.fail("found unexpected ':'")
+            lines.extend([""] * more.group(1).count("\n"))
+            lines.append(line)
+        return fold_lines(lines) if len(lines) > 1 else first
+
+    def block_scalar(self, parent):
+        """A `|` (literal) or `>` (folded) scalar with optional chomping (`+`/`-`) and
+        indentation (1-9) indicators, folded and chomped as go-yaml v2 does."""
+        start, text = self.pos, self.text
+        folded = text[start] == ">"
+        self.pos += 1
+        chomping, increment = "clip", 0
+        for _ in range(2):
+            char = self.char()
+            if char in ("+", "-") and chomping == "clip":
+                chomping = "keep" if char == "+" else "strip"
+            elif char in "0123456789" and char and not increment:
+                if char == "0":
+                    self.fail("found an indentation indicator equal to 0")
+                increment = int(char)
+            else:
+                break
+            self.pos += 1
+        if self.char() not in ("", " ", "\t", "\n") or not self.at_line_end():
+            self.fail("did not find expected comment or line break", start)
+        indent = (parent + increment if parent >= 0 else increment) if increment else 0
+        pos = self.pos + 1
+        if not indent:
+            deepest, probe = 0, pos
+            while probe < len(text):
+                end = text.find("\n", probe)
+                line = text[probe:len(text) if end < 0 else end]
+                deepest = max(deepest, len(line) - len(line.lstrip(" ")))
+                if line.strip(" ") or end < 0:
+                    break
+                probe = end + 1
+            indent = max(deepest, parent + 1, 1)
+        entries, breaks, last_break = [], 0, False
+        while pos < len(text):
+            end = text.find("\n", pos)
+            end = len(text) if end < 0 else end
+            line = text[pos:end]
+            if line.strip(" ") and len(line) - len(line.lstrip(" ")) < indent:
+                break
+            if len(line) > indent:
+                entries.append((breaks, line[indent:]))
+                breaks, last_break = 0, end < len(text)
+            elif end < len(text):
+                breaks += 1
+            self.pos, pos = end, end + 1
+        pieces, previous_blank = [], False
+        for index, (before, content) in enumerate(entries):
+            blank = content[:1] in (" ", "\t")
+            if index:
+                if folded and not previous_blank and not blank:
+                    pieces.append("" if before else " ")
+                else:
+                    pieces.append("\n")
+            pieces.append("\n" * before)
+            pieces.append(content)
+            previous_blank = blank
+        if last_break and chomping != "strip":
+            pieces.append("\n")
+        if chomping == "keep":
+            pieces.append("\n" * breaks)
+        return "".join(pieces)
+
+    # -- flow context and scalars
+
+    def quoted(self):
+        """A single- or double-quoted scalar (with YAML escapes), folded over lines."""
+        start, text = self.pos, self.text
+        quote = text[start]
+        stops = YAML_DOUBLE_STOPS if quote == '"' else YAML_SINGLE_STOPS
+        out, pos, lines = [], start + 1, []
+        while True:
+            found = stops.search(text, pos)
+            if found is None:
+                self.fail("found unexpected end of stream while scanning a quoted scalar", start)
+            end = found.start()
+            out.append(text[pos:end])
+            char = text[end]
+            if char == quote:
+                if quote == "'" and text.startswith("''", end):
+                    out.append("'")
+                    pos = end + 2
+                    continue
+                pos = end + 1
+                break
+            if char == "\n":
+                lines.append("".join(out))
+                out, pos = [], end + 1
+                if self.at_marker(pos):
+                    self.fail("found unexpected document indicator", pos)
+                continue
+            escape = text[end + 1:end + 2]
+            if escape == "\n":
+                out.append(YAML_ESCAPED_BREAK)
+                lines.append("".join(out))
+                out, pos = [], end + 2
+            elif escape in YAML_ESCAPES and escape:
+                value = YAML_ESCAPES[escape]
+                out.append(YAML_KEEP + value + YAML_KEEP if value in " \t" else value)
+                pos = end + 2
+            elif escape in YAML_HEX_ESCAPES and escape:
+                width = YAML_HEX_ESCAPES[escape]
+                digits = text[end + 2:end + 2 + width]
+                if len(digits) < width or not all(c in "0123456789abcdefABCDEF" for c in digits):
+                    self.fail("did not find expected hexdecimal number", end)
+                code = int(digits, 16)
+                if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+                    self.fail("found invalid Unicode character escape code", end)
+                out.append(chr(code))
+                pos = end + 2 + width
+            else:
+                self.fail("found unknown escape character", end)
+        self.pos = pos
+        lines.append("".join(out))
+        return fold_lines(lines) if len(lines) > 1 else lines[0].replace(YAML_KEEP, "")
+
+
+class YamlReader(YamlScanner):
+    """Recursive descent over the structure: documents, nodes, block and flow collections,
+    anchors and aliases; indentation counts columns."""
+
+    def document(self):
+        text = self.text
+        column = self.next_content()
+        while column == 0 and text.startswith("%", self.pos):
+            if not text.startswith("%YAML", self.pos):
+                self.fail("directives other than %YAML are not supported")
+            self.skip_to_line_end()
+            column = self.next_content()
+        value = None
+        if column == -1 and text.startswith("---", self.pos):
+            self.pos += 3
+            if not self.at_line_end():
+                value = self.node(-1, True)
+            elif self.next_content() >= 0:
+                value = self.node(-1, True)
+        elif column >= 0:
+            value = self.node(-1, True)
+        column = self.next_content()
+        if column == -1 and text.startswith("...", self.pos):
+            self.pos += 3
+            column = self.next_content()
+        if column == -1 and text.startswith("---", self.pos):
+            marker = self.pos
+            self.pos += 3  # an empty document after it changes nothing (upstream reads one)
+            if self.next_content() != -1 or self.pos < len(text):
+                self.fail("several YAML documents in one file are not supported", marker)
+        if self.pos < len(text):
+            self.fail("did not find expected <document start>")
+        return value
+
+    def node(self, parent, can_be_key):
+        """The node at `pos`, inside a block indented `parent` columns; `can_be_key`: it may open
+        a block mapping (it does not follow a key on the same line)."""
+        char, start = self.char(), self.pos
+        if char == "!":
+            self.fail("tags are not supported")
+        if char == "&":
+            name = self.anchor_name()
+            if self.at_line_end():
+                column = self.next_content()
+                if column > parent:
+                    value = self.node(parent, True)
+                elif column == parent and self.char() == "-" and self.blank_after(1) and \
+                        not can_be_key:
+                    value = self.block_sequence(column)
+                else:
+                    value = None
+            else:
+                value = self.node(parent, False)
+            self.anchors[name] = value
+            return value
+        if char == "*":
+            value = self.alias()
+            self.skip_line_space()
+            if self.char() == ":":
+                self.fail("aliases as mapping keys are not supported")
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char == "-" and self.blank_after(1):
+            if not can_be_key:
+                self.fail("block sequence entries are not allowed in this context")
+            return self.block_sequence(self.column(start))
+        if char == "?" and self.blank_after(1):
+            self.fail("complex mapping keys (?) are not supported")
+        if char in "[{":
+            value = self.flow_collection()
+            self.skip_line_space()
+            if self.char() == ":":
+                self.fail("complex mapping keys (a collection as key) are not supported", start)
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char in "|>":
+            return self.block_scalar(parent)
+        if char in ("'", '"'):
+            value = self.quoted()
+            if self.line_of(self.pos) == self.line_of(start):
+                self.skip_line_space()
+                if self.char() == ":" and self.blank_after(1):
+                    if not can_be_key:
+                        self.fail("mapping values are not allowed in this context")
+                    return self.block_mapping(self.column(start), value, start)
+            if not self.at_line_end():
+                self.fail("did not find expected key")
+            return value
+        if char == ":" and self.blank_after(1):
+            self.fail("a mapping key is missing (null keys are not supported)")
+        if char in ",]}#@`%":
+            self.fail("found character that cannot start any token")
+        text, key_like = self.plain_line(YAML_PLAIN_END)
+        if key_like:
+            if not can_be_key:
+                self.fail("mapping values are not allowed in this context")
+            return self.block_mapping(self.column(start), resolve_plain(text), start)
+        text = self.plain_continued(text, parent)
+        if self.char() == ":":
+            self.fail("mapping values are not allowed in this context")
+        return resolve_plain(text)
+
+    def block_mapping(self, column, key, key_pos):
+        result = YamlMap()
+        result.lines = {}
+        while True:
+            self.pos += 1  # the ':'
+            if self.at_line_end():
+                content = self.next_content()
+                if content > column:
+                    value = self.node(column, True)
+                elif content == column and self.char() == "-" and self.blank_after(1):
+                    value = self.block_sequence(column)
+                else:
+                    value = None
+            else:
+                value = self.node(column, False)
+            self.store(result, key, value, key_pos)
+            content = self.next_content()
+            if content < column:
+                return result
+            if content > column:
+                self.fail("bad indentation of a mapping entry")
+            key_pos = self.pos
+            key = self.mapping_key()
+
+    def mapping_key(self):
+        char = self.char()
+        if char in ("'", '"'):
+            key = self.quoted()
+            self.skip_line_space()
+        elif char == "?" and self.blank_after(1):
+            self.fail("complex mapping keys (?) are not supported")
+        elif char in "[{":
+            self.fail("complex mapping keys (a collection as key) are not supported")
+        elif char in "&*!":
+            self.fail("anchors, aliases and tags on mapping keys are not supported")
+        elif char == "-" and self.blank_after(1):
+            self.fail("did not find expected key")
+        elif char == ":" and self.blank_after(1):
+            self.fail("a mapping key is missing (null keys are not supported)")
+        else:
+            text, _ = self.plain_line(YAML_PLAIN_END)
+            key = resolve_plain(text)
+        if not (self.char() == ":" and self.blank_after(1)):
+            self.fail("could not find expected ':'")
+        return key
+
+    def store(self, mapping, key, value, key_pos):
+        """Set one entry; a plain `<<` merges mappings in as go-yaml v2 does (in order)."""
+        if key == "<<" and self.text.startswith("<<", key_pos):
+            sources = value if isinstance(value, list) else [value]
+            for source in reversed(sources):
+                if not isinstance(source, dict):
+                    self.fail("map merge requires map or sequence of maps as the value",
+                              key_pos)
+                for name, item in source.items():
+                    mapping[name] = item
+                    mapping.lines[name] = source.lines.get(name, self.line_of(key_pos))
+            return
+        try:
+            name = yaml_key_text(key)
+        except ValueError as exc:
+            self.fail(str(exc), key_pos)
+        mapping[name] = value
+        mapping.lines[name] = self.line_of(key_pos)
+
+    def block_sequence(self, column):
+        result = YamlList()
+        result.lines = []
+        while True:
+            result.lines.append(self.line_of(self.pos))
+            self.pos += 1  # the '-'
+            if self.at_line_end():
+                item = self.node(column, True) if self.next_content() > column else None
+            else:
+                item = self.node(column, True)
+            result.append(item)
+            content = self.next_content()
+            if content < column or (content == column and not (
+                    self.char() == "-" and self.blank_after(1))):
+                return result
+            if content > column:
+                self.fail("bad indentation of a sequence entry")
+
+    def anchor_name(self):
+        match = YAML_ANCHOR.match(self.text, self.pos + 1)
+        if match is None or not self.blank_after(match.end() - self.pos) and \
+                self.text[match.end()] not in ",[]{}":
+            self.fail("did not find expected alphabetic or numeric character")
+        self.pos = match.end()
+        return match.group()
+
+    def alias(self):
+        """The anchored value (shared, not copied); what aliases expand to is counted, so a
+        file of nested aliases (a "billion laughs") fails here instead of exhausting time
+        and memory later, as go-yaml's "excessive aliasing" check does."""
+        start = self.pos
+        name = self.anchor_name()
+        if name not in self.anchors:
+            self.fail("unknown anchor '%s' referenced" % name, start)
+        value = self.anchors[name]
+        self.aliased += expanded_size(value, self.sizes)
+        if self.aliased > YAML_MAX_ALIASED:
+            self.fail("document contains excessive aliasing (aliases expand to more than %d "
+                      "values)" % YAML_MAX_ALIASED, start)
+        return value
+
+    def flow_space(self):
+        text = self.text
+        while True:
+            while self.pos < len(text) and text[self.pos] in " \t\n":
+                self.pos += 1
+            if self.char() == "#" and text[self.pos - 1] in " \t\n":
+                end = text.find("\n", self.pos)
+                self.pos = len(text) if end < 0 else end
+            else:
+                return
+
+    def flow_collection(self):
+        start, mapping = self.pos, self.char() == "{"
+        closing = "}" if mapping else "]"
+        result = YamlMap() if mapping else YamlList()
+        result.lines = {} if mapping else []
+        self.pos += 1
+        while True:
+            self.flow_space()
+            if self.char() == closing:
+                self.pos += 1
+                return result
+            if not self.char():
+                self.fail("did not find expected ',' or '%s'" % closing, start)
+            if self.char() == "?" and self.blank_after(1):
+                self.fail("complex mapping keys (?) are not supported")
+            entry_pos = self.pos
+            value = self.flow_node()
+            self.flow_space()
+            if self.char() == ":" or mapping:
+                if isinstance(value, (list, dict)):
+                    self.fail("complex mapping keys (a collection as key) are not supported",
+                              entry_pos)
+                key, value = value, None
+                if self.char() == ":":
+                    self.pos += 1
+                    self.flow_space()
+                    if self.char() not in (",", closing):
+                        value = self.flow_node()
+                        self.flow_space()
+                pair = result if mapping else YamlMap()
+                if not mapping:
+                    pair.lines = {}
+                self.store(pair, key, value, entry_pos)
+                if not mapping:
+                    result.append(pair)
+                    result.lines.append(self.line_of(entry_pos))
+            else:
+                result.append(value)
+                result.lines.append(self.line_of(entry_pos))
+            if self.char() == ",":
+                self.pos += 1
+            elif self.char() != closing:  # at the end of the text: point at the opening
+                self.fail("did not find expected ',' or '%s'" % closing,
+                          None if self.char() else start)
+
+    def flow_node(self):
+        char = self.char()
+        if char in "[{":
+            return self.flow_collection()
+        if char in ("'", '"'):
+            return self.quoted()
+        if char == "&":
+            name = self.anchor_name()
+            self.flow_space()
+            value = None if self.char() in (",", "]", "}", ":") else self.flow_node()
+            self.anchors[name] = value
+            return value
+        if char == "*":
+            return self.alias()
+        if char == "!":
+            self.fail("tags are not supported")
+        if char == "-" and self.blank_after(1):
+            self.fail("block sequence entries are not allowed in this context")
+        if not char or char in ",]}#|>@`%" or (char in "?:" and self.blank_after(1)):
+            self.fail("did not find expected node content")
+        text, _ = self.plain_line(YAML_FLOW_PLAIN_END)
+        if self.char() == ":" and not self.blank_after(1):
+            self.fail("found unexpected ':'")
+        return resolve_plain(self.plain_continued(text, -1, flow=True))
+
+def expanded_size(value, sizes):
+    """How many values `value` is once every alias in it is expanded; each collection is
+    counted once (`sizes`: memo by id, holding the collection so that its id stays its own)."""
+    if not isinstance(value, (list, dict)):
+        return 1
+    known = sizes.get(id(value))
+    if known is None:
+        items = value.values() if isinstance(value, dict) else value
+        known = (value, 1 + sum(expanded_size(item, sizes) for item in items))
+        sizes[id(value)] = known
+    return known[1]
+
+
+def fold_lines(lines):
+    """Fold the lines of a plain or quoted scalar: a break is a space, n empty lines are n
+    breaks; in quoted ones an escaped break joins without a space and escaped blanks at a
+    line's edge are kept (plain text never holds those markers)."""
+    out, breaks, joined, last = [], 0, False, len(lines) - 1
+    for index, line in enumerate(lines):
+        escaped_break = index < last and line.endswith(YAML_ESCAPED_BREAK)
+        if escaped_break:
+            line = line[:-1]
+        if index:
+            line = line.lstrip(" \t")
+        if index < last and not escaped_break:
+            line = line.rstrip(" \t")
+        line = line.replace(YAML_KEEP, "")
+        if 0 < index < last and not line:
+            breaks += 1
+            continue
+        if index:
+            out.append("\n" * breaks if breaks else ("" if joined else " "))
+        out.append(line)
+        breaks, joined = 0, escaped_break
+    return "".join(out)
 
 
 if __name__ == "__main__":
