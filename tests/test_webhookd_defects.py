@@ -24,16 +24,7 @@ def webhookd(*args, **kwargs):
 # 1. dual-stack listeners see IPv4 clients as IPv4
 # ---------------------------------------------------------------------------------------------
 
-def ipv6_available():
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not ipv6_available(), reason="needs IPv6 on loopback (::1): sysctl net.ipv6.conf.lo.disable_ipv6=0")
+@pytest.mark.skipif(not support.ipv6_loopback(), reason="needs IPv6 on loopback (::1): sysctl net.ipv6.conf.lo.disable_ipv6=0")
 def test_dual_stack_listener_unmaps_ipv4_clients(runner, tmp_path):
     def whitelisted(hook_id, ip_range):
         return {"id": hook_id, "execute-command": "/bin/true", "response-message": "in",
