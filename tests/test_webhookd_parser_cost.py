@@ -42,7 +42,7 @@ def multipart(body):
 
 
 def chunked(body):
-    return w.read_chunked(io.BytesIO(body), len(body), lambda: None)
+    return w.read_chunked(io.BytesIO(body), len(body))
 
 
 def rule_hook():
