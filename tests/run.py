@@ -60,16 +60,31 @@ def plan(has_test_modules, venv_ready, venv_has_pip, can_make_venv, can_apt_inst
     return steps + ["install-requirements", "use-venv"]
 
 
+# Packages whose import name is not their name with '_' for '-'.
+IMPORT_NAMES = {"pytest_xdist": "xdist"}
+
+
 def module_names(requirements_text):
     """The import names of the packages a requirements file lists ('prometheus_client>=0.1'
-    -> 'prometheus_client'; the packages it names import as their name with '_' for '-')."""
+    -> 'prometheus_client'; 'pytest-xdist' -> 'xdist')."""
     names = []
     for line in requirements_text.splitlines():
         line = line.split("#", 1)[0].strip()
         match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line)
         if match:
-            names.append(match.group().replace("-", "_").lower())
+            name = match.group().replace("-", "_").lower()
+            names.append(IMPORT_NAMES.get(name, name))
     return names
+
+
+def pytest_arguments(args, cpus):
+    """The suite runs in two processes where there are two cores (pytest-xdist), unless the
+    arguments choose (-n N, or -p no:xdist)."""
+    chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses")) or a == "no:xdist"
+                 for a in args)
+    if chosen or cpus < 2:
+        return list(args)
+    return ["-n", "2", *args]
 
 
 # ---------------------------------------------------------------- actions
@@ -154,7 +169,7 @@ def main(args):
         print("tests/run.py: %s" % error, file=sys.stderr)
         return 2
     os.chdir(ROOT)
-    argv = [python, "-m", "pytest", *args]
+    argv = [python, "-m", "pytest", *pytest_arguments(args, os.cpu_count() or 1)]
     sys.stdout.flush()
     os.execv(python, argv)
 

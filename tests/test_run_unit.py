@@ -40,8 +40,20 @@ def test_without_python3_venv_and_not_root_it_says_which_package_to_install():
 
 def test_every_requirement_is_checked_by_its_import_name():
     names = runner.module_names((ROOT / "requirements-dev.txt").read_text())
-    assert {"pytest", "meilisearch", "prometheus_client", "selenium"} <= set(names)
+    assert {"pytest", "xdist", "meilisearch", "prometheus_client", "selenium"} <= set(names)
     assert runner.module_names("# c\nfoo-bar>=1  # why\n\nBaz<2\n") == ["foo_bar", "baz"]
+
+
+@pytest.mark.parametrize("args, cpus, expected", [
+    (["-q"], 2, ["-n", "2", "-q"]),
+    (["-q"], 8, ["-n", "2", "-q"]),
+    (["-q"], 1, ["-q"]),
+    (["-q", "-n", "4"], 2, ["-q", "-n", "4"]),
+    (["-q", "-n0"], 2, ["-q", "-n0"]),
+    (["-p", "no:xdist", "tests/test_docs.py"], 2, ["-p", "no:xdist", "tests/test_docs.py"]),
+])
+def test_two_test_processes_unless_the_arguments_choose(args, cpus, expected):
+    assert runner.pytest_arguments(args, cpus) == expected
 
 
 def test_the_runner_downloads_nothing_itself():
