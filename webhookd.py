@@ -2472,7 +2472,10 @@ def describe_exit(returncode):
 class GoNumber(str):
     """A JSON number kept as written (Go's json.Number): `1.50` stays `1.50`."""
 
-    __slots__ = ()  # no __dict__: a body of millions of numbers stays small and untracked
+    # No __dict__: a body of millions of numbers stays small.  Instances are still tracked by
+    # the garbage collector, whose full passes over them are what a 25 MiB body of numbers
+    # costs other threads (bench/bench_parsers.py: the longest stall).
+    __slots__ = ()
 
 
 class NilMap(dict):
