@@ -257,6 +257,8 @@ MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
+MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
 READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
 NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
@@ -287,6 +289,21 @@ def origin_form(target):
         raise bad_request("The request target `%s` is not supported: it must be a path "
                           "starting with `/`." % printable(target[:200]))
     return target
+
+
+class BodyPace:
+    """The slowest a body may come: after CLIENT_TIMEOUT seconds, at least
+    MIN_BODY_RATE bytes a second on average, so a caller trickling a body
+    holds a worker for a bounded time (each read alone is bounded too)."""
+
+    def __init__(self):
+        self.started, self.received = time.monotonic(), 0
+
+    def check(self, size):
+        self.received += size
+        elapsed = time.monotonic() - self.started
+        if elapsed > CLIENT_TIMEOUT and self.received < MIN_BODY_RATE * elapsed:
+            raise BrokenBody("body sent slower than %d bytes a second" % MIN_BODY_RATE)
 
 
 class Body:
@@ -327,13 +344,14 @@ class Body:
             self.started = True
             if self.before_read is not None and not self.finished:
                 self.before_read()
-        stream = self.stream
+        stream, pace = self.stream, BodyPace()
         try:
             while self.remaining:
                 data = stream.read1(min(piece, self.remaining))
                 if not data:
                     raise BrokenBody("body cut short")
                 self.remaining -= len(data)
+                pace.check(len(data))
                 yield data
             while self.chunked and not self.finished:
                 size_line = stream.readline(1024)
@@ -350,6 +368,7 @@ class Body:
                     if not data:
                         raise BrokenBody("body cut short")
                     size -= len(data)
+                    pace.check(len(data))
                     yield data
                 if stream.readline(3) not in (b"\r\n", b"\n"):
                     raise BrokenBody("chunk not followed by CRLF")
@@ -384,9 +403,11 @@ class Body:
             data.append(chunk)
         return b"".join(data)
 
-    def discard(self, limit=MAX_KEYS_BODY):
+    def discard(self, deadline, limit=MAX_KEYS_BODY):
         """Skip an unread body so the connection can serve on; False when that
-        is unwise (too big, broken, or a caller still waiting for 100 Continue)."""
+        is unwise (too big, broken, a caller still waiting for 100 Continue,
+        or one still sending at `deadline`: a trickled body must not hold a
+        worker, so the connection is closed instead)."""
         if self.finished:
             return True
         if self.broken or (self.before_read is not None and not self.started) or \
@@ -396,7 +417,7 @@ class Body:
             size = 0
             for chunk in self.chunks():
                 size += len(chunk)
-                if size > limit:
+                if size > limit or time.monotonic() > deadline:
                     return False
         except BrokenBody:
             return False
@@ -585,8 +606,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def send_answer(self, response):
         """Write a Response, framed for this hop."""
         body = self.body
-        if body is not None and not body.discard():
-            self.close_connection = True
+        if body is not None and not body.finished:
+            self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
+            if not body.discard(time.monotonic() + DRAIN_SECONDS):
+                self.close_connection = True
+            self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
         self.status = status
         self.send_response_only(status)
@@ -967,9 +991,12 @@ class KeysServer(http.server.HTTPServer):
         read to its end (a refused head, an oversized body)."""
         try:
             request.shutdown(socket.SHUT_WR)
-            request.settimeout(LINGER_SECONDS)
-            budget = MAX_KEYS_BODY
+            deadline, budget = time.monotonic() + LINGER_SECONDS, MAX_KEYS_BODY
             while budget > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # in all, not per read: a trickling caller holds no thread
+                request.settimeout(left)
                 data = request.recv(SMALL_BODY)
                 if not data:
                     break
@@ -1781,7 +1808,7 @@ def _task_documents_query(context):
     """A task's documents, only once the backend showed the task, on an
     index the principal covers; its refusal (a bad uid...) is relayed."""
     task_id = context.params["task_id"]
-    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id),
+    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id, safe=""),
                            "asking for task %s" % _uid_shown(task_id))
     check_task_answer(context.principal, task_id, task)
     return context.query
@@ -1828,7 +1855,8 @@ class Route(collections.namedtuple(
     None: one); whether it is safe to send twice (`repeatable`: GETs and
     read-only POSTs); whether it creates its index when missing and the
     caller may create indexes (`creates_index`: upstream's handlers passing
-    allow_index_creation)."""
+    allow_index_creation; the settings deletions pass it too, and the guard
+    does not rely on Meilisearch's scheduler dropping it for them)."""
 
     def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False):
@@ -1863,7 +1891,7 @@ def _settings_routes():
             pattern = "/indexes/{index_uid}/settings/" + name
             routes += [Route("GET", pattern, ("settings.get",)),
                        Route(verb, pattern, ("settings.update",), creates_index=True),
-                       Route("DELETE", pattern, ("settings.update",))]
+                       Route("DELETE", pattern, ("settings.update",), creates_index=True)]
     return routes
 
 
@@ -1917,7 +1945,7 @@ ROUTES = tuple([
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
     Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
-    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",)),
+    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
           hits=cap_multi_search, searches=count_queries, repeatable=True),
@@ -3107,7 +3135,12 @@ def referrer_pattern(text):
         raise ValueError("`%s` is not a referrer pattern: give a URL or host name in which "
                          "`*` stands for any text, e.g. `https://example.com/*` or "
                          "`*.example.org`" % (text,))
-    return tuple(text.lower().split("*")), "://" in text
+    text = text.lower()
+    if "://" not in text:
+        return tuple(text.split("*")), False, None
+    scheme, _, rest = text.partition("://")
+    site = scheme + "://" + rest.split("/", 1)[0]
+    return tuple(text.split("*")), True, tuple(site.split("*"))
 
 
 def wildcard_match(pieces, subject):
@@ -3129,26 +3162,36 @@ def wildcard_match(pieces, subject):
     return True
 
 
-def _url_host(url):
-    """The host of a URL, or None when it has none or is malformed (`http://[::1/`)."""
+def _url_parts(url):
+    """(host, `scheme://host[:port]`) of a URL, or (None, None) when it has
+    no host or is malformed (`http://[::1/`)."""
     try:
-        return urllib.parse.urlsplit(url).hostname if "://" in url else None
+        parts = urllib.parse.urlsplit(url) if "://" in url else None
+        if parts is None or not parts.hostname:
+            return None, None
+        return parts.hostname, parts.scheme + "://" + parts.netloc.rpartition("@")[2]
     except ValueError:
-        return None
+        return None, None
 
 
 def referrer_allowed(patterns, origin, referer):
     """Does Origin or Referer (either may be None) match one of `patterns`?
-    Values longer than MAX_REFERRER never do."""
+    A whole-URL pattern must also match the URL's own site (scheme, host,
+    port), so a `*` cannot reach across into a path the sending page
+    chooses (`https://evil.com/.example.com/`). Values longer than
+    MAX_REFERRER never do."""
     urls = [u for u in ((origin + "/") if origin else None, referer) if u]
     if any(len(url) > MAX_REFERRER for url in urls):
         return False
     for url in urls:
         url = url.lower()
-        host = _url_host(url)
-        for pieces, whole_url in patterns:
-            subject = url if whole_url else host
-            if subject and wildcard_match(pieces, subject):
+        host, site = _url_parts(url)
+        if host is None:
+            continue
+        for pieces, whole_url, site_pieces in patterns:
+            if whole_url and wildcard_match(pieces, url) and wildcard_match(site_pieces, site):
+                return True
+            if not whole_url and wildcard_match(pieces, host):
                 return True
     return False
 

@@ -56,6 +56,21 @@ def test_referrer_patterns_match_origin_or_referer(origin, referer, allowed):
     assert sk.referrer_allowed(patterns, origin, referer) is allowed
 
 
+@pytest.mark.parametrize("origin, referer, allowed", [
+    ("https://evil.com", "https://evil.com/.example.com/", False),  # the page picks its path
+    (None, "https://evil.com/?.example.com/", False),
+    (None, "https://evil.com?.example.com/", False),
+    (None, "https://x.example.com@evil.com/", False),  # user info is not the host
+    (None, "https://evil.com@x.example.com/", True),
+    ("https://x.example.com", None, True),
+    (None, "https://x.example.com/a/b.html", True),
+    (None, "https://x.example.com:8443/", False),  # another port is another site
+])
+def test_a_star_in_the_site_never_reaches_into_the_path(origin, referer, allowed):
+    patterns = _patterns("https://*.example.com/*")
+    assert sk.referrer_allowed(patterns, origin, referer) is allowed
+
+
 @pytest.mark.parametrize("text", ["*", "", "has space", "x" * 600, "é.example.com", 5])
 def test_bad_referrer_patterns_are_refused(text):
     with pytest.raises(ValueError):

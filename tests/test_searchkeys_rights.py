@@ -135,7 +135,11 @@ CREATING_WRITES = [("POST", "/indexes/%s/documents", [{"id": 1}]),
                    ("PUT", "/indexes/%s/documents", [{"id": 1}]),
                    ("PATCH", "/indexes/%s/settings", {"stopWords": ["a"]}),
                    ("PUT", "/indexes/%s/settings/stop-words", ["a"]),
-                   ("PATCH", "/indexes/%s/settings/typo-tolerance", {"enabled": False})]
+                   ("PATCH", "/indexes/%s/settings/typo-tolerance", {"enabled": False}),
+                   # deletions pass allow_index_creation too; the guard does not rely on
+                   # Meilisearch's scheduler dropping it for them
+                   ("DELETE", "/indexes/%s/settings", None),
+                   ("DELETE", "/indexes/%s/settings/stop-words", None)]
 
 
 @pytest.mark.parametrize("method, path, body", CREATING_WRITES)

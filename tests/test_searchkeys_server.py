@@ -529,3 +529,40 @@ def test_thousands_of_idle_and_trickling_connections_lock_nobody_out():
             stop.set()
             for sock in idle + trickling:
                 sock.close()
+
+
+def test_trickled_bodies_of_answered_requests_hold_no_worker(backend):
+    """--max-connections 2: two callers announce a 1 MB body on /health and trickle it a byte
+    at a time. Their answers do not need the body, so the guard skips it for a moment, then
+    closes: a newcomer is served (each trickle used to hold a worker as long as it went on)."""
+    with start_guard(backend.url, extra=("--max-connections", "2")) as guard:
+        tricklers = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                     for _ in range(2)]
+        stop = threading.Event()
+
+        def trickle(sock):
+            try:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+                             b"\r\nx")
+                while not stop.wait(0.3):
+                    sock.sendall(b"x")
+            except OSError:
+                pass  # closed by the guard: what it should do
+
+        threads = [threading.Thread(target=trickle, args=(sock,)) for sock in tricklers]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(0.5)
+            # a hang detector: the old guard never answered while the trickles went on
+            status, _, _ = request(guard.port, "GET", "/health", timeout=10)
+            assert status == 200
+            for sock in tricklers:  # each trickler got its answer, then the close
+                answer = AnswerReader(sock).next()
+                assert answer[0] == 200
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            for sock in tricklers:
+                sock.close()
