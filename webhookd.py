@@ -2896,20 +2896,24 @@ def multipart_delimiters(body, boundary):
     """(start, end, is the closing one) of each delimiter line (`--boundary` at the start of
     the body or of a line, optionally `--`, blanks, a line end), lazily: a malformed part ends
     the scan.  Found with bytes.find, as a regex without a literal to start from would try
-    every position of the body in one long call."""
-    dash_boundary, pos = b"--" + boundary, 0
+    every position of the body in one long call; and found with the line break in front, so
+    a body of dashes is one scan, not one comparison of the boundary per byte."""
+    dash_boundary = b"--" + boundary
+    line_start = b"\n" + dash_boundary
+    at, pos = (0 if body.startswith(dash_boundary) else -1), 0
     while True:
-        at = body.find(dash_boundary, pos)
         if at < 0:
-            return
+            found = body.find(line_start, pos)
+            if found < 0:
+                return
+            at = found + 1
         after = MULTIPART_DELIMITER_END.match(body, at + len(dash_boundary))
-        line_start = at == 0 or (at > pos and body[at - 1:at] == b"\n")
-        if after is None or not line_start:
-            pos = at + 1
+        if after is None:  # `--boundary` then other text: look on from the next line
+            at, pos = -1, at
             continue
         start = at - 2 if at - 2 >= pos and body[at - 2:at] == b"\r\n" else max(at - 1, 0)
         yield start, after.end(), after.group(1) is not None
-        pos = after.end()
+        at, pos = -1, after.end()
 
 
 def split_part(part):

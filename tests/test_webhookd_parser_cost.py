@@ -108,6 +108,9 @@ CASES = {
     "multipart, near-boundaries": (
         multipart, lambda n: b"--B\r\nContent-Disposition: form-data; name=a\r\n\r\n" +
         b"\n--B \tx" * (n // 7) + b"\r\n--B--\r\n", "body"),
+    "multipart, dashes under a long boundary": (
+        lambda body: w.parse_multipart(body, "multipart/form-data; boundary=" + "-" * 4000,
+                                       set()), lambda n: b"-" * n, "body"),
     "chunked, one-byte chunks": (chunked, lambda n: b"1\r\nx\r\n" * (n // 6) + b"0\r\n\r\n",
                                  "body"),
     "signatures and rules": (rules, lambda n: "a" * n, "head"),
