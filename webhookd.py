@@ -4138,21 +4138,31 @@ def read_run_files(directory):
 
 def open_runs_dir(path, uid, gid):
     """The -runs-dir folder of the user the daemon runs as (uid, gid: after -setuid), created
-    0700 (and made 0700 if it was not).  Refused if another user owns it: they could plant
-    records and links in it.  A folder root owns (made now, or by an earlier daemon running
-    as root) is handed over to that user."""
+    0700 (and made 0700 if it was not).  Refused if another user owns it (they could plant
+    records and links in it) or if it is a symbolic link (whoever owns the folder above could
+    point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
+    or by an earlier daemon running as root) is handed over to that user, through its open
+    descriptor, and its entries without following links."""
     os.makedirs(path, 0o700, exist_ok=True)
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder")
-    if st.st_uid != uid:
-        if st.st_uid != 0 or os.geteuid() != 0:
-            raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that webhookd "
-                                               "runs as" % (st.st_uid, uid))
-        for name in [""] + os.listdir(path):
-            os.chown(os.path.join(path, name), uid, gid, follow_symlinks=False)
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            if st.st_uid != 0 or os.geteuid() != 0:
+                raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
+                                                   "webhookd runs as" % (st.st_uid, uid))
+            os.fchown(fd, uid, gid)
+            for name in os.listdir(fd):
+                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 

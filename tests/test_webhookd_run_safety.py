@@ -6,6 +6,7 @@ body and files; timeouts are hang detectors only.
 """
 import json
 import os
+import stat
 import shutil
 import signal
 import socket
@@ -115,6 +116,27 @@ def test_runs_dir_owned_by_another_user_is_refused(tmp_path):
                             timeout=30)
     out = result.stdout + result.stderr
     assert result.returncode == 1 and "owned by uid 65534" in out and "Traceback" not in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop privileges")
+def test_a_runs_dir_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
+    """Whoever owns the folder above -runs-dir can replace it with a link (to /etc, say):
+    root must not hand the target over to the -setuid user."""
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "file").write_text("x")
+    runs_dir = tmp_path / "runs"
+    runs_dir.symlink_to(target)
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/true")])
+    result = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-port", str(free_port()),
+                                       "-runs-dir", runs_dir, "-setuid", str(NOBODY),
+                                       "-setgid", str(NOBODY)),
+                            capture_output=True, text=True, timeout=30)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "symbolic link" in out and "Traceback" not in out
+    for path in (target, target / "sub", target / "file"):
+        assert path.stat().st_uid == 0, path
+    assert stat.S_IMODE(target.stat().st_mode) != 0o700
 
 
 def public_python():
