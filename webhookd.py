@@ -1529,12 +1529,12 @@ def format_peer(address):
 def head_end(buf, start=0):
     """Index just past the blank line ending the request head, or -1.  The bytes before `start`
     are known to hold no end (a head arriving in pieces is scanned once, not again and again)."""
-    start = max(0, start - 3)
-    crlf = buf.find(b"\r\n\r\n", start)
+    start = max(0, start - 2)  # a line ends in LF or CRLF, so the blank one is LF [CR] LF
+    crlf = buf.find(b"\n\r\n", start)
     lf = buf.find(b"\n\n", start, crlf if crlf >= 0 else len(buf))
     if lf >= 0:
         return lf + 2
-    return crlf + 4 if crlf >= 0 else -1
+    return crlf + 3 if crlf >= 0 else -1
 
 
 def read_chunked(conn, limit):

@@ -240,6 +240,18 @@ def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
     assert b"\r\nLocation: /%FF%FE?q=%ff\r\n" in answer, answer  # as Debian's webhook
 
 
+def test_a_head_ending_in_lf_cr_lf_is_a_whole_head(tmp_path):
+    """Lines may end in LF or CRLF, so `\n\r\n` ends a head, as Go reads it: both pipelined
+    requests are answered (the first used to wait for more, then swallow the second)."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    port = support.free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port),
+                port):
+        answer = raw_answer(port, b"GET /hooks/probe HTTP/1.1\nHost: x\n\r\n"
+                                  b"GET /hooks/probe HTTP/1.1\nHost: x\nConnection: close\n\r\n")
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer
+
+
 def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path):
     import logging
     import webhookd
