@@ -2073,10 +2073,28 @@ class HookServer(ThreadingHTTPServer):
         self.deadlines = room.deadlines
         self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
         self.ssl, self.would_block = None, BlockingIOError
+        self.accept_delay = 0.0  # seconds get_request waits after running out of files
         if tls_context is not None:
             import ssl
             self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
                                                ssl.SSLWantWriteError)
+
+    def get_request(self):
+        """accept(), backing off while open files run out (as Go's server does: 5 ms, doubled
+        up to 1 s): the listener stays readable, and socketserver would retry at once, in a
+        silent loop burning the CPU the connections already open need."""
+        try:
+            request = socketserver.TCPServer.get_request(self)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self.accept_delay = min(1.0, self.accept_delay * 2 or 0.005)
+            log.error("http: Accept error: %s; retrying in %dms", go_errno_text(exc),
+                      self.accept_delay * 1000)
+            time.sleep(self.accept_delay)
+            raise
+        self.accept_delay = 0.0
+        return request
 
     def process_request(self, request, client_address):
         if self.app.stopping:

@@ -252,6 +252,40 @@ def test_a_head_ending_in_lf_cr_lf_is_a_whole_head(tmp_path):
     assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer
 
 
+def test_running_out_of_open_files_is_logged_and_waited_out(tmp_path):
+    """accept() failing for want of open files is logged and retried after a pause (as Go
+    does), not silently retried at once in a loop; once clients leave, new ones are served."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
+    port = support.free_port()
+
+    def few_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (80, 80))
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "200")
+    proc = subprocess.Popen([str(arg) for arg in argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=few_files, start_new_session=True)
+    clients = []
+    try:
+        support.wait_for_port(port, proc)
+        for _ in range(100):  # each waits for a body that never comes, holding its file
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /hooks/probe HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            clients.append(sock)
+        time.sleep(1.0)
+        for sock in clients:
+            sock.close()
+        clients = []
+        answer = raw_answer(port, b"GET /hooks/probe HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n", timeout=20)
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+    finally:
+        for sock in clients:
+            sock.close()
+        os.killpg(proc.pid, 9)
+        out = proc.communicate(timeout=10)[0].decode(errors="replace")
+    assert "http: Accept error: too many open files; retrying in 5ms" in out, out[-2000:]
+
+
 def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path):
     import logging
     import webhookd
