@@ -4804,6 +4804,12 @@ def serve(opts):
         print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
         return 1
 
+    if opts.status_path and not opts.status_token:
+        log.warning("warning: %s and its run history are served without -status-token to "
+                    "loopback clients no proxy relays: behind a proxy that adds no "
+                    "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
+                    "or ssh -L), every client counts as loopback: set -status-token",
+                    opts.status_path)
     cleanup = []
     app = Pipeline(opts, registry)
     tls_context = None
