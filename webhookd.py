@@ -1570,19 +1570,26 @@ def read_chunked(conn, limit):
 
 RECV_BYTES = 1 << 16
 PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
+BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
+# a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
+SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
+SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
+LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
 
 
 class Connection:
     """One client connection and the bytes read ahead of the request being served: kept while
     the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
     worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
-    from the first byte of a later head), else -read-header-timeout per read and -write-timeout
-    per write."""
+    from the first byte of a later head), else -read-header-timeout per read, and for a body
+    also `body_due` for all of it; -write-timeout per write."""
 
-    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "handshaking")
+    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "body_due",
+                 "skim_due", "handshaking")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
+        self.body_due, self.skim_due = math.inf, None
         self.buffer = bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
         self.handshaking = server.tls_context is not None
@@ -1622,11 +1629,29 @@ class Connection:
 
     def fill(self):
         """One blocking recv into the buffer, under the deadline; False at end of stream."""
-        app = self.server.app
-        due = self.due if self.due is not None else time.monotonic() + app.header_timeout
-        data = self.server.deadlines.during(self.sock, due, self.sock.recv, RECV_BYTES)
+        now = time.monotonic()
+        if self.skim_due is not None:  # the socket's own timeout, which (unlike a deadline's
+            # shutdown) leaves the connection able to answer: raises socket.timeout
+            self.sock.settimeout(max(self.skim_due - now, 0.001))
+            data = self.sock.recv(RECV_BYTES)
+        else:
+            due = self.due if self.due is not None else now + self.server.app.header_timeout
+            data = self.server.deadlines.during(self.sock, min(due, self.body_due),
+                                                self.sock.recv, RECV_BYTES)
         self.buffer += data
         return bool(data)
+
+    def skim(self, read, seconds):
+        """read() (a body no one needs) for at most `seconds` in all: what it returns, or False
+        if that was not enough time; the connection can answer either way."""
+        self.skim_due = time.monotonic() + seconds
+        try:
+            return read()
+        except socket.timeout:
+            return False
+        finally:
+            self.skim_due = None
+            self.sock.settimeout(None)
 
     def read(self, size):
         while len(self.buffer) < size and self.fill():
@@ -1880,6 +1905,7 @@ class HookHandler(BaseHTTPRequestHandler):
         self.kept_alive = False
         self.answering = False  # some of the answer is written: too late for another
         self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
+        self.body_unread = False  # the client may still be sending a body: close gently
 
     def handle(self):
         while True:
@@ -1941,13 +1967,19 @@ class HookHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             self.write(exc.response())
-            self.connection.shutdown(socket.SHUT_WR)
-            self.conn.due, drained = time.monotonic() + 1.0, 0
-            while drained < MAX_HEADER_BYTES and self.conn.fill():
-                drained += len(self.conn.buffer)
-                self.conn.buffer.clear()
+            self.linger()
         except OSError:
             pass
+
+    def linger(self):
+        """Before closing a connection the client may still be writing to: end our side and
+        read what it sends for a moment, since closing with unread bytes sends a reset, which
+        can destroy the answer before the client reads it."""
+        self.connection.shutdown(socket.SHUT_WR)
+        self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
+        while drained < MAX_HEADER_BYTES and self.conn.fill():
+            drained += len(self.conn.buffer)
+            self.conn.buffer.clear()
 
     def handle_expect_100(self):
         self.conn.send(response_head("HTTP/1.1", status_line(100), []))
@@ -1961,18 +1993,25 @@ class HookHandler(BaseHTTPRequestHandler):
         self.conn.send(data)
 
     def read_body(self):
-        """The body by Content-Length or chunked, capped at -max-body-bytes."""
+        """The body by Content-Length or chunked, capped at -max-body-bytes, all of it within
+        -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
+        trickling it holds a worker for a bounded time."""
         app = self.server.app
         size = app.body_length(self.head)
-        if size is None:
-            return read_chunked(self.conn, app.max_body)
-        body = bytearray()
-        while len(body) < size:
-            chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
-            if not chunk:
-                raise ConnectionResetError("client closed the connection")
-            body += chunk
-        return bytes(body)
+        self.conn.body_due = time.monotonic() + app.header_timeout + (
+            app.max_body if size is None else size) / BODY_MIN_RATE
+        try:
+            if size is None:
+                return read_chunked(self.conn, app.max_body)
+            body = bytearray()
+            while len(body) < size:
+                chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
+                if not chunk:
+                    raise ConnectionResetError("client closed the connection")
+                body += chunk
+            return bytes(body)
+        finally:
+            self.conn.body_due = math.inf
 
     def serve(self):
         """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
@@ -1990,17 +2029,28 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
+        if self.body_unread:
+            self.linger()
 
     def skip_body(self, response):
-        """An answer that does not need the body: read past it, or close if the client waits
-        for `100 Continue`."""
-        if self.head.get("Expect").lower() == "100-continue":
-            response.close = True
+        """An answer that does not need the body: read past a small one that comes at once (as
+        Go, under 256 KiB), else close after the answer (so a body trickled in is no way to
+        hold a worker), as when the client waits for `100 Continue`."""
+        size, conn = self.server.app.body_length(self.head), self.conn
+        if size == 0:
             return
-        try:
-            self.read_body()
-        except BodyError:
-            response.close = True
+        skipped = False
+        if self.head.get("Expect").lower() != "100-continue":  # else nothing comes
+            try:
+                if size is None:
+                    skipped = conn.skim(lambda: read_chunked(conn, SKIP_BODY_BYTES) is not None,
+                                        SKIP_BODY_SECONDS)
+                elif size < SKIP_BODY_BYTES:
+                    skipped = conn.skim(lambda: len(conn.read(size)) == size, SKIP_BODY_SECONDS)
+            except (BodyError, BadRequest, OSError):  # too large, malformed, the client gone
+                pass
+        if not skipped:
+            response.close = self.body_unread = True
 
     def answer_hook(self, rid, hook, raw_query):
         app, head = self.server.app, self.head

@@ -369,3 +369,90 @@ def test_kept_alive_connections_are_served_again_after_pauses_plain_and_tls(tmp_
                         assert chunk, (tls, pause, answer)
                         answer += chunk
                     assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+
+
+# ---------------------------------------------------------------------------------------------
+# A body trickled in holds no worker for long: one no one needs is not waited for (the answer
+# still reaches the client, then the connection closes), a hook's has one deadline for all of it
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def trickling(port, head, count, first=b""):
+    """`count` connections that send `head` (and `first`), then a body byte each 0.3 s."""
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
+    for sock in clients:
+        sock.sendall(head + first)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.3):
+            for sock in clients:
+                with contextlib.suppress(OSError):  # closed by the server
+                    sock.send(b"a")
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        yield clients
+    finally:
+        stop.set()
+        trickler.join()
+        for sock in clients:
+            sock.close()
+
+
+def answer_until_closed(sock):
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data
+            data += chunk
+    return data
+
+
+def test_bodies_trickled_to_refused_requests_hold_no_worker_and_get_their_answer(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "2")
+    with Daemon(argv, port) as daemon:
+        # a large declared body (Go's cut: 256 KiB) and a small one: neither is waited for
+        for length, count in ((1000000, 2), (1000, 2)):
+            head = b"GET /hooks/nope HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length
+            with trickling(port, head, count, first=b"x" * 10) as clients:
+                # a new client: 10 s is a hang detector (it used to wait as long as they trickle)
+                status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+                assert (status, body) == (200, b"ping\n")
+                for sock in clients:  # each got its whole answer, then the connection closed
+                    answer = answer_until_closed(sock)
+                    assert answer.startswith(b"HTTP/1.1 404 Not Found\r\n"), answer
+                    assert b"\r\nConnection: close\r\n" in answer, answer
+                    assert answer.endswith(b"\r\n\r\nHook not found."), answer
+
+
+def test_the_answer_survives_a_client_still_sending_a_body_no_one_reads(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port), port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /hooks/nope HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000"
+                         b"\r\n\r\n" + b"x" * 300000)  # unread when the server closes
+            answer = answer_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 404 Not Found\r\n"), answer
+        assert answer.endswith(b"\r\n\r\nHook not found."), answer
+
+
+def test_a_hook_body_trickled_in_is_cut_off_in_bounded_time(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    # all of a 16 KiB body within 2 s + 16 KiB at 16 KiB/s = 3 s, though each read is in time
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "1", "-read-header-timeout", "2")
+    with Daemon(argv, port) as daemon:
+        head = b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nContent-Length: 16384\r\n\r\n"
+        with trickling(port, head, 1) as (slow,):
+            # 10 s: a hang detector (the trickle used to hold the only worker as long as it went)
+            status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+            assert (status, body) == (200, b"ping\n")
+            assert answer_until_closed(slow) == b""  # cut off: too slow to get an answer
