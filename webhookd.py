@@ -2541,8 +2541,8 @@ class GoNumber(str):
     """A JSON number kept as written (Go's json.Number): `1.50` stays `1.50`."""
 
     # No __dict__: a body of millions of numbers stays small.  Instances are still tracked by
-    # the garbage collector, whose full passes over them are what a 25 MiB body of numbers
-    # costs other threads (bench/bench_parsers.py: the longest stall).
+    # the garbage collector, so integers are kept as plain ints where they read back the same
+    # (go_integer): a 25 MiB body of numbers then costs other threads far less.
     __slots__ = ()
 
 
@@ -2560,7 +2560,16 @@ def go_number(text):
     return GoNumber(text)
 
 
-JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_number,
+def go_integer(text):
+    """An integer literal as a plain int where str() gives back the same text (the garbage
+    collector does not track ints: a body of millions of them costs it nothing), else as
+    written (`-0`; long literals, whose conversion would cost more than it saves)."""
+    if len(text) > 18 or text == "-0":
+        return GoNumber(text)
+    return int(text)
+
+
+JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_integer,
                                 parse_constant=_reject_constant)
 JSON_SPACE = " \t\n\r"
 
@@ -2614,7 +2623,7 @@ def go_json(value):
         return "true"
     if value is False:
         return "false"
-    if isinstance(value, GoNumber):
+    if isinstance(value, GoNumber) or type(value) is int:
         return str(value)
     if isinstance(value, str):
         return go_json_string(value)

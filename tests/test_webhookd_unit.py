@@ -238,7 +238,7 @@ def test_apply_json_parameters_decodes_in_place():
         {"source": "payload", "name": "missing"}]}])
     req = request({"payload": '{"repo": {"name": "r"}}'}, {"X-Data": '{"k": 2}'})
     messages = w.apply_json_parameters(hooks[0], req)
-    assert req.payload["payload"]["repo"]["name"] == "r" and req.headers["X-Data"] == {"k": "2"}
+    assert req.payload["payload"]["repo"]["name"] == "r" and req.headers["X-Data"] == {"k": 2}
     assert len(messages) == 1 and "missing" in messages[0]
 
 
@@ -247,8 +247,11 @@ def test_apply_json_parameters_decodes_in_place():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body,expected", [
-    (b'{"x": 1} trailing', {"x": "1"}),
-    (b'  [1, {"a": 2}]', {"root": ["1", {"a": "2"}]}),
+    (b'{"x": 1} trailing', {"x": 1}),
+    (b'  [1, {"a": 2}]', {"root": [1, {"a": 2}]}),
+    # kept as written where a Python number would read back otherwise (Go's json.Number)
+    (b'[-0, 1.50, 1e3, 123456789012345678901]', {"root": ["-0", "1.50", "1e3",
+                                                          "123456789012345678901"]}),
     (b"null", None),
 ])
 def test_json_payload(body, expected):
@@ -287,7 +290,7 @@ def test_multipart_payload():
                            ("p", "p.bin", None, b'{"k": 2}'),
                            ("bin", "b.bin", "application/octet-stream", b"\x00")])
     assert w.parse_multipart(body, ctype, {"p"}) == {"f": "one", "j": {"k": "1.0"},
-                                                     "p": {"k": "2"}}
+                                                     "p": {"k": 2}}
     bad_json = multipart_body([("j", "a.json", "application/json", b"[1]")])
     value = w.parse_multipart(bad_json, ctype, set())["j"]
     assert isinstance(value, w.NilMap) and w.go_format(value) == "null"
