@@ -24,12 +24,19 @@ PORTABLE = Path(__file__).resolve().parent / "portable"
 
 
 def free_port():
-    """A TCP port that no socket uses on any IPv4 address right now: a daemon binding it on
-    0.0.0.0 must not meet a client socket a flood test bound on 127.0.0.2 (still in TIME_WAIT).
-    The probe only binds; it never listens."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+    """A TCP port that no socket uses on any address right now: a daemon binding it on
+    0.0.0.0 or dual-stack [::] must not meet a client socket another test bound on 127.0.0.2
+    or ::1 (still open, or in TIME_WAIT).  The probe binds the wildcard address of both
+    families where it can, so the kernel picks a port free in both; it never listens."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(("::", 0))
+            return s.getsockname()[1]
+    except OSError:  # no IPv6 here
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            return s.getsockname()[1]
 
 
 def ipv6_loopback():
