@@ -4642,22 +4642,7 @@ class CommandParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def build_parser():
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=argparse.SUPPRESS,
-                        help="server URL (env MEILI_URL, default %s)" % DEFAULT_URL)
-    common.add_argument("--key", default=argparse.SUPPRESS,
-                        help="credential sent as Bearer (env MEILI_MASTER_KEY)")
-    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="print only key values")
-
-    parser = CommandParser(
-        prog="searchkeys.py", parents=[common],
-        description="Meilisearch-compatible API-key service, guard and client.")
-    parser.add_argument("--version", action="version", version="searchkeys.py " + __version__)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                     parser_class=CommandParser)
-
+def add_serve_command(commands):
     serve = commands.add_parser("serve", help="run the key service / guard")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
     serve.add_argument("--port", type=_argument_type(port_number, "port"), default=7700,
@@ -4676,6 +4661,26 @@ def build_parser():
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="requests served at once, a thread each (512)")
     add_restriction_flags(serve)
+
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help="server URL (env MEILI_URL, default %s)" % DEFAULT_URL)
+    common.add_argument("--key", default=argparse.SUPPRESS,
+                        help="credential sent as Bearer (env MEILI_MASTER_KEY)")
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="print only key values")
+
+    parser = CommandParser(
+        prog="searchkeys.py", parents=[common],
+        description="Meilisearch-compatible API-key service, guard and client.")
+    parser.add_argument("--version", action="version", version="searchkeys.py " + __version__)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=CommandParser)
+
+    add_serve_command(commands)
 
     keys = commands.add_parser("keys", help="manage API keys on a server")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION")

@@ -229,11 +229,18 @@ def test_streamed_output_survives_silences_longer_than_the_write_timeout(tmp_pat
 # A bug under the handler costs one 500 and a log entry, never a silently dropped connection
 # ---------------------------------------------------------------------------------------------
 
-def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
+@contextlib.contextmanager
+def probe_daemon(tmp_path):
+    """webhookd serving one echo hook, `probe`, on a free port: yields the port."""
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
     port = support.free_port()
     with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port),
                 port):
+        yield port
+
+
+def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
+    with probe_daemon(tmp_path) as port:
         answer = raw_answer(port, b"GET /a/../%ff\xfe?q=%ff HTTP/1.1\r\nHost: x\r\n"
                                   b"Connection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 301 Moved Permanently\r\n"), answer
@@ -243,10 +250,7 @@ def test_a_redirect_to_a_path_that_is_not_utf8_is_answered_as_go_does(tmp_path):
 def test_a_head_ending_in_lf_cr_lf_is_a_whole_head(tmp_path):
     """Lines may end in LF or CRLF, so `\n\r\n` ends a head, as Go reads it: both pipelined
     requests are answered (the first used to wait for more, then swallow the second)."""
-    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("probe")])
-    port = support.free_port()
-    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port),
-                port):
+    with probe_daemon(tmp_path) as port:
         answer = raw_answer(port, b"GET /hooks/probe HTTP/1.1\nHost: x\n\r\n"
                                   b"GET /hooks/probe HTTP/1.1\nHost: x\nConnection: close\n\r\n")
     assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer
