@@ -3,6 +3,7 @@
 with the official Prometheus client's own parser."""
 import json
 import signal
+import socket
 import sys
 
 import pytest
@@ -81,6 +82,9 @@ def test_runs_answers_and_reloads_are_counted(tmp_path):
             "/hooks/ok", "/hooks/ok", "/hooks/fail", "/hooks/missing", QUOTED_PATH,
             "/hooks/ruled", "/hooks/nope", "/hooks/nope", "/hooks/ok%0Aevil")]
         assert answers == [200, 200, 500, 500, 200, 200, 404, 404, 404]
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as malformed:
+            malformed.sendall(b"GET /hooks/ok HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n")
+            assert malformed.recv(64).startswith(b"HTTP/1.1 400 ")
         write_hooks(hooks_file, [awaited("ok", "/bin/true")])  # the others are removed
         reload_and_wait(daemon, "found 1 hook(s) in file", 1)
         hooks_file.write_text("[{broken")
@@ -95,7 +99,7 @@ def test_runs_answers_and_reloads_are_counted(tmp_path):
         assert hooks_in_labels(samples) == {"ok", "fail", "missing", QUOTED_ID}
         codes = {dict(labels)["code"]: count for (name, labels), count in samples.items()
                  if name == "webhookd_http_requests_total"}
-        assert codes == {"200": 4, "500": 2, "404": 3}
+        assert codes == {"200": 4, "500": 2, "404": 3, "400": 1}
         assert value(samples, "webhookd_hooks_loaded") == 1  # the broken file keeps its hooks
         assert value(samples, "webhookd_reload_failures_total") == 1
         assert value(samples, "webhookd_last_reload_successful") == 0
