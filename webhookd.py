@@ -204,7 +204,7 @@ FLAGS = [
          "running commands before exiting"),
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
-         "the hooks prefix); off when empty"),
+         "the hooks prefix), Prometheus metrics at PATH/metrics; off when empty"),
     Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
          "details only to clients sending Authorization: Bearer <token>, loopback included "
          "(without a token: to loopback clients no proxy relays)"),
