@@ -4369,10 +4369,14 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
 
 
+def label_value(value):
+    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def metric_labels(**labels):
-    """`{name="value",...}`, each value with its backslashes, quotes and line feeds escaped."""
-    return "{%s}" % ",".join('%s="%s"' % (name, str(value).replace("\\", "\\\\").replace(
-        '"', '\\"').replace("\n", "\\n")) for name, value in labels.items())
+    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
+                             for name, value in labels.items())
 
 
 def metric_family(name, kind, help, samples):
@@ -4459,12 +4463,11 @@ class Metrics:
 
 def histogram_samples(hook_id, counts):
     """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
-    samples, total = [], 0
+    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
     for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
         total += count
-        samples.append(("_bucket", metric_labels(hook=hook_id, le=bound), total))
-    return samples + [("_sum", metric_labels(hook=hook_id), counts[-1]),
-                      ("_count", metric_labels(hook=hook_id), total)]
+        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
+    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
 def runs_options_problem(opts):
