@@ -17,19 +17,12 @@ import urllib.parse
 import pytest
 
 from support import SEARCHKEYS, scratch_dir
-from test_searchkeys_restrictions import ADMIN, JSON, MASTER, Backend, new_key, serve
+from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, serve
+from test_searchkeys_restrictions import backend  # noqa: F401 (the stand-in's fixture)
 
 FORCED = {"movies*": {"filter": "public = true", "attributesToRetrieve": ["title", "url"],
                       "facets": ["genre"], "showRankingScore": False}}
 SHOWN = ["title", "url"]
-
-
-@pytest.fixture(scope="module")
-def backend():
-    stand_in = Backend()
-    yield stand_in
-    stand_in.server.shutdown()
-    stand_in.server.server_close()
 
 
 @pytest.fixture(scope="module")
