@@ -285,3 +285,21 @@ def test_the_official_client_searches_within_them(guard, backend, key):
     with pytest.raises(MeilisearchApiError) as refused:
         client.index("movies").get_documents()
     assert refused.value.status_code == 403 and refused.value.code == "forbidden_by_restriction"
+
+
+def test_a_get_search_that_cannot_spell_them_is_refused(guard, backend):
+    commas = new_key(guard, {"forcedParameters": {"movies": {"attributesToRetrieve": ["a,b"]}}})
+    status, error, seen = send(guard, backend, commas["key"], "GET", "/indexes/movies/search?q=x")
+    assert status == 403 and seen is None and "use POST" in error["message"]
+    status, _, (_, _, body) = send(guard, backend, commas["key"], "POST",
+                                   "/indexes/movies/search", {"q": "x"})
+    assert status == 200 and body["attributesToRetrieve"] == ["a,b"]
+
+
+def test_a_multi_search_cannot_multiply_them_past_the_body_limit(guard, backend):
+    big = new_key(guard, {"forcedParameters": {"movies": {"filter": "x = '%s'" % ("y" * 16000)}}})
+    queries = {"queries": [{"indexUid": "movies"}] * 1100}  # 1100 x 16 KB > 16 MiB
+    status, error, seen = send(guard, backend, big["key"], "POST", "/multi-search", queries)
+    assert status == 413 and error["code"] == "payload_too_large" and seen is None
+    queries = {"queries": [{"indexUid": "movies"}] * 100}
+    assert send(guard, backend, big["key"], "POST", "/multi-search", queries)[0] == 200
