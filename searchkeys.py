@@ -1107,7 +1107,7 @@ class Service:
                            % (printable(method), safe_path(uri)), "auth")
         route, index, _params = route
         principal = self.gate.check(request, route.actions, index)
-        check_unseen(principal, route, uri)
+        check_unseen(principal, route, uri, index)
         if route.scope_rule(principal, index) is not None:
             raise scope_not_enforceable(
                 route, "through `GET /authorize`, which never sees the body nor the answer "
@@ -1518,16 +1518,22 @@ def cap_search_query(query, cap):
                     ["%s=%d" % (field, cap)])
 
 
-def tenant_filter(rules, index):
-    """The filter a tenant token adds to searches on `index`: the rule of
-    the most specific matching pattern (exact beats prefix, longer beats
-    shorter), or None."""
-    if not isinstance(rules, dict):
-        return None
+def most_specific_rule(rules, index):
+    """The value in `rules` (index pattern -> value) of the most specific
+    pattern covering `index` (exact beats prefix, longer beats shorter), or
+    None: how tenant tokens' searchRules and forcedParameters are matched."""
     matching = [p for p in rules if pattern_matches(p, index)]
     if not matching:
         return None
-    rule = rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+    return rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+
+
+def tenant_filter(rules, index):
+    """The filter a tenant token adds to searches on `index`: that of the
+    most specific matching rule, or None."""
+    if not isinstance(rules, dict):
+        return None
+    rule = most_specific_rule(rules, index)
     return rule.get("filter") if isinstance(rule, dict) else None
 
 
@@ -1603,15 +1609,231 @@ def scope_search_query(principal, index, query):
     current = None
     for name, value in pairs:
         if name == "filter":
-            try:
-                current = strict_json(value)
-            except (ValueError, RecursionError):
-                current = value
-            if current is None:
-                current = [None]  # upstream's Some(Null): fused as one element
+            current = query_filter(value)
     pairs = [(n, v) for n, v in pairs if n != "filter"]
     pairs.append(("filter", compact_json(fuse_filters(current, rule))))
     return urllib.parse.urlencode(pairs)
+
+
+def query_filter(value):
+    """A GET search's `filter` parameter as upstream reads it: JSON when it
+    parses as JSON, else a string; a JSON null is upstream's Some(Null),
+    which fuse_filters keeps as one element."""
+    try:
+        current = strict_json(value)
+    except (ValueError, RecursionError):
+        current = value
+    return [None] if current is None else current
+
+
+def _is_string_list(value):
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_filter(value):
+    """Meilisearch's filter shape: a string, or an AND-array of strings and
+    OR-arrays of strings (or null: no filter)."""
+    return value is None or isinstance(value, str) or isinstance(value, list) and all(
+        isinstance(item, str) or _is_string_list(item) for item in value)
+
+
+_STRINGS = ("an array of strings", _is_string_list)
+_BOOLEAN = ("a boolean", lambda value: type(value) is bool)
+_STRING = ("a string", lambda value: isinstance(value, str))
+# The search parameters a key may force, with what Meilisearch accepts for
+# each. Page sizes are not among them: `maxHitsPerQuery` caps those.
+FORCED_PARAMETERS = {
+    "filter": ("a string, an array of strings and arrays of strings, or null", _is_filter),
+    "attributesToRetrieve": _STRINGS, "attributesToHighlight": _STRINGS,
+    "attributesToCrop": _STRINGS, "facets": _STRINGS, "attributesToSearchOn": _STRINGS,
+    "locales": _STRINGS,
+    "cropLength": ("a positive integer", lambda value: type(value) is int and value >= 0),
+    "cropMarker": _STRING, "highlightPreTag": _STRING, "highlightPostTag": _STRING,
+    "distinct": _STRING,
+    "showMatchesPosition": _BOOLEAN, "showRankingScore": _BOOLEAN,
+    "showRankingScoreDetails": _BOOLEAN, "retrieveVectors": _BOOLEAN,
+    "matchingStrategy": ("one of `last`, `all`, `frequency`",
+                         lambda value: value in ("last", "all", "frequency")),
+    "rankingScoreThreshold": ("a number from 0.0 to 1.0", lambda value: type(value) in (
+        int, float) and 0 <= value <= 1),
+}
+
+
+# Which forced parameters exist where: every one on a search (but `facets`
+# in a federated query, which the federation's facetsByIndex takes); some
+# on similar and facet search, whose bodies refuse unknown fields.
+SEARCH_PARAMETERS = frozenset(FORCED_PARAMETERS)
+FEDERATED_PARAMETERS = SEARCH_PARAMETERS - {"facets"}
+SIMILAR_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors",
+                                "showRankingScore", "showRankingScoreDetails",
+                                "rankingScoreThreshold"))
+FACET_SEARCH_PARAMETERS = frozenset(("filter", "matchingStrategy", "attributesToSearchOn",
+                                     "rankingScoreThreshold", "locales"))
+FORMATTED_PARAMETERS = ("attributesToHighlight", "attributesToCrop")
+# A forced list that is empty means the parameter's default on a GET, so the
+# parameter is left out; for the others an empty list has no GET spelling.
+EMPTY_IS_DEFAULT = frozenset(FORMATTED_PARAMETERS + ("facets", "locales"))
+
+
+def force_object(query, forced, names):
+    """A search query object with the `forced` parameters (those in `names`,
+    the route's): `filter` fused in as a tenant token's is, the others
+    replacing the caller's. Under a forced attributesToRetrieve, the
+    attributes the caller highlights or crops (which `_formatted` shows) are
+    cut to the forced ones, unless those are forced too."""
+    if forced is None or not isinstance(query, dict):
+        return query
+    query = dict(query)
+    for name, value in forced.items():
+        if name not in names:
+            continue
+        if name != "filter":
+            query[name] = value
+        elif value is not None:
+            query["filter"] = fuse_filters(query.get("filter"), value)
+    shown = forced.get("attributesToRetrieve") if "attributesToRetrieve" in names else None
+    if shown is not None and "*" not in shown:
+        for name in FORMATTED_PARAMETERS:
+            if name not in forced and isinstance(query.get(name), list):
+                query[name] = within_attributes(query[name], shown)
+    return query
+
+
+def within_attributes(asked, shown):
+    """Highlighted or cropped attributes (`title`, `title:10`, `*`) kept to
+    the `shown` ones: `*` stands for all of those; anything else is dropped."""
+    kept = []
+    for item in asked:
+        if not isinstance(item, str):
+            kept.append(item)  # the backend refuses it
+            continue
+        name, colon, length = item.rpartition(":")
+        name, suffix = (name, colon + length) if colon and is_decimal(length) else (item, "")
+        if name == "*":
+            kept.extend(attribute + suffix for attribute in shown)
+        elif name in shown:
+            kept.append(item)
+    return kept
+
+
+def force_body_on(names):
+    """POST search or similar on one index: the key's forced parameters."""
+    return lambda restrictions, index, body: force_object(
+        body, forced_parameters(restrictions, index), names)
+
+
+def force_query_on(names):
+    """GET search or similar: the forced parameters written into the query
+    string (as Meilisearch reads it: lists comma-separated, the filter as
+    JSON), each replacing every parameter of its name."""
+    def force(restrictions, index, query):
+        forced = forced_parameters(restrictions, index)
+        if forced is None:
+            return query
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        current = {}
+        for name, value in pairs:
+            if name == "filter":
+                current[name] = query_filter(value)
+            elif name in FORMATTED_PARAMETERS:
+                current[name] = value.split(",")
+        wanted = force_object(current, forced, names)
+        changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
+        pairs = [(n, v) for n, v in pairs if n not in changed]
+        for name in changed:
+            if wanted[name] != [] or name not in EMPTY_IS_DEFAULT:
+                pairs.append((name, query_value(name, wanted[name])))
+        return urllib.parse.urlencode(pairs)
+    return force
+
+
+def query_value(name, value):
+    """A forced parameter's value as a GET search spells it; 403 when it
+    has no spelling there (a comma inside a list item, an empty list)."""
+    if name == "filter":
+        return compact_json(value)
+    if isinstance(value, list):
+        if not value or any("," in item for item in value):
+            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
+                                      "spell its forced `%s`: use POST" % name)
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else compact_json(value)
+
+
+def force_facet_search(restrictions, index, body):
+    """POST facet-search: the forced parameters that exist there; under a
+    forced `facets`, only those facets' values may be searched."""
+    forced = forced_parameters(restrictions, index)
+    if forced is None or not isinstance(body, dict):
+        return body
+    facets, name = forced.get("facets"), body.get("facetName")
+    if facets is not None and "*" not in facets and isinstance(name, str) \
+            and name not in facets:
+        raise restriction_refused("forcedParameters", "to search the values of this facet")
+    return force_object(body, forced, FACET_SEARCH_PARAMETERS)
+
+
+def force_multi_search(restrictions, index, body):
+    """POST /multi-search: each query gets its index's forced parameters; in
+    a federated one, a forced `facets` becomes the federation's facetsByIndex
+    entry for that index, whatever the caller asked there."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    federation = body.get("federation")
+    names = FEDERATED_PARAMETERS if isinstance(federation, dict) else SEARCH_PARAMETERS
+    if len(queries) * len(compact_json(restrictions.forced)) > MAX_HANDLER_BODY:
+        raise payload_too_large(MAX_HANDLER_BODY)  # what this key's queries would grow to
+    facets, forced_queries = {}, []
+    for query in queries:
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        forced = forced_parameters(restrictions, uid) if isinstance(uid, str) else None
+        forced_queries.append(force_object(query, forced, names))
+        if forced is not None and "facets" in forced:
+            facets[uid] = forced["facets"]
+    body = dict(body, queries=forced_queries)
+    if isinstance(federation, dict):
+        body["federation"] = force_facets_by_index(restrictions, federation, facets)
+    return body
+
+
+def force_facets_by_index(restrictions, federation, facets):
+    """A federation whose facetsByIndex holds the forced `facets` (index uid
+    -> list) of the queried indexes, and of every covered index it names."""
+    by_index = federation.get("facetsByIndex")
+    if (by_index is None and not facets) or not isinstance(by_index, (dict, type(None))):
+        return federation  # nothing to force, or a value the backend refuses
+    by_index = dict(by_index or {}, **facets)
+    for uid in by_index:
+        forced = forced_parameters(restrictions, uid)
+        if forced is not None and "facets" in forced:
+            by_index[uid] = forced["facets"]
+    return dict(federation, facetsByIndex=by_index)
+
+
+REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
+
+
+def force_parameters(route, request, restrictions, index, target, value):
+    """(target, value) with the key's forcedParameters applied on `route`
+    (`value`: the JSON body, or NOT_READ); 403 on a route that would bypass
+    them: one on a covered index, or one whose indexes are not in its path."""
+    forcing = route.forced
+    if forcing == REFUSED_WHEN_FORCED:
+        if index is None or forced_parameters(restrictions, index) is not None:
+            raise restriction_refused("forcedParameters", "on `%s %s`, which cannot apply "
+                                      "its forced search parameters"
+                                      % (route.method, route.pattern))
+        return target, value
+    if route.method == "GET":
+        path, _, query = target.partition("?")
+        forced_query = forcing(restrictions, index, query)
+        return (target if forced_query == query else path + "?" + forced_query), value
+    if value is NOT_READ:
+        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+    return target, forcing(restrictions, index, value)
 
 
 ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
@@ -1847,7 +2069,8 @@ def count_queries(body):
 
 
 class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable creates_index")):
+        "Route", "method pattern actions local rule hits searches repeatable creates_index "
+                 "forced")):
     """One route: the `actions` it needs; who answers it (`local`, None for
     the backend); the handler `rule` for a scoped principal; where it asks
     for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
@@ -1856,13 +2079,16 @@ class Route(collections.namedtuple(
     read-only POSTs); whether it creates its index when missing and the
     caller may create indexes (`creates_index`: upstream's handlers passing
     allow_index_creation; the settings deletions pass it too, and the guard
-    does not rely on Meilisearch's scheduler dropping it for them)."""
+    does not rely on Meilisearch's scheduler dropping it for them); how a
+    key's forcedParameters apply (`forced`: None, not at all;
+    REFUSED_WHEN_FORCED; or a function (restrictions, index, JSON body, or
+    query string on a GET) -> what is forwarded)."""
 
     def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False):
+                searches=None, repeatable=None, creates_index=False, forced=None):
         repeatable = method == "GET" if repeatable is None else repeatable
         return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable, creates_index)
+                               searches, repeatable, creates_index, forced)
 
     @property
     def is_meilisearch(self):
@@ -1924,34 +2150,38 @@ ROUTES = tuple([
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
     Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
     Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
+          hits=QUERY_HITS, forced=force_query_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
+          hits=cap_search_object, repeatable=True, forced=force_body_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
-          repeatable=True),
+          repeatable=True, forced=force_facet_search),
     Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
+          hits=QUERY_HITS, forced=force_query_on(SIMILAR_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
+          hits=cap_search_object, repeatable=True, forced=force_body_on(SIMILAR_PARAMETERS)),
+    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
+          forced=REFUSED_WHEN_FORCED),
     Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
     Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
-    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
+    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
+          forced=REFUSED_WHEN_FORCED),
+    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
+          forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
     Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
-          hits=cap_multi_search, searches=count_queries, repeatable=True),
+          hits=cap_multi_search, searches=count_queries, repeatable=True,
+          forced=force_multi_search),
     Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
     Route("POST", "/render-template", ("settings.get", "documents.get"),
-          rule=NOT_ENFORCEABLE_RULE),
+          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
     Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
         SCOPED, query=_task_change_query("delete"))),
@@ -1961,7 +2191,7 @@ ROUTES = tuple([
     Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
     Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-        SCOPED, query=_task_documents_query)),
+        SCOPED, query=_task_documents_query), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
@@ -1973,7 +2203,7 @@ ROUTES = tuple([
     Route("POST", "/logs/stderr", ("metrics.get",)),
     Route("GET", "/experimental-features", ("experimental.get",)),
     Route("PATCH", "/experimental-features", ("experimental.update",)),
-    Route("POST", "/export", ("export",)),
+    Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/network", ("network.get",)),
     Route("PATCH", "/network", ("network.update",)),
     Route("POST", "/network/control", ("network.update",)),
@@ -1994,7 +2224,7 @@ ROUTES = tuple([
     Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
     Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
     Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
-          rule=NOT_ENFORCEABLE_RULE),
+          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
 ])
 ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
 _ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
@@ -2019,13 +2249,15 @@ def plan_forward(route, request, principal, params, upstream):
     """What `principal`'s authorized `request` on `route` becomes: the one
     place that says what a credential gets from the backend. A scoped
     principal's rule checks the indexes its body names, fuses tenant-token
-    filters, filters listings; a key's restrictions cap hits and count each
-    query. Without an `upstream` the answer is 501, once the body checks
+    filters, filters listings; a key's restrictions force search parameters,
+    cap hits and count each query. Without an `upstream` the answer is 501, once the body checks
     (upstream's 403) have had their say."""
     index = params.get("index_uid")
     rule = route.scope_rule(principal, index)
     restrictions = principal.restrictions
     cap = restrictions.max_hits if restrictions is not None else None
+    forcing = route.forced is not None and restrictions is not None and \
+        restrictions.forced is not None
     body_capped = cap is not None and callable(route.hits)
     counted = route.searches is not None and restrictions is not None and restrictions.rated
     value = NOT_READ
@@ -2044,6 +2276,8 @@ def plan_forward(route, request, principal, params, upstream):
             target = request.path + ("?" + query if query else "")
         if rule.answer is not None:
             answer_filter = functools.partial(rule.answer, context)
+    if forcing:
+        target, value = force_parameters(route, request, restrictions, index, target, value)
     if cap is not None and route.hits == QUERY_HITS:
         path, _, query = target.partition("?")
         capped = cap_search_query(query, cap)
@@ -2082,13 +2316,18 @@ def check_no_implicit_creation(route, principal, index, upstream, missing_status
         raise
 
 
-def check_unseen(principal, route, uri):
+def check_unseen(principal, route, uri, index):
     """/authorize cannot rewrite what nginx forwards, nor read its body: a
-    query asking for more hits than the key's cap, a capped body, or a
-    multi-search whose queries a rate limit must count, is refused."""
+    query asking for more hits than the key's cap, a capped body, a
+    multi-search whose queries a rate limit must count, or a route where
+    the key has forced parameters, is refused."""
     restrictions = principal.restrictions
     if restrictions is None:
         return
+    if route.forced is not None and restrictions.forced is not None and (
+            index is None or forced_parameters(restrictions, index) is not None):
+        raise restriction_refused("forcedParameters", "through `GET /authorize`, which cannot "
+                                  "apply its forced search parameters")
     if restrictions.rated and route.searches is not None:
         raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
                                   "it never sees")
@@ -3095,7 +3334,8 @@ class Upstream:
 # key's maxHitsPerQuery puts on a search are with the handler rules)
 # =============================================================================
 
-RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
+RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
+                      "forcedParameters")
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
@@ -3107,6 +3347,7 @@ DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
 
 
 class Rate(collections.namedtuple("Rate", "count window text")):
@@ -3267,11 +3508,12 @@ def counter_client(address):
 class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None):
+                 source=None, forced=None):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
         self._json = source
@@ -3282,7 +3524,7 @@ class Restrictions:
         return self.per_ip is not None or self.per_key is not None
 
     def to_json(self):
-        """All four fields, null when not set (the GET answer)."""
+        """All the fields, null when not set (the GET answer)."""
         return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
 
     def to_record(self):
@@ -3303,6 +3545,7 @@ class Restrictions:
         referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
                                                referrer_pattern)
         ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
+        forced = _validate_forced_parameters(fields.get("forcedParameters"))
         max_hits = fields.get("maxHitsPerQuery")
         if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
             if type(max_hits) is not int:
@@ -3317,7 +3560,7 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields)
+                   ips and list(ips), max_hits, fields, forced)
 
 
 def stored_restrictions(record, uid):
@@ -3370,6 +3613,49 @@ def _validate_restriction_list(field, value, parse):
         except ValueError as exc:
             raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
     return value
+
+
+def _validate_forced_parameters(value):
+    """forcedParameters: 1 to 100 index patterns, each with at least one
+    search parameter Meilisearch would accept, at most 16 KiB in all."""
+    code = "invalid_restrictions_forced_parameters"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".forcedParameters", "an object", value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
+                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
+    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
+        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
+                            % MAX_FORCED_PARAMETERS)
+    for pattern, parameters in value.items():
+        where = ".forcedParameters.%s" % printable(pattern)
+        if not is_valid_index_pattern(pattern):
+            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
+                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
+                                % printable(pattern))
+        if not isinstance(parameters, dict):
+            raise wrong_type(code, where, "an object", parameters)
+        if not parameters:
+            raise invalid_value(code, where, "give at least one search parameter.")
+        for name, forced in parameters.items():
+            if name not in FORCED_PARAMETERS:
+                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
+                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
+                                  backticked(FORCED_PARAMETERS)))
+            expected, accepts = FORCED_PARAMETERS[name]
+            if not accepts(forced):
+                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+    return value
+
+
+def forced_parameters(restrictions, index):
+    """The search parameters a key's forcedParameters force on `index` (those
+    of its most specific pattern, as for a tenant token's searchRules), or None."""
+    if restrictions is None or restrictions.forced is None:
+        return None
+    return most_specific_rule(restrictions.forced, index)
 
 
 class Counters:
@@ -4508,6 +4794,16 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--ip", action="append", metavar="CIDR",
                           help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
     restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--filter", action="append", metavar="INDEX=FILTER",
+                          help="a filter AND-ed to every search on the indexes of the pattern "
+                               "INDEX (`*` at its end for any text), e.g. "
+                               "\"movies*=public = true\" (repeatable)")
+    restrict.add_argument("--fields", action="append", metavar="[INDEX=]A,B",
+                          help="the only attributes searches return (attributesToRetrieve), on "
+                               "INDEX or, without it, on every INDEX of --filter and --force")
+    restrict.add_argument("--force", action="append", metavar="INDEX=JSON",
+                          help="other search parameters forced on INDEX, as a JSON object, "
+                               "e.g. 'movies={\"facets\": [\"genre\"]}' (repeatable)")
     restrict.add_argument("--clear", action="store_true", help="remove every restriction")
 
 
@@ -4530,9 +4826,56 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    forced = forced_parameters_from_args(args)
+    if forced:
+        body["forcedParameters"] = forced
     if args.clear and body:
         raise ValueError("--clear removes every restriction: give it alone")
     return body or None
+
+
+def forced_parameters_from_args(args):
+    """forcedParameters from --filter, --force and --fields (validated as
+    the server does), or None; ValueError for a bad option."""
+    forced = {}
+    for text in args.force or ():
+        pattern, value = _index_option("--force", text)
+        try:
+            value = strict_json(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError("--force %s: the parameters are not JSON: %s" % (pattern, exc))
+        if not isinstance(value, dict):
+            raise ValueError("--force %s: give the parameters as a JSON object" % pattern)
+        forced.setdefault(pattern, {}).update(value)
+    for text in args.filter or ():
+        pattern, expression = _index_option("--filter", text)
+        parameters = forced.setdefault(pattern, {})
+        parameters["filter"] = fuse_filters(parameters.get("filter"), expression)
+    for text in args.fields or ():
+        pattern, fields = _index_option("--fields", text, optional=True)
+        if pattern is None and not forced:
+            raise ValueError("--fields %s: name the indexes (--fields INDEX=A,B) or give "
+                             "--filter or --force" % text)
+        for name in [pattern] if pattern is not None else list(forced):
+            forced.setdefault(name, {})["attributesToRetrieve"] = _split_list(fields)
+    if not forced:
+        return None
+    try:
+        return _validate_forced_parameters(forced)
+    except ApiError as exc:
+        raise ValueError(exc.message)
+
+
+def _index_option(option, text, optional=False):
+    """`INDEX=VALUE` -> (INDEX, VALUE); (None, text) when `optional` and
+    text does not start with an index pattern and `=`."""
+    pattern, equals, value = text.partition("=")
+    if equals and is_valid_index_pattern(pattern):
+        return pattern, value
+    if optional:
+        return None, text
+    raise ValueError("%s %s: write INDEX=VALUE, INDEX an index uid or a pattern ending in `*`"
+                     % (option, text))
 
 
 def run_restrict(client, args):
