@@ -64,7 +64,8 @@ def basic(user, password):
 
 
 def html_of(daemon, path, headers=None):
-    status, answer_headers, body = daemon.request("GET", path, headers=dict(HTML, **(headers or {})))
+    status, answer_headers, body = daemon.request("GET", path,
+                                                  headers=dict(HTML, **(headers or {})))
     assert status == 200, (path, status, body[:300])
     assert answer_headers["content-type"] == "text/html; charset=utf-8"
     return answer_headers, body.decode()
