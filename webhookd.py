@@ -204,7 +204,7 @@ FLAGS = [
          "running commands before exiting"),
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
     Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
-         "the hooks prefix); off when empty"),
+         "the hooks prefix), Prometheus metrics at PATH/metrics; off when empty"),
     Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
          "details only to clients sending Authorization: Bearer <token>, loopback included "
          "(without a token: to loopback clients no proxy relays)"),
@@ -1146,6 +1146,8 @@ class Registry:
         self.lock = threading.Lock()
         self.last_load = None
         self.last_reload_failed = False
+        self.last_good_load = None  # when every file last loaded
+        self.load_failures = 0  # loads in which a file failed
 
     def hook(self, hook_id):
         return self.by_id.get(hook_id)
@@ -1198,6 +1200,10 @@ class Registry:
             self._publish()
             self.last_load = now
             self.last_reload_failed = not ok
+            if ok:
+                self.last_good_load = now
+            else:
+                self.load_failures += 1
             return ok
 
     def _warn_lost_rules(self, hf, hooks):
@@ -1937,6 +1943,7 @@ class HookHandler(BaseHTTPRequestHandler):
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
+                self.server.app.metrics.answered(INTERNAL_ERROR.status)
                 with contextlib.suppress(OSError):
                     self.write(INTERNAL_ERROR.response())
 
@@ -1964,6 +1971,7 @@ class HookHandler(BaseHTTPRequestHandler):
         client is still sending is read for a moment so it gets the answer, not a reset."""
         exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
         log.info("bad request from %s: %s", self.remote_addr, exc)
+        self.server.app.metrics.answered(exc.status)
         self.close_connection = True
         try:
             self.write(exc.response())
@@ -2029,6 +2037,7 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
+        app.metrics.answered(response.status)
         if self.body_unread:
             self.linger()
 
@@ -2218,6 +2227,8 @@ class Pipeline:
         self.started = time.time()
         self.runs = make_run_store(opts)
         self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
+        self.metrics = Metrics(self.started)
+        self.metrics_path = opts.status_path + "/metrics" if opts.status_path else None
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -2281,6 +2292,8 @@ class Pipeline:
             return None, None, Response(200, b"OK")
         if self.opts.status_path and path == self.opts.status_path:
             return None, None, self.status_response(head, raw_query, remote_addr)
+        if path == self.metrics_path:
+            return None, None, self.metrics_response(head, remote_addr)
         if self.opts.status_path and self.runs_page.wants(path):
             return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
                                                      lambda: self.stopping)
@@ -2392,6 +2405,7 @@ class Pipeline:
     def run_command(self, run, on_output, keep_output):
         hook, record = run.hook, run.record
         result = CommandResult(False, error=run.failure or "unexpected error")
+        began = time.monotonic()
         try:
             if run.failure is not None:
                 return result  # as Go: nothing more is logged
@@ -2406,6 +2420,8 @@ class Pipeline:
             log_result(hook, run.request_id, result, on_output is None and keep_output)
             return result
         finally:
+            self.metrics.run_ended(hook.id, run_outcome(result, self.stopping)[0],
+                                   time.monotonic() - began if result.started else None)
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
 
@@ -2467,6 +2483,19 @@ class Pipeline:
         if as_html:
             return self.runs_page.listing(raw_query, True, details)
         return json_response(200, details)
+
+    def metrics_response(self, head, remote_addr):
+        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
+        -status-token as its bearer token)."""
+        if head.method not in ("GET", "HEAD"):
+            return Response(405)
+        if not self.runs_page.trusted(head, remote_addr):
+            return json_response(403, {"error": "metrics are served with Authorization: Bearer "
+                                                "<-status-token>, or without one set to loopback "
+                                                "clients no proxy relays"})
+        body = self.metrics.render(self.registry, self.runner, self.background)
+        return Response(200, body, {"Content-Type": METRICS_CONTENT_TYPE,
+                                    "Cache-Control": "no-store"})
 
 
 def status_details(registry, runs, started):
@@ -4689,6 +4718,113 @@ class RunsHtml:
         minutes, seconds = divmod(ms // 1000, 60)
         return "%d min %d s" % (minutes, seconds) if minutes < 60 else \
             "%d h %d min" % divmod(minutes, 60)
+
+
+# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
+
+
+def label_value(value):
+    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metric_labels(**labels):
+    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
+                             for name, value in labels.items())
+
+
+def metric_family(name, kind, help, samples):
+    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
+    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
+    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
+                                      else repr(float(value)))
+              for suffix, labels, value in samples]
+    return lines
+
+
+class Metrics:
+    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
+    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
+    labels come from loaded hooks only, never from a request: the series stay as few as the
+    hooks (those a reload removed keep their counts)."""
+
+    def __init__(self, started):
+        self.started = started
+        self.lock = threading.Lock()
+        self.answers = {}  # status code -> answers sent
+        self.runs = {}  # (hook id, final state) -> runs
+        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
+
+    def answered(self, status):
+        with self.lock:
+            self.answers[status] = self.answers.get(status, 0) + 1
+
+    def run_ended(self, hook_id, state, seconds):
+        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
+        with self.lock:
+            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
+            if seconds is not None:
+                counts = self.durations.get(hook_id)
+                if counts is None:
+                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
+                    counts.append(0.0)
+                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
+                counts[-1] += seconds
+
+    def render(self, registry, runner, background):
+        """The exposition text: bytes."""
+        with self.lock:
+            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
+            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
+        queued = background.jobs.qsize() + sum(len(gate.waiting)
+                                               for gate in list(registry.gates.values()))
+        python = "%d.%d.%d" % sys.version_info[:3]
+        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
+                              "it reproduces, and the Python it runs on.", [(
+                                  "", metric_labels(version=__version__, webhook_version=VERSION,
+                                                    python=python,
+                                                    implementation=sys.implementation.name), 1)])
+        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
+                               "time).", [("", "", self.started)])
+        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
+                               "status code.", [("", metric_labels(code=code), count)
+                                                for code, count in answers])
+        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
+                               [("", "", registry.count())])
+        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
+                               "(at start, on a signal or by -hotreload) in which a file failed "
+                               "to load.", [("", "", registry.load_failures)])
+        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
+                               "loaded at the last (re)load, else 0.",
+                               [("", "", 0 if registry.last_reload_failed else 1)])
+        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
+                               "hooks file last loaded (Unix time).",
+                               [("", "", registry.last_good_load or 0)])
+        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
+                               [("", metric_labels(hook=hook_id, state=state), count)
+                                for (hook_id, state), count in runs])
+        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
+                               "ran, by hook (runs whose command never started are left out).",
+                               [sample for hook_id, counts in durations
+                                for sample in histogram_samples(hook_id, counts)])
+        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
+                               [("", "", runner.active)])
+        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
+                               "max-concurrency turn or a -max-async-runs thread.",
+                               [("", "", queued)])
+        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
+
+
+def histogram_samples(hook_id, counts):
+    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
+    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
+    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
+        total += count
+        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
+    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
 def runs_options_problem(opts):
