@@ -203,11 +203,13 @@ FLAGS = [
     Flag("shutdown-timeout", "int", 60, "webhookd: on SIGTERM/SIGINT, seconds to wait for "
          "running commands before exiting"),
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
-    Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
-         "the hooks prefix), Prometheus metrics at PATH/metrics; off when empty"),
+    Flag("status-path", "string", "", "webhookd: serve a status page at this path (outside "
+         "the hooks prefix; JSON, or HTML to browsers), Prometheus metrics at PATH/metrics; off "
+         "when empty"),
     Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
-         "details only to clients sending Authorization: Bearer <token>, loopback included "
-         "(without a token: to loopback clients no proxy relays)"),
+         "details only to clients sending Authorization: Bearer <token> (or the token as "
+         "their Basic password), loopback included (without a token: to loopback clients no "
+         "proxy relays)"),
     Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
