@@ -4583,14 +4583,15 @@ class RunsHtml:
         return self.page(200, "webhookd run %s" % record["id"], body, script=True)
 
     def refused(self, health, token):
-        """401 with a Basic challenge where the token is the way in, else 403."""
+        """401 with a Basic challenge where the token is the way in; else the health alone
+        (200, as the JSON) on the status page, 403 under it."""
         said = "<p>webhookd is %s.</p>" % html_text(health["status"]) if health else ""
         if token:
             return self.page(401, "webhookd: sign in", (
                 "<main><h1>Sign in</h1>%s<p>Hooks and runs are shown to those who give the "
                 "status token: as the password, with any user name.</p></main>" % said),
                 headers={"WWW-Authenticate": 'Basic realm="webhookd", charset="UTF-8"'})
-        return self.page(403, "webhookd", (
+        return self.page(403 if health is None else 200, "webhookd", (
             "<main><h1>Not shown here</h1>%s<p>Hooks and runs are shown only to clients on "
             "this machine that no proxy relays, or to those who give the status token once "
             "one is set.</p></main>" % said))

@@ -166,10 +166,13 @@ def test_a_browser_gives_the_token_as_basic_password(tmp_path):
 
 
 def test_an_untrusted_browser_without_a_token_set_sees_only_health(daemon):
-    status, headers, body = daemon.request("GET", "/-/status", headers=dict(
-        HTML, **{"X-Forwarded-For": "203.0.113.9"}))
-    assert status == 403 and "www-authenticate" not in headers  # no password would help
+    relayed = dict(HTML, **{"X-Forwarded-For": "203.0.113.9"})
+    status, headers, body = daemon.request("GET", "/-/status", headers=relayed)
+    assert status == 200 and "www-authenticate" not in headers  # no password would help
+    assert headers["content-type"] == "text/html; charset=utf-8"
     assert b"webhookd is degraded" in body and b"echo" not in body and b"hooks.json" not in body
+    status, headers, body = daemon.request("GET", "/-/status/runs", headers=relayed)
+    assert status == 403 and "www-authenticate" not in headers and b"echo" not in body
 
 
 # ---------------------------------------------------------------------------------------------
