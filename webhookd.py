@@ -4519,6 +4519,9 @@ RUNS_PAGE_SCRIPT = """
 """
 
 
+RUNS_PAGE_OUTPUT = 1 << 20  # bytes of a run's output its page holds (the tail); /output has all
+
+
 class RunsHtml:
     """The status page and the run history as HTML for people: one small page each, with
     inline CSS (and script, on a run's page) allowed by a per-answer nonce, everything else
@@ -4572,13 +4575,17 @@ class RunsHtml:
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
-        follow = ' data-live="%s"' % html_text(self.run_url(record["id"]) + "/output") \
-            if live else ""
-        note = '<p id="live" class="muted">This run is still going: reload to see more.</p>' \
-            if live else ""
-        body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output</h2>%s\n'
-                '<pre id="output"%s>%s</pre></main>'
-                % (self.nav(), html_text(record["id"]), self.facts(facts), note, follow,
+        raw = html_text(self.run_url(record["id"]) + "/output")
+        notes = ['<p id="live" class="muted">This run is still going: reload to see more.</p>'
+                 if live else ""]
+        if len(output) > RUNS_PAGE_OUTPUT:  # a page a browser can hold; the rest is one click
+            output = output[-RUNS_PAGE_OUTPUT:]
+            notes.append('<p class="muted">Only the last %d KiB are shown here: <a href="%s">'
+                         'all the kept output</a>.</p>' % (RUNS_PAGE_OUTPUT >> 10, raw))
+        body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output <small>(<a href="%s">raw'
+                '</a>)</small></h2>%s\n<pre id="output"%s>%s</pre></main>'
+                % (self.nav(), html_text(record["id"]), self.facts(facts), raw, "".join(notes),
+                   ' data-live="%s"' % raw if live else "",
                    html_text(output.decode("utf-8", "replace"))))
         return self.page(200, "webhookd run %s" % record["id"], body, script=True)
 

@@ -15,7 +15,7 @@ import urllib.parse
 import pytest
 
 from support import WEBHOOKD, Daemon, free_port, python_cmd
-from test_webhookd_features import gated_command, wait_until, write_hooks
+from test_webhookd_features import gated_command, script, wait_until, write_hooks
 
 # What Chromium sends when it navigates to a page.
 BROWSER_ACCEPT = ("text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,"
@@ -173,6 +173,21 @@ def test_an_untrusted_browser_without_a_token_set_sees_only_health(daemon):
     assert b"webhookd is degraded" in body and b"echo" not in body and b"hooks.json" not in body
     status, headers, body = daemon.request("GET", "/-/status/runs", headers=relayed)
     assert status == 403 and "www-authenticate" not in headers and b"echo" not in body
+
+
+def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
+    loud = script(tmp_path / "loud.sh", "head -c 1572864 /dev/zero | tr '\\0' '<'\necho END\n")
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "loud", "execute-command": loud}])
+    port = free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                           "-status-path", "/-/status", "-runs-max-output", "4194304"),
+                port) as daemon:
+        run_id = trigger(daemon, "loud")
+        assert ended(daemon, run_id)["output_bytes"] == 1572864 + 4
+        _, page = html_of(daemon, "/-/status/runs/" + run_id)
+        assert page.count("&lt;") == (1 << 20) - 4 and "END" in page
+        assert "Only the last 1024 KiB are shown here" in page
+        assert '<a href="/-/status/runs/%s/output">all the kept output</a>' % run_id in page
 
 
 # ---------------------------------------------------------------------------------------------
