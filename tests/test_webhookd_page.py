@@ -252,6 +252,7 @@ def wait_for(browser, condition, what):
 
 
 def test_a_triggered_run_appears_on_the_page(browser, daemon):
+    from selenium.webdriver.support.ui import Select
     base = "http://127.0.0.1:%d" % daemon.port
     requested(browser), page_problems(browser)
     browser.get(base + "/-/status")
@@ -270,6 +271,13 @@ def test_a_triggered_run_appears_on_the_page(browser, daemon):
         "return document.documentElement.scrollWidth <= window.innerWidth")
     assert HOSTILE_ID in text_of(browser, "body")
     assert browser.execute_script("return window.pwned") is None
+    # the filter is a plain form: it works with the page's own policy
+    browser.find_element("name", "hook").send_keys("echo")
+    Select(browser.find_element("name", "state")).select_by_visible_text("succeeded")
+    browser.find_element("css selector", "form button").click()
+    wait_for(browser, lambda: "state=succeeded" in browser.current_url, "the filtered page")
+    runs_shown = text_of(browser, "section:last-of-type")
+    assert run_id in runs_shown and HOSTILE_ID not in runs_shown
     assert all(url.startswith((base + "/", "data:")) for url in requested(browser)), \
         "a request left the page's origin"
     assert page_problems(browser) == []
