@@ -4712,19 +4712,19 @@ class RunsHtml:
 
     @staticmethod
     def when(iso):
-        if not iso:
+        if not iso or not isinstance(iso, str):  # (a record from -runs-dir may be hand-edited)
             return '<span class="muted">-</span>'
         return '<time datetime="%s">%s</time>' % (
             html_text(iso), html_text(iso.replace("T", " ").replace("Z", " UTC")))
 
     @staticmethod
     def how_long(ms):
-        if ms is None:
+        if not isinstance(ms, int):
             return '<span class="muted">-</span>'
         if ms < 1000:
             return "%d ms" % ms
         if ms < 60000:
-            return "%.1f s" % (ms / 1000.0)
+            return "%.1f s" % (ms // 100 / 10.0)
         minutes, seconds = divmod(ms // 1000, 60)
         return "%d min %d s" % (minutes, seconds) if minutes < 60 else \
             "%d h %d min" % divmod(minutes, 60)
