@@ -203,11 +203,13 @@ FLAGS = [
     Flag("shutdown-timeout", "int", 60, "webhookd: on SIGTERM/SIGINT, seconds to wait for "
          "running commands before exiting"),
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
-    Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
-         "the hooks prefix), Prometheus metrics at PATH/metrics; off when empty"),
+    Flag("status-path", "string", "", "webhookd: serve a status page at this path (outside "
+         "the hooks prefix; JSON, or HTML to browsers), Prometheus metrics at PATH/metrics; off "
+         "when empty"),
     Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
-         "details only to clients sending Authorization: Bearer <token>, loopback included "
-         "(without a token: to loopback clients no proxy relays)"),
+         "details only to clients sending Authorization: Bearer <token> (or the token as "
+         "their Basic password), loopback included (without a token: to loopback clients no "
+         "proxy relays)"),
     Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
@@ -2291,7 +2293,7 @@ class Pipeline:
         if path == "/":
             return None, None, Response(200, b"OK")
         if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head, remote_addr)
+            return None, None, self.status_response(head, raw_query, remote_addr)
         if path == self.metrics_path:
             return None, None, self.metrics_response(head, remote_addr)
         if self.opts.status_path and self.runs_page.wants(path):
@@ -2468,18 +2470,21 @@ class Pipeline:
         keep_alive = stream.end_chunks(complete=result.ok)
         return Response(success, b"", headers, close=not keep_alive, sent=True)
 
-    def status_response(self, head, remote_addr):
-        """The status page; an untrusted client (see RunsPage.trusted) sees only whether the
-        daemon is healthy, never hook ids (some hooks rely on theirs being secret), paths,
-        load errors or runs."""
+    def status_response(self, head, raw_query, remote_addr):
+        """The status page (as HTML to a browser, with the runs the query asks for); an
+        untrusted client (see RunsPage.trusted) sees only whether the daemon is healthy, never
+        hook ids (some hooks rely on theirs being secret), paths, load errors or runs."""
         if head.method not in ("GET", "HEAD"):
             return Response(405)
         health = {"status": "degraded" if self.registry.count() == 0
                   or self.registry.last_reload_failed else "ok", "version": VERSION}
+        as_html = prefers_html(head)
         if not self.runs_page.trusted(head, remote_addr):
-            return json_response(200, health)
-        return json_response(200, dict(health, **status_details(self.registry, self.runs,
-                                                                self.started)))
+            return self.runs_page.refused(health) if as_html else json_response(200, health)
+        details = dict(health, **status_details(self.registry, self.runs, self.started))
+        if as_html:
+            return self.runs_page.listing(raw_query, True, details)
+        return json_response(200, details)
 
     def metrics_response(self, head, remote_addr):
         """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
@@ -4298,51 +4303,64 @@ def json_response(status, document):
 
 class RunsPage:
     """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
-    clients only (see `trusted`)."""
+    clients only (see `trusted`); as JSON, or as HTML pages (RunsHtml) to browsers."""
 
     def __init__(self, store, status_path, token):
         self.store, self.prefix, self.token = store, status_path + "/runs", token
+        self.html = RunsHtml(status_path)
 
     def wants(self, path):
         return path == self.prefix or path.startswith(self.prefix + "/")
 
     def trusted(self, head, remote_addr):
         """The one check for all that shows hooks or runs: with -status-token, the bearers of
-        the token, whoever they are; without, loopback clients no proxy relays."""
+        the token (or browsers giving it as their Basic password), whoever they are; without,
+        loopback clients no proxy relays."""
         if self.token:
-            scheme, _, given = head.get("Authorization").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode("utf-8", "surrogateescape"), self.token.encode())
+            given = authorization_token(head.get("Authorization"))
+            return given is not None and hmac.compare_digest(given, self.token.encode())
         relayed = any(name in head.headers for name in RELAY_HEADERS)
         return is_loopback_peer(remote_addr) and not relayed
+
+    def refused(self, health=None):
+        """What an untrusted browser gets: a sign-in prompt where a token would help."""
+        return self.html.refused(health, bool(self.token))
 
     def answer(self, head, path, raw_query, remote_addr, stream, stopped):
         if head.method not in ("GET", "HEAD"):
             return Response(405)
+        as_html = prefers_html(head)
         if not self.trusted(head, remote_addr):
+            if as_html:
+                return self.refused()
             return json_response(403, {"error": "run history is served with Authorization: "
                                                 "Bearer <-status-token>, or without one set to "
                                                 "loopback clients no proxy relays"})
         parts = path[len(self.prefix):].split("/")[1:]
         if not parts:
-            return self.listing(raw_query)
+            return self.listing(raw_query, as_html)
         record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
         if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
+            if as_html:
+                return self.html.problem(404, "Run not found", "No run has this id (any more).")
             return json_response(404, {"error": "run not found"})
-        if len(parts) == 1:
-            return json_response(200, record.as_dict())
-        return self.output(head, record, stream, stopped)
+        if len(parts) == 2:
+            return self.output(head, record, stream, stopped)
+        if as_html:
+            return self.html.run(record.as_dict(), self.store.read_output(record)[0])
+        return json_response(200, record.as_dict())
 
-    def listing(self, raw_query):
-        query = parse_query(raw_query)[0]
-        limit = query.get("limit", "100")
-        if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
-            return json_response(400, {"error": "limit must be a whole number from 1 to 10000"})
-        state = query.get("state")
-        if state is not None and state not in RUN_STATES:
-            return json_response(400, {"error": "state must be one of " + ", ".join(RUN_STATES)})
-        return json_response(200, self.store.listing(query.get("hook"), state,
-                                                     int(limit)))
+    def listing(self, raw_query, as_html=False, details=None):
+        """The runs a query asks for; as HTML, below the status page's `details` if given."""
+        chosen, problem = runs_filter(raw_query)
+        if problem:
+            if as_html:
+                return self.html.problem(400, "Bad filter", problem)
+            return json_response(400, {"error": problem})
+        runs = self.store.listing(*chosen)
+        if as_html:
+            return self.html.overview(details, runs, chosen)
+        return json_response(200, runs)
 
     def output(self, head, record, stream, stopped):
         """The kept output; while the run goes on, streamed (chunked) until it ends."""
@@ -4361,6 +4379,355 @@ class RunsPage:
             data, position, ended = self.store.read_output(record, position)
         keep_alive = stream.end_chunks()
         return Response(200, b"", headers, close=not keep_alive, sent=True)
+
+
+def runs_filter(raw_query):
+    """((hook, state, limit), None) for a run-list query, or (None, what is wrong with it)."""
+    query = parse_query(raw_query)[0]
+    limit = query.get("limit", "100")
+    if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
+        return None, "limit must be a whole number from 1 to 10000"
+    state = query.get("state") or None
+    if state is not None and state not in RUN_STATES:
+        return None, "state must be one of " + ", ".join(RUN_STATES)
+    return (query.get("hook") or None, state, int(limit)), None
+
+
+def authorization_token(value):
+    """The token an Authorization header gives, as bytes: `Bearer <token>`, or a browser's
+    `Basic base64(<any user>:<token>)`; None for anything else, malformed included."""
+    scheme, _, given = value.partition(" ")
+    given = given.strip().encode("utf-8", "surrogateescape")
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return given
+    if scheme != "basic":
+        return None
+    try:
+        user_and_password = base64.b64decode(given, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _, colon, password = user_and_password.partition(b":")
+    return password if colon else None
+
+
+ACCEPT_QUALITY = re.compile(r"0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?")  # RFC 9110's qvalue
+
+
+def prefers_html(head):
+    """Whether the Accept header ranks text/html above JSON, as a browser's does.  JSON stays
+    the answer for everything else: no Accept, curl's `*/*`, a tie."""
+    ranges = {}
+    for item in ",".join(head.headers.get("Accept", ())).split(","):
+        media, _, params = item.partition(";")
+        quality = 1.0
+        for param in params.split(";") if params else ():
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                value = value.strip()
+                quality = float(value) if ACCEPT_QUALITY.fullmatch(value) else 0.0
+        ranges.setdefault(media.strip().lower(), quality)
+
+    def rank(media):
+        for key in (media, media.split("/")[0] + "/*", "*/*"):
+            if key in ranges:
+                return ranges[key]
+        return 0.0
+    return rank("text/html") > rank("application/json")
+
+
+def html_text(value):
+    """Text (or a number) made safe inside HTML elements and quoted attributes."""
+    import html  # only when a browser asks: the daemon's idle memory stays as it was
+    return html.escape(str(value), quote=True)
+
+
+def url_part(text, safe=""):
+    """A hook id, run id or path percent-encoded for a link (surrogates kept as their bytes)."""
+    return urllib.parse.quote(text.encode("utf-8", "surrogateescape"), safe=safe)
+
+
+RUNS_PAGE_STYLE = """
+:root{color-scheme:light dark;--muted:#767676;--line:#8885}
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
+max-width:75rem;padding:.75rem}
+h1{font-size:1.35rem;margin:.2rem 0 .6rem}h2{font-size:1.1rem;margin:1.5rem 0 .5rem}
+a{color:inherit}nav{margin-bottom:.5rem}.wide{overflow-x:auto}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid var(--line);
+vertical-align:top;white-space:nowrap}
+td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
+.state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
+.s-failed,.s-timed-out,.s-killed,.s-interrupted,.bad{color:#dc2626}.muted{color:var(--muted)}
+form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
+label{display:flex;flex-direction:column;font-size:.85rem}
+input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
+dl{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem;margin:0}
+dt{color:var(--muted)}dd{margin:0;word-break:break-word}
+pre{background:#8881;border:1px solid var(--line);padding:.6rem;white-space:pre-wrap;
+word-break:break-word;font-size:.85rem;min-height:1.5rem}
+pre:empty::before{content:"no output";color:var(--muted)}
+@media (max-width:40rem){body{font-size:14px;padding:.5rem}th,td{padding:.25rem .3rem}}
+"""
+
+# A running run's page follows its output (the streamed `/output`) and, once that ends,
+# takes the run's final state from its page, read again; without JavaScript, a reload does.
+RUNS_PAGE_SCRIPT = """
+"use strict";
+(function () {
+  function say(text) {
+    var note = document.getElementById("live");
+    if (note) note.textContent = text;
+  }
+  function refresh() {
+    return fetch(location.pathname, {headers: {Accept: "text/html"}, cache: "no-store"})
+      .then(function (answer) {
+        if (!answer.ok) throw new Error("HTTP " + answer.status);
+        return answer.text();
+      }).then(function (text) {
+        var inert = document.createElement("template");  // nothing in it runs or applies
+        inert.innerHTML = text;
+        var fresh = inert.content.getElementById("run");
+        var shown = document.getElementById("run");
+        if (!fresh || !shown) throw new Error("no run in the page");
+        shown.replaceWith(fresh);
+      });
+  }
+  function follow() {
+    var out = document.getElementById("output");
+    if (!out || !out.dataset.live || !window.fetch || !window.TextDecoder) return;
+    say("Following the output live\\u2026");
+    fetch(out.dataset.live, {cache: "no-store"}).then(function (answer) {
+      if (!answer.ok || !answer.body) throw new Error("HTTP " + answer.status);
+      var reader = answer.body.getReader(), text = new TextDecoder(), first = true;
+      function more(part) {
+        if (part.done) return;
+        if (first) out.textContent = "";  // the stream starts again from the kept output
+        first = false;
+        out.append(text.decode(part.value, {stream: true}));
+        return reader.read().then(more);
+      }
+      return reader.read().then(more);
+    }).then(refresh).then(function () {
+      setTimeout(follow, 1000);  // still running (the stream was cut short): follow again
+    }).catch(function (error) {
+      say("Stopped following (" + error.message + "): reload to see more.");
+    });
+  }
+  follow();
+})();
+"""
+
+
+RUNS_PAGE_OUTPUT = 1 << 20  # bytes of a run's output its page holds (the tail); /output has all
+
+
+class RunsHtml:
+    """The status page and the run history as HTML for people: one small page each, with
+    inline CSS (and script, on a run's page) allowed by a per-answer nonce, everything else
+    refused by its Content-Security-Policy.  Shows exactly the documents the JSON answers
+    hold (status_details, the run records, the output), every value escaped."""
+
+    def __init__(self, status_path):
+        self.status_url = url_part(status_path, safe="/")
+
+    def page(self, status, title, body, script=False, headers=()):
+        nonce = base64.b64encode(os.urandom(18)).decode()
+        document = (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            '<link rel="icon" href="data:,"><title>%s</title>\n<style nonce="%s">%s</style>'
+            '</head>\n<body>\n%s\n%s</body></html>\n'
+            % (html_text(title), nonce, RUNS_PAGE_STYLE, body, '<script nonce="%s">%s</script>\n'
+               % (nonce, RUNS_PAGE_SCRIPT) if script else ""))
+        policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
+                  "connect-src 'self'; img-src data:; form-action 'self'; base-uri 'none'; "
+                  "frame-ancestors 'none'" % (nonce, nonce))
+        return Response(status, document.encode("utf-8", "replace"), dict({
+            "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
+            "Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+            "Vary": "Accept, Authorization"}, **dict(headers)))
+
+    # -- pages ---------------------------------------------------------------
+
+    def overview(self, details, runs, chosen):
+        """The status page (`details`, as status_details gives them) above the runs the filter
+        `chosen` (hook, state, limit) picked; without details, the runs alone."""
+        parts = [self.nav()] if details is None else [self.summary(details),
+                                                      self.hooks(details), self.files(details)]
+        parts.append(self.runs(runs, chosen))
+        return self.page(200, "webhookd" if details else "webhookd runs", "\n".join(parts))
+
+    def run(self, record, output):
+        """A run's record and its kept output; followed live while the run goes on."""
+        live = record["state"] not in RUN_ENDED
+        facts = [("Hook", self.link(self.hook_url(record["hook"]), record["hook"])),
+                 ("State", self.state(record)), ("Exit", self.exit(record)),
+                 ("Queued", self.when(record["queued_at"])),
+                 ("Started", self.when(record["started_at"])),
+                 ("Ended", self.when(record["ended_at"])),
+                 ("Took", self.how_long(record["duration_ms"])),
+                 ("From", html_text(record["remote_addr"] or "-")),
+                 ("Request id", html_text(record["request_id"] or "-")),
+                 ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
+                                            if record["output_truncated"] else ""))]
+        if record["storage_error"]:
+            facts.append(("Not saved", '<span class="bad">%s</span>'
+                          % html_text(record["storage_error"])))
+        raw = html_text(self.run_url(record["id"]) + "/output")
+        notes = ['<p id="live" class="muted">This run is still going: reload to see more.</p>'
+                 if live else ""]
+        if len(output) > RUNS_PAGE_OUTPUT:  # a page a browser can hold; the rest is one click
+            output = output[-RUNS_PAGE_OUTPUT:]
+            notes.append('<p class="muted">Only the last %d KiB are shown here: <a href="%s">'
+                         'all the kept output</a>.</p>' % (RUNS_PAGE_OUTPUT >> 10, raw))
+        body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output <small>(<a href="%s">raw'
+                '</a>)</small></h2>%s\n<pre id="output"%s>%s</pre></main>'
+                % (self.nav(), html_text(record["id"]), self.facts(facts), raw, "".join(notes),
+                   ' data-live="%s"' % raw if live else "",
+                   html_text(output.decode("utf-8", "replace"))))
+        return self.page(200, "webhookd run %s" % record["id"], body, script=True)
+
+    def refused(self, health, token):
+        """401 with a Basic challenge where the token is the way in; else the health alone
+        (200, as the JSON) on the status page, 403 under it."""
+        said = "<p>webhookd is %s.</p>" % html_text(health["status"]) if health else ""
+        if token:
+            return self.page(401, "webhookd: sign in", (
+                "<main><h1>Sign in</h1>%s<p>Hooks and runs are shown to those who give the "
+                "status token: as the password, with any user name.</p></main>" % said),
+                headers={"WWW-Authenticate": 'Basic realm="webhookd", charset="UTF-8"'})
+        return self.page(403 if health is None else 200, "webhookd", (
+            "<main><h1>Not shown here</h1>%s<p>Hooks and runs are shown only to clients on "
+            "this machine that no proxy relays, or to those who give the status token once "
+            "one is set.</p></main>" % said))
+
+    def problem(self, status, title, message):
+        return self.page(status, "webhookd: " + title, "%s\n<main><h1>%s</h1><p>%s</p></main>"
+                         % (self.nav(), html_text(title), html_text(message)))
+
+    # -- sections ------------------------------------------------------------
+
+    def summary(self, details):
+        status = details["status"]
+        last_load = self.when(details["last_load"])
+        if details["last_reload_failed"]:
+            last_load += ' <span class="bad">(failed)</span>'
+        facts = [("Status", '<span class="%s">%s</span>' % ("good" if status == "ok" else "bad",
+                                                           html_text(status))),
+                 ("Hooks loaded", html_text(details["hooks_loaded"])),
+                 ("Runs", "%d running, %d queued" % (details["runs_in_progress"],
+                                                     details["runs_queued"])),
+                 ("Started", self.when(details["started"])), ("Last load", last_load),
+                 ("Version", "webhookd.py %s (webhook %s)" % (
+                     html_text(details["webhookd_version"]), html_text(details["version"])))]
+        return "<header><h1>webhookd</h1>\n%s</header>" % self.facts(facts)
+
+    def hooks(self, details):
+        rows = []
+        for hooks_file in details["hooks_files"]:
+            for hook_id in hooks_file["hooks"]:
+                last = details["last_runs"].get(hook_id)
+                now = details["runs"].get(hook_id)
+                rows.append((
+                    self.link(self.hook_url(hook_id), hook_id),
+                    self.link(self.run_url(last["id"]), self.state(last), escape=False)
+                    if last else '<span class="muted">never run</span>',
+                    self.when(last and (last["started_at"] or last["queued_at"])),
+                    self.how_long(last and last["duration_ms"]),
+                    "%d running, %d queued" % (now["running"], now["queued"]) if now else "",
+                    html_text(hooks_file["path"])))
+        return self.table("Hooks", ("Hook", "Last run", "When", "Took", "Now", "File"), rows,
+                          "No hook is loaded.")
+
+    def files(self, details):
+        rows = [(html_text(hooks_file["path"]), html_text(len(hooks_file["hooks"])),
+                 self.when(hooks_file["last_load"]),
+                 '<td class="text bad">%s' % html_text(hooks_file["error"])
+                 if hooks_file["error"] else "loaded")
+                for hooks_file in details["hooks_files"]]
+        return self.table("Hooks files", ("File", "Hooks", "Loaded at", "Last load"), rows, "")
+
+    def runs(self, runs, chosen):
+        hook, state, limit = chosen
+        states = "".join('<option%s>%s</option>' % (" selected" if name == state else "", name)
+                         for name in RUN_STATES)
+        form = ('<form method="get"><label>Hook <input name="hook" value="%s"></label>'
+                '<label>State <select name="state"><option value="">any</option>%s</select>'
+                '</label><label>At most <input name="limit" type="number" min="1" '
+                'max="10000" value="%d"></label><button>Show</button></form>'
+                % (html_text(hook or ""), states, limit))
+        rows = [(self.link(self.run_url(run["id"]), run["id"]),
+                 self.link(self.hook_url(run["hook"]), run["hook"]), self.state(run),
+                 self.when(run["queued_at"]), self.how_long(run["duration_ms"]), self.exit(run))
+                for run in runs]
+        return self.table("Runs", ("Run", "Hook", "State", "Queued", "Took", "Exit"), rows,
+                          "No run matches.", form)
+
+    # -- pieces --------------------------------------------------------------
+
+    def nav(self):
+        return '<nav><a href="%s">webhookd status</a> &middot; <a href="%s/runs">all runs</a>' \
+               '</nav>' % (self.status_url, self.status_url)
+
+    @staticmethod
+    def table(title, columns, rows, empty, before=""):
+        """A titled table of rows of HTML cells (a cell may open its own `<td ...>`)."""
+        head = "".join("<th>%s</th>" % name for name in columns)
+        body = "\n".join("<tr>%s</tr>" % "".join(cell if cell.startswith("<td") else
+                                                 "<td>%s" % cell for cell in row)
+                         for row in rows)
+        if not rows:
+            return "<section><h2>%s</h2>%s<p class=\"muted\">%s</p></section>" % (
+                title, before, empty) if empty else ""
+        return ('<section><h2>%s</h2>%s<div class="wide"><table><thead><tr>%s</tr></thead>\n'
+                '<tbody>%s</tbody></table></div></section>' % (title, before, head, body))
+
+    @staticmethod
+    def facts(pairs):
+        return "<dl>%s</dl>" % "".join("<dt>%s</dt><dd>%s</dd>" % pair for pair in pairs)
+
+    @staticmethod
+    def link(url, text, escape=True):
+        return '<a href="%s">%s</a>' % (html_text(url), html_text(text) if escape else text)
+
+    def hook_url(self, hook_id):
+        return "%s?hook=%s" % (self.status_url, url_part(hook_id))
+
+    def run_url(self, run_id):
+        return "%s/runs/%s" % (self.status_url, url_part(run_id))
+
+    @staticmethod
+    def state(record):
+        return '<span class="state s-%s">%s</span>' % (html_text(record["state"]),
+                                                        html_text(record["state"]))
+
+    @staticmethod
+    def exit(record):
+        if record["signal"]:
+            return html_text(record["signal"])
+        return '<span class="muted">-</span>' if record["exit_code"] is None else \
+            "exit %s" % html_text(record["exit_code"])
+
+    @staticmethod
+    def when(iso):
+        if not iso or not isinstance(iso, str):  # (a record from -runs-dir may be hand-edited)
+            return '<span class="muted">-</span>'
+        return '<time datetime="%s">%s</time>' % (
+            html_text(iso), html_text(iso.replace("T", " ").replace("Z", " UTC")))
+
+    @staticmethod
+    def how_long(ms):
+        if not isinstance(ms, int):
+            return '<span class="muted">-</span>'
+        if ms < 1000:
+            return "%d ms" % ms
+        if ms < 60000:
+            return "%.1f s" % (ms // 100 / 10.0)
+        minutes, seconds = divmod(ms // 1000, 60)
+        return "%d min %d s" % (minutes, seconds) if minutes < 60 else \
+            "%d h %d min" % divmod(minutes, 60)
 
 
 # <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
