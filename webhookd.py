@@ -4295,6 +4295,23 @@ def is_loopback_peer(remote_addr):
     return (mapped or ip).is_loopback
 
 
+def names_loopback(host):
+    """Whether a Host header names this machine's loopback (or is absent, as in HTTP/1.0).  A
+    web page whose DNS name its owner re-points at 127.0.0.1 makes the browser send that name:
+    refusing it keeps such a page from reading the status of the browser's own machine."""
+    if host.startswith("["):
+        name = host[1:host.find("]")]
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    name = name.rstrip(".").lower()
+    if name in ("", "localhost") or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def json_response(status, document):
     body = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
     return Response(status, body, {"Content-Type": "application/json",
@@ -4320,7 +4337,8 @@ class RunsPage:
             given = authorization_token(head.get("Authorization"))
             return given is not None and hmac.compare_digest(given, self.token.encode())
         relayed = any(name in head.headers for name in RELAY_HEADERS)
-        return is_loopback_peer(remote_addr) and not relayed
+        return (is_loopback_peer(remote_addr) and not relayed
+                and names_loopback(head.get("Host")))
 
     def refused(self, health=None):
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
