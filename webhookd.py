@@ -415,22 +415,31 @@ def js_escape(text):
 
 
 def template_function(name, arg, environ):
+    """Upstream master's getenv, cat and credential.  `cat`: the file's content, one trailing
+    newline trimmed; "" when it cannot be read (missing, as upstream documents; any other
+    failure, a folder or no permission, is also "" there, and logged here).  `credential`:
+    `$CREDENTIALS_DIRECTORY/NAME` read as `cat`, or without that variable the environment
+    variable NAME.  Unlike upstream, a name that is not one file name (a `/`, `..`) is a load
+    error, never a path out of the folder."""
     if name == "getenv":
         return environ.get(arg, "")
-    if name == "cat":
-        path = arg
-    else:
+    if name == "credential":
+        if "/" in arg or arg in ("", ".", ".."):
+            raise ValueError("credential %s: not a plain credential name" % json.dumps(arg))
         directory = environ.get("CREDENTIALS_DIRECTORY")
         if not directory:
-            raise ValueError("credential %r: $CREDENTIALS_DIRECTORY is not set" % arg)
-        if "/" in arg or arg in ("", ".", ".."):
-            raise ValueError("credential %r: not a plain credential name" % arg)
-        path = os.path.join(directory, arg)
+            return environ.get(arg, "")
+        arg = os.path.join(directory, arg)
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            return handle.read()
+        with open(arg, "rb") as handle:
+            data = handle.read()
     except OSError as exc:
-        raise ValueError("%s %r: %s" % (name, arg, exc.strerror)) from None
+        if exc.errno != errno.ENOENT:
+            log.warning("template: %s %s: %s; using \"\"", name, json.dumps(arg),
+                        exc.strerror or exc)
+        return ""
+    data = data[:-1] if data.endswith(b"\n") else data
+    return data.decode("utf-8", "surrogateescape")
 
 
 def expand_template(text, filename, environ=None):
