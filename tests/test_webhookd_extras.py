@@ -159,6 +159,13 @@ def test_payload_reaches_stdin_intact_in_every_mode(tmp_path):
             assert answer.decode().splitlines()[-1] == expected, hook_id
         assert daemon.request("POST", "/hooks/background", body=body)[0] == 200
         assert wait_for(lambda: out.exists() and out.read_text(), "background run") == expected
+        # a multipart body as sent (the hook model sees its parts, the command the bytes)
+        form = (b"--XyZ\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\nvalue\r\n"
+                b"--XyZ--\r\n")
+        status, _, answer = daemon.request("POST", "/hooks/captured", body=form, headers={
+            "Content-Type": "multipart/form-data; boundary=XyZ"})
+        assert answer.decode().splitlines()[-1] == "%d %s" % (
+            len(form), hashlib.sha256(form).hexdigest())
         # a chunked body, as it was before chunking
         status, _, answer = daemon.request("POST", "/hooks/captured", body=iter([body[:1000],
                                                                                  body[1000:]]))
