@@ -3,51 +3,30 @@ behind a reverse proxy (-trusted-proxy) and the request body on a command's stdi
 (pass-payload-to-stdin).  The real daemon on a free 127.0.0.1 port, real HTTP; the "proxy" is
 the test itself, connecting from 127.0.0.1 with X-Forwarded-For lines of its choosing."""
 import hashlib
-import json
 import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from support import WEBHOOKD, Daemon, free_port, python_cmd
+from support import WEBHOOKD, python_cmd
+from test_webhookd_features import exchange, start as start_daemon, wait_until, write_hooks
 
 
 def start(hooks, tmp_path, *flags):
-    path = tmp_path / "hooks.json"
-    path.write_text(json.dumps(hooks))
-    port = free_port()
-    return Daemon(python_cmd(WEBHOOKD, "-hooks", path, "-ip", "127.0.0.1", "-port", str(port),
-                             "-verbose", *flags), port)
+    return start_daemon(write_hooks(tmp_path / "hooks.json", hooks), *flags)
 
 
-def wait_for(condition, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
-
-
-def raw_request(port, head_lines, body=b""):
+def raw_request(port, head_lines, body=b"", hook="who"):
     """One request with exactly these header lines (repeated names included): (status, body,
     the client's own port)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        head = "POST /hooks/who HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        head = "POST /hooks/%s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % hook
         head += "".join(line + "\r\n" for line in head_lines)
         head += "Content-Length: %d\r\n\r\n" % len(body)
-        sock.sendall(head.encode() + body)
-        answer = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
         own_port = sock.getsockname()[1]
+        answer = exchange(sock, head.encode() + body)
     status = int(answer.split(b" ", 2)[1])
     return status, answer.split(b"\r\n\r\n", 1)[1], own_port
 
@@ -62,15 +41,20 @@ WHO = {"id": "who", "execute-command": "/bin/echo", "include-command-output-in-r
 DENIED = (200, b"Hook rules were not satisfied.")
 
 
-def who(port, *forwarded):
-    """(status, body) of the whitelisted hook, X-Forwarded-For lines as given; the body's
-    client port placeholder `PORT` replaced by the connection's own port."""
-    status, body, own_port = raw_request(port, ["X-Forwarded-For: " + f for f in forwarded])
+ADDR = {key: value for key, value in WHO.items() if key != "trigger-rule"}
+ADDR["id"] = "addr"
+
+
+def who(port, *forwarded, hook="who"):
+    """(status, body) of the whitelisted hook (or another), X-Forwarded-For lines as given;
+    the client's port in the body written `PORT` when it is the connection's own port."""
+    status, body, own_port = raw_request(port, ["X-Forwarded-For: " + f for f in forwarded],
+                                         hook=hook)
     return status, body.replace(b":%d\n" % own_port, b":PORT\n")
 
 
 def test_trusted_proxy_client_is_the_rightmost_untrusted_forwarded_address(tmp_path):
-    with start([WHO], tmp_path, "-trusted-proxy", "127.0.0.0/8",
+    with start([WHO, ADDR], tmp_path, "-trusted-proxy", "127.0.0.0/8",
                "-trusted-proxy", "10.0.0.0/8,::1") as daemon:
         port = daemon.port
         assert who(port, "203.0.113.7") == (200, b"203.0.113.7:PORT\n")
@@ -84,21 +68,22 @@ def test_trusted_proxy_client_is_the_rightmost_untrusted_forwarded_address(tmp_p
         assert who(port, "203.0.113.8", "198.51.100.1") == DENIED
         assert who(port, "[::ffff:203.0.113.9]") == (200, b"203.0.113.9:PORT\n")
         # all trusted: the left-most; an unreadable entry: an unknown client, refused
-        assert raw_request(port, ["X-Forwarded-For: 10.0.0.5, 127.0.0.2"])[0] == 200
+        assert who(port, "10.0.0.5, 127.0.0.2", hook="addr") == (200, b"10.0.0.5:PORT\n")
+        assert who(port, "203.0.113.7,", hook="addr") == (200, b"unknown\n")
         assert who(port, "203.0.113.7, not-an-address") == DENIED
         assert who(port, "203.0.113.7,") == DENIED
-        log = wait_for(lambda: "from 203.0.113.8:" in daemon.log() and daemon.log(),
-                       "the access log line")
+        log = wait_until(lambda: "from 203.0.113.8:" in daemon.log() and daemon.log(),
+                         what="the access log line")
         assert "incoming HTTP POST request from 203.0.113.7:" in log
         assert "incoming HTTP POST request from unknown" in log
 
 
 def test_without_trusted_proxy_or_from_an_untrusted_peer_forwarded_for_is_ignored(tmp_path):
     for flags in ((), ("-trusted-proxy", "10.0.0.0/8")):  # the test connects from 127.0.0.1
-        with start([WHO], tmp_path, *flags) as daemon:
+        with start([WHO, ADDR], tmp_path, *flags) as daemon:
             assert who(daemon.port, "203.0.113.7") == DENIED
-            status, body, own_port = raw_request(daemon.port, ["X-Forwarded-For: 203.0.113.7"])
-            assert "127.0.0.1:%d" % own_port in daemon.log()
+            assert who(daemon.port, "203.0.113.7", hook="addr") == (200, b"127.0.0.1:PORT\n")
+            assert "203.0.113.7:" not in daemon.log()
 
 
 def test_trusted_proxy_never_opens_the_run_history_to_a_relayed_client(tmp_path):
@@ -158,7 +143,7 @@ def test_payload_reaches_stdin_intact_in_every_mode(tmp_path):
             assert status == 200
             assert answer.decode().splitlines()[-1] == expected, hook_id
         assert daemon.request("POST", "/hooks/background", body=body)[0] == 200
-        assert wait_for(lambda: out.exists() and out.read_text(), "background run") == expected
+        assert wait_until(lambda: out.exists() and out.read_text(), what="background run") == expected
         # a multipart body as sent (the hook model sees its parts, the command the bytes)
         form = (b"--XyZ\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\nvalue\r\n"
                 b"--XyZ--\r\n")
