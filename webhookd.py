@@ -12,8 +12,9 @@ original's (Go ``flag`` syntax), so an existing unit or script keeps working::
 On top of upstream (each a flag or hook field the Go binary ignores, so hooks files stay portable):
 polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`` reload,
 ``-validate``, warnings for unknown hook fields, the hook fields ``max-concurrency``,
-``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
-``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
+``command-timeout``, ``stream-command-output`` and ``pass-payload-to-stdin``, a graceful stop on
+``SIGTERM``, systemd ``sd_notify``/socket activation, ``-socket``, ``-trusted-proxy``,
+``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
 ``-max-async-runs``), a JSON ``-status-path`` and a run history under it: every run gets an id
 (``X-Webhookd-Run``), a state and its output, in memory or under ``-runs-dir``, read at
