@@ -12,8 +12,9 @@ original's (Go ``flag`` syntax), so an existing unit or script keeps working::
 On top of upstream (each a flag or hook field the Go binary ignores, so hooks files stay portable):
 polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`` reload,
 ``-validate``, warnings for unknown hook fields, the hook fields ``max-concurrency``,
-``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
-``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
+``command-timeout``, ``stream-command-output`` and ``pass-payload-to-stdin``, a graceful stop on
+``SIGTERM``, systemd ``sd_notify``/socket activation, ``-socket``, ``-trusted-proxy``,
+``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
 ``-max-async-runs``), a JSON ``-status-path`` and a run history under it: every run gets an id
 (``X-Webhookd-Run``), a state and its output, in memory or under ``-runs-dir``, read at
@@ -215,6 +216,10 @@ FLAGS = [
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
          "any other template action is a load error"),
     Flag("tls-min-version", "string", "1.2", "minimum TLS version (1.0, 1.1, 1.2, 1.3)"),
+    Flag("trusted-proxy", "list", None, "webhookd: a reverse proxy's address range (CIDR; "
+         "repeat it or separate ranges with commas) whose X-Forwarded-For is believed: "
+         "ip-whitelist, remote-addr and the log see the right-most address not in these "
+         "ranges; the status page's access check never does"),
     Flag("urlprefix", "string", "hooks", "url prefix to use for served hooks "
          "(protocol://yourserver:port/PREFIX/:hook-id)"),
     Flag("validate", "bool", False, "webhookd: check the hooks files (fields, types, regexes, ip "
@@ -276,6 +281,21 @@ def parse_header_flag(text):
     return (name, value)
 
 
+def parse_trusted_proxies(text):
+    """-trusted-proxy: one range or several separated by commas -> ip_networks."""
+    networks = []
+    for piece in text.split(","):
+        try:
+            networks.append(ipaddress.ip_network(piece.strip(), strict=True))
+        except ValueError as exc:
+            raise ValueError("%s (write e.g. 10.0.0.0/8, 2001:db8::/32 or one address)"
+                             % exc) from None
+    return networks
+
+
+LIST_CONVERTERS = {"header": parse_header_flag, "trusted-proxy": parse_trusted_proxies}
+
+
 def go_value_type(flag, convert):
     """An argparse `type` that reports a bad value in the words of Go's flag package."""
     def parse(text):
@@ -307,7 +327,7 @@ def build_parser(program):
             parser.add_argument("-no-" + flag.name, dest=flag.attr, action="store_false",
                                 help=argparse.SUPPRESS)  # only normalise_argv emits it
         elif flag.kind == "list":
-            convert = parse_header_flag if flag.name == "header" else str
+            convert = LIST_CONVERTERS.get(flag.name, str)
             parser.add_argument(option, dest=flag.attr, action="append", default=[],
                                 type=go_value_type(flag, convert), help=flag.help)
         else:
@@ -357,6 +377,7 @@ def parse_flags(argv):
     opts = build_parser(PROGRAM).parse_args(normalise_argv(argv))
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
+    opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
     return opts
 
 
@@ -417,22 +438,31 @@ def js_escape(text):
 
 
 def template_function(name, arg, environ):
+    """Upstream master's getenv, cat and credential.  `cat`: the file's content, one trailing
+    newline trimmed; "" when it cannot be read (missing, as upstream documents; any other
+    failure, a folder or no permission, is also "" there, and logged here).  `credential`:
+    `$CREDENTIALS_DIRECTORY/NAME` read as `cat`, or without that variable the environment
+    variable NAME.  Unlike upstream, a name that is not one file name (a `/`, `..`) is a load
+    error, never a path out of the folder."""
     if name == "getenv":
         return environ.get(arg, "")
-    if name == "cat":
-        path = arg
-    else:
+    if name == "credential":
+        if "/" in arg or arg in ("", ".", ".."):
+            raise ValueError("credential %s: not a plain credential name" % json.dumps(arg))
         directory = environ.get("CREDENTIALS_DIRECTORY")
         if not directory:
-            raise ValueError("credential %r: $CREDENTIALS_DIRECTORY is not set" % arg)
-        if "/" in arg or arg in ("", ".", ".."):
-            raise ValueError("credential %r: not a plain credential name" % arg)
-        path = os.path.join(directory, arg)
+            return environ.get(arg, "")
+        arg = os.path.join(directory, arg)
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            return handle.read()
+        with open(arg, "rb") as handle:
+            data = handle.read()
     except OSError as exc:
-        raise ValueError("%s %r: %s" % (name, arg, exc.strerror)) from None
+        if exc.errno != errno.ENOENT:
+            log.warning("template: %s %s: %s; using \"\"", name, json.dumps(arg),
+                        exc.strerror or exc)
+        return ""
+    data = data[:-1] if data.endswith(b"\n") else data
+    return data.decode("utf-8", "surrogateescape")
 
 
 def expand_template(text, filename, environ=None):
@@ -488,7 +518,7 @@ HMAC_TYPES = {"payload-hmac-sha1": ("sha1", "sha1="), "payload-hash-sha1": ("sha
               "payload-hmac-sha512": ("sha512", "sha512="),
               "payload-hash-sha512": ("sha512", "sha512=")}
 
-# hook field -> (attribute, kind); the last three are ours and ignored by upstream.
+# hook field -> (attribute, kind); the last four are ours and ignored by upstream.
 HOOK_FIELDS = {
     "id": ("id", "str"),
     "execute-command": ("execute_command", "str"),
@@ -510,6 +540,7 @@ HOOK_FIELDS = {
     "max-concurrency": ("max_concurrency", "posint"),
     "command-timeout": ("command_timeout", "posnumber"),
     "stream-command-output": ("stream_output", "bool"),
+    "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
          "headers": (), "strlist": (), "rule": None}
@@ -2218,6 +2249,7 @@ class Pipeline:
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
         self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
+        self.trusted_proxies = opts.trusted_proxy
         self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
             else NO_TIMEOUT
         self.runner = Runner()
@@ -2302,7 +2334,8 @@ class Pipeline:
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
-        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
+        log.info("[%s] incoming HTTP %s request from %s", rid, head.method,
+                 self.client(head, remote_addr))
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
@@ -2314,6 +2347,14 @@ class Pipeline:
             return None, None, Response(405)
         return hook, raw_query, None
 
+    def client(self, head, remote_addr):
+        """Who sent a hook's request (see forwarded_client); the status page and run history
+        never ask this (RunsPage.trusted: any relay header means relayed)."""
+        if not self.trusted_proxies or "X-Forwarded-For" not in head.headers:
+            return remote_addr
+        return forwarded_client(remote_addr, ",".join(head.headers["X-Forwarded-For"]),
+                                self.trusted_proxies)
+
     def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
         """The plain HookRequest the hook model sees; logs the match."""
         log.info("[%s] %s got matched", rid, hook.id)
@@ -2323,7 +2364,7 @@ class Pipeline:
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
                       redact_target(head.target, hook.secret_params), head.version, shown,
                       len(body))
-        return HookRequest(rid, head.method, remote_addr,
+        return HookRequest(rid, head.method, self.client(head, remote_addr),
                            {k: v[0] for k, v in head.headers.items()
                             if k not in ("Host", "Transfer-Encoding")},
                            parse_query(raw_query)[0], body,
@@ -3112,11 +3153,12 @@ class HookRequest:
     """What rules and arguments can see of one request."""
 
     __slots__ = ("id", "method", "remote_addr", "headers", "query", "payload", "body",
-                 "content_type", "allow_signature_errors")
+                 "raw_body", "content_type", "allow_signature_errors")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
         self.headers, self.query, self.body = headers, query, body
+        self.raw_body = body  # as received, even where `body` is emptied (multipart)
         self.content_type, self.payload = content_type, None
         self.allow_signature_errors = False
 
@@ -3312,7 +3354,41 @@ def peer_host(remote_addr):
     return host.strip(" ").lstrip("[").rstrip("]")
 
 
+UNKNOWN_CLIENT = "unknown"  # -trusted-proxy: a relayed address that could not be read
+
+
+def parse_ip(text):
+    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+def forwarded_client(remote_addr, forwarded_for, trusted):
+    """The client behind a peer (`remote_addr`, host:port) in a -trusted-proxy range: the
+    right-most entry of X-Forwarded-For (`forwarded_for`: its lines joined in order) that is
+    not in those ranges, or the left-most if all are; written host:port with the peer's port
+    (the client's own is not forwarded).  An entry that is not an address, written by a proxy
+    we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits (fail closed).
+    Any other peer, or an empty header: `remote_addr`, as Go, whatever the header says."""
+    host, port = peer_host(remote_addr), remote_addr.rpartition(":")[2]
+    hop = parse_ip(host)
+    if hop is None or not any(hop in net for net in trusted) or not forwarded_for.strip():
+        return remote_addr
+    for entry in reversed(forwarded_for.split(",")):  # linear; the head is bounded
+        hop = parse_ip(entry.strip(" \t").strip("[]"))
+        if hop is None:
+            return UNKNOWN_CLIENT
+        if not any(hop in net for net in trusted):
+            break
+    return format_peer((str(hop), int(port)))
+
+
 def check_ip_whitelist(remote_addr, ip_range):
+    if remote_addr == UNKNOWN_CLIENT:
+        return False, None
     try:
         address = ipaddress.ip_address(peer_host(remote_addr))
     except ValueError:
@@ -3392,14 +3468,16 @@ def rules_satisfied(hook, request):
 KILL_GRACE_SECONDS = 5.0
 PIPE_GRACE_SECONDS = 1.0  # how long output is still read once the command has ended
 EXIT_CHECK_SECONDS = 0.2  # how often a silent command is checked for having ended
+PIPE_WRITE_BYTES = 65536  # one write to a command's stdin: a pipe's usual capacity
 
 
 class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
-    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages):
+    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
+        self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
 
 
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
@@ -3482,7 +3560,7 @@ def build_invocation(hook, request):
                 messages.append("error decoding string [%s]" % error)
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
-                      messages)
+                      messages, request.raw_body if hook.payload_to_stdin else None)
 
 
 def write_temp_files(invocation):
@@ -3564,19 +3642,40 @@ def go_quote_list(items):
                           for item in items) + "]"
 
 
-def wait_readable(fd, seconds):
-    """Whether fd became readable within the time; poll() where the system has it (select()
-    cannot watch descriptors above FD_SETSIZE)."""
+def wait_ready(fd, seconds, writing=False):
+    """Whether fd became readable (or writable) within the time; poll() where the system has it
+    (select() cannot watch descriptors above FD_SETSIZE)."""
     if hasattr(select, "poll"):
         poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        poller.register(fd, select.POLLOUT if writing else select.POLLIN)
         return bool(poller.poll(seconds * 1000.0))
-    return bool(select.select([fd], [], [], seconds)[0])
+    readers, writers = ([], [fd]) if writing else ([fd], [])
+    readable, writable, _ = select.select(readers, writers, [], seconds)
+    return bool(readable or writable)
+
+
+def feed_stdin(pipe, data, finished):
+    """pass-payload-to-stdin, in a thread of its own so that a command that reads nothing or
+    writes a lot blocks neither side: write `data`, then close the pipe.  Ends quietly when
+    the command stops reading (EPIPE) or once the run is over (`finished`: something it
+    started may hold the pipe open without reading)."""
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    rest = memoryview(data)
+    try:
+        while rest and not finished.is_set():
+            if wait_ready(fd, EXIT_CHECK_SECONDS, writing=True):
+                with contextlib.suppress(BlockingIOError):
+                    rest = rest[os.write(fd, rest[:PIPE_WRITE_BYTES]):]
+    except OSError:  # EPIPE: the command exited or closed its stdin before reading it all
+        pass
+    finally:
+        pipe.close()
 
 
 class Runner:
-    """The one way a command runs: argv (never a shell), stdin /dev/null, stdout and stderr in one
-    pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
+    """The one way a command runs: argv (never a shell), stdin /dev/null (or the request body:
+    pass-payload-to-stdin), stdout and stderr in one pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
     removed afterwards.  Remembers the running processes for kill_all()."""
 
     def __init__(self):
@@ -3623,15 +3722,21 @@ class Runner:
         try:
             proc = subprocess.Popen(
                 invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
+                stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL
             return CommandResult(False, error=exc)
         with self.lock:
             self.processes.add(proc)
+        fed = threading.Event()
+        if proc.stdin is not None:
+            threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
+                             name="stdin", daemon=True).start()
         try:
             return self._wait(proc, timeout, on_output, request_id)
         finally:
+            fed.set()
             with self.lock:
                 self.processes.discard(proc)
             if proc.stdout is not None:
@@ -3659,7 +3764,7 @@ class Runner:
                 pipe_deadline = now + PIPE_GRACE_SECONDS
             wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
                        if t is not None)
-            if not wait_readable(fd, max(0.0, wait - now)):
+            if not wait_ready(fd, max(0.0, wait - now)):
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out, deadline = True, None
                     self.stop(proc)
@@ -4286,13 +4391,8 @@ def is_loopback_peer(remote_addr):
     """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
     on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
     behind such a socket, passing on clients from anywhere."""
-    host = peer_host(remote_addr).split("%")[0]
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
+    ip = parse_ip(peer_host(remote_addr).split("%")[0])
+    return ip is not None and ip.is_loopback
 
 
 def names_loopback(host):
