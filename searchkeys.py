@@ -2695,6 +2695,8 @@ class KeyStore:
         if self._next_retirement > time.time_ns():
             return
         with self._lock:
+            if self._next_retirement > time.time_ns():
+                return  # another thread swept them meanwhile
             try:
                 self._commit_all((), ())  # a write drops them
             except StoreWriteError as exc:  # they stay refused; try again in a minute

@@ -200,27 +200,29 @@ def test_rotating_a_rotated_key_is_refused(server):
 # Durability
 # ---------------------------------------------------------------------------------------------
 
-def test_kill_9_right_after_201_loses_neither_key_nor_the_retirement(tmp_path):
-    store = tmp_path / "keys.json"
+def rotated_then_killed(store, grace):
+    """Rotate a key of a server on `store` and kill -9 it right after the 201: (old, new)."""
     with start(store) as server:
         old = new_key(server)
-        status, new = rotate(server, old["uid"], "1h")
+        status, new = rotate(server, old["uid"], grace)
         assert status == 201
-        marked = listed(server)[old["uid"]]
         server.stop(signal.SIGKILL)
+    return old, new
+
+
+def test_kill_9_right_after_201_loses_neither_key_nor_the_retirement(tmp_path):
+    store = tmp_path / "keys.json"
+    old, new = rotated_then_killed(store, "1h")
     with start(store) as server:
         keys = listed(server)
-        assert keys[new["uid"]] == new and keys[old["uid"]] == marked
+        assert keys[new["uid"]] == new and keys[old["uid"]]["replacedBy"] == new["uid"]
+        assert seconds(keys[old["uid"]]["retiresAt"]) - seconds(new["createdAt"]) == 3600
         assert works(server, new) and works(server, old)
 
 
 def test_a_restart_after_the_deadline_drops_the_old_key(tmp_path):
     store = tmp_path / "keys.json"
-    with start(store) as server:
-        old = new_key(server)
-        status, new = rotate(server, old["uid"], "1s")
-        assert status == 201
-        server.stop(signal.SIGKILL)
+    old, new = rotated_then_killed(store, "1s")
     assert old["uid"] in store.read_text()
     deadline = time.monotonic() + HANG
     while old["uid"] in store.read_text():
