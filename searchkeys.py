@@ -2536,7 +2536,7 @@ class KeyStore:
         try:
             keys, changes = self._file.open(
                 lambda record, text: ApiKey.from_record(record, self.derive, text))
-            self._check_master_key(master_key, master_key_changed, keys)
+            self._file.check_master_key(master_key, master_key_changed, keys)
             for key in keys:
                 self._put(key)
             for change in changes or ():
@@ -2555,27 +2555,6 @@ class KeyStore:
         if changes is not None:
             self._file.write(self._records())
             self._file.retire_journal()
-
-    def _check_master_key(self, master_key, master_key_changed, keys):
-        """Refuse a master key other than the one the store's keys were made
-        with (every key value would change), unless that is intended; a
-        store without a fingerprint (older, or new) records this one."""
-        if master_key is None:  # --open: no key values at all; keep what is recorded
-            return
-        stored, wanted = self._file.fingerprint, master_key_fingerprint(master_key)
-        self._file.fingerprint = wanted  # written with the next change
-        if stored is None or not keys or hmac.compare_digest(stored, wanted):
-            return
-        if not master_key_changed:
-            raise StoreError(
-                "store %s was made with another master key, so every one of its %d keys would "
-                "get a new value and every key handed out would stop working: start with the "
-                "master key the store was made with, or add --master-key-changed if the change "
-                "is intended" % (self._file.shown, len(keys)))
-        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
-                 "master key; its %d keys now have new values (the uids stay), and the store "
-                 "records the new master key" % (self._file.shown, len(keys)))
-        self._file.write([key.stored_json() for key in keys])
 
     # -- reads ---------------------------------------------------------------
 
@@ -2794,7 +2773,8 @@ class StoreFile:
     or the new document, and an acknowledged change survives kill -9 and
     power loss. A symlinked store is written through to its target (the
     link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values.
+    Files are 0600 and hold uids and metadata, never key values, and a
+    fingerprint of the master key (another one would change every value).
     Older versions kept changes in FILE.journal (one JSON line each): such
     a journal is folded into the document at the first start, then removed.
     """
@@ -2815,6 +2795,27 @@ class StoreFile:
         # master_key_fingerprint() of the master key the keys were made with
         # (None in files of older versions); KeyStore checks and sets it
         self.fingerprint = None
+
+    def check_master_key(self, master_key, master_key_changed, keys):
+        """Refuse a master key other than the one the store's keys were made
+        with (every key value would change), unless that is intended; a
+        store without a fingerprint (older, or new) records this one."""
+        if master_key is None:  # --open: no key values at all; keep what is recorded
+            return
+        stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
+        self.fingerprint = wanted  # written with the next change
+        if stored is None or not keys or hmac.compare_digest(stored, wanted):
+            return
+        if not master_key_changed:
+            raise StoreError(
+                "store %s was made with another master key, so every one of its %d keys would "
+                "get a new value and every key handed out would stop working: start with the "
+                "master key the store was made with, or add --master-key-changed if the change "
+                "is intended" % (self.shown, len(keys)))
+        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
+                 "master key; its %d keys now have new values (the uids stay), and the store "
+                 "records the new master key" % (self.shown, len(keys)))
+        self.write([key.stored_json() for key in keys])
 
     def _header(self):
         if self.fingerprint is None:
@@ -4942,8 +4943,9 @@ def build_parser():
         "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
                                          "working for a grace period")
     rotate.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
-    rotate.add_argument("--grace", help="how long the old key keeps working: 30s, 5m, 1h, 2d, "
-                                        "0 to 30 days (default 5m)")
+    rotate.add_argument("--grace", metavar="DURATION",
+                        help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
+                             "seconds, 0 to 30 days (default 5m)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
