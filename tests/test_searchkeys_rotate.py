@@ -267,6 +267,10 @@ def test_cli_rotates_and_prints_the_new_key(server):
                                                                   "key": new["key"]}), err
     code, out, err = cli("keys", "rotate", old["uid"], "--url", server.url, "--key", MASTER)
     assert code == 1 and "api_key_already_rotated" in err and "Traceback" not in err, err
+    before = len(listed(server))
+    code, out, err = cli("keys", "rotate", "0b9a1d9e-2c5e-4d6b-9b8e-6f1f7f0b0b0b", "--url",
+                         server.url, "--key", MASTER)  # an unknown key is not a missing route
+    assert code == 1 and "api_key_not_found" in err and len(listed(server)) == before, err
 
 
 def test_cli_bad_grace_is_caught_before_any_request():
