@@ -61,6 +61,7 @@ import re
 import secrets
 import select
 import selectors
+import shlex
 import signal
 import stat
 import socket
@@ -1062,6 +1063,8 @@ class Service:
         principal = self.gate.check(request, route.actions, index)
         if route.local == RESTRICTIONS:
             return self.restrictions_api.handle(request, principal, params["key"])
+        if route.local == ROTATE:
+            return Response.json(201, self.keys_api.rotate(request, principal, params["key"]))
         if route.local == KEYS:
             status, value = self.keys_api.handle(request, principal, method, params,
                                                  request.query)
@@ -2059,6 +2062,7 @@ def scope_not_enforceable(route, where):
 # Who answers a route when the backend does not: the /keys API, and this
 # server's own endpoints (not Meilisearch routes: /authorize refuses them).
 KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
+ROTATE = "rotate"
 QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
 
 
@@ -2092,7 +2096,7 @@ class Route(collections.namedtuple(
 
     @property
     def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS)
+        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE)
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -2140,6 +2144,7 @@ ROUTES = tuple([
     Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
     Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
     Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), local=ROTATE),
     Route("GET", "/indexes", ("indexes.get",), rule=Rule(
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
     Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
@@ -2529,6 +2534,15 @@ class KeysApi:
         changes = validate_patch(body)
         return 200, self._write(self.store.update, segment, changes).to_json()
 
+    def rotate(self, request, principal, segment):
+        """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        data = request.body.read(MAX_KEYS_BODY)
+        if data:
+            check_content_type(request.headers.get("Content-Type"))
+        grace = validate_rotation(parse_json_body(data) if data else {})
+        return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
+
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not
         applied: log it for the operator and answer 500."""
@@ -2557,10 +2571,10 @@ class ApiKey:
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
                  "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions")
+                 "restrictions", "retirement")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None, restrictions=None):
+                 updated_ns, value, stored=None, restrictions=None, retirement=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -2574,11 +2588,15 @@ class ApiKey:
         self.is_global = "*" in self.indexes
         self._stored = stored  # the record's JSON text, once known
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
+        self.retirement = retirement  # Retirement of a rotated key, or None
 
     def is_expired(self, now_ns=None):
-        if self.expires_at is None:
+        deadlines = [self.expires_at.ns] if self.expires_at is not None else []
+        if self.retirement is not None:
+            deadlines.append(self.retirement.at_ns)
+        if not deadlines:
             return False
-        return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
+        return (time.time_ns() if now_ns is None else now_ns) >= min(deadlines)
 
     def expires_at_text(self):
         return format_rfc3339(self.expires_at) if self.expires_at else None
@@ -2588,16 +2606,28 @@ class ApiKey:
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
                       self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions)
+                      restrictions=self.restrictions, retirement=self.retirement)
 
     def with_restrictions(self, restrictions):
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions)
+                      restrictions=restrictions, retirement=self.retirement)
+
+    def successor(self, uid, value, now_ns):
+        """The key a rotation makes: a new uid and value, all else the same
+        (restrictions as they are, whatever fields they hold)."""
+        return ApiKey(uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, now_ns, now_ns, value, restrictions=self.restrictions)
+
+    def retiring(self, at_ns, replaced_by):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=self.restrictions,
+                      retirement=Retirement(at_ns, replaced_by))
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
-        return {
+        shown = {
             "name": self.name,
             "description": self.description,
             "key": self.value,
@@ -2608,6 +2638,10 @@ class ApiKey:
             "createdAt": format_timestamp(self.created_ns),
             "updatedAt": format_timestamp(self.updated_ns),
         }
+        if self.retirement is not None:  # only on a rotated key: the official clients ignore them
+            shown["retiresAt"] = format_timestamp(self.retirement.at_ns)
+            shown["replacedBy"] = self.retirement.replaced_by
+        return shown
 
     def stored_json(self):
         """to_record() as compact JSON text, computed once: every write of
@@ -2626,6 +2660,9 @@ class ApiKey:
         }
         if self.restrictions is not None:
             record["restrictions"] = self.restrictions.to_record()
+        if self.retirement is not None:
+            record["retiresAt"] = self.retirement.at_ns
+            record["replacedBy"] = self.retirement.replaced_by
         return record
 
     @classmethod
@@ -2635,7 +2672,8 @@ class ApiKey:
         `derive` computes the value from the uid (see key_deriver), or is
         None without a master key; `stored` is the record's JSON text.
         """
-        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
+        if not isinstance(record, dict) or record.keys() - _OPTIONAL_RECORD_FIELDS \
+                != _RECORD_FIELDS:
             raise ValueError("a key record needs exactly the fields %s"
                              % ", ".join(sorted(_RECORD_FIELDS)))
         uid = record["uid"]
@@ -2660,7 +2698,24 @@ class ApiKey:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
                    derive(uid) if derive is not None else None, stored,
-                   stored_restrictions(record.get("restrictions"), uid))
+                   stored_restrictions(record.get("restrictions"), uid),
+                   Retirement.from_record(record, uid))
+
+
+class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
+    """A rotated key's end: it stops working at `at_ns` (then it is removed)
+    and was replaced by the key of uid `replaced_by`."""
+
+    @classmethod
+    def from_record(cls, record, uid):
+        """The record's retiresAt/replacedBy (both or neither), or None."""
+        at_ns, replaced_by = record.get("retiresAt"), record.get("replacedBy")
+        if at_ns is None and replaced_by is None:
+            return None
+        if type(at_ns) is not int or at_ns < 0 or not isinstance(replaced_by, str) \
+                or not _CANONICAL_UUID_RE.match(replaced_by):
+            raise ValueError("bad retiresAt or replacedBy in key %s" % uid)
+        return cls(at_ns, replaced_by)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -2676,6 +2731,7 @@ def _valid_stored_indexes(indexes):
 
 _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
                             "createdAt", "updatedAt"))
+_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
 
 
 class KeyStore:
@@ -2685,16 +2741,20 @@ class KeyStore:
     never wait: keys are immutable and dict reads are atomic.
     """
 
-    def __init__(self, master_key=None, path=None, log=None):
+    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
         self.derive = key_deriver(master_key) if master_key is not None else None
         self.log = log or (lambda message: None)
         self.clock = Clock()
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
-        self._lock = threading.Lock()
+        self._retiring = {}   # uid -> when that rotated key stops working (ns)
+        self._next_retirement = float("inf")  # the earliest of those
+        # reentrant: a write looks keys up, and a lookup may sweep out retired keys
+        self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
         try:
-            self._load()
+            self._load(master_key, master_key_changed)
+            self.sweep()
             if not self._keys:  # all four in one write: a crash leaves none or all
                 defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
                             for name, description, actions in DEFAULT_KEYS]
@@ -2706,7 +2766,7 @@ class KeyStore:
             self.close()
             raise
 
-    def _load(self):
+    def _load(self, master_key, master_key_changed):
         """Read the store file (and fold in a journal an older version left)."""
         if not self._file:
             return
@@ -2715,6 +2775,7 @@ class KeyStore:
         try:
             keys, changes = self._file.open(
                 lambda record, text: ApiKey.from_record(record, self.derive, text))
+            self._file.check_master_key(master_key, master_key_changed, keys)
             for key in keys:
                 self._put(key)
             for change in changes or ():
@@ -2740,6 +2801,7 @@ class KeyStore:
         return len(self._keys)
 
     def by_uid(self, uid):
+        self.sweep()
         return self._keys.get(uid)
 
     def by_value(self, token):
@@ -2750,6 +2812,7 @@ class KeyStore:
         """
         if len(token) != 64 or not token.isascii():
             return None
+        self.sweep()
         token = token.lower()
         key = self._by_value.get(token)
         if key is not None and hmac.compare_digest(key.value.encode(), token.encode()):
@@ -2758,6 +2821,7 @@ class KeyStore:
 
     def find(self, key_or_uid):
         """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        self.sweep()
         try:
             uid = parse_uuid(key_or_uid)
         except ValueError:
@@ -2772,6 +2836,7 @@ class KeyStore:
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
+        self.sweep()
         with self._lock:
             total = len(self._keys)
             start, stop = min(offset, total), min(offset + limit, total)
@@ -2784,9 +2849,7 @@ class KeyStore:
         with self._lock:
             uid = fields.get("uid")
             if uid is None:
-                uid = new_uid()
-                while uid in self._keys:
-                    uid = new_uid()
+                uid = self._unused_uid()
             elif uid in self._keys:
                 raise ApiError(409, "api_key_already_exists",
                                "`uid` field value `%s` is already an existing API key." % uid)
@@ -2819,6 +2882,51 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
+    def rotate(self, key_or_uid, grace_seconds, by_master=True):
+        """A new key (new uid, all else the same) for the key `key_or_uid`,
+        which keeps working for `grace_seconds`, then is removed. Both
+        changes are one write. 409 for a key already rotated; one with
+        restrictions only by the master key (see delete)."""
+        with self._lock:
+            old = self.find(key_or_uid)
+            if old.retirement is not None:
+                raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
+                               "its replacement is `%s`, and it stops working at %s. Rotate the "
+                               "replacement, or delete this key to stop it now." % (
+                                   old.uid, old.retirement.replaced_by,
+                                   format_timestamp(old.retirement.at_ns)))
+            if old.restrictions is not None and not by_master:
+                raise ApiError(403, "invalid_api_key", "Only the master key can rotate a key "
+                               "that has restrictions.", "auth")
+            uid = self._unused_uid()
+            now = self.clock.now_ns()
+            new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            if grace_seconds:
+                self._commit_all([old.retiring(now + grace_seconds * 10 ** 9, uid), new], ())
+            else:
+                self._commit_all([new], (old.uid,))
+            return new
+
+    def sweep(self):
+        """Remove the rotated keys whose grace period is over (they are
+        refused already: see ApiKey.is_expired). Cheap when none is due."""
+        if self._next_retirement > time.time_ns():
+            return
+        with self._lock:
+            if self._next_retirement > time.time_ns():
+                return  # another thread swept them meanwhile
+            try:
+                self._commit_all((), ())  # a write drops them
+            except StoreWriteError as exc:  # they stay refused; try again in a minute
+                self._next_retirement = time.time_ns() + 60 * 10 ** 9
+                self.log("searchkeys: cannot remove retired keys: %s" % exc)
+
+    def _unused_uid(self):
+        uid = new_uid()
+        while uid in self._keys:
+            uid = new_uid()
+        return uid
+
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
         value = self.derive(uid) if self.derive is not None else None
@@ -2826,24 +2934,28 @@ class KeyStore:
 
     def _commit(self, key, removed=None):
         """Write the store with `key` put (or uid `removed` deleted), then
-        make the change live; StoreWriteError leaves everything as it was.
-        The caller holds the lock or is the constructor."""
-        if self._file:
-            changed = key.uid if key is not None else removed
-            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
-            if key is not None:
-                # an update keeps its place: the file stays in createdAt order
-                records.insert(self._position(key.uid), key.stored_json())
-            self._file.write(records)
-        if key is not None:
-            self._put(key)
-        else:
-            self._remove(removed)
+        make the change live."""
+        self._commit_all([key] if key is not None else [], [removed] if removed else [])
 
-    def _position(self, uid):
-        if uid not in self._keys:
-            return len(self._keys)
-        return next(i for i, other in enumerate(self._keys) if other == uid)
+    def _commit_all(self, keys, removed):
+        """Write the store with `keys` put, the uids `removed` deleted and the
+        rotated keys past their grace period dropped, in one write, then make
+        it live; StoreWriteError leaves everything as it was. The caller
+        holds the lock or is the constructor."""
+        now = time.time_ns()
+        removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
+        changed = {key.uid: key for key in keys}
+        if self._file:
+            # an update keeps its place, a new key goes last: the file stays in createdAt order
+            records = [changed.get(uid, old).stored_json() for uid, old in self._keys.items()
+                       if uid not in removed]
+            records += [key.stored_json() for uid, key in changed.items()
+                        if uid not in self._keys]
+            self._file.write(records)
+        for key in keys:
+            self._put(key)
+        for uid in removed:
+            self._remove(uid)
 
     def _replay(self, change):
         """Apply one line of an older version's journal."""
@@ -2861,11 +2973,22 @@ class KeyStore:
         self._keys[key.uid] = key
         if key.value is not None:
             self._by_value[key.value] = key
+        self._note_retirement(key.uid, key.retirement and key.retirement.at_ns)
 
     def _remove(self, uid):
         old = self._keys.pop(uid, None)
         if old is not None and old.value is not None:
             self._by_value.pop(old.value, None)
+        self._note_retirement(uid, None)
+
+    def _note_retirement(self, uid, at_ns):
+        if at_ns is None and uid not in self._retiring:
+            return  # the common case: no rotated key involved
+        if at_ns is None:
+            del self._retiring[uid]
+        else:
+            self._retiring[uid] = at_ns
+        self._next_retirement = min(self._retiring.values(), default=float("inf"))
 
     def _records(self):
         return [key.stored_json() for key in self._keys.values()]
@@ -2889,7 +3012,8 @@ class StoreFile:
     or the new document, and an acknowledged change survives kill -9 and
     power loss. A symlinked store is written through to its target (the
     link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values.
+    Files are 0600 and hold uids and metadata, never key values, and a
+    fingerprint of the master key (another one would change every value).
     Older versions kept changes in FILE.journal (one JSON line each): such
     a journal is folded into the document at the first start, then removed.
     """
@@ -2897,6 +3021,8 @@ class StoreFile:
     FORMAT = "searchkeys-store"
     VERSION = 1
     _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
+    _FINGERPRINTED_HEADER = b'{"format": "%s", "version": %d, "masterKeyFingerprint": "%%s", ' \
+                            b'"keys": [\n' % (FORMAT.encode(), VERSION)
 
     def __init__(self, path, log):
         self.shown = path
@@ -2905,6 +3031,35 @@ class StoreFile:
         self.journal_path = os.path.abspath(path) + ".journal"
         self.log = log
         self._lock_fd = None
+        # master_key_fingerprint() of the master key the keys were made with
+        # (None in files of older versions); KeyStore checks and sets it
+        self.fingerprint = None
+
+    def check_master_key(self, master_key, master_key_changed, keys):
+        """Refuse a master key other than the one the store's keys were made
+        with (every key value would change), unless that is intended; a
+        store without a fingerprint (older, or new) records this one."""
+        if master_key is None:  # --open: no key values at all; keep what is recorded
+            return
+        stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
+        self.fingerprint = wanted  # written with the next change
+        if stored is None or not keys or hmac.compare_digest(stored, wanted):
+            return
+        if not master_key_changed:
+            raise StoreError(
+                "store %s was made with another master key, so every one of its %d keys would "
+                "get a new value and every key handed out would stop working: start with the "
+                "master key the store was made with, or add --master-key-changed if the change "
+                "is intended" % (self.shown, len(keys)))
+        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
+                 "master key; its %d keys now have new values (the uids stay), and the store "
+                 "records the new master key" % (self.shown, len(keys)))
+        self.write([key.stored_json() for key in keys])
+
+    def _header(self):
+        if self.fingerprint is None:
+            return self._HEADER
+        return self._FINGERPRINTED_HEADER % self.fingerprint.encode()
 
     def open(self, build):
         """(keys, journal changes or None); StoreError if unusable.
@@ -2981,13 +3136,19 @@ class StoreFile:
                 or not isinstance(document.get("keys"), list):
             raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
                              "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+        fingerprint = document.get("masterKeyFingerprint")
+        if fingerprint is not None and not (isinstance(fingerprint, str)
+                                            and _FINGERPRINT_RE.match(fingerprint)):
+            raise StoreError("store %s has a bad masterKeyFingerprint; refusing to start, the "
+                             "file is left untouched" % self.path)
+        self.fingerprint = fingerprint
         records = document.pop("keys")
         # In the layout write() makes (one record a line) each record's text
         # is kept for the next write, which then need not re-encode it.
         lines = data.split(b"\n")
         del data
         texts = itertools.repeat(None)
-        if len(lines) == len(records) + 3 and lines[0] == self._HEADER[:-1] \
+        if len(lines) == len(records) + 3 and lines[0] == self._header()[:-1] \
                 and lines[-2:] == [b"]}", b""]:
             texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-2])
         keys = []
@@ -3042,7 +3203,7 @@ class StoreFile:
         raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         body = ",\n".join(records).encode("utf-8")
-        data = self._HEADER + body + (b"\n]}\n" if records else b"]}\n")
+        data = self._header() + body + (b"\n]}\n" if records else b"]}\n")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -4036,6 +4197,42 @@ def validate_patch(body):
     return changes
 
 
+ROTATE_FIELDS = ("grace",)
+GRACE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+DEFAULT_GRACE = 300  # seconds a rotated key keeps working: clients switch over meanwhile
+MAX_GRACE = 30 * 86400
+_GRACE_RE = re.compile(r"([0-9]{1,7})([smhd]?)\Z")
+
+
+def parse_grace(value):
+    """`30s`, `5m`, `1h`, `2d` or whole seconds (`90` or 90), 0 to 30 days -> seconds;
+    ValueError saying what is accepted."""
+    if isinstance(value, str):
+        match = _GRACE_RE.match(value)
+        seconds = int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+    else:
+        seconds = value if type(value) is int else None
+    if seconds is None or not 0 <= seconds <= MAX_GRACE:
+        raise ValueError("expected a duration such as `30s`, `5m`, `1h` or `2d` (or whole "
+                         "seconds), from 0 to 30 days")
+    return seconds
+
+
+def validate_rotation(body):
+    """A POST /keys/{k}/rotate body -> the grace period in seconds."""
+    grace = DEFAULT_GRACE
+    for name, value in require_object(body).items():
+        if name not in ROTATE_FIELDS:
+            raise unknown_field(name, ROTATE_FIELDS)
+        if value is not None:
+            try:
+                grace = parse_grace(value)
+            except ValueError as exc:
+                raise invalid_value("invalid_rotation_grace", ".grace", "%s, but found %s"
+                                    % (exc, describe_json(value)))
+    return grace
+
+
 USIZE_MAX = 2 ** 64 - 1
 U32_MAX = 2 ** 32 - 1  # task and batch uids
 
@@ -4255,6 +4452,16 @@ class Clock:
 def derive_key(master_key, uid):
     """A key's value: lowercase hex HMAC-SHA256(master key, uid)."""
     return hmac.digest(master_key.encode(), uid.encode(), "sha256").hex()
+
+
+FINGERPRINT_MESSAGE = b"searchkeys master key fingerprint v1"
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def master_key_fingerprint(master_key):
+    """What the store records of the master key: an HMAC of a constant
+    with it (hex), which tells another key apart and reveals nothing of it."""
+    return hmac.digest(master_key.encode(), FINGERPRINT_MESSAGE, "sha256").hex()
 
 
 def key_deriver(master_key):
@@ -4741,9 +4948,20 @@ class Client:
     def delete_key(self, key_or_uid):
         self.request("DELETE", _key_path(key_or_uid))
 
+    def rotate_key(self, key_or_uid, grace=None):
+        """POST /keys/{k}/rotate (searchkeys only): the new key."""
+        return self.request("POST", _key_path(key_or_uid) + "/rotate",
+                            None if grace is None else {"grace": grace})
+
 
 def _key_path(key_or_uid):
     return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
+
+
+def no_such_route(error):
+    """Did the server answer that it lacks a route searchkeys has (a plain
+    Meilisearch), rather than that the key is unknown?"""
+    return error.status in (404, 405) and error.code != "api_key_not_found"
 
 
 def _client_error(status, payload):
@@ -4996,6 +5214,9 @@ def add_serve_command(commands):
                        help="run without a master key, as Meilisearch's development mode: /keys "
                             "answers 401 and every other route is open to anyone")
     serve.add_argument("--store", help="JSON file of keys (default: in memory)")
+    serve.add_argument("--master-key-changed", action="store_true",
+                       help="start even though the store's keys were made with another master "
+                            "key: every key gets a new value (the uids stay)")
     serve.add_argument("--upstream", type=_argument_type(http_url, "URL"),
                        help="search backend to forward authorized requests to")
     serve.add_argument("--upstream-key",
@@ -5061,6 +5282,13 @@ def build_parser():
     update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
     delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    rotate = key_commands.add_parser(
+        "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
+                                         "working for a grace period")
+    rotate.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    rotate.add_argument("--grace", metavar="DURATION",
+                        help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
+                             "seconds, 0 to 30 days (default 5m)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -5117,7 +5345,7 @@ def run_serve(args):
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
     try:
-        store = KeyStore(master_key, args.store, _log_to_stderr)
+        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr) \
             if args.upstream else None
@@ -5172,6 +5400,8 @@ def run_keys(args):
         key = client.update_key(args.key_or_uid, **changes)
     elif command == "restrict":
         return run_restrict(client, args)
+    elif command == "rotate":
+        key = rotate_key(client, args.key_or_uid, args.grace)
     else:
         client.delete_key(args.key_or_uid)
         return 0
@@ -5187,7 +5417,7 @@ def restrict_created_key(client, key):
         client.request("PUT", path, RESTRICTION_PRESETS["search"])
         return
     except ClientError as exc:
-        if exc.status in (404, 405) and exc.code != "api_key_not_found":
+        if no_such_route(exc):
             _log_to_stderr("searchkeys: warning: %s has no restrictions API (Meilisearch?): the "
                            "key is created without a rate limit or hit cap" % client.url)
             return
@@ -5203,6 +5433,25 @@ def restrict_created_key(client, key):
     if isinstance(failure, ClientError):
         raise ClientError(failure.status, failure.code, failure.message + context)
     raise ConnectionFailed(str(failure) + context)
+
+
+def rotate_key(client, key_or_uid, grace):
+    """`keys rotate`: the server's rotation; on a plain Meilisearch (no such
+    route), a copy of the key, and a line saying how to delete the old one."""
+    try:
+        return client.rotate_key(key_or_uid, grace)
+    except ClientError as exc:
+        if not no_such_route(exc):
+            raise
+    old = client.get_key(key_or_uid)
+    new = client.create_key(old["actions"], old["indexes"], old.get("expiresAt"),
+                            name=old.get("name"), description=old.get("description"))
+    _log_to_stderr(
+        "searchkeys: warning: %s cannot rotate keys (Meilisearch?): created a copy with a new "
+        "value instead (no restrictions can be set there, and --grace does not apply); once "
+        "every client uses it, delete the old key: searchkeys.py keys delete %s --url %s"
+        % (client.url, old["uid"], shlex.quote(client.url)))
+    return new
 
 
 def _print(args, value, key_values):
@@ -5239,6 +5488,12 @@ def check_client_args(parser, args):
                 args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "restrict":
             args.restrictions = restrictions_from_args(args)
+        elif args.command == "keys" and args.keys_command == "rotate" \
+                and args.grace is not None:
+            try:
+                parse_grace(args.grace)
+            except ValueError as exc:
+                raise ValueError("--grace `%s`: %s" % (args.grace, exc))
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
