@@ -98,7 +98,9 @@ def wait_until_refused(server, key):
 def test_rotation_makes_a_copy_with_a_new_value_shaped_as_post_keys(server):
     old = new_key(server)
     restrictions = {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
-                    "allowedIps": ["127.0.0.0/8"], "maxHitsPerQuery": 50}
+                    "allowedIps": ["127.0.0.0/8"], "maxHitsPerQuery": 50,
+                    "forcedParameters": {"movies*": {"filter": "public = true",
+                                                     "attributesToRetrieve": ["title"]}}}
     assert api(server, "PUT", "/keys/%s/restrictions" % old["uid"], restrictions)[0] == 200
     status, new = rotate(server, old["key"], "1h")  # by value, as other /keys/{key} routes
     assert status == 201 and list(new) == KEY_FIELDS, new
