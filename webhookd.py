@@ -43,7 +43,6 @@ import ipaddress
 import itertools
 import json
 import logging
-import logging.handlers
 import math
 import os
 import pwd
@@ -4490,9 +4489,6 @@ def setup_logging(opts):
     """`[webhook] date time message` lines, written by a thread of their own: a request never
     waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
     nothing then: a hooks file it cannot load went unexplained)."""
-    class RecordQueueHandler(logging.handlers.QueueHandler):
-        def prepare(self, record):
-            return record  # formatted by the logging thread, not by the request
     if opts.logfile:
         try:
             fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -4510,8 +4506,15 @@ def setup_logging(opts):
         log.addHandler(target)  # rare lines: written at once, before what main prints next
         log.setLevel(logging.ERROR)
         return None
+    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
+    # `import logging.handlers` would make `logging` a local name of this whole function.
+    from logging.handlers import QueueHandler, QueueListener
+
+    class RecordQueueHandler(QueueHandler):
+        def prepare(self, record):
+            return record  # formatted by the logging thread, not by the request
     records = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(records, target)
+    listener = QueueListener(records, target)
     log.addHandler(RecordQueueHandler(records))
     log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
     listener.start()
