@@ -26,8 +26,10 @@ copy in bench/results/. Progress goes to stderr. Medians of ``--repeat`` runs.
 """
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -340,11 +342,22 @@ def measure_background(args, runners):
                          "commands_finished": count_lines(marker), **sampler.peaks()}
             log(f"background {name}: {out[name]}")
         finally:
+            stop_commands(server)
             server.stop()
     if "ours" in out and "peer" in out:
         out["ours/peer"] = {k: ratio(out["ours"][k], out["peer"][k])
                             for k in ("drain_s", "peak_threads", "peak_rss_mib")}
     return out
+
+
+def stop_commands(server):
+    """Kill the commands still running (after a drain timeout): webhookd starts each in a
+    process group of its own, which stopping the server's group does not reach."""
+    for pid in common.proc_children(server.pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone, or not a group leader (Go's webhook: stopped with the server's group)
 
 
 def count_lines(path):
