@@ -44,7 +44,6 @@ import ipaddress
 import itertools
 import json
 import logging
-import logging.handlers
 import math
 import os
 import pwd
@@ -3907,7 +3906,8 @@ class HookGate:
 RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted")
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
-RUN_RECORD_BYTES = 512  # what a record counts for besides its output, in -runs-max-bytes
+RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
+# its file holds one JSON line of ~350 bytes per saved state (queued, ended, interrupted)
 RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
@@ -4169,7 +4169,9 @@ class RunStore:
 
 class RunFiles:
     """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
-    0600, written by one thread of its own from a queue of (kind, record)."""
+    0600, written by one thread of its own from a queue of (kind, record).  A record's file is
+    created once, holding the queued record; each later state is appended as a line and the
+    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms."""
 
     def __init__(self, directory, store):
         self.directory, self.store, self.changed = directory, store, store.changed
@@ -4271,7 +4273,7 @@ class RunFiles:
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
             write_private_file(self.path(record, ".log"), final_tail)
-        write_private_file(self.path(record, ".json"), record_json(document))
+        append_record(self.path(record, ".json"), record_json(document))
         with self.changed:
             record.saved_version = version
             if final_tail is not None:
@@ -4309,13 +4311,39 @@ def record_json(document):
     return (json.dumps(document, sort_keys=True) + "\n").encode()
 
 
+def append_record(path, line):
+    """Append a record's line to its file.  It starts with a newline of its own, so a line an
+    earlier append left unfinished (a full disk) ends there and never joins this one."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600)
+    try:
+        write_all(fd, b"\n" + line)
+    finally:
+        os.close(fd)
+
+
+def last_record(data):
+    """The fields of the last line of a record file that is a JSON object (an unfinished line
+    is not); ValueError when none is."""
+    for line in reversed(data.split(b"\n")):
+        if line.strip():
+            with contextlib.suppress(ValueError):
+                fields = json.loads(line)
+                if isinstance(fields, dict):
+                    return fields
+    raise ValueError("no whole record line")
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_new_file(path, data):
     """Create path (0600; refused if anything, a link included, is there) holding data."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
     finally:
         os.close(fd)
 
@@ -4340,7 +4368,7 @@ def read_run_files(directory):
             continue
         try:
             with open_no_link(os.path.join(directory, name)) as handle:
-                fields = json.loads(handle.read())
+                fields = last_record(handle.read())
             if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
                     and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
                     and isinstance(fields.get("output_bytes", 0), int)
@@ -5027,9 +5055,9 @@ def follow_run_file(directory, run_id, out):
         while True:
             try:
                 with open_no_link(record_path) as record_file:
-                    state = json.loads(record_file.read()).get("state")
+                    state = last_record(record_file.read()).get("state")
             except (OSError, ValueError):
-                pass  # being replaced: read it next time
+                pass  # being written: read it next time
             handle = follow_log(log_path, handle, getattr(out, "buffer", out))
             out.flush()
             if state in RUN_ENDED:
@@ -5111,9 +5139,6 @@ def setup_logging(opts):
     """`[webhook] date time message` lines, written by a thread of their own: a request never
     waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
     nothing then: a hooks file it cannot load went unexplained)."""
-    class RecordQueueHandler(logging.handlers.QueueHandler):
-        def prepare(self, record):
-            return record  # formatted by the logging thread, not by the request
     if opts.logfile:
         try:
             fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -5131,8 +5156,15 @@ def setup_logging(opts):
         log.addHandler(target)  # rare lines: written at once, before what main prints next
         log.setLevel(logging.ERROR)
         return None
+    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
+    # `import logging.handlers` would make `logging` a local name of this whole function.
+    from logging.handlers import QueueHandler, QueueListener
+
+    class RecordQueueHandler(QueueHandler):
+        def prepare(self, record):
+            return record  # formatted by the logging thread, not by the request
     records = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(records, target)
+    listener = QueueListener(records, target)
     log.addHandler(RecordQueueHandler(records))
     log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
     listener.start()

@@ -153,6 +153,37 @@ def wait_children_gone(pid, timeout=15.0):
     return len(proc_children(pid))
 
 
+class PeakSampler:
+    """While in its ``with`` block, samples a process every ``interval`` s from a thread: peak
+    threads, peak live direct children (e.g. running commands) and peak RSS; ``peaks()``."""
+
+    def __init__(self, pid, interval=0.02):
+        self.pid, self.interval = pid, interval
+        self.threads = self.children = self.rss_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            st = proc_status(self.pid) or {}
+            self.threads = max(self.threads, st.get("threads", 0))
+            self.rss_kib = max(self.rss_kib, st.get("rss_kib", 0), st.get("hwm_kib", 0))
+            self.children = max(self.children, len(proc_children(self.pid)))
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+    def peaks(self):
+        return {"peak_threads": self.threads, "peak_children": self.children,
+                "peak_rss_mib": round(self.rss_kib / 1024, 1)}
+
+
 # --------------------------------------------------------------------------------------------
 # Server processes
 # --------------------------------------------------------------------------------------------

@@ -51,6 +51,35 @@ def webhookd(result):
              if n in result["hot_reload"] else None)]
     for label, get in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(get(n)) for n in result["idle"]) + " |")
+    lines += webhookd_phase_lines(result)
+    return lines
+
+
+def webhookd_phase_lines(result):
+    """The idle RSS over the floor, a run from bytecode, the crowded and background phases."""
+    lines = [""]
+    if "idle_rss_over_floor_mib" in result:
+        lines.append(f"idle RSS ours - floor: {fmt(result['idle_rss_over_floor_mib'])} MiB")
+    for name, fig in result.get("idle_informational", {}).items():
+        start = result.get("startup_ms", {}).get(name, {}).get("median_ms")
+        lines.append(f"{name}: idle RSS {fmt(fig['rss_mib'])} MiB, startup {fmt(start)} ms")
+    crowded = {n: v for n, v in result.get("crowded", {}).items() if "/" not in n}
+    if crowded:
+        lines += ["", "| crowded | new clients | p50 ms | p99 ms | max ms | threads | RSS MiB |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, fig in crowded.items():
+            lines.append(f"| {name} | {fig['new_clients']} / {fig['new_clients'] + fig['failures']}"
+                         f" | {fmt(fig['p50_ms'])} | {fmt(fig['p99_ms'])} | {fmt(fig['max_ms'])}"
+                         f" | {fmt(fig['threads'])} | {fmt(fig['rss_mib'])} |")
+    background = {n: v for n, v in result.get("background", {}).items() if "/" not in n}
+    if background:
+        lines += ["", "| background | triggers answered | answers s | drain s | peak threads "
+                  "| peak commands | peak RSS MiB |", "|---|---|---|---|---|---|---|"]
+        for name, fig in background.items():
+            lines.append(f"| {name} | {fig['answered_200']} / {fig['triggers']} "
+                         f"| {fmt(fig['answers_s'])} | {fmt(fig['drain_s'])} "
+                         f"| {fig['peak_threads']} | {fig['peak_children']} "
+                         f"| {fmt(fig['peak_rss_mib'])} |")
     return lines
 
 

@@ -241,6 +241,25 @@ def test_run_cut_by_shutdown_is_killed_and_one_cut_by_kill_9_is_interrupted(tmp_
         assert get_json(daemon, "/status/runs/" + killed)["state"] == "killed"
 
 
+def test_a_record_whose_last_save_was_cut_short_keeps_its_run(tmp_path):
+    # A record's later states are appended to its file: a save cut short (a full disk) leaves
+    # an unfinished last line, which must not cost the run its id.
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir(mode=0o700)
+    run_id = "20200101T000000Z-0000000a"
+    queued = {"id": run_id, "hook": "h", "state": "queued", "queued_at": "2020-01-01T00:00:00Z",
+              "output_bytes": 0}
+    cut = json.dumps(dict(queued, state="succeeded", exit_code=0))[:40]
+    (runs_dir / (run_id + ".json")).write_text(json.dumps(queued) + "\n\n" + cut)
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/true")])
+    port = free_port()
+    for _ in range(2):  # and again once the restart has saved the run's new state after it
+        with start(hooks, "-runs-dir", runs_dir, port=port) as daemon:
+            record = get_json(daemon, "/status/runs/" + run_id)
+            assert record["state"] == "interrupted" and record["hook"] == "h"
+            time.sleep(0.5)  # the writer thread saves the interrupted state
+
+
 def test_shell_view_lists_runs_and_follows_one(tmp_path):
     gate = tmp_path / "gate"
     hooks = write_hooks(tmp_path / "hooks.json", [
