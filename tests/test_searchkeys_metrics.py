@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from support import SEARCHKEYS, Daemon, free_port, python_cmd, scratch_dir
-from test_searchkeys_restrictions import ADMIN, JSON, MASTER, Backend, new_key
+from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key
+from test_searchkeys_restrictions import backend  # noqa: F401 - fixture
 
 parser = pytest.importorskip(
     "prometheus_client.parser",
@@ -23,14 +24,6 @@ FAMILIES = {"search", "multi-search", "documents", "settings", "indexes", "tasks
             "authorize", "health", "metrics", "other"}
 REASONS = {"action", "index", "expiry", "rate", "referrer", "ip", "hits", "credential",
            "throttled"}
-
-
-@pytest.fixture(scope="module")
-def backend():
-    stand_in = Backend()
-    yield stand_in
-    stand_in.server.shutdown()
-    stand_in.server.server_close()
 
 
 @pytest.fixture(scope="module")

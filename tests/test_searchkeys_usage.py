@@ -13,26 +13,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.parse
 
 import pytest
 
 from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, scratch_dir, \
     serve_in_thread
-from test_searchkeys_restrictions import ADMIN, JSON, MASTER, Backend, new_key, tenant_token
+from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, tenant_token
+from test_searchkeys_restrictions import backend  # noqa: F401 - fixture
 
 REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits"]
 EXPIRED_UID = "11111111-2222-4333-8444-555555555555"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    stand_in = Backend()
-    yield stand_in
-    stand_in.server.shutdown()
-    stand_in.server.server_close()
 
 
 def serve(backend, store=None, *extra):
