@@ -102,7 +102,7 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         assert shown["allowed"] == 3 + answers.count(200)
         assert shown["refused"] == {"action": 1, "index": 1, "expiry": 0,
                                     "rate": answers.count(429), "referrer": 1, "ip": 1, "hits": 1}
-        last = datetime.datetime.fromisoformat(shown["lastUsedAt"][:26].rstrip("Z") + "+00:00")
+        last = datetime.datetime.strptime(shown["lastUsedAt"][:19] + "+0000", "%Y-%m-%dT%H:%M:%S%z")
         assert before - datetime.timedelta(seconds=1) <= last <= after
         assert shown["lastUsedAt"].endswith("Z")
         assert usage(daemon, EXPIRED_UID)["refused"] == dict.fromkeys(REASONS, 0) | {"expiry": 1}
@@ -145,12 +145,12 @@ def test_usage_is_saved_at_shutdown_never_once_a_request(backend):
         path = folder / "keys.json"
         with serve(backend, path) as daemon:
             key = new_key(daemon, None)
-            states = {store_state(path)}
+            states, started = {store_state(path)}, time.monotonic()
             for _ in range(40):
                 assert search(daemon, key) == 200
                 states.add(store_state(path))
-            # a flush every 5 s at most: a 40-request burst sees one or two, never 40 writes
-            assert len(states) <= 3, len(states)
+            # a save every 5 s at most: never a write per request
+            assert len(states) <= 2 + (time.monotonic() - started) // 5, len(states)
             assert daemon.stop() == 0
         saved = json.loads(path.read_text())
         assert saved["usage"][key["uid"]]["allowed"] == 40
