@@ -61,6 +61,7 @@ import re
 import secrets
 import select
 import selectors
+import shlex
 import signal
 import stat
 import socket
@@ -1088,6 +1089,8 @@ class Service:
         principal = self.gate.check(request, route.actions, index)
         if route.local == RESTRICTIONS:
             return self.restrictions_api.handle(request, principal, params["key"])
+        if route.local == ROTATE:
+            return Response.json(201, self.keys_api.rotate(request, principal, params["key"]))
         if route.local == USAGE:
             return Response.json(200, self.keys_api.usage(principal, params["key"]))
         if route.local == KEYS:
@@ -1135,7 +1138,7 @@ class Service:
                            % (printable(method), safe_path(uri)), "auth")
         route, index, _params = route
         principal = self.gate.check(request, route.actions, index)
-        check_unseen(principal, route, uri)
+        check_unseen(principal, route, uri, index)
         if route.scope_rule(principal, index) is not None:
             raise scope_not_enforceable(
                 route, "through `GET /authorize`, which never sees the body nor the answer "
@@ -1562,16 +1565,22 @@ def cap_search_query(query, cap):
                     ["%s=%d" % (field, cap)])
 
 
-def tenant_filter(rules, index):
-    """The filter a tenant token adds to searches on `index`: the rule of
-    the most specific matching pattern (exact beats prefix, longer beats
-    shorter), or None."""
-    if not isinstance(rules, dict):
-        return None
+def most_specific_rule(rules, index):
+    """The value in `rules` (index pattern -> value) of the most specific
+    pattern covering `index` (exact beats prefix, longer beats shorter), or
+    None: how tenant tokens' searchRules and forcedParameters are matched."""
     matching = [p for p in rules if pattern_matches(p, index)]
     if not matching:
         return None
-    rule = rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+    return rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+
+
+def tenant_filter(rules, index):
+    """The filter a tenant token adds to searches on `index`: that of the
+    most specific matching rule, or None."""
+    if not isinstance(rules, dict):
+        return None
+    rule = most_specific_rule(rules, index)
     return rule.get("filter") if isinstance(rule, dict) else None
 
 
@@ -1647,15 +1656,231 @@ def scope_search_query(principal, index, query):
     current = None
     for name, value in pairs:
         if name == "filter":
-            try:
-                current = strict_json(value)
-            except (ValueError, RecursionError):
-                current = value
-            if current is None:
-                current = [None]  # upstream's Some(Null): fused as one element
+            current = query_filter(value)
     pairs = [(n, v) for n, v in pairs if n != "filter"]
     pairs.append(("filter", compact_json(fuse_filters(current, rule))))
     return urllib.parse.urlencode(pairs)
+
+
+def query_filter(value):
+    """A GET search's `filter` parameter as upstream reads it: JSON when it
+    parses as JSON, else a string; a JSON null is upstream's Some(Null),
+    which fuse_filters keeps as one element."""
+    try:
+        current = strict_json(value)
+    except (ValueError, RecursionError):
+        current = value
+    return [None] if current is None else current
+
+
+def _is_string_list(value):
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_filter(value):
+    """Meilisearch's filter shape: a string, or an AND-array of strings and
+    OR-arrays of strings (or null: no filter)."""
+    return value is None or isinstance(value, str) or isinstance(value, list) and all(
+        isinstance(item, str) or _is_string_list(item) for item in value)
+
+
+_STRINGS = ("an array of strings", _is_string_list)
+_BOOLEAN = ("a boolean", lambda value: type(value) is bool)
+_STRING = ("a string", lambda value: isinstance(value, str))
+# The search parameters a key may force, with what Meilisearch accepts for
+# each. Page sizes are not among them: `maxHitsPerQuery` caps those.
+FORCED_PARAMETERS = {
+    "filter": ("a string, an array of strings and arrays of strings, or null", _is_filter),
+    "attributesToRetrieve": _STRINGS, "attributesToHighlight": _STRINGS,
+    "attributesToCrop": _STRINGS, "facets": _STRINGS, "attributesToSearchOn": _STRINGS,
+    "locales": _STRINGS,
+    "cropLength": ("a positive integer", lambda value: type(value) is int and value >= 0),
+    "cropMarker": _STRING, "highlightPreTag": _STRING, "highlightPostTag": _STRING,
+    "distinct": _STRING,
+    "showMatchesPosition": _BOOLEAN, "showRankingScore": _BOOLEAN,
+    "showRankingScoreDetails": _BOOLEAN, "retrieveVectors": _BOOLEAN,
+    "matchingStrategy": ("one of `last`, `all`, `frequency`",
+                         lambda value: value in ("last", "all", "frequency")),
+    "rankingScoreThreshold": ("a number from 0.0 to 1.0", lambda value: type(value) in (
+        int, float) and 0 <= value <= 1),
+}
+
+
+# Which forced parameters exist where: every one on a search (but `facets`
+# in a federated query, which the federation's facetsByIndex takes); some
+# on similar and facet search, whose bodies refuse unknown fields.
+SEARCH_PARAMETERS = frozenset(FORCED_PARAMETERS)
+FEDERATED_PARAMETERS = SEARCH_PARAMETERS - {"facets"}
+SIMILAR_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors",
+                                "showRankingScore", "showRankingScoreDetails",
+                                "rankingScoreThreshold"))
+FACET_SEARCH_PARAMETERS = frozenset(("filter", "matchingStrategy", "attributesToSearchOn",
+                                     "rankingScoreThreshold", "locales"))
+FORMATTED_PARAMETERS = ("attributesToHighlight", "attributesToCrop")
+# A forced list that is empty means the parameter's default on a GET, so the
+# parameter is left out; for the others an empty list has no GET spelling.
+EMPTY_IS_DEFAULT = frozenset(FORMATTED_PARAMETERS + ("facets", "locales"))
+
+
+def force_object(query, forced, names):
+    """A search query object with the `forced` parameters (those in `names`,
+    the route's): `filter` fused in as a tenant token's is, the others
+    replacing the caller's. Under a forced attributesToRetrieve, the
+    attributes the caller highlights or crops (which `_formatted` shows) are
+    cut to the forced ones, unless those are forced too."""
+    if forced is None or not isinstance(query, dict):
+        return query
+    query = dict(query)
+    for name, value in forced.items():
+        if name not in names:
+            continue
+        if name != "filter":
+            query[name] = value
+        elif value is not None:
+            query["filter"] = fuse_filters(query.get("filter"), value)
+    shown = forced.get("attributesToRetrieve") if "attributesToRetrieve" in names else None
+    if shown is not None and "*" not in shown:
+        for name in FORMATTED_PARAMETERS:
+            if name not in forced and isinstance(query.get(name), list):
+                query[name] = within_attributes(query[name], shown)
+    return query
+
+
+def within_attributes(asked, shown):
+    """Highlighted or cropped attributes (`title`, `title:10`, `*`) kept to
+    the `shown` ones: `*` stands for all of those; anything else is dropped."""
+    kept = []
+    for item in asked:
+        if not isinstance(item, str):
+            kept.append(item)  # the backend refuses it
+            continue
+        name, colon, length = item.rpartition(":")
+        name, suffix = (name, colon + length) if colon and is_decimal(length) else (item, "")
+        if name == "*":
+            kept.extend(attribute + suffix for attribute in shown)
+        elif name in shown:
+            kept.append(item)
+    return kept
+
+
+def force_body_on(names):
+    """POST search or similar on one index: the key's forced parameters."""
+    return lambda restrictions, index, body: force_object(
+        body, forced_parameters(restrictions, index), names)
+
+
+def force_query_on(names):
+    """GET search or similar: the forced parameters written into the query
+    string (as Meilisearch reads it: lists comma-separated, the filter as
+    JSON), each replacing every parameter of its name."""
+    def force(restrictions, index, query):
+        forced = forced_parameters(restrictions, index)
+        if forced is None:
+            return query
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        current = {}
+        for name, value in pairs:
+            if name == "filter":
+                current[name] = query_filter(value)
+            elif name in FORMATTED_PARAMETERS:
+                current[name] = value.split(",")
+        wanted = force_object(current, forced, names)
+        changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
+        pairs = [(n, v) for n, v in pairs if n not in changed]
+        for name in changed:
+            if wanted[name] != [] or name not in EMPTY_IS_DEFAULT:
+                pairs.append((name, query_value(name, wanted[name])))
+        return urllib.parse.urlencode(pairs)
+    return force
+
+
+def query_value(name, value):
+    """A forced parameter's value as a GET search spells it; 403 when it
+    has no spelling there (a comma inside a list item, an empty list)."""
+    if name == "filter":
+        return compact_json(value)
+    if isinstance(value, list):
+        if not value or any("," in item for item in value):
+            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
+                                      "spell its forced `%s`: use POST" % name)
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else compact_json(value)
+
+
+def force_facet_search(restrictions, index, body):
+    """POST facet-search: the forced parameters that exist there; under a
+    forced `facets`, only those facets' values may be searched."""
+    forced = forced_parameters(restrictions, index)
+    if forced is None or not isinstance(body, dict):
+        return body
+    facets, name = forced.get("facets"), body.get("facetName")
+    if facets is not None and "*" not in facets and isinstance(name, str) \
+            and name not in facets:
+        raise restriction_refused("forcedParameters", "to search the values of this facet")
+    return force_object(body, forced, FACET_SEARCH_PARAMETERS)
+
+
+def force_multi_search(restrictions, index, body):
+    """POST /multi-search: each query gets its index's forced parameters; in
+    a federated one, a forced `facets` becomes the federation's facetsByIndex
+    entry for that index, whatever the caller asked there."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    federation = body.get("federation")
+    names = FEDERATED_PARAMETERS if isinstance(federation, dict) else SEARCH_PARAMETERS
+    if len(queries) * len(compact_json(restrictions.forced)) > MAX_HANDLER_BODY:
+        raise payload_too_large(MAX_HANDLER_BODY)  # what this key's queries would grow to
+    facets, forced_queries = {}, []
+    for query in queries:
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        forced = forced_parameters(restrictions, uid) if isinstance(uid, str) else None
+        forced_queries.append(force_object(query, forced, names))
+        if forced is not None and "facets" in forced:
+            facets[uid] = forced["facets"]
+    body = dict(body, queries=forced_queries)
+    if isinstance(federation, dict):
+        body["federation"] = force_facets_by_index(restrictions, federation, facets)
+    return body
+
+
+def force_facets_by_index(restrictions, federation, facets):
+    """A federation whose facetsByIndex holds the forced `facets` (index uid
+    -> list) of the queried indexes, and of every covered index it names."""
+    by_index = federation.get("facetsByIndex")
+    if (by_index is None and not facets) or not isinstance(by_index, (dict, type(None))):
+        return federation  # nothing to force, or a value the backend refuses
+    by_index = dict(by_index or {}, **facets)
+    for uid in by_index:
+        forced = forced_parameters(restrictions, uid)
+        if forced is not None and "facets" in forced:
+            by_index[uid] = forced["facets"]
+    return dict(federation, facetsByIndex=by_index)
+
+
+REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
+
+
+def force_parameters(route, request, restrictions, index, target, value):
+    """(target, value) with the key's forcedParameters applied on `route`
+    (`value`: the JSON body, or NOT_READ); 403 on a route that would bypass
+    them: one on a covered index, or one whose indexes are not in its path."""
+    forcing = route.forced
+    if forcing == REFUSED_WHEN_FORCED:
+        if index is None or forced_parameters(restrictions, index) is not None:
+            raise restriction_refused("forcedParameters", "on `%s %s`, which cannot apply "
+                                      "its forced search parameters"
+                                      % (route.method, route.pattern))
+        return target, value
+    if route.method == "GET":
+        path, _, query = target.partition("?")
+        forced_query = forcing(restrictions, index, query)
+        return (target if forced_query == query else path + "?" + forced_query), value
+    if value is NOT_READ:
+        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+    return target, forcing(restrictions, index, value)
 
 
 ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
@@ -1881,6 +2106,7 @@ def scope_not_enforceable(route, where):
 # Who answers a route when the backend does not: the /keys API, and this
 # server's own endpoints (not Meilisearch routes: /authorize refuses them).
 KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
+ROTATE = "rotate"
 USAGE, METRICS = "usage", "metrics"
 QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
 
@@ -1892,7 +2118,8 @@ def count_queries(body):
 
 
 class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable creates_index")):
+        "Route", "method pattern actions local rule hits searches repeatable creates_index "
+                 "forced")):
     """One route: the `actions` it needs; who answers it (`local`, None for
     the backend); the handler `rule` for a scoped principal; where it asks
     for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
@@ -1901,17 +2128,20 @@ class Route(collections.namedtuple(
     read-only POSTs); whether it creates its index when missing and the
     caller may create indexes (`creates_index`: upstream's handlers passing
     allow_index_creation; the settings deletions pass it too, and the guard
-    does not rely on Meilisearch's scheduler dropping it for them)."""
+    does not rely on Meilisearch's scheduler dropping it for them); how a
+    key's forcedParameters apply (`forced`: None, not at all;
+    REFUSED_WHEN_FORCED; or a function (restrictions, index, JSON body, or
+    query string on a GET) -> what is forwarded)."""
 
     def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False):
+                searches=None, repeatable=None, creates_index=False, forced=None):
         repeatable = method == "GET" if repeatable is None else repeatable
         return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable, creates_index)
+                               searches, repeatable, creates_index, forced)
 
     @property
     def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS, USAGE)
+        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE, USAGE)
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -1959,6 +2189,7 @@ ROUTES = tuple([
     Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
     Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
     Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
+    Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), local=ROTATE),
     Route("GET", "/keys/{key}/usage", ("keys.get",), local=USAGE),
     Route("GET", "/indexes", ("indexes.get",), rule=Rule(
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
@@ -1970,34 +2201,38 @@ ROUTES = tuple([
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
     Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
     Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
+          hits=QUERY_HITS, forced=force_query_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
+          hits=cap_search_object, repeatable=True, forced=force_body_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
-          repeatable=True),
+          repeatable=True, forced=force_facet_search),
     Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS),
+          hits=QUERY_HITS, forced=force_query_on(SIMILAR_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",)),
+          hits=cap_search_object, repeatable=True, forced=force_body_on(SIMILAR_PARAMETERS)),
+    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
+          forced=REFUSED_WHEN_FORCED),
     Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
     Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
     Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
-    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True),
-    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",)),
+    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
+          forced=REFUSED_WHEN_FORCED),
+    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
+          forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
     Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
-          hits=cap_multi_search, searches=count_queries, repeatable=True),
+          hits=cap_multi_search, searches=count_queries, repeatable=True,
+          forced=force_multi_search),
     Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
     Route("POST", "/render-template", ("settings.get", "documents.get"),
-          rule=NOT_ENFORCEABLE_RULE),
+          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
     Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
         SCOPED, query=_task_change_query("delete"))),
@@ -2007,7 +2242,7 @@ ROUTES = tuple([
     Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
     Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-        SCOPED, query=_task_documents_query)),
+        SCOPED, query=_task_documents_query), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
@@ -2019,7 +2254,7 @@ ROUTES = tuple([
     Route("POST", "/logs/stderr", ("metrics.get",)),
     Route("GET", "/experimental-features", ("experimental.get",)),
     Route("PATCH", "/experimental-features", ("experimental.update",)),
-    Route("POST", "/export", ("export",)),
+    Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/network", ("network.get",)),
     Route("PATCH", "/network", ("network.update",)),
     Route("POST", "/network/control", ("network.update",)),
@@ -2040,7 +2275,7 @@ ROUTES = tuple([
     Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
     Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
     Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
-          rule=NOT_ENFORCEABLE_RULE),
+          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
 ])
 ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
 _ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
@@ -2084,13 +2319,15 @@ def plan_forward(route, request, principal, params, upstream):
     """What `principal`'s authorized `request` on `route` becomes: the one
     place that says what a credential gets from the backend. A scoped
     principal's rule checks the indexes its body names, fuses tenant-token
-    filters, filters listings; a key's restrictions cap hits and count each
-    query. Without an `upstream` the answer is 501, once the body checks
+    filters, filters listings; a key's restrictions force search parameters,
+    cap hits and count each query. Without an `upstream` the answer is 501, once the body checks
     (upstream's 403) have had their say."""
     index = params.get("index_uid")
     rule = route.scope_rule(principal, index)
     restrictions = principal.restrictions
     cap = restrictions.max_hits if restrictions is not None else None
+    forcing = route.forced is not None and restrictions is not None and \
+        restrictions.forced is not None
     body_capped = cap is not None and callable(route.hits)
     counted = route.searches is not None and restrictions is not None and restrictions.rated
     value = NOT_READ
@@ -2109,6 +2346,8 @@ def plan_forward(route, request, principal, params, upstream):
             target = request.path + ("?" + query if query else "")
         if rule.answer is not None:
             answer_filter = functools.partial(rule.answer, context)
+    if forcing:
+        target, value = force_parameters(route, request, restrictions, index, target, value)
     if cap is not None and route.hits == QUERY_HITS:
         path, _, query = target.partition("?")
         capped = cap_search_query(query, cap)
@@ -2147,13 +2386,18 @@ def check_no_implicit_creation(route, principal, index, upstream, missing_status
         raise
 
 
-def check_unseen(principal, route, uri):
+def check_unseen(principal, route, uri, index):
     """/authorize cannot rewrite what nginx forwards, nor read its body: a
-    query asking for more hits than the key's cap, a capped body, or a
-    multi-search whose queries a rate limit must count, is refused."""
+    query asking for more hits than the key's cap, a capped body, a
+    multi-search whose queries a rate limit must count, or a route where
+    the key has forced parameters, is refused."""
     restrictions = principal.restrictions
     if restrictions is None:
         return
+    if route.forced is not None and restrictions.forced is not None and (
+            index is None or forced_parameters(restrictions, index) is not None):
+        raise restriction_refused("forcedParameters", "through `GET /authorize`, which cannot "
+                                  "apply its forced search parameters")
     if restrictions.rated and route.searches is not None:
         raise refused("rate", restriction_refused(
             "rateLimit", "through `GET /authorize` on a route whose body it never sees"))
@@ -2546,6 +2790,15 @@ class KeysApi:
         changes = validate_patch(body)
         return 200, self._write(self.store.update, segment, changes).to_json()
 
+    def rotate(self, request, principal, segment):
+        """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        data = request.body.read(MAX_KEYS_BODY)
+        if data:
+            check_content_type(request.headers.get("Content-Type"))
+        grace = validate_rotation(parse_json_body(data) if data else {})
+        return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
+
     def usage(self, principal, segment):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
         require_master(principal, "read the usage of a key")
@@ -2580,10 +2833,10 @@ class ApiKey:
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
                  "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions")
+                 "restrictions", "retirement")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None, restrictions=None):
+                 updated_ns, value, stored=None, restrictions=None, retirement=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -2597,11 +2850,15 @@ class ApiKey:
         self.is_global = "*" in self.indexes
         self._stored = stored  # the record's JSON text, once known
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
+        self.retirement = retirement  # Retirement of a rotated key, or None
 
     def is_expired(self, now_ns=None):
-        if self.expires_at is None:
+        deadlines = [self.expires_at.ns] if self.expires_at is not None else []
+        if self.retirement is not None:
+            deadlines.append(self.retirement.at_ns)
+        if not deadlines:
             return False
-        return (time.time_ns() if now_ns is None else now_ns) >= self.expires_at.ns
+        return (time.time_ns() if now_ns is None else now_ns) >= min(deadlines)
 
     def expires_at_text(self):
         return format_rfc3339(self.expires_at) if self.expires_at else None
@@ -2611,16 +2868,28 @@ class ApiKey:
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
                       self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions)
+                      restrictions=self.restrictions, retirement=self.retirement)
 
     def with_restrictions(self, restrictions):
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions)
+                      restrictions=restrictions, retirement=self.retirement)
+
+    def successor(self, uid, value, now_ns):
+        """The key a rotation makes: a new uid and value, all else the same
+        (restrictions as they are, whatever fields they hold)."""
+        return ApiKey(uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, now_ns, now_ns, value, restrictions=self.restrictions)
+
+    def retiring(self, at_ns, replaced_by):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=self.restrictions,
+                      retirement=Retirement(at_ns, replaced_by))
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
-        return {
+        shown = {
             "name": self.name,
             "description": self.description,
             "key": self.value,
@@ -2631,6 +2900,10 @@ class ApiKey:
             "createdAt": format_timestamp(self.created_ns),
             "updatedAt": format_timestamp(self.updated_ns),
         }
+        if self.retirement is not None:  # only on a rotated key: the official clients ignore them
+            shown["retiresAt"] = format_timestamp(self.retirement.at_ns)
+            shown["replacedBy"] = self.retirement.replaced_by
+        return shown
 
     def stored_json(self):
         """to_record() as compact JSON text, computed once: every write of
@@ -2649,6 +2922,9 @@ class ApiKey:
         }
         if self.restrictions is not None:
             record["restrictions"] = self.restrictions.to_record()
+        if self.retirement is not None:
+            record["retiresAt"] = self.retirement.at_ns
+            record["replacedBy"] = self.retirement.replaced_by
         return record
 
     @classmethod
@@ -2658,7 +2934,8 @@ class ApiKey:
         `derive` computes the value from the uid (see key_deriver), or is
         None without a master key; `stored` is the record's JSON text.
         """
-        if not isinstance(record, dict) or record.keys() - {"restrictions"} != _RECORD_FIELDS:
+        if not isinstance(record, dict) or record.keys() - _OPTIONAL_RECORD_FIELDS \
+                != _RECORD_FIELDS:
             raise ValueError("a key record needs exactly the fields %s"
                              % ", ".join(sorted(_RECORD_FIELDS)))
         uid = record["uid"]
@@ -2683,7 +2960,24 @@ class ApiKey:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
                    derive(uid) if derive is not None else None, stored,
-                   stored_restrictions(record.get("restrictions"), uid))
+                   stored_restrictions(record.get("restrictions"), uid),
+                   Retirement.from_record(record, uid))
+
+
+class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
+    """A rotated key's end: it stops working at `at_ns` (then it is removed)
+    and was replaced by the key of uid `replaced_by`."""
+
+    @classmethod
+    def from_record(cls, record, uid):
+        """The record's retiresAt/replacedBy (both or neither), or None."""
+        at_ns, replaced_by = record.get("retiresAt"), record.get("replacedBy")
+        if at_ns is None and replaced_by is None:
+            return None
+        if type(at_ns) is not int or at_ns < 0 or not isinstance(replaced_by, str) \
+                or not _CANONICAL_UUID_RE.match(replaced_by):
+            raise ValueError("bad retiresAt or replacedBy in key %s" % uid)
+        return cls(at_ns, replaced_by)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -2699,6 +2993,7 @@ def _valid_stored_indexes(indexes):
 
 _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
                             "createdAt", "updatedAt"))
+_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
 
 
 class KeyStore:
@@ -2708,17 +3003,21 @@ class KeyStore:
     never wait: keys are immutable and dict reads are atomic.
     """
 
-    def __init__(self, master_key=None, path=None, log=None):
+    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
         self.derive = key_deriver(master_key) if master_key is not None else None
         self.log = log or (lambda message: None)
         self.clock = Clock()
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
-        self._lock = threading.Lock()
+        self._retiring = {}   # uid -> when that rotated key stops working (ns)
+        self._next_retirement = float("inf")  # the earliest of those
+        # reentrant: a write looks keys up, and a lookup may sweep out retired keys
+        self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
         self.usage = Usage()
         try:
-            self._load()
+            self._load(master_key, master_key_changed)
+            self.sweep()
             if not self._keys:  # all four in one write: a crash leaves none or all
                 defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
                             for name, description, actions in DEFAULT_KEYS]
@@ -2730,7 +3029,7 @@ class KeyStore:
             self.close()
             raise
 
-    def _load(self):
+    def _load(self, master_key, master_key_changed):
         """Read the store file (and fold in a journal an older version left)."""
         if not self._file:
             return
@@ -2739,6 +3038,7 @@ class KeyStore:
         try:
             keys, changes = self._file.open(
                 lambda record, text: ApiKey.from_record(record, self.derive, text))
+            self._file.check_master_key(master_key, master_key_changed, keys)
             for key in keys:
                 self._put(key)
             for change in changes or ():
@@ -2767,6 +3067,7 @@ class KeyStore:
         return len(self._keys)
 
     def by_uid(self, uid):
+        self.sweep()
         return self._keys.get(uid)
 
     def by_value(self, token):
@@ -2777,6 +3078,7 @@ class KeyStore:
         """
         if len(token) != 64 or not token.isascii():
             return None
+        self.sweep()
         token = token.lower()
         key = self._by_value.get(token)
         if key is not None and hmac.compare_digest(key.value.encode(), token.encode()):
@@ -2785,6 +3087,7 @@ class KeyStore:
 
     def find(self, key_or_uid):
         """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        self.sweep()
         try:
             uid = parse_uuid(key_or_uid)
         except ValueError:
@@ -2799,6 +3102,7 @@ class KeyStore:
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
+        self.sweep()
         with self._lock:
             total = len(self._keys)
             start, stop = min(offset, total), min(offset + limit, total)
@@ -2811,9 +3115,7 @@ class KeyStore:
         with self._lock:
             uid = fields.get("uid")
             if uid is None:
-                uid = new_uid()
-                while uid in self._keys:
-                    uid = new_uid()
+                uid = self._unused_uid()
             elif uid in self._keys:
                 raise ApiError(409, "api_key_already_exists",
                                "`uid` field value `%s` is already an existing API key." % uid)
@@ -2846,6 +3148,51 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
+    def rotate(self, key_or_uid, grace_seconds, by_master=True):
+        """A new key (new uid, all else the same) for the key `key_or_uid`,
+        which keeps working for `grace_seconds`, then is removed. Both
+        changes are one write. 409 for a key already rotated; one with
+        restrictions only by the master key (see delete)."""
+        with self._lock:
+            old = self.find(key_or_uid)
+            if old.retirement is not None:
+                raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
+                               "its replacement is `%s`, and it stops working at %s. Rotate the "
+                               "replacement, or delete this key to stop it now." % (
+                                   old.uid, old.retirement.replaced_by,
+                                   format_timestamp(old.retirement.at_ns)))
+            if old.restrictions is not None and not by_master:
+                raise ApiError(403, "invalid_api_key", "Only the master key can rotate a key "
+                               "that has restrictions.", "auth")
+            uid = self._unused_uid()
+            now = self.clock.now_ns()
+            new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            if grace_seconds:
+                self._commit_all([old.retiring(now + grace_seconds * 10 ** 9, uid), new], ())
+            else:
+                self._commit_all([new], (old.uid,))
+            return new
+
+    def sweep(self):
+        """Remove the rotated keys whose grace period is over (they are
+        refused already: see ApiKey.is_expired). Cheap when none is due."""
+        if self._next_retirement > time.time_ns():
+            return
+        with self._lock:
+            if self._next_retirement > time.time_ns():
+                return  # another thread swept them meanwhile
+            try:
+                self._commit_all((), ())  # a write drops them
+            except StoreWriteError as exc:  # they stay refused; try again in a minute
+                self._next_retirement = time.time_ns() + 60 * 10 ** 9
+                self.log("searchkeys: cannot remove retired keys: %s" % exc)
+
+    def _unused_uid(self):
+        uid = new_uid()
+        while uid in self._keys:
+            uid = new_uid()
+        return uid
+
     def _new_key(self, uid, name, description, actions, indexes, expires_at):
         now = self.clock.now_ns()
         value = self.derive(uid) if self.derive is not None else None
@@ -2853,19 +3200,28 @@ class KeyStore:
 
     def _commit(self, key, removed=None):
         """Write the store with `key` put (or uid `removed` deleted), then
-        make the change live; StoreWriteError leaves everything as it was.
-        The caller holds the lock or is the constructor."""
+        make the change live."""
+        self._commit_all([key] if key is not None else [], [removed] if removed else [])
+
+    def _commit_all(self, keys, removed):
+        """Write the store with `keys` put, the uids `removed` deleted and the
+        rotated keys past their grace period dropped, in one write, then make
+        it live; StoreWriteError leaves everything as it was. The caller
+        holds the lock or is the constructor."""
+        now = time.time_ns()
+        removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
+        changed = {key.uid: key for key in keys}
         if self._file:
-            changed = key.uid if key is not None else removed
-            records = [old.stored_json() for uid, old in self._keys.items() if uid != changed]
-            if key is not None:
-                # an update keeps its place: the file stays in createdAt order
-                records.insert(self._position(key.uid), key.stored_json())
-            self._write(records, lambda uid: uid != removed and uid in self._keys)
-        if key is not None:
+            # an update keeps its place, a new key goes last: the file stays in createdAt order
+            records = [changed.get(uid, old).stored_json() for uid, old in self._keys.items()
+                       if uid not in removed]
+            records += [key.stored_json() for uid, key in changed.items()
+                        if uid not in self._keys]
+            self._write(records, lambda uid: uid not in removed and uid in self._keys)
+        for key in keys:
             self._put(key)
-        else:
-            self._remove(removed)
+        for uid in removed:
+            self._remove(uid)
 
     def _write(self, records, keep):
         """Write `records` with the usage counts of the uids `keep(uid)` holds."""
@@ -2891,11 +3247,6 @@ class KeyStore:
         while not stop.wait(seconds):
             self.flush_usage()
 
-    def _position(self, uid):
-        if uid not in self._keys:
-            return len(self._keys)
-        return next(i for i, other in enumerate(self._keys) if other == uid)
-
     def _replay(self, change):
         """Apply one line of an older version's journal."""
         if change.get("op") == "put":
@@ -2912,12 +3263,23 @@ class KeyStore:
         self._keys[key.uid] = key
         if key.value is not None:
             self._by_value[key.value] = key
+        self._note_retirement(key.uid, key.retirement and key.retirement.at_ns)
 
     def _remove(self, uid):
         old = self._keys.pop(uid, None)
         if old is not None and old.value is not None:
             self._by_value.pop(old.value, None)
         self.usage.forget(uid)
+        self._note_retirement(uid, None)
+
+    def _note_retirement(self, uid, at_ns):
+        if at_ns is None and uid not in self._retiring:
+            return  # the common case: no rotated key involved
+        if at_ns is None:
+            del self._retiring[uid]
+        else:
+            self._retiring[uid] = at_ns
+        self._next_retirement = min(self._retiring.values(), default=float("inf"))
 
     def _records(self):
         return [key.stored_json() for key in self._keys.values()]
@@ -2943,7 +3305,8 @@ class StoreFile:
     or the new document, and an acknowledged change survives kill -9 and
     power loss. A symlinked store is written through to its target (the
     link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values.
+    Files are 0600 and hold uids and metadata, never key values, and a
+    fingerprint of the master key (another one would change every value).
     Older versions kept changes in FILE.journal (one JSON line each): such
     a journal is folded into the document at the first start, then removed.
     """
@@ -2951,6 +3314,8 @@ class StoreFile:
     FORMAT = "searchkeys-store"
     VERSION = 1
     _HEADER = b'{"format": "%s", "version": %d, "keys": [\n' % (FORMAT.encode(), VERSION)
+    _FINGERPRINTED_HEADER = b'{"format": "%s", "version": %d, "masterKeyFingerprint": "%%s", ' \
+                            b'"keys": [\n' % (FORMAT.encode(), VERSION)
 
     def __init__(self, path, log):
         self.shown = path
@@ -2960,6 +3325,35 @@ class StoreFile:
         self.log = log
         self._lock_fd = None
         self.usage = None  # the document's usage section, once read
+        # master_key_fingerprint() of the master key the keys were made with
+        # (None in files of older versions); KeyStore checks and sets it
+        self.fingerprint = None
+
+    def check_master_key(self, master_key, master_key_changed, keys):
+        """Refuse a master key other than the one the store's keys were made
+        with (every key value would change), unless that is intended; a
+        store without a fingerprint (older, or new) records this one."""
+        if master_key is None:  # --open: no key values at all; keep what is recorded
+            return
+        stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
+        self.fingerprint = wanted  # written with the next change
+        if stored is None or not keys or hmac.compare_digest(stored, wanted):
+            return
+        if not master_key_changed:
+            raise StoreError(
+                "store %s was made with another master key, so every one of its %d keys would "
+                "get a new value and every key handed out would stop working: start with the "
+                "master key the store was made with, or add --master-key-changed if the change "
+                "is intended" % (self.shown, len(keys)))
+        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
+                 "master key; its %d keys now have new values (the uids stay), and the store "
+                 "records the new master key" % (self.shown, len(keys)))
+        self.write([key.stored_json() for key in keys], self.usage)
+
+    def _header(self):
+        if self.fingerprint is None:
+            return self._HEADER
+        return self._FINGERPRINTED_HEADER % self.fingerprint.encode()
 
     def open(self, build):
         """(keys, journal changes or None); StoreError if unusable.
@@ -3036,6 +3430,12 @@ class StoreFile:
                 or not isinstance(document.get("keys"), list):
             raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
                              "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+        fingerprint = document.get("masterKeyFingerprint")
+        if fingerprint is not None and not (isinstance(fingerprint, str)
+                                            and _FINGERPRINT_RE.match(fingerprint)):
+            raise StoreError("store %s has a bad masterKeyFingerprint; refusing to start, the "
+                             "file is left untouched" % self.path)
+        self.fingerprint = fingerprint
         records = document.pop("keys")
         self.usage = document.get("usage")
         # In the layout write() makes (one record a line, then the usage line
@@ -3046,7 +3446,7 @@ class StoreFile:
         texts = itertools.repeat(None)
         tail = 2 if lines[-2:] == [b"]}", b""] else 3 if lines[-3:-2] == [b"],"] \
             and lines[-2].startswith(b'"usage": ') and lines[-1] == b"" else 0
-        if tail and len(lines) == len(records) + 1 + tail and lines[0] == self._HEADER[:-1]:
+        if tail and len(lines) == len(records) + 1 + tail and lines[0] == self._header()[:-1]:
             texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-tail])
         keys = []
         for position, text in zip(range(len(records)), texts):
@@ -3101,7 +3501,7 @@ class StoreFile:
         leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         body = ",\n".join(records).encode("utf-8")
-        data = self._HEADER + body + (b"\n]" if records else b"]")
+        data = self._header() + body + (b"\n]" if records else b"]")
         if usage:
             data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
         data += b"}\n"
@@ -3403,7 +3803,8 @@ class Upstream:
 # key's maxHitsPerQuery puts on a search are with the handler rules)
 # =============================================================================
 
-RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery")
+RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
+                      "forcedParameters")
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
@@ -3415,6 +3816,7 @@ DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
 
 
 class Rate(collections.namedtuple("Rate", "count window text")):
@@ -3575,11 +3977,12 @@ def counter_client(address):
 class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "_json")
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None):
+                 source=None, forced=None):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
         self._json = source
@@ -3590,7 +3993,7 @@ class Restrictions:
         return self.per_ip is not None or self.per_key is not None
 
     def to_json(self):
-        """All four fields, null when not set (the GET answer)."""
+        """All the fields, null when not set (the GET answer)."""
         return dict(dict.fromkeys(RESTRICTION_FIELDS), **self._json)
 
     def to_record(self):
@@ -3611,6 +4014,7 @@ class Restrictions:
         referrers = _validate_restriction_list("allowedReferrers", fields.get("allowedReferrers"),
                                                referrer_pattern)
         ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
+        forced = _validate_forced_parameters(fields.get("forcedParameters"))
         max_hits = fields.get("maxHitsPerQuery")
         if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
             if type(max_hits) is not int:
@@ -3625,7 +4029,7 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields)
+                   ips and list(ips), max_hits, fields, forced)
 
 
 def stored_restrictions(record, uid):
@@ -3678,6 +4082,49 @@ def _validate_restriction_list(field, value, parse):
         except ValueError as exc:
             raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
     return value
+
+
+def _validate_forced_parameters(value):
+    """forcedParameters: 1 to 100 index patterns, each with at least one
+    search parameter Meilisearch would accept, at most 16 KiB in all."""
+    code = "invalid_restrictions_forced_parameters"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".forcedParameters", "an object", value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
+                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
+    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
+        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
+                            % MAX_FORCED_PARAMETERS)
+    for pattern, parameters in value.items():
+        where = ".forcedParameters.%s" % printable(pattern)
+        if not is_valid_index_pattern(pattern):
+            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
+                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
+                                % printable(pattern))
+        if not isinstance(parameters, dict):
+            raise wrong_type(code, where, "an object", parameters)
+        if not parameters:
+            raise invalid_value(code, where, "give at least one search parameter.")
+        for name, forced in parameters.items():
+            if name not in FORCED_PARAMETERS:
+                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
+                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
+                                  backticked(FORCED_PARAMETERS)))
+            expected, accepts = FORCED_PARAMETERS[name]
+            if not accepts(forced):
+                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+    return value
+
+
+def forced_parameters(restrictions, index):
+    """The search parameters a key's forcedParameters force on `index` (those
+    of its most specific pattern, as for a tenant token's searchRules), or None."""
+    if restrictions is None or restrictions.forced is None:
+        return None
+    return most_specific_rule(restrictions.forced, index)
 
 
 class Counters:
@@ -4058,6 +4505,42 @@ def validate_patch(body):
     return changes
 
 
+ROTATE_FIELDS = ("grace",)
+GRACE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+DEFAULT_GRACE = 300  # seconds a rotated key keeps working: clients switch over meanwhile
+MAX_GRACE = 30 * 86400
+_GRACE_RE = re.compile(r"([0-9]{1,7})([smhd]?)\Z")
+
+
+def parse_grace(value):
+    """`30s`, `5m`, `1h`, `2d` or whole seconds (`90` or 90), 0 to 30 days -> seconds;
+    ValueError saying what is accepted."""
+    if isinstance(value, str):
+        match = _GRACE_RE.match(value)
+        seconds = int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+    else:
+        seconds = value if type(value) is int else None
+    if seconds is None or not 0 <= seconds <= MAX_GRACE:
+        raise ValueError("expected a duration such as `30s`, `5m`, `1h` or `2d` (or whole "
+                         "seconds), from 0 to 30 days")
+    return seconds
+
+
+def validate_rotation(body):
+    """A POST /keys/{k}/rotate body -> the grace period in seconds."""
+    grace = DEFAULT_GRACE
+    for name, value in require_object(body).items():
+        if name not in ROTATE_FIELDS:
+            raise unknown_field(name, ROTATE_FIELDS)
+        if value is not None:
+            try:
+                grace = parse_grace(value)
+            except ValueError as exc:
+                raise invalid_value("invalid_rotation_grace", ".grace", "%s, but found %s"
+                                    % (exc, describe_json(value)))
+    return grace
+
+
 USIZE_MAX = 2 ** 64 - 1
 U32_MAX = 2 ** 32 - 1  # task and batch uids
 
@@ -4277,6 +4760,16 @@ class Clock:
 def derive_key(master_key, uid):
     """A key's value: lowercase hex HMAC-SHA256(master key, uid)."""
     return hmac.digest(master_key.encode(), uid.encode(), "sha256").hex()
+
+
+FINGERPRINT_MESSAGE = b"searchkeys master key fingerprint v1"
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def master_key_fingerprint(master_key):
+    """What the store records of the master key: an HMAC of a constant
+    with it (hex), which tells another key apart and reveals nothing of it."""
+    return hmac.digest(master_key.encode(), FINGERPRINT_MESSAGE, "sha256").hex()
 
 
 def key_deriver(master_key):
@@ -4763,6 +5256,11 @@ class Client:
     def delete_key(self, key_or_uid):
         self.request("DELETE", _key_path(key_or_uid))
 
+    def rotate_key(self, key_or_uid, grace=None):
+        """POST /keys/{k}/rotate (searchkeys only): the new key."""
+        return self.request("POST", _key_path(key_or_uid) + "/rotate",
+                            None if grace is None else {"grace": grace})
+
     def keys_with_usage(self, page=1000):
         """Every key with its `usage`, page by page: searchkeys' GET
         /keys?usage=true. A server without it (Meilisearch answers 400 to
@@ -4789,6 +5287,12 @@ class Client:
 
 def _key_path(key_or_uid):
     return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
+
+
+def no_such_route(error):
+    """Did the server answer that it lacks a route searchkeys has (a plain
+    Meilisearch), rather than that the key is unknown?"""
+    return error.status in (404, 405) and error.code != "api_key_not_found"
 
 
 def _client_error(status, payload):
@@ -4839,6 +5343,16 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--ip", action="append", metavar="CIDR",
                           help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
     restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--filter", action="append", metavar="INDEX=FILTER",
+                          help="a filter AND-ed to every search on the indexes of the pattern "
+                               "INDEX (`*` at its end for any text), e.g. "
+                               "\"movies*=public = true\" (repeatable)")
+    restrict.add_argument("--fields", action="append", metavar="[INDEX=]A,B",
+                          help="the only attributes searches return (attributesToRetrieve), on "
+                               "INDEX or, without it, on every INDEX of --filter and --force")
+    restrict.add_argument("--force", action="append", metavar="INDEX=JSON",
+                          help="other search parameters forced on INDEX, as a JSON object, "
+                               "e.g. 'movies={\"facets\": [\"genre\"]}' (repeatable)")
     restrict.add_argument("--clear", action="store_true", help="remove every restriction")
 
 
@@ -4861,9 +5375,56 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    forced = forced_parameters_from_args(args)
+    if forced:
+        body["forcedParameters"] = forced
     if args.clear and body:
         raise ValueError("--clear removes every restriction: give it alone")
     return body or None
+
+
+def forced_parameters_from_args(args):
+    """forcedParameters from --filter, --force and --fields (validated as
+    the server does), or None; ValueError for a bad option."""
+    forced = {}
+    for text in args.force or ():
+        pattern, value = _index_option("--force", text)
+        try:
+            value = strict_json(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError("--force %s: the parameters are not JSON: %s" % (pattern, exc))
+        if not isinstance(value, dict):
+            raise ValueError("--force %s: give the parameters as a JSON object" % pattern)
+        forced.setdefault(pattern, {}).update(value)
+    for text in args.filter or ():
+        pattern, expression = _index_option("--filter", text)
+        parameters = forced.setdefault(pattern, {})
+        parameters["filter"] = fuse_filters(parameters.get("filter"), expression)
+    for text in args.fields or ():
+        pattern, fields = _index_option("--fields", text, optional=True)
+        if pattern is None and not forced:
+            raise ValueError("--fields %s: name the indexes (--fields INDEX=A,B) or give "
+                             "--filter or --force" % text)
+        for name in [pattern] if pattern is not None else list(forced):
+            forced.setdefault(name, {})["attributesToRetrieve"] = _split_list(fields)
+    if not forced:
+        return None
+    try:
+        return _validate_forced_parameters(forced)
+    except ApiError as exc:
+        raise ValueError(exc.message)
+
+
+def _index_option(option, text, optional=False):
+    """`INDEX=VALUE` -> (INDEX, VALUE); (None, text) when `optional` and
+    text does not start with an index pattern and `=`."""
+    pattern, equals, value = text.partition("=")
+    if equals and is_valid_index_pattern(pattern):
+        return pattern, value
+    if optional:
+        return None, text
+    raise ValueError("%s %s: write INDEX=VALUE, INDEX an index uid or a pattern ending in `*`"
+                     % (option, text))
 
 
 def run_restrict(client, args):
@@ -4984,6 +5545,9 @@ def add_serve_command(commands):
                        help="run without a master key, as Meilisearch's development mode: /keys "
                             "answers 401 and every other route is open to anyone")
     serve.add_argument("--store", help="JSON file of keys (default: in memory)")
+    serve.add_argument("--master-key-changed", action="store_true",
+                       help="start even though the store's keys were made with another master "
+                            "key: every key gets a new value (the uids stay)")
     serve.add_argument("--upstream", type=_argument_type(http_url, "URL"),
                        help="search backend to forward authorized requests to")
     serve.add_argument("--upstream-key",
@@ -5055,6 +5619,13 @@ def build_parser():
     key_commands.add_parser("usage", parents=[common],
                             help="each key's requests allowed and refused, most used first "
                                  "(searchkeys only)")
+    rotate = key_commands.add_parser(
+        "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
+                                         "working for a grace period")
+    rotate.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    rotate.add_argument("--grace", metavar="DURATION",
+                        help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
+                             "seconds, 0 to 30 days (default 5m)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -5135,7 +5706,7 @@ def run_serve(args):
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
     try:
-        store = KeyStore(master_key, args.store, _log_to_stderr)
+        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
@@ -5197,6 +5768,8 @@ def run_keys(args):
         key = client.update_key(args.key_or_uid, **changes)
     elif command == "restrict":
         return run_restrict(client, args)
+    elif command == "rotate":
+        key = rotate_key(client, args.key_or_uid, args.grace)
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
@@ -5233,7 +5806,7 @@ def restrict_created_key(client, key):
         client.request("PUT", path, RESTRICTION_PRESETS["search"])
         return
     except ClientError as exc:
-        if exc.status in (404, 405) and exc.code != "api_key_not_found":
+        if no_such_route(exc):
             _log_to_stderr("searchkeys: warning: %s has no restrictions API (Meilisearch?): the "
                            "key is created without a rate limit or hit cap" % client.url)
             return
@@ -5249,6 +5822,25 @@ def restrict_created_key(client, key):
     if isinstance(failure, ClientError):
         raise ClientError(failure.status, failure.code, failure.message + context)
     raise ConnectionFailed(str(failure) + context)
+
+
+def rotate_key(client, key_or_uid, grace):
+    """`keys rotate`: the server's rotation; on a plain Meilisearch (no such
+    route), a copy of the key, and a line saying how to delete the old one."""
+    try:
+        return client.rotate_key(key_or_uid, grace)
+    except ClientError as exc:
+        if not no_such_route(exc):
+            raise
+    old = client.get_key(key_or_uid)
+    new = client.create_key(old["actions"], old["indexes"], old.get("expiresAt"),
+                            name=old.get("name"), description=old.get("description"))
+    _log_to_stderr(
+        "searchkeys: warning: %s cannot rotate keys (Meilisearch?): created a copy with a new "
+        "value instead (no restrictions can be set there, and --grace does not apply); once "
+        "every client uses it, delete the old key: searchkeys.py keys delete %s --url %s"
+        % (client.url, old["uid"], shlex.quote(client.url)))
+    return new
 
 
 def _print(args, value, key_values):
@@ -5285,6 +5877,12 @@ def check_client_args(parser, args):
                 args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "restrict":
             args.restrictions = restrictions_from_args(args)
+        elif args.command == "keys" and args.keys_command == "rotate" \
+                and args.grace is not None:
+            try:
+                parse_grace(args.grace)
+            except ValueError as exc:
+                raise ValueError("--grace `%s`: %s" % (args.grace, exc))
         elif args.command == "keys" and args.keys_command == "list":
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:

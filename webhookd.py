@@ -12,8 +12,9 @@ original's (Go ``flag`` syntax), so an existing unit or script keeps working::
 On top of upstream (each a flag or hook field the Go binary ignores, so hooks files stay portable):
 polling hot reload that survives editors and ``git pull``, ``SIGHUP``/``SIGUSR1`` reload,
 ``-validate``, warnings for unknown hook fields, the hook fields ``max-concurrency``,
-``command-timeout`` and ``stream-command-output``, a graceful stop on ``SIGTERM``, systemd
-``sd_notify``/socket activation, ``-socket``, ``-template`` with ``getenv``/``cat``/``credential``,
+``command-timeout``, ``stream-command-output`` and ``pass-payload-to-stdin``, a graceful stop on
+``SIGTERM``, systemd ``sd_notify``/socket activation, ``-socket``, ``-trusted-proxy``,
+``-template`` with ``getenv``/``cat``/``credential``,
 request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connections``,
 ``-max-async-runs``), a JSON ``-status-path`` and a run history under it: every run gets an id
 (``X-Webhookd-Run``), a state and its output, in memory or under ``-runs-dir``, read at
@@ -203,16 +204,22 @@ FLAGS = [
     Flag("shutdown-timeout", "int", 60, "webhookd: on SIGTERM/SIGINT, seconds to wait for "
          "running commands before exiting"),
     Flag("socket", "string", "", "webhookd: serve on this Unix socket instead of -ip/-port"),
-    Flag("status-path", "string", "", "webhookd: serve a JSON status page at this path (outside "
-         "the hooks prefix); off when empty"),
+    Flag("status-path", "string", "", "webhookd: serve a status page at this path (outside "
+         "the hooks prefix; JSON, or HTML to browsers), Prometheus metrics at PATH/metrics; off "
+         "when empty"),
     Flag("status-token", "string", "", "webhookd: serve run history and the status page's "
-         "details only to clients sending Authorization: Bearer <token>, loopback included "
-         "(without a token: to loopback clients no proxy relays)"),
+         "details only to clients sending Authorization: Bearer <token> (or the token as "
+         "their Basic password), loopback included (without a token: to loopback clients no "
+         "proxy relays)"),
     Flag("status-token-file", "string", "", "webhookd: read -status-token from this file"),
     Flag("template", "bool", False, "expand {{ getenv \"NAME\" }}, {{ cat \"PATH\" }} and "
          "{{ credential \"NAME\" }} (optionally | js) in the hooks files before parsing them; "
          "any other template action is a load error"),
     Flag("tls-min-version", "string", "1.2", "minimum TLS version (1.0, 1.1, 1.2, 1.3)"),
+    Flag("trusted-proxy", "list", None, "webhookd: a reverse proxy's address range (CIDR; "
+         "repeat it or separate ranges with commas) whose X-Forwarded-For is believed: "
+         "ip-whitelist, remote-addr and the log see the right-most address not in these "
+         "ranges; the status page's access check never does"),
     Flag("urlprefix", "string", "hooks", "url prefix to use for served hooks "
          "(protocol://yourserver:port/PREFIX/:hook-id)"),
     Flag("validate", "bool", False, "webhookd: check the hooks files (fields, types, regexes, ip "
@@ -274,6 +281,21 @@ def parse_header_flag(text):
     return (name, value)
 
 
+def parse_trusted_proxies(text):
+    """-trusted-proxy: one range or several separated by commas -> ip_networks."""
+    networks = []
+    for piece in text.split(","):
+        try:
+            networks.append(ipaddress.ip_network(piece.strip(), strict=True))
+        except ValueError as exc:
+            raise ValueError("%s (write e.g. 10.0.0.0/8, 2001:db8::/32 or one address)"
+                             % exc) from None
+    return networks
+
+
+LIST_CONVERTERS = {"header": parse_header_flag, "trusted-proxy": parse_trusted_proxies}
+
+
 def go_value_type(flag, convert):
     """An argparse `type` that reports a bad value in the words of Go's flag package."""
     def parse(text):
@@ -305,7 +327,7 @@ def build_parser(program):
             parser.add_argument("-no-" + flag.name, dest=flag.attr, action="store_false",
                                 help=argparse.SUPPRESS)  # only normalise_argv emits it
         elif flag.kind == "list":
-            convert = parse_header_flag if flag.name == "header" else str
+            convert = LIST_CONVERTERS.get(flag.name, str)
             parser.add_argument(option, dest=flag.attr, action="append", default=[],
                                 type=go_value_type(flag, convert), help=flag.help)
         else:
@@ -355,6 +377,7 @@ def parse_flags(argv):
     opts = build_parser(PROGRAM).parse_args(normalise_argv(argv))
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
+    opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
     return opts
 
 
@@ -415,22 +438,31 @@ def js_escape(text):
 
 
 def template_function(name, arg, environ):
+    """Upstream master's getenv, cat and credential.  `cat`: the file's content, one trailing
+    newline trimmed; "" when it cannot be read (missing, as upstream documents; any other
+    failure, a folder or no permission, is also "" there, and logged here).  `credential`:
+    `$CREDENTIALS_DIRECTORY/NAME` read as `cat`, or without that variable the environment
+    variable NAME.  Unlike upstream, a name that is not one file name (a `/`, `..`) is a load
+    error, never a path out of the folder."""
     if name == "getenv":
         return environ.get(arg, "")
-    if name == "cat":
-        path = arg
-    else:
+    if name == "credential":
+        if "/" in arg or arg in ("", ".", ".."):
+            raise ValueError("credential %s: not a plain credential name" % json.dumps(arg))
         directory = environ.get("CREDENTIALS_DIRECTORY")
         if not directory:
-            raise ValueError("credential %r: $CREDENTIALS_DIRECTORY is not set" % arg)
-        if "/" in arg or arg in ("", ".", ".."):
-            raise ValueError("credential %r: not a plain credential name" % arg)
-        path = os.path.join(directory, arg)
+            return environ.get(arg, "")
+        arg = os.path.join(directory, arg)
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            return handle.read()
+        with open(arg, "rb") as handle:
+            data = handle.read()
     except OSError as exc:
-        raise ValueError("%s %r: %s" % (name, arg, exc.strerror)) from None
+        if exc.errno != errno.ENOENT:
+            log.warning("template: %s %s: %s; using \"\"", name, json.dumps(arg),
+                        exc.strerror or exc)
+        return ""
+    data = data[:-1] if data.endswith(b"\n") else data
+    return data.decode("utf-8", "surrogateescape")
 
 
 def expand_template(text, filename, environ=None):
@@ -486,7 +518,7 @@ HMAC_TYPES = {"payload-hmac-sha1": ("sha1", "sha1="), "payload-hash-sha1": ("sha
               "payload-hmac-sha512": ("sha512", "sha512="),
               "payload-hash-sha512": ("sha512", "sha512=")}
 
-# hook field -> (attribute, kind); the last three are ours and ignored by upstream.
+# hook field -> (attribute, kind); the last four are ours and ignored by upstream.
 HOOK_FIELDS = {
     "id": ("id", "str"),
     "execute-command": ("execute_command", "str"),
@@ -508,6 +540,7 @@ HOOK_FIELDS = {
     "max-concurrency": ("max_concurrency", "posint"),
     "command-timeout": ("command_timeout", "posnumber"),
     "stream-command-output": ("stream_output", "bool"),
+    "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
          "headers": (), "strlist": (), "rule": None}
@@ -1146,6 +1179,8 @@ class Registry:
         self.lock = threading.Lock()
         self.last_load = None
         self.last_reload_failed = False
+        self.last_good_load = None  # when every file last loaded
+        self.load_failures = 0  # loads in which a file failed
 
     def hook(self, hook_id):
         return self.by_id.get(hook_id)
@@ -1198,6 +1233,10 @@ class Registry:
             self._publish()
             self.last_load = now
             self.last_reload_failed = not ok
+            if ok:
+                self.last_good_load = now
+            else:
+                self.load_failures += 1
             return ok
 
     def _warn_lost_rules(self, hf, hooks):
@@ -1937,6 +1976,7 @@ class HookHandler(BaseHTTPRequestHandler):
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
+                self.server.app.metrics.answered(INTERNAL_ERROR.status)
                 with contextlib.suppress(OSError):
                     self.write(INTERNAL_ERROR.response())
 
@@ -1964,6 +2004,7 @@ class HookHandler(BaseHTTPRequestHandler):
         client is still sending is read for a moment so it gets the answer, not a reset."""
         exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
         log.info("bad request from %s: %s", self.remote_addr, exc)
+        self.server.app.metrics.answered(exc.status)
         self.close_connection = True
         try:
             self.write(exc.response())
@@ -2029,6 +2070,7 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.write(serialize_response(response, head, keep_alive))
         self.close_connection = not keep_alive
         app.log_access(rid, head, response, started)
+        app.metrics.answered(response.status)
         if self.body_unread:
             self.linger()
 
@@ -2207,6 +2249,7 @@ class Pipeline:
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
         self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
+        self.trusted_proxies = opts.trusted_proxy
         self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
             else NO_TIMEOUT
         self.runner = Runner()
@@ -2218,6 +2261,8 @@ class Pipeline:
         self.started = time.time()
         self.runs = make_run_store(opts)
         self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
+        self.metrics = Metrics(self.started)
+        self.metrics_path = opts.status_path + "/metrics" if opts.status_path else None
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -2280,14 +2325,17 @@ class Pipeline:
         if path == "/":
             return None, None, Response(200, b"OK")
         if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head, remote_addr)
+            return None, None, self.status_response(head, raw_query, remote_addr)
+        if path == self.metrics_path:
+            return None, None, self.metrics_response(head, remote_addr)
         if self.opts.status_path and self.runs_page.wants(path):
             return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
                                                      lambda: self.stopping)
         if not path.startswith(self.prefix) or "\n" in path:
             return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
-        log.info("[%s] incoming HTTP %s request from %s", rid, head.method, remote_addr)
+        log.info("[%s] incoming HTTP %s request from %s", rid, head.method,
+                 self.client(head, remote_addr))
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
@@ -2299,6 +2347,14 @@ class Pipeline:
             return None, None, Response(405)
         return hook, raw_query, None
 
+    def client(self, head, remote_addr):
+        """Who sent a hook's request (see forwarded_client); the status page and run history
+        never ask this (RunsPage.trusted: any relay header means relayed)."""
+        if not self.trusted_proxies or "X-Forwarded-For" not in head.headers:
+            return remote_addr
+        return forwarded_client(remote_addr, ",".join(head.headers["X-Forwarded-For"]),
+                                self.trusted_proxies)
+
     def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
         """The plain HookRequest the hook model sees; logs the match."""
         log.info("[%s] %s got matched", rid, hook.id)
@@ -2308,7 +2364,7 @@ class Pipeline:
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
                       redact_target(head.target, hook.secret_params), head.version, shown,
                       len(body))
-        return HookRequest(rid, head.method, remote_addr,
+        return HookRequest(rid, head.method, self.client(head, remote_addr),
                            {k: v[0] for k, v in head.headers.items()
                             if k not in ("Host", "Transfer-Encoding")},
                            parse_query(raw_query)[0], body,
@@ -2392,6 +2448,7 @@ class Pipeline:
     def run_command(self, run, on_output, keep_output):
         hook, record = run.hook, run.record
         result = CommandResult(False, error=run.failure or "unexpected error")
+        began = time.monotonic()
         try:
             if run.failure is not None:
                 return result  # as Go: nothing more is logged
@@ -2406,6 +2463,8 @@ class Pipeline:
             log_result(hook, run.request_id, result, on_output is None and keep_output)
             return result
         finally:
+            self.metrics.run_ended(hook.id, run_outcome(result, self.stopping)[0],
+                                   time.monotonic() - began if result.started else None)
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
 
@@ -2452,18 +2511,34 @@ class Pipeline:
         keep_alive = stream.end_chunks(complete=result.ok)
         return Response(success, b"", headers, close=not keep_alive, sent=True)
 
-    def status_response(self, head, remote_addr):
-        """The status page; an untrusted client (see RunsPage.trusted) sees only whether the
-        daemon is healthy, never hook ids (some hooks rely on theirs being secret), paths,
-        load errors or runs."""
+    def status_response(self, head, raw_query, remote_addr):
+        """The status page (as HTML to a browser, with the runs the query asks for); an
+        untrusted client (see RunsPage.trusted) sees only whether the daemon is healthy, never
+        hook ids (some hooks rely on theirs being secret), paths, load errors or runs."""
         if head.method not in ("GET", "HEAD"):
             return Response(405)
         health = {"status": "degraded" if self.registry.count() == 0
                   or self.registry.last_reload_failed else "ok", "version": VERSION}
+        as_html = prefers_html(head)
         if not self.runs_page.trusted(head, remote_addr):
-            return json_response(200, health)
-        return json_response(200, dict(health, **status_details(self.registry, self.runs,
-                                                                self.started)))
+            return self.runs_page.refused(health) if as_html else json_response(200, health)
+        details = dict(health, **status_details(self.registry, self.runs, self.started))
+        if as_html:
+            return self.runs_page.listing(raw_query, True, details)
+        return json_response(200, details)
+
+    def metrics_response(self, head, remote_addr):
+        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
+        -status-token as its bearer token)."""
+        if head.method not in ("GET", "HEAD"):
+            return Response(405)
+        if not self.runs_page.trusted(head, remote_addr):
+            return json_response(403, {"error": "metrics are served with Authorization: Bearer "
+                                                "<-status-token>, or without one set to loopback "
+                                                "clients no proxy relays"})
+        body = self.metrics.render(self.registry, self.runner, self.background)
+        return Response(200, body, {"Content-Type": METRICS_CONTENT_TYPE,
+                                    "Cache-Control": "no-store"})
 
 
 def status_details(registry, runs, started):
@@ -3078,11 +3153,12 @@ class HookRequest:
     """What rules and arguments can see of one request."""
 
     __slots__ = ("id", "method", "remote_addr", "headers", "query", "payload", "body",
-                 "content_type", "allow_signature_errors")
+                 "raw_body", "content_type", "allow_signature_errors")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
         self.headers, self.query, self.body = headers, query, body
+        self.raw_body = body  # as received, even where `body` is emptied (multipart)
         self.content_type, self.payload = content_type, None
         self.allow_signature_errors = False
 
@@ -3278,7 +3354,41 @@ def peer_host(remote_addr):
     return host.strip(" ").lstrip("[").rstrip("]")
 
 
+UNKNOWN_CLIENT = "unknown"  # -trusted-proxy: a relayed address that could not be read
+
+
+def parse_ip(text):
+    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+def forwarded_client(remote_addr, forwarded_for, trusted):
+    """The client behind a peer (`remote_addr`, host:port) in a -trusted-proxy range: the
+    right-most entry of X-Forwarded-For (`forwarded_for`: its lines joined in order) that is
+    not in those ranges, or the left-most if all are; written host:port with the peer's port
+    (the client's own is not forwarded).  An entry that is not an address, written by a proxy
+    we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits (fail closed).
+    Any other peer, or an empty header: `remote_addr`, as Go, whatever the header says."""
+    host, port = peer_host(remote_addr), remote_addr.rpartition(":")[2]
+    hop = parse_ip(host)
+    if hop is None or not any(hop in net for net in trusted) or not forwarded_for.strip():
+        return remote_addr
+    for entry in reversed(forwarded_for.split(",")):  # linear; the head is bounded
+        hop = parse_ip(entry.strip(" \t").strip("[]"))
+        if hop is None:
+            return UNKNOWN_CLIENT
+        if not any(hop in net for net in trusted):
+            break
+    return format_peer((str(hop), int(port)))
+
+
 def check_ip_whitelist(remote_addr, ip_range):
+    if remote_addr == UNKNOWN_CLIENT:
+        return False, None
     try:
         address = ipaddress.ip_address(peer_host(remote_addr))
     except ValueError:
@@ -3358,14 +3468,16 @@ def rules_satisfied(hook, request):
 KILL_GRACE_SECONDS = 5.0
 PIPE_GRACE_SECONDS = 1.0  # how long output is still read once the command has ended
 EXIT_CHECK_SECONDS = 0.2  # how often a silent command is checked for having ended
+PIPE_WRITE_BYTES = 65536  # one write to a command's stdin: a pipe's usual capacity
 
 
 class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
-    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages):
+    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
+        self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
 
 
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
@@ -3448,7 +3560,7 @@ def build_invocation(hook, request):
                 messages.append("error decoding string [%s]" % error)
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
-                      messages)
+                      messages, request.raw_body if hook.payload_to_stdin else None)
 
 
 def write_temp_files(invocation):
@@ -3530,19 +3642,40 @@ def go_quote_list(items):
                           for item in items) + "]"
 
 
-def wait_readable(fd, seconds):
-    """Whether fd became readable within the time; poll() where the system has it (select()
-    cannot watch descriptors above FD_SETSIZE)."""
+def wait_ready(fd, seconds, writing=False):
+    """Whether fd became readable (or writable) within the time; poll() where the system has it
+    (select() cannot watch descriptors above FD_SETSIZE)."""
     if hasattr(select, "poll"):
         poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        poller.register(fd, select.POLLOUT if writing else select.POLLIN)
         return bool(poller.poll(seconds * 1000.0))
-    return bool(select.select([fd], [], [], seconds)[0])
+    readers, writers = ([], [fd]) if writing else ([fd], [])
+    readable, writable, _ = select.select(readers, writers, [], seconds)
+    return bool(readable or writable)
+
+
+def feed_stdin(pipe, data, finished):
+    """pass-payload-to-stdin, in a thread of its own so that a command that reads nothing or
+    writes a lot blocks neither side: write `data`, then close the pipe.  Ends quietly when
+    the command stops reading (EPIPE) or once the run is over (`finished`: something it
+    started may hold the pipe open without reading)."""
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    rest = memoryview(data)
+    try:
+        while rest and not finished.is_set():
+            if wait_ready(fd, EXIT_CHECK_SECONDS, writing=True):
+                with contextlib.suppress(BlockingIOError):
+                    rest = rest[os.write(fd, rest[:PIPE_WRITE_BYTES]):]
+    except OSError:  # EPIPE: the command exited or closed its stdin before reading it all
+        pass
+    finally:
+        pipe.close()
 
 
 class Runner:
-    """The one way a command runs: argv (never a shell), stdin /dev/null, stdout and stderr in one
-    pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
+    """The one way a command runs: argv (never a shell), stdin /dev/null (or the request body:
+    pass-payload-to-stdin), stdout and stderr in one pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
     removed afterwards.  Remembers the running processes for kill_all()."""
 
     def __init__(self):
@@ -3589,15 +3722,21 @@ class Runner:
         try:
             proc = subprocess.Popen(
                 invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
+                stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL
             return CommandResult(False, error=exc)
         with self.lock:
             self.processes.add(proc)
+        fed = threading.Event()
+        if proc.stdin is not None:
+            threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
+                             name="stdin", daemon=True).start()
         try:
             return self._wait(proc, timeout, on_output, request_id)
         finally:
+            fed.set()
             with self.lock:
                 self.processes.discard(proc)
             if proc.stdout is not None:
@@ -3625,7 +3764,7 @@ class Runner:
                 pipe_deadline = now + PIPE_GRACE_SECONDS
             wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
                        if t is not None)
-            if not wait_readable(fd, max(0.0, wait - now)):
+            if not wait_ready(fd, max(0.0, wait - now)):
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out, deadline = True, None
                     self.stop(proc)
@@ -4252,13 +4391,25 @@ def is_loopback_peer(remote_addr):
     """Whether a remote address as format_peer() writes it (`host:port`, `[v6]:port`, `@`) is
     on this machine's loopback.  Unix socket peers (`@`) are not: a reverse proxy usually sits
     behind such a socket, passing on clients from anywhere."""
-    host = peer_host(remote_addr).split("%")[0]
+    ip = parse_ip(peer_host(remote_addr).split("%")[0])
+    return ip is not None and ip.is_loopback
+
+
+def names_loopback(host):
+    """Whether a Host header names this machine's loopback (or is absent, as in HTTP/1.0).  A
+    web page whose DNS name its owner re-points at 127.0.0.1 makes the browser send that name:
+    refusing it keeps such a page from reading the status of the browser's own machine."""
+    if host.startswith("["):
+        name = host[1:host.find("]")]
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    name = name.rstrip(".").lower()
+    if name in ("", "localhost") or name.endswith(".localhost"):
+        return True
     try:
-        ip = ipaddress.ip_address(host)
+        return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
 
 
 def json_response(status, document):
@@ -4269,51 +4420,65 @@ def json_response(status, document):
 
 class RunsPage:
     """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
-    clients only (see `trusted`)."""
+    clients only (see `trusted`); as JSON, or as HTML pages (RunsHtml) to browsers."""
 
     def __init__(self, store, status_path, token):
         self.store, self.prefix, self.token = store, status_path + "/runs", token
+        self.html = RunsHtml(status_path)
 
     def wants(self, path):
         return path == self.prefix or path.startswith(self.prefix + "/")
 
     def trusted(self, head, remote_addr):
         """The one check for all that shows hooks or runs: with -status-token, the bearers of
-        the token, whoever they are; without, loopback clients no proxy relays."""
+        the token (or browsers giving it as their Basic password), whoever they are; without,
+        loopback clients no proxy relays."""
         if self.token:
-            scheme, _, given = head.get("Authorization").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode("utf-8", "surrogateescape"), self.token.encode())
+            given = authorization_token(head.get("Authorization"))
+            return given is not None and hmac.compare_digest(given, self.token.encode())
         relayed = any(name in head.headers for name in RELAY_HEADERS)
-        return is_loopback_peer(remote_addr) and not relayed
+        return (is_loopback_peer(remote_addr) and not relayed
+                and names_loopback(head.get("Host")))
+
+    def refused(self, health=None):
+        """What an untrusted browser gets: a sign-in prompt where a token would help."""
+        return self.html.refused(health, bool(self.token))
 
     def answer(self, head, path, raw_query, remote_addr, stream, stopped):
         if head.method not in ("GET", "HEAD"):
             return Response(405)
+        as_html = prefers_html(head)
         if not self.trusted(head, remote_addr):
+            if as_html:
+                return self.refused()
             return json_response(403, {"error": "run history is served with Authorization: "
                                                 "Bearer <-status-token>, or without one set to "
                                                 "loopback clients no proxy relays"})
         parts = path[len(self.prefix):].split("/")[1:]
         if not parts:
-            return self.listing(raw_query)
+            return self.listing(raw_query, as_html)
         record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
         if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
+            if as_html:
+                return self.html.problem(404, "Run not found", "No run has this id (any more).")
             return json_response(404, {"error": "run not found"})
-        if len(parts) == 1:
-            return json_response(200, record.as_dict())
-        return self.output(head, record, stream, stopped)
+        if len(parts) == 2:
+            return self.output(head, record, stream, stopped)
+        if as_html:
+            return self.html.run(record.as_dict(), self.store.read_output(record)[0])
+        return json_response(200, record.as_dict())
 
-    def listing(self, raw_query):
-        query = parse_query(raw_query)[0]
-        limit = query.get("limit", "100")
-        if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
-            return json_response(400, {"error": "limit must be a whole number from 1 to 10000"})
-        state = query.get("state")
-        if state is not None and state not in RUN_STATES:
-            return json_response(400, {"error": "state must be one of " + ", ".join(RUN_STATES)})
-        return json_response(200, self.store.listing(query.get("hook"), state,
-                                                     int(limit)))
+    def listing(self, raw_query, as_html=False, details=None):
+        """The runs a query asks for; as HTML, below the status page's `details` if given."""
+        chosen, problem = runs_filter(raw_query)
+        if problem:
+            if as_html:
+                return self.html.problem(400, "Bad filter", problem)
+            return json_response(400, {"error": problem})
+        runs = self.store.listing(*chosen)
+        if as_html:
+            return self.html.overview(details, runs, chosen)
+        return json_response(200, runs)
 
     def output(self, head, record, stream, stopped):
         """The kept output; while the run goes on, streamed (chunked) until it ends."""
@@ -4332,6 +4497,462 @@ class RunsPage:
             data, position, ended = self.store.read_output(record, position)
         keep_alive = stream.end_chunks()
         return Response(200, b"", headers, close=not keep_alive, sent=True)
+
+
+def runs_filter(raw_query):
+    """((hook, state, limit), None) for a run-list query, or (None, what is wrong with it)."""
+    query = parse_query(raw_query)[0]
+    limit = query.get("limit", "100")
+    if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
+        return None, "limit must be a whole number from 1 to 10000"
+    state = query.get("state") or None
+    if state is not None and state not in RUN_STATES:
+        return None, "state must be one of " + ", ".join(RUN_STATES)
+    return (query.get("hook") or None, state, int(limit)), None
+
+
+def authorization_token(value):
+    """The token an Authorization header gives, as bytes: `Bearer <token>`, or a browser's
+    `Basic base64(<any user>:<token>)`; None for anything else, malformed included."""
+    scheme, _, given = value.partition(" ")
+    given = given.strip().encode("utf-8", "surrogateescape")
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return given
+    if scheme != "basic":
+        return None
+    try:
+        user_and_password = base64.b64decode(given, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _, colon, password = user_and_password.partition(b":")
+    return password if colon else None
+
+
+ACCEPT_QUALITY = re.compile(r"0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?")  # RFC 9110's qvalue
+
+
+def prefers_html(head):
+    """Whether the Accept header ranks text/html above JSON, as a browser's does.  JSON stays
+    the answer for everything else: no Accept, curl's `*/*`, a tie."""
+    ranges = {}
+    for item in ",".join(head.headers.get("Accept", ())).split(","):
+        media, _, params = item.partition(";")
+        quality = 1.0
+        for param in params.split(";") if params else ():
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                value = value.strip()
+                quality = float(value) if ACCEPT_QUALITY.fullmatch(value) else 0.0
+        ranges.setdefault(media.strip().lower(), quality)
+
+    def rank(media):
+        for key in (media, media.split("/")[0] + "/*", "*/*"):
+            if key in ranges:
+                return ranges[key]
+        return 0.0
+    return rank("text/html") > rank("application/json")
+
+
+def html_text(value):
+    """Text (or a number) made safe inside HTML elements and quoted attributes."""
+    import html  # only when a browser asks: the daemon's idle memory stays as it was
+    return html.escape(str(value), quote=True)
+
+
+def url_part(text, safe=""):
+    """A hook id, run id or path percent-encoded for a link (surrogates kept as their bytes)."""
+    return urllib.parse.quote(text.encode("utf-8", "surrogateescape"), safe=safe)
+
+
+RUNS_PAGE_STYLE = """
+:root{color-scheme:light dark;--muted:#767676;--line:#8885}
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
+max-width:75rem;padding:.75rem}
+h1{font-size:1.35rem;margin:.2rem 0 .6rem}h2{font-size:1.1rem;margin:1.5rem 0 .5rem}
+a{color:inherit}nav{margin-bottom:.5rem}.wide{overflow-x:auto}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid var(--line);
+vertical-align:top;white-space:nowrap}
+td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
+.state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
+.s-failed,.s-timed-out,.s-killed,.s-interrupted,.bad{color:#dc2626}.muted{color:var(--muted)}
+form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
+label{display:flex;flex-direction:column;font-size:.85rem}
+input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
+dl{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem;margin:0}
+dt{color:var(--muted)}dd{margin:0;word-break:break-word}
+pre{background:#8881;border:1px solid var(--line);padding:.6rem;white-space:pre-wrap;
+word-break:break-word;font-size:.85rem;min-height:1.5rem}
+pre:empty::before{content:"no output";color:var(--muted)}
+@media (max-width:40rem){body{font-size:14px;padding:.5rem}th,td{padding:.25rem .3rem}}
+"""
+
+# A running run's page follows its output (the streamed `/output`) and, once that ends,
+# takes the run's final state from its page, read again; without JavaScript, a reload does.
+RUNS_PAGE_SCRIPT = """
+"use strict";
+(function () {
+  function say(text) {
+    var note = document.getElementById("live");
+    if (note) note.textContent = text;
+  }
+  function refresh() {
+    return fetch(location.pathname, {headers: {Accept: "text/html"}, cache: "no-store"})
+      .then(function (answer) {
+        if (!answer.ok) throw new Error("HTTP " + answer.status);
+        return answer.text();
+      }).then(function (text) {
+        var inert = document.createElement("template");  // nothing in it runs or applies
+        inert.innerHTML = text;
+        var fresh = inert.content.getElementById("run");
+        var shown = document.getElementById("run");
+        if (!fresh || !shown) throw new Error("no run in the page");
+        shown.replaceWith(fresh);
+      });
+  }
+  function follow() {
+    var out = document.getElementById("output");
+    if (!out || !out.dataset.live || !window.fetch || !window.TextDecoder) return;
+    say("Following the output live\\u2026");
+    fetch(out.dataset.live, {cache: "no-store"}).then(function (answer) {
+      if (!answer.ok || !answer.body) throw new Error("HTTP " + answer.status);
+      var reader = answer.body.getReader(), text = new TextDecoder(), first = true;
+      function more(part) {
+        if (part.done) return;
+        if (first) out.textContent = "";  // the stream starts again from the kept output
+        first = false;
+        out.append(text.decode(part.value, {stream: true}));
+        return reader.read().then(more);
+      }
+      return reader.read().then(more);
+    }).then(refresh).then(function () {
+      setTimeout(follow, 1000);  // still running (the stream was cut short): follow again
+    }).catch(function (error) {
+      say("Stopped following (" + error.message + "): reload to see more.");
+    });
+  }
+  follow();
+})();
+"""
+
+
+RUNS_PAGE_OUTPUT = 1 << 20  # bytes of a run's output its page holds (the tail); /output has all
+
+
+class RunsHtml:
+    """The status page and the run history as HTML for people: one small page each, with
+    inline CSS (and script, on a run's page) allowed by a per-answer nonce, everything else
+    refused by its Content-Security-Policy.  Shows exactly the documents the JSON answers
+    hold (status_details, the run records, the output), every value escaped."""
+
+    def __init__(self, status_path):
+        self.status_url = url_part(status_path, safe="/")
+
+    def page(self, status, title, body, script=False, headers=()):
+        nonce = base64.b64encode(os.urandom(18)).decode()
+        document = (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            '<link rel="icon" href="data:,"><title>%s</title>\n<style nonce="%s">%s</style>'
+            '</head>\n<body>\n%s\n%s</body></html>\n'
+            % (html_text(title), nonce, RUNS_PAGE_STYLE, body, '<script nonce="%s">%s</script>\n'
+               % (nonce, RUNS_PAGE_SCRIPT) if script else ""))
+        policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
+                  "connect-src 'self'; img-src data:; form-action 'self'; base-uri 'none'; "
+                  "frame-ancestors 'none'" % (nonce, nonce))
+        return Response(status, document.encode("utf-8", "replace"), dict({
+            "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
+            "Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+            "Vary": "Accept, Authorization"}, **dict(headers)))
+
+    # -- pages ---------------------------------------------------------------
+
+    def overview(self, details, runs, chosen):
+        """The status page (`details`, as status_details gives them) above the runs the filter
+        `chosen` (hook, state, limit) picked; without details, the runs alone."""
+        parts = [self.nav()] if details is None else [self.summary(details),
+                                                      self.hooks(details), self.files(details)]
+        parts.append(self.runs(runs, chosen))
+        return self.page(200, "webhookd" if details else "webhookd runs", "\n".join(parts))
+
+    def run(self, record, output):
+        """A run's record and its kept output; followed live while the run goes on."""
+        live = record["state"] not in RUN_ENDED
+        facts = [("Hook", self.link(self.hook_url(record["hook"]), record["hook"])),
+                 ("State", self.state(record)), ("Exit", self.exit(record)),
+                 ("Queued", self.when(record["queued_at"])),
+                 ("Started", self.when(record["started_at"])),
+                 ("Ended", self.when(record["ended_at"])),
+                 ("Took", self.how_long(record["duration_ms"])),
+                 ("From", html_text(record["remote_addr"] or "-")),
+                 ("Request id", html_text(record["request_id"] or "-")),
+                 ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
+                                            if record["output_truncated"] else ""))]
+        if record["storage_error"]:
+            facts.append(("Not saved", '<span class="bad">%s</span>'
+                          % html_text(record["storage_error"])))
+        raw = html_text(self.run_url(record["id"]) + "/output")
+        notes = ['<p id="live" class="muted">This run is still going: reload to see more.</p>'
+                 if live else ""]
+        if len(output) > RUNS_PAGE_OUTPUT:  # a page a browser can hold; the rest is one click
+            output = output[-RUNS_PAGE_OUTPUT:]
+            notes.append('<p class="muted">Only the last %d KiB are shown here: <a href="%s">'
+                         'all the kept output</a>.</p>' % (RUNS_PAGE_OUTPUT >> 10, raw))
+        body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output <small>(<a href="%s">raw'
+                '</a>)</small></h2>%s\n<pre id="output"%s>%s</pre></main>'
+                % (self.nav(), html_text(record["id"]), self.facts(facts), raw, "".join(notes),
+                   ' data-live="%s"' % raw if live else "",
+                   html_text(output.decode("utf-8", "replace"))))
+        return self.page(200, "webhookd run %s" % record["id"], body, script=True)
+
+    def refused(self, health, token):
+        """401 with a Basic challenge where the token is the way in; else the health alone
+        (200, as the JSON) on the status page, 403 under it."""
+        said = "<p>webhookd is %s.</p>" % html_text(health["status"]) if health else ""
+        if token:
+            return self.page(401, "webhookd: sign in", (
+                "<main><h1>Sign in</h1>%s<p>Hooks and runs are shown to those who give the "
+                "status token: as the password, with any user name.</p></main>" % said),
+                headers={"WWW-Authenticate": 'Basic realm="webhookd", charset="UTF-8"'})
+        return self.page(403 if health is None else 200, "webhookd", (
+            "<main><h1>Not shown here</h1>%s<p>Hooks and runs are shown only to clients on "
+            "this machine that no proxy relays, or to those who give the status token once "
+            "one is set.</p></main>" % said))
+
+    def problem(self, status, title, message):
+        return self.page(status, "webhookd: " + title, "%s\n<main><h1>%s</h1><p>%s</p></main>"
+                         % (self.nav(), html_text(title), html_text(message)))
+
+    # -- sections ------------------------------------------------------------
+
+    def summary(self, details):
+        status = details["status"]
+        last_load = self.when(details["last_load"])
+        if details["last_reload_failed"]:
+            last_load += ' <span class="bad">(failed)</span>'
+        facts = [("Status", '<span class="%s">%s</span>' % ("good" if status == "ok" else "bad",
+                                                           html_text(status))),
+                 ("Hooks loaded", html_text(details["hooks_loaded"])),
+                 ("Runs", "%d running, %d queued" % (details["runs_in_progress"],
+                                                     details["runs_queued"])),
+                 ("Started", self.when(details["started"])), ("Last load", last_load),
+                 ("Version", "webhookd.py %s (webhook %s)" % (
+                     html_text(details["webhookd_version"]), html_text(details["version"])))]
+        return "<header><h1>webhookd</h1>\n%s</header>" % self.facts(facts)
+
+    def hooks(self, details):
+        rows = []
+        for hooks_file in details["hooks_files"]:
+            for hook_id in hooks_file["hooks"]:
+                last = details["last_runs"].get(hook_id)
+                now = details["runs"].get(hook_id)
+                rows.append((
+                    self.link(self.hook_url(hook_id), hook_id),
+                    self.link(self.run_url(last["id"]), self.state(last), escape=False)
+                    if last else '<span class="muted">never run</span>',
+                    self.when(last and (last["started_at"] or last["queued_at"])),
+                    self.how_long(last and last["duration_ms"]),
+                    "%d running, %d queued" % (now["running"], now["queued"]) if now else "",
+                    html_text(hooks_file["path"])))
+        return self.table("Hooks", ("Hook", "Last run", "When", "Took", "Now", "File"), rows,
+                          "No hook is loaded.")
+
+    def files(self, details):
+        rows = [(html_text(hooks_file["path"]), html_text(len(hooks_file["hooks"])),
+                 self.when(hooks_file["last_load"]),
+                 '<td class="text bad">%s' % html_text(hooks_file["error"])
+                 if hooks_file["error"] else "loaded")
+                for hooks_file in details["hooks_files"]]
+        return self.table("Hooks files", ("File", "Hooks", "Loaded at", "Last load"), rows, "")
+
+    def runs(self, runs, chosen):
+        hook, state, limit = chosen
+        states = "".join('<option%s>%s</option>' % (" selected" if name == state else "", name)
+                         for name in RUN_STATES)
+        form = ('<form method="get"><label>Hook <input name="hook" value="%s"></label>'
+                '<label>State <select name="state"><option value="">any</option>%s</select>'
+                '</label><label>At most <input name="limit" type="number" min="1" '
+                'max="10000" value="%d"></label><button>Show</button></form>'
+                % (html_text(hook or ""), states, limit))
+        rows = [(self.link(self.run_url(run["id"]), run["id"]),
+                 self.link(self.hook_url(run["hook"]), run["hook"]), self.state(run),
+                 self.when(run["queued_at"]), self.how_long(run["duration_ms"]), self.exit(run))
+                for run in runs]
+        return self.table("Runs", ("Run", "Hook", "State", "Queued", "Took", "Exit"), rows,
+                          "No run matches.", form)
+
+    # -- pieces --------------------------------------------------------------
+
+    def nav(self):
+        return '<nav><a href="%s">webhookd status</a> &middot; <a href="%s/runs">all runs</a>' \
+               '</nav>' % (self.status_url, self.status_url)
+
+    @staticmethod
+    def table(title, columns, rows, empty, before=""):
+        """A titled table of rows of HTML cells (a cell may open its own `<td ...>`)."""
+        head = "".join("<th>%s</th>" % name for name in columns)
+        body = "\n".join("<tr>%s</tr>" % "".join(cell if cell.startswith("<td") else
+                                                 "<td>%s" % cell for cell in row)
+                         for row in rows)
+        if not rows:
+            return "<section><h2>%s</h2>%s<p class=\"muted\">%s</p></section>" % (
+                title, before, empty) if empty else ""
+        return ('<section><h2>%s</h2>%s<div class="wide"><table><thead><tr>%s</tr></thead>\n'
+                '<tbody>%s</tbody></table></div></section>' % (title, before, head, body))
+
+    @staticmethod
+    def facts(pairs):
+        return "<dl>%s</dl>" % "".join("<dt>%s</dt><dd>%s</dd>" % pair for pair in pairs)
+
+    @staticmethod
+    def link(url, text, escape=True):
+        return '<a href="%s">%s</a>' % (html_text(url), html_text(text) if escape else text)
+
+    def hook_url(self, hook_id):
+        return "%s?hook=%s" % (self.status_url, url_part(hook_id))
+
+    def run_url(self, run_id):
+        return "%s/runs/%s" % (self.status_url, url_part(run_id))
+
+    @staticmethod
+    def state(record):
+        return '<span class="state s-%s">%s</span>' % (html_text(record["state"]),
+                                                        html_text(record["state"]))
+
+    @staticmethod
+    def exit(record):
+        if record["signal"]:
+            return html_text(record["signal"])
+        return '<span class="muted">-</span>' if record["exit_code"] is None else \
+            "exit %s" % html_text(record["exit_code"])
+
+    @staticmethod
+    def when(iso):
+        if not iso or not isinstance(iso, str):  # (a record from -runs-dir may be hand-edited)
+            return '<span class="muted">-</span>'
+        return '<time datetime="%s">%s</time>' % (
+            html_text(iso), html_text(iso.replace("T", " ").replace("Z", " UTC")))
+
+    @staticmethod
+    def how_long(ms):
+        if not isinstance(ms, int):
+            return '<span class="muted">-</span>'
+        if ms < 1000:
+            return "%d ms" % ms
+        if ms < 60000:
+            return "%.1f s" % (ms // 100 / 10.0)
+        minutes, seconds = divmod(ms // 1000, 60)
+        return "%d min %d s" % (minutes, seconds) if minutes < 60 else \
+            "%d h %d min" % divmod(minutes, 60)
+
+
+# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
+
+
+def label_value(value):
+    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metric_labels(**labels):
+    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
+                             for name, value in labels.items())
+
+
+def metric_family(name, kind, help, samples):
+    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
+    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
+    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
+                                      else repr(float(value)))
+              for suffix, labels, value in samples]
+    return lines
+
+
+class Metrics:
+    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
+    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
+    labels come from loaded hooks only, never from a request: the series stay as few as the
+    hooks (those a reload removed keep their counts)."""
+
+    def __init__(self, started):
+        self.started = started
+        self.lock = threading.Lock()
+        self.answers = {}  # status code -> answers sent
+        self.runs = {}  # (hook id, final state) -> runs
+        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
+
+    def answered(self, status):
+        with self.lock:
+            self.answers[status] = self.answers.get(status, 0) + 1
+
+    def run_ended(self, hook_id, state, seconds):
+        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
+        with self.lock:
+            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
+            if seconds is not None:
+                counts = self.durations.get(hook_id)
+                if counts is None:
+                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
+                    counts.append(0.0)
+                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
+                counts[-1] += seconds
+
+    def render(self, registry, runner, background):
+        """The exposition text: bytes."""
+        with self.lock:
+            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
+            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
+        queued = background.jobs.qsize() + sum(len(gate.waiting)
+                                               for gate in list(registry.gates.values()))
+        python = "%d.%d.%d" % sys.version_info[:3]
+        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
+                              "it reproduces, and the Python it runs on.", [(
+                                  "", metric_labels(version=__version__, webhook_version=VERSION,
+                                                    python=python,
+                                                    implementation=sys.implementation.name), 1)])
+        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
+                               "time).", [("", "", self.started)])
+        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
+                               "status code.", [("", metric_labels(code=code), count)
+                                                for code, count in answers])
+        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
+                               [("", "", registry.count())])
+        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
+                               "(at start, on a signal or by -hotreload) in which a file failed "
+                               "to load.", [("", "", registry.load_failures)])
+        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
+                               "loaded at the last (re)load, else 0.",
+                               [("", "", 0 if registry.last_reload_failed else 1)])
+        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
+                               "hooks file last loaded (Unix time).",
+                               [("", "", registry.last_good_load or 0)])
+        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
+                               [("", metric_labels(hook=hook_id, state=state), count)
+                                for (hook_id, state), count in runs])
+        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
+                               "ran, by hook (runs whose command never started are left out).",
+                               [sample for hook_id, counts in durations
+                                for sample in histogram_samples(hook_id, counts)])
+        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
+                               [("", "", runner.active)])
+        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
+                               "max-concurrency turn or a -max-async-runs thread.",
+                               [("", "", queued)])
+        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
+
+
+def histogram_samples(hook_id, counts):
+    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
+    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
+    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
+        total += count
+        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
+    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
 def runs_options_problem(opts):

@@ -15,7 +15,12 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
   (c) no search asks for more hits than the key's `maxHitsPerQuery`, and no multi-search runs
       more queries than the key's rate limit allows (each query counts as one request);
   (d) the backend gets the upstream key, never the caller's credential, and no hop-by-hop
-      header the caller sent.
+      header the caller sent;
+  (e) a key's forcedParameters (issue 23): on an index its most specific pattern covers, every
+      search the backend runs has the forced filter AND-ed in after the caller's and the
+      token's, and each other forced parameter as forced (on the routes that take it; a
+      federated query's `facets` in the federation's facetsByIndex); documents of a covered
+      index, and routes whose indexes the guard cannot see, never reach the backend.
 A `GET /authorize` answered 204 is checked as if nginx forwarded the request unchanged.
 
 Seeded: FUZZ_SEED (default fixed), FUZZ_COUNT (cases), FUZZ_CASE (run one case only).
@@ -191,6 +196,23 @@ CREATING = {("POST", "/indexes/{index_uid}/documents"), ("PUT", "/indexes/{index
 # handlers whose index checks the guard cannot see (the chat's search tool, template's document)
 UNVERIFIABLE = {("POST", "/render-template"), ("POST", "/chats/{workspace}/chat/completions")}
 DEFAULT_LIMIT = 20
+# (e) forcedParameters given to some keys of the pool, and which of them each route takes
+FORCED_CHOICES = [
+    {"movies*": {"filter": "public = true", "attributesToRetrieve": ["title"],
+                 "facets": ["genre"], "showRankingScore": False}},
+    {"*": {"filter": ["a = 1", ["b = 2", "c = 3"]]},
+     "tenant_a": {"attributesToRetrieve": ["id", "title"], "matchingStrategy": "all"}},
+]
+FORCED_KEYS = {name for forced in FORCED_CHOICES for entry in forced.values() for name in entry}
+SIMILAR_TAKES = {"filter", "attributesToRetrieve", "retrieveVectors", "showRankingScore",
+                 "showRankingScoreDetails", "rankingScoreThreshold"}
+FACET_SEARCH_TAKES = {"filter", "matchingStrategy", "attributesToSearchOn",
+                      "rankingScoreThreshold", "locales"}
+DOCUMENT_READS = {("GET", "/indexes/{index_uid}/documents"),
+                  ("GET", "/indexes/{index_uid}/documents/{document_id}"),
+                  ("POST", "/indexes/{index_uid}/documents/fetch")}
+FORCED_BYPASSES = {("GET", "/tasks/{task_id}/documents"), ("POST", "/export"),
+                   ("POST", "/render-template"), ("POST", "/chats/{workspace}/chat/completions")}
 
 
 def _route_parts(path):
@@ -263,9 +285,10 @@ class Credential:
     def describe(self):
         key = self.key
         shape = "" if key is None else " key(actions=%s, indexes=%s, expired=%s, cap=%s, " \
-            "rate=%s/second%s)" % (key["actions"], key["indexes"], key["expired"], key["cap"],
-                                   key["rate"],
-            ", deleted" if key["deleted"] else "")
+            "rate=%s/second%s%s)" % (key["actions"], key["indexes"], key["expired"], key["cap"],
+                                     key["rate"], ", deleted" if key["deleted"] else "",
+                                     ", forced=%s" % json.dumps(key["forced"])
+                                     if key.get("forced") else "")
         rules = "" if self.rules is None else " searchRules=%s valid=%s" % (
             json.dumps(self.rules), self.token_valid)
         return self.kind + shape + rules
@@ -340,6 +363,20 @@ class Credential:
     def cap(self):
         key = self.key if self.kind in ("key", "token") else None
         return key["cap"] if key else None
+
+    def forced(self, index):
+        """(e) The parameters the key's most specific forcedParameters pattern forces on
+        `index`, or None."""
+        key = self.key if self.kind in ("key", "token") else None
+        forced = key.get("forced") if key else None
+        hits = [p for p in forced or () if matches(p, index)]
+        if not hits:
+            return None
+        return forced[max(hits, key=lambda p: (not p.endswith("*"), len(p)))]
+
+    def has_forced(self):
+        key = self.key if self.kind in ("key", "token") else None
+        return bool(key and key.get("forced"))
 
     def rate(self):
         """The requests per second the key's perKey rate limit allows, or None."""
@@ -622,6 +659,9 @@ def request_problems(case, method, target, body, unseen_body=False):
         problems.append("(a) write creates missing index %r without indexes.create" % index)
     if key in SEARCH_BODY | SEARCH_QUERY:
         problems += search_problems(case, key, index, body, pairs, unseen_body)
+    if (key in DOCUMENT_READS and cred.forced(index) is not None) or (
+            key in FORCED_BYPASSES and cred.has_forced()):
+        problems.append("(e) %s %s forwarded for a key with forced parameters" % key)
     return problems
 
 
@@ -638,27 +678,67 @@ def search_problems(case, key, index, body, pairs, unseen_body):
                 problems.append("(c) body unseen for a capped key")
             if cred.tenant_filters(index) != [None]:
                 problems.append("(b) body unseen, tenant filter not fused")
+            if cred.forced(index) is not None:
+                problems.append("(e) body unseen, forced parameters not applied")
             return problems
         sent_filter = body.get("filter") if isinstance(body, dict) else None
         hits = asked_hits(body, route) if route != "facet-search" else 0
         caller_filter = body_filter(case.body_value)
     if cap is not None and hits > cap:
         problems.append("(c) asks for %d hits, cap %d" % (hits, cap))
-    problems += filter_problems(cred, index, caller_filter, sent_filter, not isinstance(
-        body, dict) and key in SEARCH_BODY)
+    refused_anyway = not isinstance(body, dict) and key in SEARCH_BODY
+    problems += filter_problems(cred, index, caller_filter, sent_filter, refused_anyway)
+    if not refused_anyway:
+        takes = {"similar": SIMILAR_TAKES, "facet-search": FACET_SEARCH_TAKES}.get(route)
+        problems += forced_problems(cred.forced(index), takes, body if key in SEARCH_BODY
+                                    else None, pairs if key in SEARCH_QUERY else None)
+        facets = (cred.forced(index) or {}).get("facets")
+        if route == "facet-search" and facets is not None and body.get("facetName") not in facets:
+            problems.append("(e) facet search on %r outside the forced facets" % (
+                body.get("facetName"),))
+    return problems
+
+
+def spelled(value):
+    """A forced value as a GET search's query string spells it."""
+    if isinstance(value, list):
+        return ",".join(value)
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def forced_problems(forced, takes, body, pairs, where=""):
+    """(e) Each forced parameter but the filter (checked with the token's) as forced, in a
+    JSON body or a GET's query pairs; `takes`: the route's parameters (None: all)."""
+    problems = []
+    for name, value in (forced or {}).items():
+        if name == "filter" or (takes is not None and name not in takes):
+            continue
+        if body is not None:
+            sent = body.get(name, ABSENT)
+            ok = sent == value
+        else:
+            sent = [v for n, v in pairs if n == name]
+            ok = sent == [spelled(value)] or (value == [] and not sent)
+        if not ok:
+            problems.append("(e)%s %s is %r, forced %r" % (where, name, sent, value))
     return problems
 
 
 def filter_problems(cred, index, caller_filter, sent_filter, refused_anyway=False):
     rules = cred.tenant_filters(index)
-    if rules == [None] or refused_anyway:
+    forced = (cred.forced(index) or {}).get("filter")  # (e) AND-ed after the token's
+    if (rules == [None] and forced is None) or refused_anyway:
         return []
     def plain(value):  # ABSENT and null alike, where a tie lets Meilisearch add nothing
         return None if value is ABSENT else value
-    if any(plain(sent_filter) == plain(fuse(caller_filter, rule)) for rule in rules):
+    def expected(rule):
+        fused = caller_filter if rule is None else fuse(caller_filter, rule)
+        return fused if forced is None else fuse(fused, forced)
+    if any(plain(sent_filter) == plain(expected(rule)) for rule in rules):
         return []
-    return ["(b) filter %s is not %s AND-ed with the token's %s" % (
-        json.dumps(plain(sent_filter)), json.dumps(plain(caller_filter)), json.dumps(rules))]
+    return ["(b/e) filter %s is not %s AND-ed with the token's %s and the forced %s" % (
+        json.dumps(plain(sent_filter)), json.dumps(plain(caller_filter)), json.dumps(rules),
+        json.dumps(forced))]
 
 
 def body_filter(query):
@@ -672,8 +752,9 @@ def multi_search_problems(case, body, unseen_body, restricted):
     cap = cred.cap()
     rate = cred.rate()
     if unseen_body:
-        if restricted or cap is not None or rate is not None:
-            problems.append("(a) multi-search body unseen for a restricted, capped or rated key")
+        if restricted or cap is not None or rate is not None or cred.has_forced():
+            problems.append("(a) multi-search body unseen for a restricted, capped, rated or "
+                            "forced key")
         return problems
     if not isinstance(body, dict) or not isinstance(body.get("queries"), list):
         return problems
@@ -693,6 +774,14 @@ def multi_search_problems(case, body, unseen_body, restricted):
         before = body_filter(caller_queries[position] if position < len(caller_queries) else {})
         problems += ["queries[%d]: %s" % (position, p) for p in filter_problems(
             cred, uid, before, query.get("filter"))]
+        forced = cred.forced(uid)
+        problems += forced_problems(forced, None if federation is None else
+                                    set(FORCED_KEYS) - {"facets"}, query, None,
+                                    " queries[%d]" % position)
+        by_index = federation.get("facetsByIndex") if isinstance(federation, dict) else None
+        if isinstance(federation, dict) and "facets" in (forced or {}) and (
+                not isinstance(by_index, dict) or by_index.get(uid) != forced["facets"]):
+            problems.append("(e) federation.facetsByIndex of %r is not the forced facets" % uid)
         if federation is None:
             hits = asked_hits(query, "search")
             if cap is not None and hits > cap:
@@ -1114,6 +1203,9 @@ def search_object(rng, route):
         else:
             body[name] = rng.choice([0, 1, 5, 20, 21, 50, 100, 1000, 10 ** 6, "1000", 5.0,
                                      True, -1])
+    if route != "facet-search" and rng.random() < 0.3:
+        body["attributesToRetrieve"] = ["secret"]
+        body["showRankingScore"] = True
     if route == "search" and rng.random() < 0.3:
         body[rng.choice(["page", "hitsPerPage"])] = None
         body["limit"] = rng.choice([1000, 10 ** 6])
@@ -1210,6 +1302,9 @@ def admin(port, method, path, value):
 def make_pool(port, rng):
     """40 keys, two of them (an admin key and a random one) expired by the time it returns."""
     shapes = key_shapes(rng, 40)
+    forcing = random.Random("%d:forced" % SEED)  # apart, so the shapes stay as they were
+    forced_of = [forcing.choice(FORCED_CHOICES) if forcing.random() < 0.25 else None
+                 for _ in shapes]
     pool = [None] * len(shapes)
     expiring = (1, len(shapes) - 1)
     latest = time.time()
@@ -1225,15 +1320,16 @@ def make_pool(port, rng):
             if status != 400 or not expired:
                 break  # (a 400 for an expiring key: the machine was too slow, try again)
         assert status == 201, (actions, indexes, key)
-        restrictions = {"maxHitsPerQuery": cap}
+        restrictions = {"maxHitsPerQuery": cap, "forcedParameters": forced_of[n]}
         if rate is not None:
             restrictions["rateLimit"] = {"perKey": "%d/second" % rate}
-        if cap is not None or rate is not None:
+        if cap is not None or rate is not None or forced_of[n] is not None:
             status, shown = admin(port, "PUT", "/keys/%s/restrictions" % key["uid"],
                                   restrictions)
             assert status == 200, shown
         pool[n] = {"key": key["key"], "uid": key["uid"], "actions": actions,
-                   "indexes": indexes, "expired": expired, "cap": cap, "rate": rate}
+                   "indexes": indexes, "expired": expired, "cap": cap, "rate": rate,
+                   "forced": forced_of[n]}
     status, key = admin(port, "POST", "/keys", {"actions": ["*"], "indexes": ["*"],
                                                 "expiresAt": None})
     assert status == 201 and admin(port, "DELETE", "/keys/" + key["uid"], None)[0] == 204

@@ -1032,8 +1032,11 @@ def test_file_store_survives_reopen_and_holds_no_secrets(tmp_path):
         sk.KeyStore(MASTER, str(path))  # in use by `again`
     assert "in use" in str(info.value) and str(path) in str(info.value)
     again.close()
-    assert sk.KeyStore("another-master", str(path)).by_uid(kept.uid).value == \
-        sk.derive_key("another-master", kept.uid)
+    with pytest.raises(sk.StoreError) as info:  # every key value would change
+        sk.KeyStore("another-master", str(path))
+    assert "another master key" in str(info.value)
+    assert sk.KeyStore("another-master", str(path), master_key_changed=True) \
+        .by_uid(kept.uid).value == sk.derive_key("another-master", kept.uid)
 
 
 def test_loose_store_mode_is_tightened_at_start(tmp_path):

@@ -219,7 +219,7 @@ def test_streamed_output_survives_silences_longer_than_the_write_timeout(tmp_pat
         assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received
         # a follower of a running run's output, the same
         _, headers, _ = daemon.request("GET", "/hooks/deploy")
-        received = raw_answer(port, b"GET /status/runs/%s/output HTTP/1.1\r\nHost: x\r\n"
+        received = raw_answer(port, b"GET /status/runs/%s/output HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                     b"Connection: close\r\n\r\n"
                               % headers["x-webhookd-run"].encode(), timeout=20)
         assert b"first\n" in received and received.endswith(b"second\n\r\n0\r\n\r\n"), received

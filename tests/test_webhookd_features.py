@@ -469,7 +469,7 @@ def test_template_getenv_cat_credential_with_js(tmp_path):
     secret_file.write_text('from "cat"')
     credentials = tmp_path / "creds"
     credentials.mkdir()
-    (credentials / "token").write_text("cred'value")
+    (credentials / "token").write_text("cred'value\n")  # as `echo` writes it: trimmed
     hooks = tmp_path / "hooks.json"
     # the template runs on the raw text, before JSON parsing: quotes inside actions are bare
     hooks.write_text("""[{"id": "t", "execute-command": "/bin/echo",

@@ -26,8 +26,9 @@ NOBODY = 65534
 def raw_get(port, target, header_lines=b""):
     """(status, body) of one GET with these raw header lines (each ending in CRLF)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        data = exchange(sock, b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s\r\n"
-                        % (target.encode(), header_lines))
+        host = b"" if b"Host:" in header_lines else b"Host: 127.0.0.1\r\n"
+        data = exchange(sock, b"GET %s HTTP/1.1\r\n%sConnection: close\r\n%s\r\n"
+                        % (target.encode(), host, header_lines))
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
@@ -55,6 +56,25 @@ def test_any_relay_header_even_empty_keeps_run_output_from_relayed_clients(tmp_p
         assert status == 403 and b"db-password" not in body
         wait_until(lambda: raw_get(daemon.port, output, b"Authorization: Bearer s3cret\r\n")
                    == (200, b"db-password\n"), what="output with the token")
+
+
+def test_a_page_naming_another_host_gets_nothing_even_from_loopback(tmp_path):
+    """DNS rebinding: a web site re-points its name at 127.0.0.1, and the visitor's browser
+    sends that name as Host; only loopback names are trusted without a token."""
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("deploy", "/bin/echo", **{
+        "pass-arguments-to-command": [{"source": "string", "name": "db-password"}]})])
+    with start(hooks) as daemon:
+        run_id = ended(daemon, trigger(daemon, "deploy"))["id"]
+        output = "/status/runs/%s/output" % run_id
+        for host in (b"localhost:%d" % daemon.port, b"127.0.0.1", b"[::1]:1", b"LOCALHOST.",
+                     b"app.localhost"):
+            assert raw_get(daemon.port, output, b"Host: %s\r\n" % host) == (200, b"db-password\n")
+        for host in (b"evil.example:%d" % daemon.port, b"evil.example", b"127.0.0.1.evil.example",
+                     b"[::1", b"0x7f000001"):
+            status, body = raw_get(daemon.port, output, b"Host: %s\r\n" % host)
+            assert status == 403 and b"db-password" not in body, host
+            status, body = raw_get(daemon.port, "/status/metrics", b"Host: %s\r\n" % host)
+            assert status == 403, host
 
 
 def test_status_page_shows_untrusted_callers_only_status_and_version(tmp_path):

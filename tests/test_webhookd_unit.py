@@ -158,11 +158,29 @@ def test_template_expansion():
     assert w.expand_template("a  {{- getenv `NOPE` -}}  b", "t", env) == "ab"
     assert w.js_escape("it's") == "it\\u0027s"
     for bad, message in [('{{ .Env }}', "unsupported template action"),
-                         ('{{ credential "x" }}', "credential 'x'"),
-                         ('{{ cat "/nonexistent" }}', "No such file"),
                          ('x\n {{ getenv "A"', "t:2:2: unclosed template action")]:
         with pytest.raises(w.HooksFileError, match=message):
             w.expand_template(bad, "t", env)
+
+
+def test_template_cat_and_credential_as_upstream_master(tmp_path, caplog):
+    """cat: one trailing newline trimmed, "" when unreadable; credential: the file in
+    $CREDENTIALS_DIRECTORY (no fallback once it is set), else the environment variable."""
+    (tmp_path / "two").write_bytes(b"line\n\n")
+    (tmp_path / "token").write_bytes(b"s3cret\n")
+    (tmp_path / "folder").mkdir()
+    creds = {"CREDENTIALS_DIRECTORY": str(tmp_path), "token": "from-env", "other": "env"}
+    expand = w.expand_template
+    assert expand('{{ cat "%s/two" }}|' % tmp_path, "t", {}) == "line\n|"
+    assert expand('[{{ cat "%s/missing" }}]' % tmp_path, "t", {}) == "[]"
+    assert expand('[{{ cat "%s/folder" }}]' % tmp_path, "t", {}) == "[]"
+    assert "folder" in caplog.text  # a folder is not "missing": it is logged
+    assert expand('{{ credential "token" }}|{{ credential "other" }}|', "t", creds) == "s3cret||"
+    assert expand('{{ credential "token" }}', "t", {"token": "from-env"}) == "from-env"
+    assert expand('[{{ credential "token" }}]', "t", {}) == "[]"
+    for name in ("../two", "a/b", "..", ""):  # never a path out of the folder
+        with pytest.raises(w.HooksFileError, match="not a plain credential name"):
+            expand('{{ credential "%s" }}' % name, "t", creds)
 
 
 def test_look_path(tmp_path):

@@ -1,0 +1,305 @@
+"""Forced search parameters on a key (issue 23, item 1): a restrictions field
+`forcedParameters`, index pattern -> search parameters. Its `filter` is AND-ed with the
+caller's and a tenant token's, every other parameter replaces the caller's, on every route
+that searches a covered index; routes that would bypass them are refused.
+
+Black-box: the real `searchkeys.py serve` in front of the recording stand-in backend of
+tests/test_searchkeys_restrictions.py.
+"""
+import base64
+import hashlib
+import hmac
+import json
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+from support import SEARCHKEYS, scratch_dir
+from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, serve
+from test_searchkeys_restrictions import backend  # noqa: F401 (the stand-in's fixture)
+
+FORCED = {"movies*": {"filter": "public = true", "attributesToRetrieve": ["title", "url"],
+                      "facets": ["genre"], "showRankingScore": False}}
+SHOWN = ["title", "url"]
+
+
+@pytest.fixture(scope="module")
+def guard(backend):
+    with serve(backend) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="module")
+def key(guard):
+    return new_key(guard, {"forcedParameters": FORCED},
+                   actions=("search", "documents.get", "tasks.get", "export"))
+
+
+def token(key, rules):
+    def b64(data):
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+    signing = b64(b'{"alg":"HS256","typ":"JWT"}') + "." + b64(json.dumps(
+        {"searchRules": rules, "apiKeyUid": key["uid"]}).encode())
+    return signing + "." + b64(hmac.new(key["key"].encode(), signing.encode(),
+                                        hashlib.sha256).digest())
+
+
+def send(guard, backend, credential, method, target, body=None):
+    """(status, answer, what the backend got: (method, target, body) or None)."""
+    backend.seen.clear()
+    raw = body if isinstance(body, (str, type(None))) else json.dumps(body)
+    status, _, data = guard.request(method, target, raw,
+                                    dict(JSON, Authorization="Bearer " + credential))
+    return status, json.loads(data) if data else None, backend.seen[-1] if backend.seen else None
+
+
+def query_of(target):
+    return dict(urllib.parse.parse_qsl(target.partition("?")[2], keep_blank_values=True))
+
+
+def test_search_post_fuses_the_filter_and_replaces_the_rest(guard, backend, key):
+    status, _, (_, _, body) = send(guard, backend, key["key"], "POST", "/indexes/movies/search", {
+        "q": "x", "filter": ["year > 2000", ["a = 1", "b = 2"]], "facets": ["secret"],
+        "attributesToRetrieve": ["secret"], "showRankingScore": True,
+        "attributesToHighlight": ["*"], "attributesToCrop": ["url:5", "secret"]})
+    assert status == 200
+    assert body == {"q": "x", "filter": ["year > 2000", ["a = 1", "b = 2"], "public = true"],
+                    "facets": ["genre"], "attributesToRetrieve": SHOWN,
+                    "showRankingScore": False, "attributesToHighlight": SHOWN,
+                    "attributesToCrop": ["url:5"]}
+    # an index no pattern covers is left alone
+    sent = {"q": "x", "attributesToRetrieve": ["secret"]}
+    assert send(guard, backend, key["key"], "POST", "/indexes/books/search", sent)[2][2] == sent
+
+
+def test_duplicate_json_keys_are_read_as_meilisearch_reads_them(guard, backend, key):
+    raw = ('{"q": "x", "filter": "a = 1", "filter": null, "attributesToRetrieve": ["title"], '
+           '"attributesToRetrieve": ["secret"]}')
+    status, _, (_, _, body) = send(guard, backend, key["key"], "POST",
+                                   "/indexes/movies/search", raw)
+    assert status == 200 and body["filter"] == "public = true"  # the last one, null, wins
+    assert body["attributesToRetrieve"] == SHOWN
+
+
+def test_search_get_rewrites_the_query_string(guard, backend, key):
+    target = ("/indexes/movies-2024/search?q=x&attributesToRetrieve=secret&attributesTo%52etrieve"
+              "=secret&filter=year%20%3E%202000&facets=secret&attributesToHighlight=*,secret")
+    status, _, (method, sent, _) = send(guard, backend, key["key"], "GET", target)
+    assert status == 200 and method == "GET"
+    pairs = urllib.parse.parse_qsl(sent.partition("?")[2])
+    assert [v for n, v in pairs if n == "attributesToRetrieve"] == ["title,url"]
+    assert query_of(sent) == {"q": "x", "filter": '["year > 2000","public = true"]',
+                              "facets": "genre", "attributesToRetrieve": "title,url",
+                              "showRankingScore": "false", "attributesToHighlight": "title,url"}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_similar_gets_the_parameters_it_has(guard, backend, key, method):
+    if method == "POST":
+        answer = send(guard, backend, key["key"], "POST", "/indexes/movies/similar",
+                      {"id": 1, "attributesToRetrieve": ["secret"]})
+        forwarded = answer[2][2]
+    else:
+        answer = send(guard, backend, key["key"], "GET",
+                      "/indexes/movies/similar?id=1&attributesToRetrieve=secret")
+        forwarded = query_of(answer[2][1])
+        forwarded["filter"] = json.loads(forwarded["filter"])
+        forwarded["showRankingScore"] = json.loads(forwarded["showRankingScore"])
+        forwarded["attributesToRetrieve"] = forwarded["attributesToRetrieve"].split(",")
+    assert answer[0] == 200
+    # no `facets` there: similar refuses unknown fields
+    assert forwarded == {"id": forwarded["id"], "filter": "public = true",
+                         "attributesToRetrieve": SHOWN, "showRankingScore": False}
+
+
+def test_multi_search_forces_each_query(guard, backend, key):
+    status, _, (_, _, body) = send(guard, backend, key["key"], "POST", "/multi-search", {
+        "queries": [{"indexUid": "movies", "filter": "a = 1", "facets": ["secret"]},
+                    {"indexUid": "books", "facets": ["secret"]}]})
+    assert status == 200
+    assert body["queries"] == [
+        {"indexUid": "movies", "filter": ["a = 1", "public = true"], "facets": ["genre"],
+         "attributesToRetrieve": SHOWN, "showRankingScore": False},
+        {"indexUid": "books", "facets": ["secret"]}]
+
+
+def test_federated_facets_go_through_facets_by_index(guard, backend, key):
+    status, _, (_, _, body) = send(guard, backend, key["key"], "POST", "/multi-search", {
+        "federation": {"facetsByIndex": {"movies": ["secret"], "books": ["author"]},
+                       "mergeFacets": {}},
+        "queries": [{"indexUid": "movies", "attributesToRetrieve": ["secret"]},
+                    {"indexUid": "books"}]})
+    assert status == 200
+    assert body["federation"] == {"facetsByIndex": {"movies": ["genre"], "books": ["author"]},
+                                  "mergeFacets": {}}
+    # a federated query may not carry `facets`: Meilisearch would refuse it
+    assert body["queries"][0] == {"indexUid": "movies", "attributesToRetrieve": SHOWN,
+                                  "filter": "public = true", "showRankingScore": False}
+    # a federation that asked for no facets gets the forced ones of the indexes it queries
+    body = send(guard, backend, key["key"], "POST", "/multi-search", {
+        "federation": {}, "queries": [{"indexUid": "movies-fr"}]})[2][2]
+    assert body["federation"] == {"facetsByIndex": {"movies-fr": ["genre"]}}
+
+
+def test_facet_search_gets_the_filter_and_only_forced_facets(guard, backend, key):
+    status, _, (_, _, body) = send(guard, backend, key["key"], "POST",
+                                   "/indexes/movies/facet-search",
+                                   {"facetName": "genre", "facetQuery": "d", "filter": "a = 1"})
+    assert status == 200
+    assert body == {"facetName": "genre", "facetQuery": "d", "filter": ["a = 1", "public = true"]}
+    status, error, seen = send(guard, backend, key["key"], "POST",
+                               "/indexes/movies/facet-search", {"facetName": "secret"})
+    assert status == 403 and seen is None
+    assert error["code"] == "forbidden_by_restriction" and "forcedParameters" in error["message"]
+
+
+@pytest.mark.parametrize("method, target", [
+    ("GET", "/indexes/movies/documents"),
+    ("GET", "/indexes/movies/documents/1"),
+    ("POST", "/indexes/movies-2024/documents/fetch"),
+    ("GET", "/tasks/3/documents"),
+    ("POST", "/export"),
+])
+def test_routes_that_would_bypass_them_are_refused(guard, backend, key, method, target):
+    status, error, seen = send(guard, backend, key["key"], method, target,
+                               "{}" if method == "POST" else None)
+    assert status == 403 and seen is None
+    assert error["code"] == "forbidden_by_restriction" and error["type"] == "auth"
+    assert "forcedParameters" in error["message"] and "public" not in error["message"]
+
+
+def test_documents_of_an_index_they_do_not_cover_stay_readable(guard, backend, key):
+    status, _, seen = send(guard, backend, key["key"], "GET", "/indexes/books/documents")
+    assert status == 200 and seen[1] == "/indexes/books/documents"
+
+
+@pytest.mark.parametrize("rules, expected", [
+    (["movies"], "public = true"),
+    ({"movies*": {"filter": "lang = fr"}}, ["lang = fr", "public = true"]),
+])
+def test_tenant_tokens_inherit_them(guard, backend, key, rules, expected):
+    credential = token(key, rules)
+    status, _, (_, _, body) = send(guard, backend, credential, "POST", "/indexes/movies/search",
+                                   {"attributesToRetrieve": ["secret"]})
+    assert status == 200 and body["filter"] == expected
+    assert body["attributesToRetrieve"] == SHOWN
+    status, _, (_, target, _) = send(guard, backend, credential, "GET",
+                                     "/indexes/movies/search?filter=a%3D1")
+    wanted = ["a=1"] + (expected if isinstance(expected, list) else [expected])
+    assert status == 200 and json.loads(query_of(target)["filter"]) == wanted
+    assert send(guard, backend, credential, "POST", "/indexes/movies/documents/fetch",
+                "{}")[0] == 403
+
+
+def test_authorize_refuses_what_it_cannot_rewrite(guard, key):
+    def authorize(method, uri):
+        return guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + key["key"], "X-Original-Method": method,
+            "X-Original-URI": uri})[0]
+    assert authorize("GET", "/indexes/movies/search?q=x") == 403
+    assert authorize("GET", "/indexes/movies/documents") == 403
+    assert authorize("POST", "/multi-search") == 403
+    assert authorize("GET", "/indexes/books/search?q=x") == 204
+
+
+def test_a_key_without_them_is_forwarded_as_sent(guard, backend):
+    plain = new_key(guard, {"maxHitsPerQuery": 50}, actions=("search", "documents.get"))
+    sent = {"q": "x", "limit": 5, "attributesToRetrieve": ["secret"], "facets": ["secret"]}
+    assert send(guard, backend, plain["key"], "POST", "/indexes/movies/search",
+                sent)[2][2] == sent
+    assert send(guard, backend, plain["key"], "GET", "/indexes/movies/documents")[0] == 200
+
+
+@pytest.mark.parametrize("forced, message", [
+    ([], "Invalid value type at `.forcedParameters`: expected an object"),
+    ({}, "Invalid value at `.forcedParameters`: give 1 to 100 index patterns"),
+    ({"mov ies": {"filter": "a = 1"}}, "Invalid value at `.forcedParameters.mov ies`: "
+     "`mov ies` is not an index pattern"),
+    ({"movies": {}}, "Invalid value at `.forcedParameters.movies`: give at least one"),
+    ({"movies": {"limit": 3}}, "Unknown field `limit` inside `.forcedParameters.movies`"),
+    ({"movies": {"attributesToRetreive": []}}, "Unknown field `attributesToRetreive` inside "
+     "`.forcedParameters.movies`: did you mean `attributesToRetrieve`?"),
+    ({"movies": {"filter": 3}}, "Invalid value type at `.forcedParameters.movies.filter`: "
+     "expected a string, an array of strings and arrays of strings, or null"),
+    ({"movies": {"filter": [["a = 1", ["b = 2"]]]}}, "Invalid value type at "
+     "`.forcedParameters.movies.filter`"),
+    ({"movies": {"attributesToRetrieve": "title"}}, "Invalid value type at "
+     "`.forcedParameters.movies.attributesToRetrieve`: expected an array of strings"),
+    ({"movies": {"showRankingScore": "yes"}}, "Invalid value type at "
+     "`.forcedParameters.movies.showRankingScore`: expected a boolean"),
+    ({"movies": {"rankingScoreThreshold": 2}}, "Invalid value type at "
+     "`.forcedParameters.movies.rankingScoreThreshold`: expected a number from 0.0 to 1.0"),
+    ({"movies": {"filter": "x" * 17000}}, "Invalid value at `.forcedParameters`: give at most "
+     "16384 bytes"),
+])
+def test_validation_errors(guard, forced, message):
+    plain = new_key(guard, {"forcedParameters": {"books": {"filter": "ok = true"}}})
+    path = "/keys/%s/restrictions" % plain["uid"]
+    status, _, data = guard.request("PUT", path, json.dumps({"forcedParameters": forced}), ADMIN)
+    error = json.loads(data)
+    assert status == 400 and error["code"] == "invalid_restrictions_forced_parameters"
+    assert error["message"].startswith(message) and error["type"] == "invalid_request"
+    assert error["link"].endswith("invalid_restrictions_forced_parameters")
+    shown = json.loads(guard.request("GET", path, None, ADMIN)[2])
+    assert shown["forcedParameters"] == {"books": {"filter": "ok = true"}}
+
+
+def test_they_persist_and_the_cli_sets_them(backend):
+    with scratch_dir("forced-") as folder:
+        store = str(folder / "keys.json")
+        with serve(backend, "--store", store) as daemon:
+            plain = new_key(daemon, None)
+            base = [sys.executable, str(SEARCHKEYS), "keys", "restrict", plain["uid"],
+                    "--url", "http://127.0.0.1:%d" % daemon.port, "--key", MASTER]
+            done = subprocess.run(base + ["--filter", "movies*=public = true", "--fields",
+                                          "title,url", "--force", 'movies*={"facets": []}'],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["forcedParameters"] == {"movies*": {
+                "facets": [], "filter": "public = true", "attributesToRetrieve": SHOWN}}
+            for bad, words in ((["--fields", "a,b"], "name the indexes"),
+                               (["--filter", "public = true"], "write INDEX=VALUE"),
+                               (["--force", "movies={"], "not JSON"),
+                               (["--force", 'movies={"limit": 1}'], "Unknown field `limit`")):
+                refused = subprocess.run(base + bad, capture_output=True, text=True, timeout=30)
+                assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+                assert "Traceback" not in refused.stderr
+        with serve(backend, "--store", store) as daemon:
+            status, _, (_, _, body) = send(daemon, backend, plain["key"], "POST",
+                                           "/indexes/movies/search", {"q": "x"})
+            assert status == 200 and body == {"q": "x", "filter": "public = true",
+                                              "attributesToRetrieve": SHOWN, "facets": []}
+
+
+def test_the_official_client_searches_within_them(guard, backend, key):
+    meilisearch = pytest.importorskip("meilisearch")
+    from meilisearch.errors import MeilisearchApiError
+    client = meilisearch.Client("http://127.0.0.1:%d" % guard.port, key["key"], timeout=10)
+    backend.seen.clear()
+    client.index("movies").search("x", {"attributesToRetrieve": ["secret"]})
+    client.multi_search([{"indexUid": "movies", "q": "y", "filter": "a = 1"}])
+    assert backend.seen[0][2]["attributesToRetrieve"] == SHOWN
+    assert backend.seen[1][2]["queries"][0]["filter"] == ["a = 1", "public = true"]
+    with pytest.raises(MeilisearchApiError) as refused:
+        client.index("movies").get_documents()
+    assert refused.value.status_code == 403 and refused.value.code == "forbidden_by_restriction"
+
+
+def test_a_get_search_that_cannot_spell_them_is_refused(guard, backend):
+    commas = new_key(guard, {"forcedParameters": {"movies": {"attributesToRetrieve": ["a,b"]}}})
+    status, error, seen = send(guard, backend, commas["key"], "GET", "/indexes/movies/search?q=x")
+    assert status == 403 and seen is None and "use POST" in error["message"]
+    status, _, (_, _, body) = send(guard, backend, commas["key"], "POST",
+                                   "/indexes/movies/search", {"q": "x"})
+    assert status == 200 and body["attributesToRetrieve"] == ["a,b"]
+
+
+def test_a_multi_search_cannot_multiply_them_past_the_body_limit(guard, backend):
+    big = new_key(guard, {"forcedParameters": {"movies": {"filter": "x = '%s'" % ("y" * 16000)}}})
+    queries = {"queries": [{"indexUid": "movies"}] * 1100}  # 1100 x 16 KB > 16 MiB
+    status, error, seen = send(guard, backend, big["key"], "POST", "/multi-search", queries)
+    assert status == 413 and error["code"] == "payload_too_large" and seen is None
+    queries = {"queries": [{"indexUid": "movies"}] * 100}
+    assert send(guard, backend, big["key"], "POST", "/multi-search", queries)[0] == 200
