@@ -2399,17 +2399,17 @@ def check_unseen(principal, route, uri, index):
         raise restriction_refused("forcedParameters", "through `GET /authorize`, which cannot "
                                   "apply its forced search parameters")
     if restrictions.rated and route.searches is not None:
-        raise refused("rate", restriction_refused(
-            "rateLimit", "through `GET /authorize` on a route whose body it never sees"))
+        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
+                                  "it never sees")
     cap = restrictions.max_hits
     if cap is None or route.hits is None:
         return
     if route.hits != QUERY_HITS:
-        raise refused("hits", restriction_refused(
-            "maxHitsPerQuery", "through `GET /authorize` on a route whose body it never sees"))
+        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
+                                  "whose body it never sees")
     asked = search_query_hits(uri.partition("?")[2])[1]
     if asked is None or asked > cap:
-        raise refused("hits", restriction_refused("maxHitsPerQuery", "to ask for this many hits"))
+        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
 
 
 # =============================================================================
@@ -2449,12 +2449,17 @@ def too_many_failures(wait, throttle):
 NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 
+# The refusal reason (see USAGE_REASONS) of each restriction.
+RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+
+
 def restriction_refused(field, what):
     """403 naming the restriction, never its settings."""
     error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
                      "`%s` restriction)." % (what, field), "auth")
     error.headers = NOT_CACHEABLE
-    return error
+    return refused(RESTRICTION_REASONS[field], error)
 
 
 def authorize_headers(principal):
@@ -2506,12 +2511,12 @@ class Gate:
         if address is None:
             address = self.client(request)
         if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
-            raise refused("ip", restriction_refused("allowedIps", "from your address"))
+            raise restriction_refused("allowedIps", "from your address")
         self._take(self._rates(key, address))  # before the referrer check: a refusal counts
         if restrictions.referrers is not None and not referrer_allowed(
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
-            raise refused("referrer", restriction_refused("allowedReferrers", "from this site"))
+            raise restriction_refused("allowedReferrers", "from this site")
         return principal
 
     def charge(self, request, principal, searches):
@@ -2523,8 +2528,7 @@ class Gate:
             return
         wanted = self._rates(key, self.client(request))
         if any(searches > rate.count for _, rate in wanted):
-            raise refused("rate", restriction_refused(
-                "rateLimit", "for %d searches in one request" % searches))
+            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
         for _ in range(searches - 1):
             self._take(wanted)
 
@@ -2573,10 +2577,10 @@ class RestrictionsApi:
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
-# Why the guard refused a request. A key's usage counts the first seven (a
+# Why the guard refused a request. A key's usage counts the first eight (a
 # refusal that names a key); metrics count them all, with "credential" (no
 # key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
-USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits")
+USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced")
 REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late

@@ -22,7 +22,7 @@ from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, scra
 from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, tenant_token
 from test_searchkeys_restrictions import backend  # noqa: F401 - fixture
 
-REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits"]
+REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced"]
 EXPIRED_UID = "11111111-2222-4333-8444-555555555555"
 
 
@@ -100,13 +100,16 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         shown = usage(daemon, key["key"])  # by value, as the other /keys routes
         assert shown["uid"] == key["uid"]
         assert shown["allowed"] == 3 + answers.count(200)
-        assert shown["refused"] == {"action": 1, "index": 1, "expiry": 0,
-                                    "rate": answers.count(429), "referrer": 1, "ip": 1, "hits": 1}
+        assert shown["refused"] == {"action": 1, "index": 1, "expiry": 0, "rate": answers.count(429),
+                                    "referrer": 1, "ip": 1, "hits": 1, "forced": 0}
         last = datetime.datetime.strptime(shown["lastUsedAt"][:19] + "+0000", "%Y-%m-%dT%H:%M:%S%z")
         assert before - datetime.timedelta(seconds=1) <= last <= after
         assert shown["lastUsedAt"].endswith("Z")
         assert usage(daemon, EXPIRED_UID)["refused"] == dict.fromkeys(REASONS, 0) | {"expiry": 1}
         assert usage(daemon, idle["uid"])["lastUsedAt"] is None
+        forced = new_key(daemon, {"forcedParameters": {"movies": {"attributesToRetrieve": ["t"]}}})
+        assert authorize(daemon, forced, "/indexes/movies/search?q=x") == 403
+        assert usage(daemon, forced["uid"])["refused"] == dict.fromkeys(REASONS, 0) | {"forced": 1}
 
 
 def test_usage_route_is_for_the_master_key_and_answers_404_like_meilisearch(backend):
