@@ -3246,11 +3246,6 @@ class KeyStore:
             except StoreWriteError as exc:
                 self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
-    def flush_usage_every(self, seconds, stop):
-        """flush_usage every `seconds` until the Event `stop` is set (serve's thread)."""
-        while not stop.wait(seconds):
-            self.flush_usage()
-
     def _replay(self, change):
         """Apply one line of an older version's journal."""
         if change.get("op") == "put":
@@ -5701,6 +5696,12 @@ def read_token_file(path):
     return token
 
 
+def flush_usage_every(store, seconds, stop):
+    """serve's usage saver: store.flush_usage every `seconds` until the Event `stop` is set."""
+    while not stop.wait(seconds):
+        store.flush_usage()
+
+
 def run_serve(args):
     master_key = args.master_key
     if master_key is None:
@@ -5734,8 +5735,8 @@ def run_serve(args):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     stopping = threading.Event()
-    flusher = threading.Thread(target=store.flush_usage_every, name="usage-flush",
-                               args=(USAGE_FLUSH_SECONDS, stopping), daemon=True)
+    flusher = threading.Thread(target=flush_usage_every, name="usage-flush",
+                               args=(store, USAGE_FLUSH_SECONDS, stopping), daemon=True)
     flusher.start()
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
         len(store), " in " + args.store if args.store else " in memory",
