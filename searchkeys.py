@@ -196,6 +196,7 @@ ERROR_LINK = "https://docs.meilisearch.com/errors#"
 MAX_KEYS_BODY = 1024 * 1024  # bytes accepted on /keys bodies
 MAX_HANDLER_BODY = 16 * 1024 * 1024  # bodies read to check their indexes (multi-search...)
 DEFAULT_URL = "http://127.0.0.1:7700"
+MAX_TOKEN_FILE = 4096  # bytes of --metrics-token-file
 
 
 # =============================================================================
@@ -204,7 +205,12 @@ DEFAULT_URL = "http://127.0.0.1:7700"
 
 
 class ApiError(Exception):
-    """An error answered as upstream's JSON: message, code, type, link."""
+    """An error answered as upstream's JSON: message, code, type, link.
+    A refusal of the guard carries its `reason` (one of REFUSAL_REASONS, for
+    usage and metrics) and, when the credential named one, the `key`."""
+
+    reason = None
+    key = None
 
     def __init__(self, status, code, message, kind="invalid_request"):
         super().__init__(message)
@@ -223,6 +229,12 @@ class ApiError(Exception):
 
 def invalid_api_key(message="The provided API key is invalid."):
     return ApiError(403, "invalid_api_key", message, "auth")
+
+
+def refused(reason, error):
+    """`error`, marked as the guard's refusal for `reason`."""
+    error.reason = reason
+    return error
 
 
 def missing_authorization_header():
@@ -429,12 +441,14 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version", "peer")
+    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family")
 
     def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
         self.method, self.target, self.headers = method, target, headers
         self.body, self.version = body, version
         self.peer = peer  # the socket's remote address (see Gate.client)
+        self.key = None  # the API key it was made with, once known: its usage counts
+        self.family = "other"  # its route's family, for metrics (ROUTE_FAMILIES)
 
     @property
     def path(self):
@@ -1020,7 +1034,8 @@ class Service:
     """The server's request pipeline, pure of sockets: `handle(request)`
     returns the Response; every refusal is upstream's JSON error."""
 
-    def __init__(self, store, master_key, upstream=None, log=None, limits=None):
+    def __init__(self, store, master_key, upstream=None, log=None, limits=None, metrics=None,
+                 metrics_token=None):
         self.store = store
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
@@ -1028,12 +1043,17 @@ class Service:
         self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
+        self.metrics = metrics or Metrics()
+        self.metrics_token = metrics_token  # bytes: --metrics-token-file's token, or None
 
     def handle(self, request):
+        reason = None
         try:
             response = self.dispatch(request)
         except ApiError as error:
             response = Response.error(error, getattr(error, "headers", ()))
+            reason = error.reason
+            request.key = request.key or error.key
         except BrokenBody as exc:
             response = Response.error(bad_request("The request body is malformed: %s." % exc))
         except Exception as exc:  # a bug: answer 500, never a traceback
@@ -1043,6 +1063,9 @@ class Service:
         if request.headers.get("Origin") and not any(
                 name.lower() == "access-control-allow-origin" for name, _ in response.headers):
             response.headers.append(("Access-Control-Allow-Origin", "*"))
+        self.metrics.count(request.family, response.status, reason)
+        if request.key is not None:
+            self.store.usage.count(request.key.uid, reason, time.time_ns())
         return response
 
     def dispatch(self, request):
@@ -1056,15 +1079,20 @@ class Service:
         if route == "method":
             return Response(405)
         route, index, params = route
+        request.family = ROUTE_FAMILIES[route.method, route.pattern]
         if route.local == AUTHORIZE:
             return self.answer_authorize(request)
         if route.local == HEALTH:
             return Response.json(200, {"status": "available"})
+        if route.local == METRICS:
+            return self.answer_metrics(request)
         principal = self.gate.check(request, route.actions, index)
         if route.local == RESTRICTIONS:
             return self.restrictions_api.handle(request, principal, params["key"])
         if route.local == ROTATE:
             return Response.json(201, self.keys_api.rotate(request, principal, params["key"]))
+        if route.local == USAGE:
+            return Response.json(200, self.keys_api.usage(principal, params["key"]))
         if route.local == KEYS:
             status, value = self.keys_api.handle(request, principal, method, params,
                                                  request.query)
@@ -1117,6 +1145,19 @@ class Service:
                 "(use `searchkeys.py serve --upstream` for such keys)")
         check_no_implicit_creation(route, principal, index, self.upstream, 403)
         return Response(204, authorize_headers(principal))
+
+
+    def answer_metrics(self, request):
+        """GET /metrics, this server's: for the token of --metrics-token-file,
+        the master key, or a key granting `metrics.get` (Meilisearch's right
+        to its own /metrics)."""
+        token = self.metrics_token
+        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+        if token is None or scheme != "Bearer" or not hmac.compare_digest(
+                given.encode("utf-8", "replace"), token):
+            self.gate.check(request, ROUTE_INDEX["GET", "/metrics"].actions, None)
+        text = self.metrics.render(len(self.store), len(self.gate.counters))
+        return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
 def _preflight_headers(headers):
@@ -1223,6 +1264,7 @@ class Guard:
                 raise invalid_api_key()
         refusal = authorize(key, action, index, tenant_rules=rules)
         if refusal is not None:
+            refusal.key = key
             raise refusal
         return Principal(key, rules)
 
@@ -1299,16 +1341,18 @@ def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
     if index is not None:
         refusal = Principal(key, tenant_rules).index_refusal(index)
         if refusal is not None:
-            return refusal
-    if action not in key.grants or key.is_expired(now_ns):
-        return invalid_api_key()
+            return refused("index", refusal)
+    if action not in key.grants:
+        return refused("action", invalid_api_key())
+    if key.is_expired(now_ns):
+        return refused("expiry", invalid_api_key())
     if key.is_global or index is not None:
         return None
     # An index-less route with an index-scoped key: only handler-checked
     # actions let it in (the route restricts what it sees).
     if action in HANDLER_CHECKED_ACTIONS and key.indexes:
         return None
-    return invalid_api_key()
+    return refused("index", invalid_api_key())
 
 
 class Principal:
@@ -1564,7 +1608,7 @@ def check_index_creation(principal, index, body):
     """POST /indexes: the new index's uid must be one the key covers."""
     uid = body.get("uid") if isinstance(body, dict) else None
     if isinstance(uid, str) and not principal.may_use_index(uid):
-        raise invalid_api_key()
+        raise refused("index", invalid_api_key())
     return body
 
 
@@ -1579,8 +1623,8 @@ def scope_multi_search(principal, index, body):
         uid = query.get("indexUid") if isinstance(query, dict) else None
         if isinstance(uid, str):
             if not principal.may_use_index(uid):
-                raise invalid_api_key("Inside `.queries[%d]`: The provided API key is invalid."
-                                      % position)
+                raise refused("index", invalid_api_key(
+                    "Inside `.queries[%d]`: The provided API key is invalid." % position))
             query = with_tenant_filter(query, principal.rules, uid)
         scoped.append(query)
     return dict(body, queries=scoped)
@@ -1592,7 +1636,7 @@ def check_index_swap(principal, index, body):
         indexes = swap.get("indexes") if isinstance(swap, dict) else None
         for uid in indexes if isinstance(indexes, list) else ():
             if isinstance(uid, str) and not principal.may_use_index(uid):
-                raise invalid_api_key()
+                raise refused("index", invalid_api_key())
     return body
 
 
@@ -2049,10 +2093,10 @@ NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
 
 
 def scope_not_enforceable(route, where):
-    return invalid_api_key(
+    return refused("index", invalid_api_key(
         "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
         "cannot enforce that scope on `%s %s`%s; the request is refused."
-        % (route.method, route.pattern, " " + where if where else ""))
+        % (route.method, route.pattern, " " + where if where else "")))
 
 
 # =============================================================================
@@ -2063,6 +2107,7 @@ def scope_not_enforceable(route, where):
 # server's own endpoints (not Meilisearch routes: /authorize refuses them).
 KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
 ROTATE = "rotate"
+USAGE, METRICS = "usage", "metrics"
 QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
 
 
@@ -2096,7 +2141,7 @@ class Route(collections.namedtuple(
 
     @property
     def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE)
+        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE, USAGE)
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -2145,6 +2190,7 @@ ROUTES = tuple([
     Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
     Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
     Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), local=ROTATE),
+    Route("GET", "/keys/{key}/usage", ("keys.get",), local=USAGE),
     Route("GET", "/indexes", ("indexes.get",), rule=Rule(
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
     Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
@@ -2202,7 +2248,7 @@ ROUTES = tuple([
         SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
     Route("POST", "/dumps", ("dumps.create",)),
     Route("POST", "/snapshots", ("snapshots.create",)),
-    Route("GET", "/metrics", ("metrics.get",)),
+    Route("GET", "/metrics", ("metrics.get",), local=METRICS),
     Route("POST", "/logs/stream", ("metrics.get",)),
     Route("DELETE", "/logs/stream", ("metrics.get",)),
     Route("POST", "/logs/stderr", ("metrics.get",)),
@@ -2233,6 +2279,25 @@ ROUTES = tuple([
 ])
 ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
 _ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
+
+
+def route_family(route):
+    """The family /metrics counts a route's requests under, one of a small
+    fixed set: search, multi-search, documents, settings, indexes, tasks,
+    keys, authorize, health, metrics, other."""
+    if route.local in (KEYS, RESTRICTIONS, USAGE):
+        return "keys"
+    if route.local is not None:
+        return route.local
+    parts = route.pattern.split("/")
+    if parts[1] == "indexes" and len(parts) > 3:
+        return {"search": "search", "similar": "search", "facet-search": "search",
+                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
+    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
+            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
+
+
+ROUTE_FAMILIES = {(route.method, route.pattern): route_family(route) for route in ROUTES}
 
 
 def is_repeatable(method, pattern):
@@ -2309,9 +2374,9 @@ def check_no_implicit_creation(route, principal, index, upstream, missing_status
     if not route.creates_index or principal.may_create_index(index):
         return
     if upstream is None:
-        raise invalid_api_key(
+        raise refused("action", invalid_api_key(
             "This API key may not create indexes, and searchkeys runs without --upstream, "
-            "so it cannot check that the index `%s` exists; the request is refused." % index)
+            "so it cannot check that the index `%s` exists; the request is refused." % index))
     try:
         fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
                         "asking for index %s" % index)
@@ -2375,8 +2440,8 @@ class TooManyRequests(ApiError):
 
 
 def too_many_failures(wait, throttle):
-    return TooManyRequests("Too many failed authentications from your address; retry later.",
-                           wait, throttle)
+    return refused("throttled", TooManyRequests(
+        "Too many failed authentications from your address; retry later.", wait, throttle))
 
 
 # An answer that depends on more than method, URI and credential (the client's
@@ -2384,12 +2449,17 @@ def too_many_failures(wait, throttle):
 NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 
+# The refusal reason (see USAGE_REASONS) of each restriction.
+RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+
+
 def restriction_refused(field, what):
     """403 naming the restriction, never its settings."""
     error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
                      "`%s` restriction)." % (what, field), "auth")
     error.headers = NOT_CACHEABLE
-    return error
+    return refused(RESTRICTION_REASONS[field], error)
 
 
 def authorize_headers(principal):
@@ -2427,12 +2497,14 @@ class Gate:
                 raise too_many_failures(left, throttle)
         try:
             principal = self.guard.check(request.headers.get("Authorization"), actions, index)
-        except ApiError:
+        except ApiError as error:
+            if error.reason is None:  # no key: none, an unknown one, a bad tenant token
+                error.reason = "credential"
             if throttle is not None and actions and \
                     not self.failures.fail(counter_client(address)):
                 raise too_many_failures(throttle.window, throttle)
             raise
-        key = principal.key
+        key = request.key = principal.key
         restrictions = key.restrictions if key is not None else None
         if restrictions is None:
             return principal
@@ -2474,9 +2546,9 @@ class Gate:
         refusal = self.counters.take(wanted) if wanted else None
         if refusal is not None:
             wait, rate = refusal
-            raise TooManyRequests("Too many requests with this API key (its `rateLimit` "
-                                  "restriction); retry in %d seconds." % max(1, -(-wait // 1)),
-                                  wait, rate)
+            raise refused("rate", TooManyRequests(
+                "Too many requests with this API key (its `rateLimit` restriction); retry in "
+                "%d seconds." % max(1, -(-wait // 1)), wait, rate))
 
 
 class RestrictionsApi:
@@ -2486,9 +2558,7 @@ class RestrictionsApi:
         self.store, self.write = store, write
 
     def handle(self, request, principal, segment):
-        if principal.key is not None:
-            raise ApiError(403, "invalid_api_key", "Only the master key can read or change "
-                           "the restrictions of a key.", "auth")
+        require_master(principal, "read or change the restrictions of a key")
         if request.method == "GET":
             restrictions = self.store.find(segment).restrictions
             return Response.json(200, restrictions.to_json() if restrictions
@@ -2504,8 +2574,193 @@ class RestrictionsApi:
 
 
 # =============================================================================
+# Usage per key and server metrics: counted in memory on each answer
+# =============================================================================
+
+# Why the guard refused a request. A key's usage counts the first eight (a
+# refusal that names a key); metrics count them all, with "credential" (no
+# key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
+USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced")
+REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
+_USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
+USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
+BACKEND_ERRORS = ("connection", "timeout")
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Usage:
+    """Per key (by uid): requests allowed, refused by reason, last used.
+    A request costs a few increments under one lock; the KeyStore saves the
+    counts with each change of keys and, when they changed, every
+    USAGE_FLUSH_SECONDS, so a kill -9 loses at most those last seconds."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = {}  # uid -> [allowed, one per USAGE_REASONS..., last used ns]
+        self.changed = False
+
+    def count(self, uid, reason, now_ns):
+        slot = _USAGE_SLOT.get(reason)
+        if slot is None:  # not a refusal of this key's
+            return
+        with self._lock:
+            counts = self._counts.get(uid)
+            if counts is None:
+                counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
+            counts[slot] += 1
+            counts[-1] = now_ns
+            self.changed = True
+
+    def forget(self, uid):
+        with self._lock:
+            self._counts.pop(uid, None)
+
+    def to_json(self, uid):
+        """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never) of key `uid`."""
+        with self._lock:
+            counts = list(self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1))
+        return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
+                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
+
+    def section(self, keep):
+        """The counts as the store saves them, for the uids `keep(uid)` holds
+        (a deleted key's are left out); they count as saved from now on."""
+        with self._lock:
+            self.changed = False
+            return {uid: {"allowed": counts[0],
+                          "refused": {reason: n for reason, n in
+                                      zip(USAGE_REASONS, counts[1:-1]) if n},
+                          "lastUsedAt": counts[-1]}
+                    for uid, counts in self._counts.items() if keep(uid)}
+
+    def load(self, section, keys):
+        """Take the store's usage section; returns what was wrong with it
+        (counts of unknown keys are dropped, bad entries skipped)."""
+        if section is None:
+            return []
+        if not isinstance(section, dict):
+            return ["the usage section is not an object"]
+        problems = []
+        for uid, record in section.items():
+            try:
+                counts = _usage_counts(record)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                problems.append("bad usage counts for key %s" % printable(uid))
+                continue
+            if uid in keys:
+                self._counts[uid] = counts
+        return problems
+
+
+def _usage_counts(record):
+    """A stored usage record -> counts; ValueError (or TypeError) if it is not one."""
+    allowed, refusals, last = record["allowed"], record["refused"], record["lastUsedAt"]
+    counts = [allowed] + [refusals.pop(reason, 0) for reason in USAGE_REASONS]
+    counts.append(0 if last is None else last)
+    if refusals or any(type(n) is not int or n < 0 for n in counts):
+        raise ValueError("not usage counts")
+    return counts
+
+
+class Metrics:
+    """Server-wide counters for GET /metrics, in Prometheus's text format
+    0.0.4. Labels come from fixed sets (route families, answer codes,
+    refusal reasons), never from a request's text; no label per key."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+               300.0)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._requests = {}  # (route family, status) -> answers
+        self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._latency = [0] * (len(self.BUCKETS) + 1)  # per bucket, the last one +Inf
+        self._latency_sum = 0.0
+        self._backend_errors = dict.fromkeys(BACKEND_ERRORS, 0)
+
+    def count(self, family, status, reason):
+        with self._lock:
+            self._requests[family, status] = self._requests.get((family, status), 0) + 1
+            if reason is not None:
+                self._refusals[reason] += 1
+
+    def observe_backend(self, seconds):
+        """One backend answer's head arrived `seconds` after the request was sent."""
+        slot = 0
+        for bound in self.BUCKETS:  # a plain loop: cheaper than a generator here
+            if seconds <= bound:
+                break
+            slot += 1
+        with self._lock:
+            self._latency[slot] += 1
+            self._latency_sum += seconds
+
+    def backend_error(self, exc):
+        kind = "timeout" if isinstance(exc, (socket.timeout, TimeoutError)) else "connection"
+        with self._lock:
+            self._backend_errors[kind] += 1
+
+    def render(self, keys, rate_clients):
+        """The exposition text, with the gauges given (keys stored, rate-limit table size)."""
+        with self._lock:
+            requests, refusals = sorted(self._requests.items()), dict(self._refusals)
+            latency, latency_sum = list(self._latency), self._latency_sum
+            errors = dict(self._backend_errors)
+        out = []
+
+        def family(name, kind, text, samples):
+            out.append("# HELP searchkeys_%s %s\n# TYPE searchkeys_%s %s\n" % (name, text, name,
+                                                                             kind))
+            out.extend("searchkeys_%s%s %s\n" % sample for sample in samples)
+        family("requests_total", "counter", "Requests answered, by route family and status.",
+               [("requests_total", '{family="%s",code="%d"}' % key, n)
+                for key, n in requests])
+        family("refusals_total", "counter", "Requests the guard refused, by reason.",
+               [("refusals_total", '{reason="%s"}' % r, n) for r, n in refusals.items()])
+        cumulative = list(itertools.accumulate(latency))
+        bounds = ["%g" % bound for bound in self.BUCKETS] + ["+Inf"]
+        family("backend_request_duration_seconds", "histogram", "Time from sending a request "
+               "to the backend to its answer's head.",
+               [("backend_request_duration_seconds_bucket", '{le="%s"}' % le, n)
+                for le, n in zip(bounds, cumulative)] +
+               [("backend_request_duration_seconds_sum", "", repr(latency_sum)),
+                ("backend_request_duration_seconds_count", "", cumulative[-1])])
+        family("backend_errors_total", "counter", "Backend requests that failed, by kind.",
+               [("backend_errors_total", '{kind="%s"}' % k, n) for k, n in errors.items()])
+        family("rate_limit_clients", "gauge", "Rate-limit counters held (at most --max-clients).",
+               [("rate_limit_clients", "", rate_clients)])
+        family("keys", "gauge", "API keys stored.", [("keys", "", keys)])
+        family("build_info", "gauge", "The searchkeys version and Python running it.",
+               [("build_info", '{version="%s",python="%s"}' % (
+                   __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
+        return "".join(out)
+
+
+def require_master(principal, what):
+    """Only the master key may `what`: any API key gets 403."""
+    if principal.key is not None:
+        raise refused("action", ApiError(403, "invalid_api_key", "Only the master key can %s."
+                                         % what, "auth"))
+
+
+# =============================================================================
 # The /keys API: validate -> store -> respond
 # =============================================================================
+
+
+def usage_asked(query):
+    """(the query without `usage`, whether `usage=true` asked GET /keys for
+    each key's usage): searchkeys' one addition to Meilisearch's listing,
+    which answers 400 to it (a bulk route under /keys/ would be a key's)."""
+    if "usage" not in query:
+        return query, False
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    asked = [value for name, value in pairs if name == "usage"]
+    if asked and asked[-1] not in ("true", "false"):
+        raise ApiError(400, "invalid_api_key_usage", "Invalid value in parameter `usage`: "
+                       "expected `true` or `false`.")
+    rest = urllib.parse.urlencode([(name, value) for name, value in pairs if name != "usage"])
+    return rest, asked[-1:] == ["true"]
 
 
 class KeysApi:
@@ -2518,10 +2773,15 @@ class KeysApi:
         """(status, JSON value or None) for a /keys request `principal` may make."""
         segment = params.get("key")
         if method == "GET" and segment is None:
+            query, with_usage = usage_asked(query)
+            if with_usage:
+                require_master(principal, "read the usage of keys")
             offset, limit = validate_list_query(query)
             keys, total = self.store.page(offset, limit)
-            return 200, {"results": [k.to_json() for k in keys], "offset": offset,
-                         "limit": limit, "total": total}
+            results = [k.to_json() for k in keys]
+            for key, shown in zip(keys, results) if with_usage else ():
+                shown["usage"] = self.store.usage.to_json(key.uid)
+            return 200, {"results": results, "offset": offset, "limit": limit, "total": total}
         if method == "GET":
             return 200, self.store.find(segment).to_json()
         if method == "DELETE":
@@ -2542,6 +2802,12 @@ class KeysApi:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
         return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
+
+    def usage(self, principal, segment):
+        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
+        require_master(principal, "read the usage of a key")
+        key = self.store.find(segment)
+        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid))
 
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not
@@ -2752,6 +3018,7 @@ class KeyStore:
         # reentrant: a write looks keys up, and a lookup may sweep out retired keys
         self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
+        self.usage = Usage()
         try:
             self._load(master_key, master_key_changed)
             self.sweep()
@@ -2780,6 +3047,9 @@ class KeyStore:
                 self._put(key)
             for change in changes or ():
                 self._replay(change)
+            for problem in self.usage.load(self._file.usage, self._keys):
+                self.log("searchkeys: warning: store %s: %s; counting afresh"
+                         % (self._file.path, problem))
         except ValueError as exc:
             raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
         finally:
@@ -2792,7 +3062,7 @@ class KeyStore:
         if ordered:
             self.clock.advance_past(max(key.created_ns for key in ordered))
         if changes is not None:
-            self._file.write(self._records())
+            self._file.write(self._records(), self.usage.section(self._keys.__contains__))
             self._file.retire_journal()
 
     # -- reads ---------------------------------------------------------------
@@ -2951,11 +3221,30 @@ class KeyStore:
                        if uid not in removed]
             records += [key.stored_json() for uid, key in changed.items()
                         if uid not in self._keys]
-            self._file.write(records)
+            self._write(records, lambda uid: uid not in removed and uid in self._keys)
         for key in keys:
             self._put(key)
         for uid in removed:
             self._remove(uid)
+
+    def _write(self, records, keep):
+        """Write `records` with the usage counts of the uids `keep(uid)` holds."""
+        try:
+            self._file.write(records, self.usage.section(keep))
+        except StoreWriteError:
+            self.usage.changed = True  # still to be saved
+            raise
+
+    def flush_usage(self):
+        """Save the usage counts if they changed since the last write; a
+        failure is logged and tried again at the next flush."""
+        if not self._file or not self.usage.changed:
+            return
+        with self._lock:
+            try:
+                self._write(self._records(), self._keys.__contains__)
+            except StoreWriteError as exc:
+                self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
     def _replay(self, change):
         """Apply one line of an older version's journal."""
@@ -2979,6 +3268,7 @@ class KeyStore:
         old = self._keys.pop(uid, None)
         if old is not None and old.value is not None:
             self._by_value.pop(old.value, None)
+        self.usage.forget(uid)
         self._note_retirement(uid, None)
 
     def _note_retirement(self, uid, at_ns):
@@ -2994,8 +3284,10 @@ class KeyStore:
         return [key.stored_json() for key in self._keys.values()]
 
     def close(self):
-        """Release the store file (its lock) so another KeyStore may open it."""
+        """Save the usage counts, then release the store file (its lock) so
+        another KeyStore may open it."""
         if self._file:
+            self.flush_usage()
             self._file.close()
 
 
@@ -3031,6 +3323,7 @@ class StoreFile:
         self.journal_path = os.path.abspath(path) + ".journal"
         self.log = log
         self._lock_fd = None
+        self.usage = None  # the document's usage section, once read
         # master_key_fingerprint() of the master key the keys were made with
         # (None in files of older versions); KeyStore checks and sets it
         self.fingerprint = None
@@ -3054,7 +3347,7 @@ class StoreFile:
         self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
                  "master key; its %d keys now have new values (the uids stay), and the store "
                  "records the new master key" % (self.shown, len(keys)))
-        self.write([key.stored_json() for key in keys])
+        self.write([key.stored_json() for key in keys], self.usage)
 
     def _header(self):
         if self.fingerprint is None:
@@ -3143,14 +3436,17 @@ class StoreFile:
                              "file is left untouched" % self.path)
         self.fingerprint = fingerprint
         records = document.pop("keys")
-        # In the layout write() makes (one record a line) each record's text
-        # is kept for the next write, which then need not re-encode it.
+        self.usage = document.get("usage")
+        # In the layout write() makes (one record a line, then the usage line
+        # if any) each record's text is kept for the next write, which then
+        # need not re-encode it.
         lines = data.split(b"\n")
         del data
         texts = itertools.repeat(None)
-        if len(lines) == len(records) + 3 and lines[0] == self._header()[:-1] \
-                and lines[-2:] == [b"]}", b""]:
-            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-2])
+        tail = 2 if lines[-2:] == [b"]}", b""] else 3 if lines[-3:-2] == [b"],"] \
+            and lines[-2].startswith(b'"usage": ') and lines[-1] == b"" else 0
+        if tail and len(lines) == len(records) + 1 + tail and lines[0] == self._header()[:-1]:
+            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-tail])
         keys = []
         for position, text in zip(range(len(records)), texts):
             keys.append(build(records[position], text))
@@ -3198,12 +3494,16 @@ class StoreFile:
         except OSError:
             pass  # harmless leftovers; the next start tries again
 
-    def write(self, records):
-        """Replace the document with `records` (JSON texts) atomically, or
-        raise StoreWriteError leaving it as it was."""
+    def write(self, records, usage=None):
+        """Replace the document with `records` (JSON texts) and the `usage`
+        section (left out when empty) atomically, or raise StoreWriteError
+        leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         body = ",\n".join(records).encode("utf-8")
-        data = self._header() + body + (b"\n]}\n" if records else b"]}\n")
+        data = self._header() + body + (b"\n]" if records else b"]")
+        if usage:
+            data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
+        data += b"}\n"
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -3318,7 +3618,8 @@ class Upstream:
     closed before any answer came, it is sent once more on a new one (never
     after a timeout: the backend may still be working on it)."""
 
-    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None):
+    def __init__(self, base_url, api_key=None, timeout=300.0, pool_size=64, log=None,
+                 metrics=None):
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("--upstream must be an http:// or https:// URL, got %r" % base_url)
@@ -3331,6 +3632,7 @@ class Upstream:
         self.tls = parts.scheme == "https"
         self.address = (parts.hostname, parts.port or (443 if self.tls else 80))
         self.log = log or (lambda message: None)
+        self.metrics = metrics or Metrics()  # latency and errors, for /metrics
         self._idle = []
         self._lock = threading.Lock()
 
@@ -3383,6 +3685,7 @@ class Upstream:
             headers = headers + [("Content-Length", str(len(body)))]
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
+        started = time.monotonic()
         for attempt in (1, 2):
             connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
             try:
@@ -3391,7 +3694,9 @@ class Upstream:
                 for name, value in headers:
                     connection.putheader(name, value)
                 connection.endheaders(body or None, encode_chunked=chunked)
-                return connection, connection.getresponse()
+                response = connection.getresponse()
+                self.metrics.observe_backend(time.monotonic() - started)
+                return connection, response
             except BrokenBody:  # the caller's body broke off: the backend got half a request
                 connection.close()
                 raise
@@ -3399,6 +3704,7 @@ class Upstream:
                 connection.close()
                 if not (repeatable and at_hand and reused and attempt == 1 and
                         isinstance(exc, CLOSED_BY_BACKEND)):
+                    self.metrics.backend_error(exc)
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
         raise AssertionError("unreachable")
@@ -3453,6 +3759,7 @@ class Upstream:
                                 length=response.length)
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
+            self.metrics.backend_error(exc)
             raise upstream_unreachable(self, "its answer broke off: %s" % type(exc).__name__)
         except BaseException:
             connection.close()
@@ -4953,6 +5260,29 @@ class Client:
         return self.request("POST", _key_path(key_or_uid) + "/rotate",
                             None if grace is None else {"grace": grace})
 
+    def keys_with_usage(self, page=1000):
+        """Every key with its `usage`, page by page: searchkeys' GET
+        /keys?usage=true. A server without it (Meilisearch answers 400 to
+        the parameter) is a ClientError saying so."""
+        keys, offset = [], 0
+        while True:
+            try:
+                listing = self.request("GET", "/keys?usage=true&offset=%d&limit=%d"
+                                       % (offset, page))
+                results = listing["results"]
+                if not all(isinstance(key.get("usage"), dict) for key in results):
+                    raise TypeError("no usage")
+            except (ClientError, TypeError, KeyError, AttributeError) as exc:
+                if isinstance(exc, ClientError) and exc.status != 400:
+                    raise
+                raise ClientError(400, "no_usage_api", "%s keeps no usage counts (a "
+                                  "Meilisearch?): only searchkeys.py serve counts them"
+                                  % self.url)
+            keys += results
+            offset += len(results)
+            if not results or offset >= listing.get("total", 0):
+                return keys
+
 
 def _key_path(key_or_uid):
     return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
@@ -5224,6 +5554,9 @@ def add_serve_command(commands):
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="requests served at once, a thread each (512)")
+    serve.add_argument("--metrics-token-file", metavar="FILE",
+                       help="file holding a bearer token that may read GET /metrics, besides "
+                            "the master key")
     add_restriction_flags(serve)
 
 
@@ -5282,6 +5615,9 @@ def build_parser():
     update.add_argument("--description", help="the new description")
     delete = key_commands.add_parser("delete", parents=[common], help="delete a key")
     delete.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    key_commands.add_parser("usage", parents=[common],
+                            help="each key's requests allowed and refused, most used first "
+                                 "(searchkeys only)")
     rotate = key_commands.add_parser(
         "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
                                          "working for a grace period")
@@ -5334,6 +5670,36 @@ def check_serve_args(parser, args):
     elif not args.upstream_key:
         parser.error("--upstream-key is empty (an unset shell variable?): give the backend's "
                      "key, or leave the option out to forward without a key")
+    if args.metrics_token_file is not None:
+        try:
+            args.metrics_token = read_token_file(args.metrics_token_file)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        args.metrics_token = None
+
+
+def read_token_file(path):
+    """The bearer token in `path` (around it, whitespace and a newline are
+    dropped), as bytes; ValueError says what is wrong with it."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_TOKEN_FILE + 1)
+    except OSError as exc:
+        raise ValueError("cannot read --metrics-token-file %s: %s" % (path, exc.strerror or exc))
+    token = data.strip()
+    if not token:
+        raise ValueError("--metrics-token-file %s is empty" % path)
+    if len(data) > MAX_TOKEN_FILE or any(not 32 < byte < 127 for byte in token):
+        raise ValueError("--metrics-token-file %s must hold one token of visible ASCII "
+                         "characters, at most %d bytes" % (path, MAX_TOKEN_FILE))
+    return token
+
+
+def flush_usage_every(store, seconds, stop):
+    """serve's usage saver: store.flush_usage every `seconds` until the Event `stop` is set."""
+    while not stop.wait(seconds):
+        store.flush_usage()
 
 
 def run_serve(args):
@@ -5347,14 +5713,15 @@ def run_serve(args):
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
-        upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr) \
-            if args.upstream else None
+        metrics = Metrics()
+        upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
+                            metrics=metrics) if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
         # one file each: a connection, a worker's backend connection, the pool and the store
         max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
-        server = KeysServer((args.host, args.port), Service(store, master_key, upstream,
-                                                             _log_to_stderr, limits),
-                            args.max_connections, max_open)
+        server = KeysServer((args.host, args.port), Service(
+            store, master_key, upstream, _log_to_stderr, limits, metrics, args.metrics_token),
+            args.max_connections, max_open)
     except (StoreError, StoreWriteError, ValueError) as exc:
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
@@ -5367,6 +5734,10 @@ def run_serve(args):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    stopping = threading.Event()
+    flusher = threading.Thread(target=flush_usage_every, name="usage-flush",
+                               args=(store, USAGE_FLUSH_SECONDS, stopping), daemon=True)
+    flusher.start()
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
@@ -5377,7 +5748,9 @@ def run_serve(args):
         pass
     finally:
         server.server_close()
-        store.close()
+        stopping.set()
+        flusher.join(10)  # never a flush after the store's lock is released
+        store.close()  # saves the usage counts
     return 0
 
 
@@ -5402,10 +5775,31 @@ def run_keys(args):
         return run_restrict(client, args)
     elif command == "rotate":
         key = rotate_key(client, args.key_or_uid, args.grace)
+    elif command == "usage":
+        print(usage_table(client.keys_with_usage()))
+        return 0
     else:
         client.delete_key(args.key_or_uid)
         return 0
     return _print(args, key, [key.get("key")])
+
+
+def usage_table(keys):
+    """The usage of `keys` (GET /keys?usage=true results) as a text table,
+    most used first; a key never used says so in its last column."""
+    rows = [["NAME", "UID", "ALLOWED", "REFUSED"] + [r.upper() for r in USAGE_REASONS] +
+            ["LAST USED"]]
+    def total(key):
+        return key["usage"]["allowed"] + sum(key["usage"]["refused"].values())
+    for key in sorted(keys, key=lambda key: -total(key)):
+        usage = key["usage"]
+        rows.append([printable(key.get("name") or "-")[:40], key["uid"], usage["allowed"],
+                     total(key) - usage["allowed"]] +
+                    [usage["refused"].get(reason, 0) for reason in USAGE_REASONS] +
+                    [usage["lastUsedAt"] or "never"])
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths))
+                     .rstrip() for row in rows)
 
 
 def restrict_created_key(client, key):
