@@ -1613,6 +1613,9 @@ BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-time
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
+# ... or this much: a client that sent a head of a few times the limit (Go's, 1 MiB) in one go
+# still gets its 431 rather than a reset caused by its unread end
+LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 
 class Connection:
@@ -2017,7 +2020,7 @@ class HookHandler(BaseHTTPRequestHandler):
         can destroy the answer before the client reads it."""
         self.connection.shutdown(socket.SHUT_WR)
         self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
-        while drained < MAX_HEADER_BYTES and self.conn.fill():
+        while drained < LINGER_BYTES and self.conn.fill():
             drained += len(self.conn.buffer)
             self.conn.buffer.clear()
 
