@@ -1860,6 +1860,34 @@ def force_facets_by_index(restrictions, federation, facets):
     return dict(federation, facetsByIndex=by_index)
 
 
+def _same_forced(restrictions, uid, other):
+    return forced_parameters(restrictions, uid) == forced_parameters(restrictions, other)
+
+
+def force_same_on_swap(restrictions, index, body):
+    """POST /swap-indexes: a swap (or a rename) moves each index's documents
+    under the other's name, so both names must have the same forced
+    parameters: else a covered index's documents would be searched
+    without them."""
+    for swap in body if isinstance(body, list) else ():
+        uids = swap.get("indexes") if isinstance(swap, dict) else None
+        uids = [uid for uid in uids if isinstance(uid, str)] if isinstance(uids, list) else []
+        if any(not _same_forced(restrictions, uids[0], uid) for uid in uids[1:]):
+            raise restriction_refused("forcedParameters", "to swap or rename indexes whose "
+                                      "forced search parameters differ")
+    return body
+
+
+def force_same_on_rename(restrictions, index, body):
+    """PATCH /indexes/{uid} with a new `uid` renames the index: the new name
+    must have the same forced parameters as the old (see force_same_on_swap)."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not _same_forced(restrictions, index, uid):
+        raise restriction_refused("forcedParameters", "to rename an index to a name whose "
+                                  "forced search parameters differ")
+    return body
+
+
 REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
 
 
@@ -2195,7 +2223,7 @@ ROUTES = tuple([
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
     Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
     Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",)),
+    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
     Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
     Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
@@ -2230,7 +2258,8 @@ ROUTES = tuple([
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
           hits=cap_multi_search, searches=count_queries, repeatable=True,
           forced=force_multi_search),
-    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
+    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap),
+          forced=force_same_on_swap),
     Route("POST", "/render-template", ("settings.get", "documents.get"),
           rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
     Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),

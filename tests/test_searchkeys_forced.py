@@ -303,3 +303,49 @@ def test_a_multi_search_cannot_multiply_them_past_the_body_limit(guard, backend)
     assert status == 413 and error["code"] == "payload_too_large" and seen is None
     queries = {"queries": [{"indexUid": "movies"}] * 100}
     assert send(guard, backend, big["key"], "POST", "/multi-search", queries)[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Attacks: a key with forced parameters and more than search rights
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mover(guard):
+    """A careless admin's key: forced parameters, and the rights to swap and rename indexes."""
+    return new_key(guard, {"forcedParameters": FORCED},
+                   actions=("search", "indexes.swap", "indexes.update"))
+
+
+@pytest.mark.parametrize("method, target, body", [
+    ("POST", "/swap-indexes", [{"indexes": ["movies", "open"]}]),
+    ("POST", "/swap-indexes", [{"indexes": ["books", "x"]}, {"indexes": ["open", "movies-fr"],
+                                                             "rename": True}]),
+    ("PATCH", "/indexes/movies", {"uid": "open"}),
+    ("PATCH", "/indexes/open", {"uid": "movies-fr", "primaryKey": None}),
+])
+def test_covered_documents_cannot_be_moved_to_a_name_without_them(guard, backend, mover,
+                                                                  method, target, body):
+    # else the next search of `open` would return every document, every field
+    status, error, seen = send(guard, backend, mover["key"], method, target, body)
+    assert status == 403 and seen is None
+    assert error["code"] == "forbidden_by_restriction" and "forcedParameters" in error["message"]
+
+
+@pytest.mark.parametrize("method, target, body", [
+    ("POST", "/swap-indexes", [{"indexes": ["movies", "movies-old"]}, {"indexes": ["a", "b"]}]),
+    ("PATCH", "/indexes/movies", {"uid": "movies-2025"}),
+    ("PATCH", "/indexes/movies", {"uid": None, "primaryKey": "id"}),
+    ("PATCH", "/indexes/open", {"uid": "other"}),
+])
+def test_moves_between_names_with_the_same_forced_parameters_go_through(guard, backend, mover,
+                                                                        method, target, body):
+    status, _, seen = send(guard, backend, mover["key"], method, target, body)
+    assert status == 200 and seen == (method, target, body)
+
+
+def test_authorize_refuses_a_swap_it_cannot_read(guard, mover):
+    status = guard.request("GET", "/authorize", None, {
+        "Authorization": "Bearer " + mover["key"], "X-Original-Method": "POST",
+        "X-Original-URI": "/swap-indexes"})[0]
+    assert status == 403
