@@ -1743,7 +1743,24 @@ def force_object(query, forced, names):
         for name in FORMATTED_PARAMETERS:
             if name not in forced and isinstance(query.get(name), list):
                 query[name] = within_attributes(query[name], shown)
+        if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
+                and query.get("showRankingScoreDetails") is True \
+                and sorts_on_hidden(query.get("sort"), shown):
+            query["showRankingScoreDetails"] = False
     return query
+
+
+def sorts_on_hidden(sort, shown):
+    """Does a search's `sort` (a list, or a GET's comma-separated text) use an
+    attribute outside `shown`? The ranking score details of a sort show each
+    hit's value of the sorted attribute (Meilisearch hides only those outside
+    displayedAttributes), and a geo sort the hit's `_geo` point."""
+    if isinstance(sort, str):
+        sort = sort.split(",")
+    if not isinstance(sort, list):
+        return False
+    return any(not isinstance(item, str) or item.rpartition(":")[0] not in shown
+               for item in sort)
 
 
 def within_attributes(asked, shown):
@@ -1784,6 +1801,8 @@ def force_query_on(names):
                 current[name] = query_filter(value)
             elif name in FORMATTED_PARAMETERS:
                 current[name] = value.split(",")
+            elif name in ("sort", "showRankingScoreDetails"):
+                current[name] = value if name == "sort" else value == "true"
         wanted = force_object(current, forced, names)
         changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
         pairs = [(n, v) for n, v in pairs if n not in changed]

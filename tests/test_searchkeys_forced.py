@@ -349,3 +349,23 @@ def test_authorize_refuses_a_swap_it_cannot_read(guard, mover):
         "Authorization": "Bearer " + mover["key"], "X-Original-Method": "POST",
         "X-Original-URI": "/swap-indexes"})[0]
     assert status == 403
+
+
+def test_ranking_details_of_a_sort_on_hidden_attributes_are_turned_off(guard, backend, key):
+    # the details of a sort show each hit's value of the sorted attribute
+    body = {"q": "x", "sort": ["secret:asc"], "showRankingScoreDetails": True}
+    sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is False and sent["sort"] == ["secret:asc"]
+    sent = send(guard, backend, key["key"], "POST", "/multi-search", {"queries": [dict(
+        body, indexUid="movies", sort=["title:asc", "_geoPoint(1,2):asc"])]})[2][2]
+    assert sent["queries"][0]["showRankingScoreDetails"] is False
+    target = send(guard, backend, key["key"], "GET", "/indexes/movies/search?sort=url%3Aasc"
+                  "%2Csecret%3Adesc&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+    # a sort on shown attributes keeps them
+    body = dict(body, sort=["title:asc", "url:desc"])
+    sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is True
+    target = send(guard, backend, key["key"], "GET",
+                  "/indexes/movies/search?sort=title:asc&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "true"
