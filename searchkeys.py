@@ -1910,6 +1910,17 @@ def force_same_on_rename(restrictions, index, body):
 REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
 
 
+def refuse_embedders(restrictions, index, body):
+    """PATCH /indexes/{uid}/settings on a covered index: not its `embedders`,
+    as the embedders route is refused (REFUSED_WHEN_FORCED): a REST
+    embedder's documentTemplate sends every document, whole, to its URL."""
+    if isinstance(body, dict) and body.get("embedders") is not None \
+            and forced_parameters(restrictions, index) is not None:
+        raise restriction_refused("forcedParameters", "to change the embedders of an index "
+                                  "it searches with forced parameters")
+    return body
+
+
 def force_parameters(route, request, restrictions, index, target, value):
     """(target, value) with the key's forcedParameters applied on `route`
     (`value`: the JSON body, or NOT_READ); 403 on a route that would bypass
@@ -2212,7 +2223,8 @@ def _settings_routes():
         for name in names:
             pattern = "/indexes/{index_uid}/settings/" + name
             routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",), creates_index=True),
+                       Route(verb, pattern, ("settings.update",), creates_index=True,
+                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
                        Route("DELETE", pattern, ("settings.update",), creates_index=True)]
     return routes
 
@@ -2271,7 +2283,8 @@ ROUTES = tuple([
           forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
+    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
+          forced=refuse_embedders),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),

