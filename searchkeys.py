@@ -3397,6 +3397,8 @@ class StoreFile:
             return
         stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
         self.fingerprint = wanted  # written with the next change
+        if stored is None and keys:
+            self._record_fingerprint(keys)
         if stored is None or not keys or hmac.compare_digest(stored, wanted):
             return
         if not master_key_changed:
@@ -3409,6 +3411,16 @@ class StoreFile:
                  "master key; its %d keys now have new values (the uids stay), and the store "
                  "records the new master key" % (self.shown, len(keys)))
         self.write([key.stored_json() for key in keys], self.usage)
+
+    def _record_fingerprint(self, keys):
+        """An older store's keys get the fingerprint now, not at their next
+        change: a store that never changes would take another master key
+        silently at every start (every key handed out refused)."""
+        try:
+            self.write([key.stored_json() for key in keys], self.usage)
+        except StoreWriteError as exc:  # as before: recorded with the next change
+            self.log("searchkeys: warning: cannot record the master key's fingerprint: %s"
+                     % exc)
 
     def _header(self):
         if self.fingerprint is None:
