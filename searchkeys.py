@@ -5911,6 +5911,7 @@ def rotate_key(client, key_or_uid, grace):
         if not no_such_route(exc):
             raise
     old = client.get_key(key_or_uid)
+    check_no_restrictions_lost(client, old["uid"])
     new = client.create_key(old["actions"], old["indexes"], old.get("expiresAt"),
                             name=old.get("name"), description=old.get("description"))
     _log_to_stderr(
@@ -5919,6 +5920,25 @@ def rotate_key(client, key_or_uid, grace):
         "every client uses it, delete the old key: searchkeys.py keys delete %s --url %s"
         % (client.url, old["uid"], shlex.quote(client.url)))
     return new
+
+
+def check_no_restrictions_lost(client, uid):
+    """A copy made with POST /keys has no restrictions: refuse to make one of
+    a key that has some (a searchkeys older than rotation, or one behind a
+    proxy that hides the route), as it would hand out the key unrestricted."""
+    context = " (while checking that the key has no restrictions a copy would lose)"
+    try:
+        restrictions = client.request("GET", _key_path(uid) + "/restrictions")
+    except ClientError as exc:
+        if no_such_route(exc):
+            return  # a plain Meilisearch: no restrictions to lose
+        raise ClientError(exc.status, exc.code, exc.message + context)
+    if isinstance(restrictions, dict) and any(
+            restrictions.get(field) is not None for field in RESTRICTION_FIELDS):
+        raise ClientError(404, "rotation_unavailable", "%s cannot rotate keys, and a copy of "
+                          "key %s would not have its restrictions: rotate it where searchkeys "
+                          "has the route (or copy it and its restrictions by hand)"
+                          % (client.url, uid))
 
 
 def _print(args, value, key_values):
