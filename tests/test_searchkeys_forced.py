@@ -397,3 +397,14 @@ def test_network_changes_are_refused(guard, backend):
         status, error, seen = send(guard, backend, key["key"], method, target, change)
         assert status == 403 and seen is None and "forcedParameters" in error["message"]
         assert send(guard, backend, plain["key"], method, target, change)[0] == 200
+
+
+def test_the_chat_backend_cannot_be_changed(guard, backend):
+    # a workspace's baseUrl gets the documents its chats search, covered indexes' included
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "chatsSettings.update"))
+    settings = {"source": "openAi", "baseUrl": "http://attacker.example/v1"}
+    status, error, seen = send(guard, backend, key["key"], "PATCH", "/chats/site/settings",
+                               settings)
+    assert status == 403 and seen is None and "forcedParameters" in error["message"]
+    plain = new_key(guard, None, actions=("chatsSettings.update",))
+    assert send(guard, backend, plain["key"], "PATCH", "/chats/site/settings", settings)[0] == 200
