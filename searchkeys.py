@@ -2310,7 +2310,7 @@ ROUTES = tuple([
     Route("POST", "/dumps", ("dumps.create",)),
     Route("POST", "/snapshots", ("snapshots.create",)),
     Route("GET", "/metrics", ("metrics.get",), local=METRICS),
-    Route("POST", "/logs/stream", ("metrics.get",)),
+    Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/logs/stream", ("metrics.get",)),
     Route("POST", "/logs/stderr", ("metrics.get",)),
     Route("GET", "/experimental-features", ("experimental.get",)),

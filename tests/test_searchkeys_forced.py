@@ -408,3 +408,13 @@ def test_the_chat_backend_cannot_be_changed(guard, backend):
     assert status == 403 and seen is None and "forcedParameters" in error["message"]
     plain = new_key(guard, None, actions=("chatsSettings.update",))
     assert send(guard, backend, plain["key"], "PATCH", "/chats/site/settings", settings)[0] == 200
+
+
+def test_the_log_stream_is_refused(guard, backend):
+    # at debug level it streams every search's hits and every document fetched, anyone's
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "metrics.get"))
+    stream = {"target": "meilisearch=debug", "mode": "human"}
+    status, error, seen = send(guard, backend, key["key"], "POST", "/logs/stream", stream)
+    assert status == 403 and seen is None and "forcedParameters" in error["message"]
+    plain = new_key(guard, None, actions=("metrics.get",))
+    assert send(guard, backend, plain["key"], "POST", "/logs/stream", stream)[0] == 200
