@@ -2316,7 +2316,7 @@ ROUTES = tuple([
     Route("GET", "/experimental-features", ("experimental.get",)),
     Route("PATCH", "/experimental-features", ("experimental.update",)),
     Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/network", ("network.get",)),
+    Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
     Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
     Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/webhooks", ("webhooks.get",)),

@@ -388,12 +388,16 @@ def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
         assert status == 200 and seen == ("PATCH", target, body)
 
 
-def test_network_changes_are_refused(guard, backend):
-    # a topology change moves documents to the remotes it names, as an export sends them
-    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "network.update"))
-    plain = new_key(guard, None, actions=("network.update",))
+def test_the_network_is_refused(guard, backend):
+    # a topology change moves documents to the remotes it names, as an export sends them; the
+    # network's description holds the remotes' own search and write keys, in the clear
+    rights = ("network.get", "network.update")
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search",) + rights)
+    plain = new_key(guard, None, actions=rights)
     change = {"remotes": {"out": {"url": "http://attacker.example"}}, "self": "here"}
-    for method, target in (("PATCH", "/network"), ("POST", "/network/control")):
+    for method, target in (("PATCH", "/network"), ("POST", "/network/control"),
+                           ("GET", "/network")):
+        change = None if method == "GET" else change
         status, error, seen = send(guard, backend, key["key"], method, target, change)
         assert status == 403 and seen is None and "forcedParameters" in error["message"]
         assert send(guard, backend, plain["key"], method, target, change)[0] == 200
