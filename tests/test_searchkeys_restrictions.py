@@ -302,7 +302,7 @@ class Backend:
                 seen.append((self.command, self.path, json.loads(body) if body else None))
                 answer_json(self, b'{"hits":[]}')
 
-            do_GET = do_POST = answer
+            do_GET = do_POST = do_PATCH = answer
 
             def log_message(self, *args):
                 pass

@@ -297,9 +297,15 @@ class PlainMeilisearch(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    RESTRICTIONS = None  # Meilisearch has no restrictions route either
+
     def do_GET(self):
         self.hits.append(("GET", self.path, None))
-        support.answer_json(self, json.dumps(self.KEY).encode())
+        if self.path.endswith("/restrictions") and self.RESTRICTIONS is None:
+            support.answer_json(self, b"", 404)
+            return
+        support.answer_json(self, json.dumps(
+            self.RESTRICTIONS if self.path.endswith("/restrictions") else self.KEY).encode())
 
     def do_POST(self):
         length = int(self.headers.get("Content-Length") or 0)
@@ -329,6 +335,28 @@ def test_cli_against_meilisearch_makes_a_copy_and_says_how_to_delete_the_old_key
         assert "searchkeys.py keys delete %s --url %s" % (old["uid"], fake.url) in err, err
         assert "restrictions" in err and len(err.strip().splitlines()) == 1, err
         assert MASTER not in err
+    finally:
+        fake.shutdown()
+        fake.server_close()
+
+
+class OlderSearchkeys(PlainMeilisearch):
+    """A searchkeys without the rotate route (older, or behind a proxy that hides it): the key
+    has restrictions there."""
+    hits = []
+    RESTRICTIONS = {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
+                    "allowedIps": None, "maxHitsPerQuery": None, "forcedParameters": None}
+
+
+def test_cli_never_copies_a_key_whose_restrictions_the_copy_would_lose():
+    # the copy would be a public site key without its rate limit or forced filter
+    fake = support.serve_in_thread(OlderSearchkeys)
+    try:
+        code, out, err = cli("keys", "rotate", OlderSearchkeys.KEY["uid"], "--url", fake.url,
+                             "--key", MASTER)
+        assert code == 1 and out == "" and "restrictions" in err and "Traceback" not in err, err
+        assert [hit for hit in OlderSearchkeys.hits if hit[0] == "POST"] == [
+            ("POST", "/keys/%s/rotate" % OlderSearchkeys.KEY["uid"], None)]
     finally:
         fake.shutdown()
         fake.server_close()
