@@ -1618,14 +1618,23 @@ def scope_multi_search(principal, index, body):
     queries = body.get("queries") if isinstance(body, dict) else None
     if not isinstance(queries, list):
         return body
-    scoped = []
+    scoped, grown, rule_sizes = [], 0, {}
     for position, query in enumerate(queries):
         uid = query.get("indexUid") if isinstance(query, dict) else None
         if isinstance(uid, str):
             if not principal.may_use_index(uid):
                 raise refused("index", invalid_api_key(
                     "Inside `.queries[%d]`: The provided API key is invalid." % position))
-            query = with_tenant_filter(query, principal.rules, uid)
+            rule = tenant_filter(principal.rules, uid)
+            if rule is not None:
+                # a token's filter is copied into each query: many small queries and a
+                # long filter must not grow the forwarded body past what one may send
+                if uid not in rule_sizes:
+                    rule_sizes[uid] = len(compact_json(rule))
+                grown += rule_sizes[uid]
+                if grown > MAX_HANDLER_BODY:
+                    raise payload_too_large(MAX_HANDLER_BODY)
+                query = dict(query, filter=fuse_filters(query.get("filter"), rule))
         scoped.append(query)
     return dict(body, queries=scoped)
 

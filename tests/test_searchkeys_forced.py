@@ -296,6 +296,19 @@ def test_a_get_search_that_cannot_spell_them_is_refused(guard, backend):
     assert status == 200 and body["attributesToRetrieve"] == ["a,b"]
 
 
+def test_a_tenant_tokens_filter_cannot_multiply_a_multi_search_past_the_body_limit(guard,
+                                                                                 backend):
+    plain = new_key(guard, None)  # no forced parameters: the token's own filter does it
+    big = token(plain, {"movies": {"filter": "x = '%s'" % ("y" * 16000)}})
+    queries = {"queries": [{"indexUid": "movies"}] * 1100}  # 1100 x 16 KB > 16 MiB
+    status, error, seen = send(guard, backend, big, "POST", "/multi-search", queries)
+    assert status == 413 and error["code"] == "payload_too_large" and seen is None
+    queries = {"queries": [{"indexUid": "movies"}] * 100}
+    status, _, (_, _, body) = send(guard, backend, big, "POST", "/multi-search", queries)
+    assert status == 200 and len(body["queries"]) == 100
+    assert body["queries"][99]["filter"] == "x = '%s'" % ("y" * 16000)
+
+
 def test_a_multi_search_cannot_multiply_them_past_the_body_limit(guard, backend):
     big = new_key(guard, {"forcedParameters": {"movies": {"filter": "x = '%s'" % ("y" * 16000)}}})
     queries = {"queries": [{"indexUid": "movies"}] * 1100}  # 1100 x 16 KB > 16 MiB
