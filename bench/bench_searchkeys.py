@@ -60,6 +60,7 @@ TARGETS_DOC = {
     "guard_rps": "guarded throughput >= 0.9x the floor (bare http.server + http.client proxy) "
                  "at each concurrency, each request shape, Python client and wrk",
     "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
+    "idle_rss": "idle RSS within 6 MiB of a bare ThreadingHTTPServer + subprocess + json script",
     "held_new_client": "a new client is answered within 1 s (p99) while 5,000 idle keep-alive "
                        "and 500 trickling connections are held",
 }
@@ -503,6 +504,57 @@ def idle_rss_mib(server):
     return round((server.status() or {}).get("rss_kib", 0) / 1024, 1)
 
 
+BARE_SERVER = """import json, subprocess, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "available"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def measure_memory(args, workdir):
+    """Idle RSS (10 keys in memory, no upstream) next to a bare ThreadingHTTPServer +
+    subprocess + json script on the same interpreter, alternated, median of >= 3 starts:
+    searchkeys.py as a script without a bytecode cache (compiled at every start), and a copy
+    with one (`python3 -m py_compile`, which `serve` then runs from)."""
+    bare = workdir / "bare_server.py"
+    bare.write_text(BARE_SERVER)
+    cached = workdir / "cached" / "searchkeys.py"
+    cached.parent.mkdir()
+    shutil.copy(args.searchkeys, cached)
+    subprocess.run([args.python, "-m", "py_compile", str(cached)], check=True)
+    starts = {"bare http.server script": lambda port: [args.python, bare, port],
+              "searchkeys.py, no bytecode cache": lambda port: [
+                  args.python, args.searchkeys, "serve", "--host", common.HOST, "--port", port,
+                  "--master-key", MASTER_KEY],
+              "searchkeys.py, bytecode cache": lambda port: [
+                  args.python, cached, "serve", "--host", common.HOST, "--port", port,
+                  "--master-key", MASTER_KEY]}
+    samples = {name: [] for name in starts}
+    for _ in range(max(3, args.repeat)):
+        for name, argv in starts.items():
+            port = common.free_port()
+            server = common.Server(name, argv(port), port, ready_path="/health",
+                                   log_dir=workdir)
+            try:
+                samples[name].append(idle_rss_mib(server))
+            finally:
+                server.stop()
+    result = {name: {"median_mib": common.median(values), "samples_mib": values}
+              for name, values in samples.items()}
+    bare_mib = result["bare http.server script"]["median_mib"]
+    for name in list(starts)[1:]:
+        result[name]["over_bare_mib"] = round(result[name]["median_mib"] - bare_mib, 1)
+    result["load_average"] = common.load_average()
+    log("idle RSS:", result)
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # Targets
 # --------------------------------------------------------------------------------------------
@@ -541,6 +593,10 @@ def evaluate_targets(args, result):
             r = row["guarded/direct"]["rps"]
             add("nginx_rps", f"{label} rps nginx+searchkeys / nginx direct", r, ">= 0.8",
                 r >= 0.8)
+    for name, row in result.get("memory", {}).items():
+        if isinstance(row, dict) and "over_bare_mib" in row:
+            add("idle_rss", f"idle RSS MiB over the bare script: {name}", row["over_bare_mib"],
+                "<= 6", row["over_bare_mib"] <= 6)
     held = result.get("held_connections", {}).get(
         f"{HELD_IDLE} idle + {HELD_TRICKLING} trickling held")
     if held:
@@ -582,6 +638,7 @@ def main():
         result["startup_ms"] = {"empty store": common.measure_startup(
             lambda: start_searchkeys(args, workdir, stores["big"]), args.repeat)}
         log("startup, empty store:", result["startup_ms"]["empty store"])
+        result["memory"] = measure_memory(args, workdir)
         floor = start_stub(args, "floor", workdir)
         servers.append(floor)
         small = start(stores["small"])
@@ -592,7 +649,7 @@ def main():
         fill(args, mid, 100, deadline, fill_log)
         big = start(stores["big"])
         result["authorize"], result["rss_mib_running"] = {}, {}
-        for level in (10000, args.keys):
+        for level in sorted({10000, args.keys}):
             fill(args, big, level - 1, deadline, fill_log)
             big_key = new_search_key(big.port)  # the newest key: last in insertion order
             result["rss_mib_running"][f"{level} keys"] = idle_rss_mib(big)
