@@ -4369,9 +4369,11 @@ def verify_tenant_token(token, api_key, now=None):
         if algorithm not in JWT_HASHES:
             raise TenantTokenError("InvalidAlgorithm")
         secret = api_key(claims["apiKeyUid"]) if callable(api_key) else api_key
-        # the signature is base64-decoded first: a malformed one is a Base64 error
-        given = b64url_decode(signature)
-        if not hmac.compare_digest(_jwt_digest(algorithm, secret, signed_part), given):
+        # compared as text (the expected one is canonical base64url); a signature that
+        # differs is decoded first, as upstream does: a malformed one is a Base64 error
+        expected = _jwt_signature(algorithm, secret, signed_part).encode()
+        if not hmac.compare_digest(expected, signature.encode("utf-8", "surrogatepass")):
+            b64url_decode(signature)
             raise TenantTokenError("InvalidSignature")
         if refusal is not None:
             raise TenantTokenError(refusal)
