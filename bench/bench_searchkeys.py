@@ -12,10 +12,13 @@ Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measu
   with ~100,000 stored keys, at concurrency 1 and 8;
 - startup time (spawn → first answer on ``/health``) with an empty store and with 100,000 keys,
   and idle RSS for both (→ memory per 100,000 keys);
-- the guard's cost: a search request (``POST /indexes/blog/search`` with a search key) through
-  ``serve --upstream`` to ``stub_server.py search`` vs the same request through the card's floor
-  (``stub_server.py proxy``: bare http.server + http.client, no authorization) and sent to the
-  stub directly, interleaved in the same run;
+- idle RSS next to a bare ThreadingHTTPServer + subprocess + json script, without and with a
+  bytecode cache of searchkeys.py;
+- the guard's cost: GET and POST searches, a multi-search, a tenant token's search and document
+  fetches, each through ``serve --upstream`` to ``stub_server.py search`` vs the same request
+  through the card's floor (``stub_server.py proxy``: bare http.server + http.client, no
+  authorization) and sent to the stub directly, interleaved in the same run, at c=1, 8 and 32
+  with the Python client and wrk;
 - where nginx is installed: the same search through nginx with ``auth_request`` to searchkeys
   (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone;
 - a new client's latency (``GET /health`` on a fresh connection, p50/p99) while 5,000 idle
