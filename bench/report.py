@@ -133,6 +133,12 @@ def searchkeys(result):
         f"{result['rss_mib_running']}; memory per 100k keys: "
         f"{result['memory_mib_per_100k_keys']} MiB; store files {result['store_bytes']} bytes "
         f"for {result['stored_keys_final']} keys"]
+    memory = {name: row for name, row in result.get("memory", {}).items() if isinstance(row, dict)}
+    if memory:
+        lines.append("idle RSS next to a bare http.server script, median MiB: " + "; ".join(
+            f"{name}: {row['median_mib']}" + (f" (+{row['over_bare_mib']})"
+                                              if "over_bare_mib" in row else "")
+            for name, row in memory.items()))
     return lines
 
 
