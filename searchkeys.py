@@ -999,7 +999,7 @@ class KeysServer(http.server.HTTPServer):
             if not _readable(sock, NEXT_REQUEST_WAIT):
                 return  # the watcher will see what comes
             data = sock.recv(READ_AHEAD - len(connection.read_ahead))
-        except OSError:
+        except (OSError, ValueError):  # (ValueError: select() past descriptor 1023)
             return
         if not data:
             connection.keep = False  # closed by the caller
