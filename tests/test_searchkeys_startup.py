@@ -254,7 +254,8 @@ def _rss_kib(pid):
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux) to read the RSS")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="needs /proc (Linux) to read the RSS")
 def test_serve_runs_from_the_bytecode_cache_in_less_memory(tmp_path):
     """With a bytecode cache beside it (`python3 -m py_compile`), serve runs as the cached module
     and not as the script compiled at start: same answers, far less memory, and the working
