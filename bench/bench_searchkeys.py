@@ -12,10 +12,13 @@ Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measu
   with ~100,000 stored keys, at concurrency 1 and 8;
 - startup time (spawn → first answer on ``/health``) with an empty store and with 100,000 keys,
   and idle RSS for both (→ memory per 100,000 keys);
-- the guard's cost: a search request (``POST /indexes/blog/search`` with a search key) through
-  ``serve --upstream`` to ``stub_server.py search`` vs the same request through the card's floor
-  (``stub_server.py proxy``: bare http.server + http.client, no authorization) and sent to the
-  stub directly, interleaved in the same run;
+- idle RSS next to a bare ThreadingHTTPServer + subprocess + json script, without and with a
+  bytecode cache of searchkeys.py;
+- the guard's cost: GET and POST searches, a multi-search, a tenant token's search and document
+  fetches, each through ``serve --upstream`` to ``stub_server.py search`` vs the same request
+  through the card's floor (``stub_server.py proxy``: bare http.server + http.client, no
+  authorization) and sent to the stub directly, interleaved in the same run, at c=1, 8 and 32
+  with the Python client and wrk;
 - where nginx is installed: the same search through nginx with ``auth_request`` to searchkeys
   (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone;
 - a new client's latency (``GET /health`` on a fresh connection, p50/p99) while 5,000 idle
@@ -30,11 +33,13 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_store
 import common
 from common import log, ratio
 
@@ -55,10 +60,11 @@ TARGETS_DOC = {
     "authorize_scaling": "authorization throughput at 10 keys / at 100,000 keys < 1.2",
     "create_scaling": "POST /keys per-create cost does not grow: rate at 100k / rate at 100 >= 0.8",
     "startup_100k": "startup with 100,000 keys < 2 s",
-    "guard_p50": "guard adds < 1 ms to the p50 of a search at c=1",
-    "guard_rps": "guarded search throughput >= 0.9x the floor (bare http.server + http.client "
-                 "proxy) at c=8",
+    "guard_p50": "the guard adds < 0.3 ms to the floor proxy's p50 at c=1, each request shape",
+    "guard_rps": "guarded throughput >= 0.9x the floor (bare http.server + http.client proxy) "
+                 "at each concurrency, each request shape, Python client and wrk",
     "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
+    "idle_rss": "idle RSS within 6 MiB of a bare ThreadingHTTPServer + subprocess + json script",
     "held_new_client": "a new client is answered within 1 s (p99) while 5,000 idle keep-alive "
                        "and 500 trickling connections are held",
 }
@@ -67,7 +73,8 @@ TARGETS_DOC = {
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="short run: repeat 1, 300 requests, 1 s wrk")
+                        help="short run: repeat 1, 300 requests, 1 s wrk, the 10,000-key "
+                             "store written in its format instead of filled through the API")
     common.add_load_arguments(parser, 3000, "1,8", "searchkeys.py and the stubs")
     parser.add_argument("--creates", type=int, help="POST /keys per rate measurement (300)")
     parser.add_argument("--keys", type=int,
@@ -80,6 +87,12 @@ def parse_args():
     parser.add_argument("--searchkeys", default=str(SEARCHKEYS), help="path of searchkeys.py")
     parser.add_argument("--guard-only", action="store_true",
                         help="measure only the guard's cost (no store filling)")
+    parser.add_argument("--guard-concurrency", default="1,8,32",
+                        help="concurrencies of the guard phase, each with the Python client "
+                             "and wrk (1,8,32)")
+    parser.add_argument("--guard-requests", type=int,
+                        help="Python-client requests per guard shape, concurrency and server "
+                             "(a third of --requests)")
     parser.add_argument("--held-only", action="store_true",
                         help="measure only a new client's latency while thousands of idle and "
                              "trickling connections are held")
@@ -89,6 +102,9 @@ def parse_args():
         "repeat": 1 if quick else 3, "requests": 300 if quick else 3000,
         "creates": 60 if quick else 300, "keys": 10000,
         "wrk_seconds": 1 if quick else 2, "slices": 2 if quick else 4})
+    args.guard_concurrency = [int(c) for c in args.guard_concurrency.split(",")]
+    if args.guard_requests is None:
+        args.guard_requests = max(100, args.requests // 3)
     if not Path(args.searchkeys).exists():
         sys.exit(f"{args.searchkeys} does not exist yet")
     return args
@@ -270,32 +286,69 @@ def start_floor_proxy(args, workdir, upstream):
                          log_dir=workdir)
 
 
+GUARD_SEARCH = "/indexes/movies/search"
+
+
+def guard_shapes(args, port):
+    """The request shapes the guard target covers, with a key for `movies` (search and
+    documents.get) and a tenant token of that key whose rule adds a filter (a rewrite)."""
+    status, body = call(port, "POST", "/keys", MASTER_AUTH, json.dumps(
+        {"actions": ["search", "documents.get"], "indexes": ["movies"], "expiresAt": None}))
+    if status != 201:
+        raise RuntimeError(f"POST /keys answered {status}: {body}")
+    token = subprocess.run(
+        [args.python, args.searchkeys, "token", "--api-key", body["key"], "--uid", body["uid"],
+         "--rules", json.dumps({"movies": {"filter": "genre = comedy"}})],
+        capture_output=True, text=True, check=True).stdout.strip()
+    key = {"Authorization": f"Bearer {body['key']}", "Content-Type": "application/json"}
+    tenant = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    shapes = {
+        "GET search": Req("GET", GUARD_SEARCH + "?q=a", key),
+        "POST search": Req("POST", GUARD_SEARCH, key, json.dumps({"q": "a", "limit": 20})),
+        "multi-search": Req("POST", "/multi-search", key,
+                            json.dumps({"queries": [{"indexUid": "movies", "q": "a"}]})),
+        "tenant token search": Req("POST", GUARD_SEARCH, tenant, json.dumps({"q": "a"})),
+        "GET document": Req("GET", "/indexes/movies/documents/1", key),
+        "GET documents": Req("GET", "/indexes/movies/documents", key),
+    }
+    if args.quick:  # the plain search and the one that is rewritten
+        shapes = {name: shapes[name] for name in ("POST search", "tenant token search")}
+    return shapes
+
+
 def measure_guard(args, workdir):
-    """The same search request through the guard, through the card's floor (a bare
-    http.server + http.client proxy, no authorization) and directly to the stub, interleaved."""
+    """Each request shape through the guard, through the card's floor (a bare http.server +
+    http.client proxy, no authorization) and directly to the stub, interleaved."""
     stub = start_stub(args, "search", workdir)
     upstream = f"http://{common.HOST}:{stub.port}"
     floor = start_floor_proxy(args, workdir, upstream)
     guard = start_searchkeys(args, workdir, upstream=upstream)
+    labels = [f"python c={c}" for c in args.guard_concurrency]
+    if not args.no_wrk:
+        labels += [f"wrk c={c}" for c in args.guard_concurrency]
     try:
-        key = new_search_key(guard.port)
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        request = Req("POST", SEARCH_PATH, headers, SEARCH_BODY)
-        status, body = call(guard.port, "POST", SEARCH_PATH, headers, SEARCH_BODY)
-        log(f"guarded search answered {status}: {str(body)[:100]}")
-        targets = {"direct": (stub, request), "floor": (floor, request),
-                   "guarded": (guard, request)}
-        table = interleaved(args, targets, "search", client_labels(args),
-                            {"direct": {200}, "floor": {200}, "guarded": {200}})
-        for row in table.values():
-            row["guarded/floor"] = common.compare(row["guarded"], row["floor"])
-            row["guarded/direct"] = common.compare(row["guarded"], row["direct"])
-            row["added_p50_ms"] = round(row["guarded"]["p50_ms"] - row["direct"]["p50_ms"], 3)
-            row["added_p50_vs_floor_ms"] = round(
-                row["guarded"]["p50_ms"] - row["floor"]["p50_ms"], 3)
-        table["guarded_status"] = status
-        table["guard_rss_mib"] = round((guard.status() or {}).get("rss_kib", 0) / 1024, 1)
-        return table
+        result = {"shapes": {}}
+        for shape, request in guard_shapes(args, guard.port).items():
+            status, body = call(guard.port, request.method, request.path, request.headers,
+                                request.body)
+            if status != 200:
+                raise RuntimeError(f"guarded {shape} answered {status}: {body}")
+            targets = {"direct": (stub, request), "floor": (floor, request),
+                       "guarded": (guard, request)}
+            table = interleaved(args, targets, shape, labels,
+                                {"direct": {200}, "floor": {200}, "guarded": {200}},
+                                count=args.guard_requests)
+            for row in table.values():
+                row["guarded/floor"] = common.compare(row["guarded"], row["floor"])
+                row["guarded/direct"] = common.compare(row["guarded"], row["direct"])
+                row["added_p50_ms"] = round(row["guarded"]["p50_ms"] - row["direct"]["p50_ms"],
+                                            3)
+                row["added_p50_vs_floor_ms"] = round(
+                    row["guarded"]["p50_ms"] - row["floor"]["p50_ms"], 3)
+            result["shapes"][shape] = table
+        result["guard_rss_mib"] = round((guard.status() or {}).get("rss_kib", 0) / 1024, 1)
+        result["load_average"] = common.load_average()
+        return result
     finally:
         guard.stop()
         floor.stop()
@@ -456,6 +509,57 @@ def idle_rss_mib(server):
     return round((server.status() or {}).get("rss_kib", 0) / 1024, 1)
 
 
+BARE_SERVER = """import json, subprocess, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "available"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def measure_memory(args, workdir):
+    """Idle RSS (10 keys in memory, no upstream) next to a bare ThreadingHTTPServer +
+    subprocess + json script on the same interpreter, alternated, median of >= 3 starts:
+    searchkeys.py as a script without a bytecode cache (compiled at every start), and a copy
+    with one (`python3 -m py_compile`, which `serve` then runs from)."""
+    bare = workdir / "bare_server.py"
+    bare.write_text(BARE_SERVER)
+    cached = workdir / "cached" / "searchkeys.py"
+    cached.parent.mkdir()
+    shutil.copy(args.searchkeys, cached)
+    subprocess.run([args.python, "-m", "py_compile", str(cached)], check=True)
+    starts = {"bare http.server script": lambda port: [args.python, bare, port],
+              "searchkeys.py, no bytecode cache": lambda port: [
+                  args.python, args.searchkeys, "serve", "--host", common.HOST, "--port", port,
+                  "--master-key", MASTER_KEY],
+              "searchkeys.py, bytecode cache": lambda port: [
+                  args.python, cached, "serve", "--host", common.HOST, "--port", port,
+                  "--master-key", MASTER_KEY]}
+    samples = {name: [] for name in starts}
+    for _ in range(max(3, args.repeat)):
+        for name, argv in starts.items():
+            port = common.free_port()
+            server = common.Server(name, argv(port), port, ready_path="/health",
+                                   log_dir=workdir)
+            try:
+                samples[name].append(idle_rss_mib(server))
+            finally:
+                server.stop()
+    result = {name: {"median_mib": common.median(values), "samples_mib": values}
+              for name, values in samples.items()}
+    bare_mib = result["bare http.server script"]["median_mib"]
+    for name in list(starts)[1:]:
+        result[name]["over_bare_mib"] = round(result[name]["median_mib"] - bare_mib, 1)
+    result["load_average"] = common.load_average()
+    log("idle RSS:", result)
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # Targets
 # --------------------------------------------------------------------------------------------
@@ -479,19 +583,25 @@ def evaluate_targets(args, result):
     if startup:
         add("startup_100k", f"startup ms with {args.keys} keys (median wall)",
             startup["median_ms"], "< 2000", startup["median_ms"] < 2000)
-    guard = result.get("guard", {})
-    if "python c=1" in guard:
-        added = guard["python c=1"]["added_p50_ms"]
-        add("guard_p50", "added p50 ms at c=1 (guarded - direct)", added, "< 1", added < 1)
+    for shape, table in result.get("guard", {}).get("shapes", {}).items():
+        for label, row in table.items():
+            if label == "python c=1":
+                added = row["added_p50_vs_floor_ms"]
+                add("guard_p50", f"{shape}: added p50 ms at c=1 (guarded - floor)", added,
+                    "< 0.3", added < 0.3)
+            r = (row["guarded/floor"] or {}).get("rps")
+            if r is not None:
+                add("guard_rps", f"{shape} {label} rps guarded/floor", r, ">= 0.9", r >= 0.9)
     for label in ("python c=8", "wrk c=8"):
-        if label in guard:
-            r = guard[label]["guarded/floor"]["rps"]
-            add("guard_rps", f"{label} rps guarded/floor", r, ">= 0.9", r >= 0.9)
         row = result.get("nginx", {}).get(label)
         if row:
             r = row["guarded/direct"]["rps"]
             add("nginx_rps", f"{label} rps nginx+searchkeys / nginx direct", r, ">= 0.8",
                 r >= 0.8)
+    for name, row in result.get("memory", {}).items():
+        if isinstance(row, dict) and "over_bare_mib" in row:
+            add("idle_rss", f"idle RSS MiB over the bare script: {name}", row["over_bare_mib"],
+                "<= 6", row["over_bare_mib"] <= 6)
     held = result.get("held_connections", {}).get(
         f"{HELD_IDLE} idle + {HELD_TRICKLING} trickling held")
     if held:
@@ -533,6 +643,7 @@ def main():
         result["startup_ms"] = {"empty store": common.measure_startup(
             lambda: start_searchkeys(args, workdir, stores["big"]), args.repeat)}
         log("startup, empty store:", result["startup_ms"]["empty store"])
+        result["memory"] = measure_memory(args, workdir)
         floor = start_stub(args, "floor", workdir)
         servers.append(floor)
         small = start(stores["small"])
@@ -541,9 +652,11 @@ def main():
         result["idle_rss_mib"] = {"10 keys": idle_rss_mib(small)}
         mid = start(stores["mid"])
         fill(args, mid, 100, deadline, fill_log)
+        if args.quick:  # written in the store's format: an API fill costs O(keys squared)
+            bench_store.write_store(stores["big"], args.keys - 1)
         big = start(stores["big"])
         result["authorize"], result["rss_mib_running"] = {}, {}
-        for level in (10000, args.keys):
+        for level in sorted({10000, args.keys}):
             fill(args, big, level - 1, deadline, fill_log)
             big_key = new_search_key(big.port)  # the newest key: last in insertion order
             result["rss_mib_running"][f"{level} keys"] = idle_rss_mib(big)

@@ -114,17 +114,17 @@ def guard_lines(result):
     lines = []
     if "guard" not in result:  # a --held-only run
         return held_lines(result)
-    lines += ["", "Guard (POST /indexes/blog/search with a search key), through "
-              "`serve --upstream` vs the floor (bare http.server + http.client proxy) vs direct "
-              "to the stub:", "",
-              "| client | direct rps / p50 / p99 ms | floor rps / p50 / p99 ms "
+    lines += ["", "Guard: each request shape through `serve --upstream` vs the floor (bare "
+              "http.server + http.client proxy) vs direct to the stub:", "",
+              "| shape | client | direct rps / p50 / p99 ms | floor rps / p50 / p99 ms "
               "| guarded rps / p50 / p99 ms | rps guarded/floor | rps guarded/direct "
-              "| server CPU µs/req (stub / floor / guard) |", "|---|---|---|---|---|---|---|"]
-    lines += table_rows(result["guard"], ["direct", "floor", "guarded"],
-                        ["guarded/floor", "guarded/direct"])
-    lines += ["", "added p50 (guarded - direct): " + ", ".join(
-        f"{label} {row['added_p50_ms']} ms" for label, row in result["guard"].items()
-        if isinstance(row, dict) and "added_p50_ms" in row)]
+              "| server CPU µs/req (stub / floor / guard) | added p50 ms vs floor |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for shape, table in result["guard"].get("shapes", {}).items():
+        rows = table_rows(table, ["direct", "floor", "guarded"],
+                          ["guarded/floor", "guarded/direct"])
+        for row, label in zip(rows, table):
+            lines.append(f"| {shape} {row} {fmt(table[label]['added_p50_vs_floor_ms'], 3)} |")
     if "nginx" in result:
         lines += ["", "nginx (the README's recipe: auth_request to searchkeys, decisions cached "
                   "5 s) vs nginx alone, both proxying to the stub:", "",
@@ -162,6 +162,12 @@ def searchkeys(result):
         f"{result['rss_mib_running']}; memory per 100k keys: "
         f"{result['memory_mib_per_100k_keys']} MiB; store files {result['store_bytes']} bytes "
         f"for {result['stored_keys_final']} keys"]
+    memory = {name: row for name, row in result.get("memory", {}).items() if isinstance(row, dict)}
+    if memory:
+        lines.append("idle RSS next to a bare http.server script, median MiB: " + "; ".join(
+            f"{name}: {row['median_mib']}" + (f" (+{row['over_bare_mib']})"
+                                              if "over_bare_mib" in row else "")
+            for name, row in memory.items()))
     return lines
 
 

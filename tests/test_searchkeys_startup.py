@@ -247,3 +247,38 @@ def test_serve_listens_on_ipv6_and_dual_stack(host, families):
             assert "listening on http://[%s]:%d" % (host, port) in server.log()
             return
     pytest.fail("no free port for --host %s" % host)
+
+
+def _rss_kib(pid):
+    with open("/proc/%d/status" % pid) as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="needs /proc (Linux) to read the RSS")
+def test_serve_runs_from_the_bytecode_cache_in_less_memory(tmp_path):
+    """With a bytecode cache beside it (`python3 -m py_compile`), serve runs as the cached module
+    and not as the script compiled at start: same answers, far less memory, and the working
+    directory (here holding a `json.py` that would fail) is not on its import path."""
+    plain, cached = tmp_path / "plain" / "searchkeys.py", tmp_path / "cached" / "searchkeys.py"
+    for copy in (plain, cached):
+        copy.parent.mkdir()
+        copy.write_bytes(SEARCHKEYS.read_bytes())
+    subprocess.run([python_cmd(cached)[0], "-m", "py_compile", str(cached)], check=True)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "json.py").write_text("raise SystemExit('json.py from the working directory')\n")
+    rss = {}
+    for copy in (plain, cached):
+        port = free_port()
+        store = copy.parent / "keys.json"
+        argv = python_cmd(copy, "serve", "--host", "127.0.0.1", "--port", str(port),
+                          "--master-key", MASTER, "--store", str(store))
+        with Daemon(argv, port, env=clean_env(), cwd=workdir, timeout=20.0) as server:
+            status, _, body = server.request("POST", "/keys", json.dumps(
+                {"actions": ["search"], "indexes": ["*"], "expiresAt": None}),
+                {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+            assert status == 201, server.log()
+            assert json.loads(body)["uid"] in stored_uids(store)
+            rss[copy] = _rss_kib(server.proc.pid)
+    assert rss[cached] < rss[plain] - 5 * 1024, rss
