@@ -24,10 +24,23 @@ PORTABLE = Path(__file__).resolve().parent / "portable"
 
 
 def free_port():
-    """A TCP port that no socket uses on any address right now: a daemon binding it on
-    0.0.0.0 or dual-stack [::] must not meet a client socket another test bound on 127.0.0.2
-    or ::1 (still open, or in TIME_WAIT).  The probe binds the wildcard address of both
-    families where it can, so the kernel picks a port free in both; it never listens."""
+    """A TCP port that no socket uses on any address right now, and that no other pytest-xdist
+    worker can be handed meanwhile (between this call and the daemon's bind, another worker's
+    probe could get the same port, and its daemon would answer this test's requests): each
+    worker takes only ports whose remainder by the worker count is its own number."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    while True:
+        port = unused_port()
+        if port % count == int(worker or 0) % count:
+            return port
+
+
+def unused_port():
+    """A port the kernel thinks free: a daemon binding it on 0.0.0.0 or dual-stack [::] must
+    not meet a client socket another test bound on 127.0.0.2 or ::1 (still open, or in
+    TIME_WAIT).  The probe binds the wildcard address of both families where it can, so the
+    kernel picks a port free in both; it never listens."""
     try:
         with socket.socket(socket.AF_INET6) as s:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
