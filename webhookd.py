@@ -453,8 +453,7 @@ def template_function(name, arg, environ):
             return environ.get(arg, "")
         arg = os.path.join(directory, arg)
     try:
-        with open(arg, "rb") as handle:
-            data = handle.read()
+        data = read_template_file(name, arg)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             log.warning("template: %s %s: %s; using \"\"", name, json.dumps(arg),
@@ -462,6 +461,31 @@ def template_function(name, arg, environ):
         return ""
     data = data[:-1] if data.endswith(b"\n") else data
     return data.decode("utf-8", "surrogateescape")
+
+
+TEMPLATE_FILE_MAX_BYTES = 1 << 20  # what cat or credential reads: a secret, a key, a certificate
+
+
+def read_template_file(name, path):
+    """The bytes of the file `cat`/`credential` names.  Opened without waiting and read only if
+    it is a regular file of at most TEMPLATE_FILE_MAX_BYTES (a folder fails at the read, as
+    upstream's): a FIFO would hold the reload, and the main thread that handles SIGTERM with it,
+    until someone writes to it, /dev/zero would fill the memory; they are load errors."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ValueError("%s %s: not a regular file" % (name, json.dumps(path)))
+        data = b""
+        while len(data) <= TEMPLATE_FILE_MAX_BYTES:
+            chunk = os.read(fd, TEMPLATE_FILE_MAX_BYTES + 1 - len(data))
+            if not chunk:
+                return data
+            data += chunk
+    finally:
+        os.close(fd)
+    raise ValueError("%s %s: larger than %d KiB" % (name, json.dumps(path),
+                                                    TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
 def expand_template(text, filename, environ=None):

@@ -4,6 +4,7 @@ behind a reverse proxy (-trusted-proxy) and the request body on a command's stdi
 the test itself, connecting from 127.0.0.1 with X-Forwarded-For lines of its choosing."""
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -199,3 +200,29 @@ def test_validate_knows_pass_payload_to_stdin(tmp_path):
     assert validate(tmp_path, "good.yaml", yaml)[0] == 0
     code, out = validate(tmp_path, "bad.json", good.replace("true", '"yes"'))
     assert code == 1 and "pass-payload-to-stdin: expected a boolean, got string" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# -template's cat and credential against files that are not files
+# ---------------------------------------------------------------------------------------------
+
+def test_template_reload_of_a_fifo_or_dev_zero_is_a_load_error_never_a_hang(tmp_path):
+    """A hot reload runs in the main thread, which also handles SIGTERM: a `cat` of a FIFO
+    nobody writes to must not block it (the bad code never reloads again, nor exits), nor may
+    /dev/zero be read without end.  The old hooks stay served."""
+    fifo = tmp_path / "secret.fifo"
+    os.mkfifo(fifo)
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text('[{"id": "a", "execute-command": "/bin/echo", '
+                     '"include-command-output-in-response": true}]')
+    template = '[{"id": "b", "execute-command": "/bin/echo", ' \
+               '"pass-arguments-to-command": [{"source": "string", "name": "{{ cat "%s" }}"}]}]'
+    with start_daemon(hooks, "-template", "-hotreload", "-nopanic") as daemon:
+        for path, count in ((fifo, 1), ("/dev/zero", 2)):
+            hooks.write_text(template % path)
+            wait_until(lambda: daemon.log().count("not a regular file") >= count,
+                       what="the load error for %s" % path)
+            assert daemon.request("GET", "/hooks/a", timeout=10)[::2] == (200, b"\n")
+            assert daemon.request("GET", "/hooks/b", timeout=10)[0] == 404
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(10) == 0
