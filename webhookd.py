@@ -3393,15 +3393,17 @@ def forwarded_client(remote_addr, forwarded_for, trusted):
     """The client behind a peer (`remote_addr`, host:port) in a -trusted-proxy range: the
     right-most entry of X-Forwarded-For (`forwarded_for`: its lines joined in order) that is
     not in those ranges, or the left-most if all are; written host:port with the peer's port
-    (the client's own is not forwarded).  An entry that is not an address, written by a proxy
-    we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits (fail closed).
+    (the client's own is not forwarded).  An entry that is not an address (or has a zone),
+    written by a proxy we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits.
     Any other peer, or an empty header: `remote_addr`, as Go, whatever the header says."""
     host, port = peer_host(remote_addr), remote_addr.rpartition(":")[2]
     hop = parse_ip(host)
     if hop is None or not any(hop in net for net in trusted) or not forwarded_for.strip():
         return remote_addr
     for entry in reversed(forwarded_for.split(",")):  # linear; the head is bounded
-        hop = parse_ip(entry.strip(" \t").strip("[]"))
+        entry = entry.strip(" \t").strip("[]")
+        # a zone (`fe80::1%eth0`) names a proxy's interface, and is any text a client likes
+        hop = None if "%" in entry else parse_ip(entry)
         if hop is None:
             return UNKNOWN_CLIENT
         if not any(hop in net for net in trusted):

@@ -79,6 +79,15 @@ def test_trusted_proxy_client_is_the_rightmost_untrusted_forwarded_address(tmp_p
         assert "incoming HTTP POST request from unknown" in log
 
 
+def test_a_forwarded_address_with_a_zone_is_an_unknown_client(tmp_path):
+    """Python reads `fe80::1%<any text>` as an address: the text after `%` is the client's to
+    choose, and would reach remote-addr (a command's argv, the log) as `[fe80::1%$(id)]`."""
+    with start([ADDR], tmp_path, "-trusted-proxy", "127.0.0.0/8,10.0.0.0/8") as daemon:
+        for entry in ("fe80::1%$(id)", "[fe80::1%eth0]", "fe80::1%25x", "fe80::1%x, 10.0.0.1"):
+            assert who(daemon.port, entry, hook="addr") == (200, b"unknown\n")
+        assert who(daemon.port, "fe80::1", hook="addr") == (200, b"[fe80::1]:PORT\n")
+
+
 def test_without_trusted_proxy_or_from_an_untrusted_peer_forwarded_for_is_ignored(tmp_path):
     for flags in ((), ("-trusted-proxy", "10.0.0.0/8")):  # the test connects from 127.0.0.1
         with start([WHO, ADDR], tmp_path, *flags) as daemon:
