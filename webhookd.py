@@ -4672,11 +4672,18 @@ RUNS_PAGE_SCRIPT = """
     fetch(out.dataset.live, {cache: "no-store"}).then(function (answer) {
       if (!answer.ok || !answer.body) throw new Error("HTTP " + answer.status);
       var reader = answer.body.getReader(), text = new TextDecoder(), first = true;
+      var keep = Number(out.dataset.keep), shown = 0;
       function more(part) {
         if (part.done) return;
         if (first) out.textContent = "";  // the stream starts again from the kept output
         first = false;
-        out.append(text.decode(part.value, {stream: true}));
+        var piece = text.decode(part.value, {stream: true});
+        out.append(piece);
+        shown += piece.length;
+        if (shown > 2 * keep) {  // a run printing on for hours: the page keeps the tail
+          out.textContent = out.textContent.slice(-keep);
+          shown = keep;
+        }
         return reader.read().then(more);
       }
       return reader.read().then(more);
@@ -4757,7 +4764,7 @@ class RunsHtml:
         body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output <small>(<a href="%s">raw'
                 '</a>)</small></h2>%s\n<pre id="output"%s>%s</pre></main>'
                 % (self.nav(), html_text(record["id"]), self.facts(facts), raw, "".join(notes),
-                   ' data-live="%s"' % raw if live else "",
+                   ' data-live="%s" data-keep="%d"' % (raw, RUNS_PAGE_OUTPUT) if live else "",
                    html_text(output.decode("utf-8", "replace"))))
         return self.page(200, "webhookd run %s" % record["id"], body, script=True)
 

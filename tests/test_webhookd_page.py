@@ -302,3 +302,31 @@ def test_a_running_run_is_followed_live_until_it_ends(browser, daemon):
     assert "exit 0" in text_of(browser, "#run")
     assert all(url.startswith((base + "/", "data:")) for url in requested(browser))
     assert page_problems(browser) == []
+
+
+def test_following_a_run_that_prints_on_keeps_only_a_tail_in_the_page(browser, tmp_path):
+    """The page holds at most the last MiB of output; following it live must not grow it
+    without end (a run printing for hours would fill the browser's memory): 3 MiB printed
+    while the page follows leave at most 2 MiB in it."""
+    gates = [tmp_path / "printed.gate", tmp_path / "end.gate"]
+    loud = script(tmp_path / "loud.sh", "echo first-line\nwhile [ ! -e %s ]; do sleep 0.05; done\n"
+                  "head -c 3145728 /dev/zero | tr '\\0' x\necho END\n"
+                  "while [ ! -e %s ]; do sleep 0.05; done\n" % tuple(gates))
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "loud", "execute-command": loud}])
+    port = free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                           "-status-path", "/-/status", "-runs-max-output", "8388608"),
+                port) as daemon:
+        run_id = trigger(daemon, "loud")
+        wait_until(lambda: json.loads(daemon.request("GET", "/-/status/runs/" + run_id)[2])[
+            "output_bytes"] > 0, WAIT, "the first line")
+        browser.get("http://127.0.0.1:%d/-/status/runs/%s" % (port, run_id))
+        wait_for(browser, lambda: "live" in text_of(browser, "#live"), "the script following")
+        gates[0].touch()
+        shown = "return document.getElementById('output').textContent"
+        wait_for(browser, lambda: browser.execute_script(shown + ".endsWith('END\\n')"),
+                 "the end of the output")
+        assert browser.execute_script(shown + ".length") <= 2 << 20
+        assert text_of(browser, ".state") == "running"  # (followed, not reloaded)
+        gates[1].touch()
+        ended(daemon, run_id)
