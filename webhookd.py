@@ -3933,7 +3933,8 @@ RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed",
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
-# its file holds one JSON line of ~350 bytes per saved state (queued, ended, interrupted)
+# its file holds one JSON line of ~350 bytes per saved state (queued, running, ended), plus the
+# length of the texts a client chose (a request id from -x-request-id) on each of those lines
 RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
@@ -3983,13 +3984,14 @@ class RunRecord:
         self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
+        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
 
     def as_dict(self):
         return {name: getattr(self, name) for name in RUN_FIELDS}
 
     @property
     def kept_bytes(self):
-        return RUN_RECORD_BYTES + min(self.output_bytes, self.cap)
+        return RUN_RECORD_BYTES + self.text_bytes + min(self.output_bytes, self.cap)
 
     cap = 0  # set by the store
 

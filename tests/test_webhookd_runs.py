@@ -167,6 +167,21 @@ def test_retention_per_hook_and_total_size(tmp_path):
         assert kept[0] == ids[-1] and len(kept) < 3
 
 
+def test_runs_max_bytes_counts_a_clients_long_request_id(tmp_path):
+    """With -x-request-id (no limit, as Go), each record holds the client's id, once per saved
+    state on disk: 100 KB ids must count against -runs-max-bytes, not as a 1 KiB record."""
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("a", "/bin/true")])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-x-request-id", "-runs-max-bytes", "700000", "-runs-dir", runs_dir) \
+            as daemon:
+        for number in range(6):
+            ended(daemon, trigger(daemon, "a", headers={"X-Request-Id": "%d" % number * 100000}))
+        kept = get_json(daemon, "/status/runs?hook=a")
+        assert 1 <= len(kept) <= 2 and kept[0]["request_id"] == "5" * 100000
+        wait_until(lambda: sum(path.stat().st_size for path in runs_dir.iterdir()) <= 700000,
+                   what="the records of dropped runs removed")
+
+
 # ---------------------------------------------------------------------------------------------
 # Following a run's output
 # ---------------------------------------------------------------------------------------------
