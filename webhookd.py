@@ -5511,11 +5511,13 @@ def main(argv=None):
     if (opts.setuid != 0) != (opts.setgid != 0):
         print("error: setuid and setgid options must be used together")
         return 1
-    if opts.status_path and (not opts.status_path.startswith("/") or opts.status_path == "/"
-                             or (opts.status_path + "/").startswith("/" + opts.urlprefix + "/")
-                             or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/"
-              % (opts.status_path, opts.urlprefix))
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
+              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
         return 1
     try:
         listener_thread = setup_logging(opts)

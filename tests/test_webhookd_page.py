@@ -10,6 +10,7 @@ import base64
 import json
 import re
 import shutil
+import subprocess
 import urllib.parse
 
 import pytest
@@ -188,6 +189,18 @@ def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
         assert page.count("&lt;") == (1 << 20) - 4 and "END" in page
         assert "Only the last 1024 KiB are shown here" in page
         assert '<a href="/-/status/runs/%s/output">all the kept output</a>' % run_id in page
+
+
+@pytest.mark.parametrize("path", ["/status/", "/a//b", "/a/./b", "/st?x", "/st#x"])
+def test_a_status_path_no_request_can_reach_is_refused_at_start(tmp_path, path):
+    """Requests are routed cleaned (`/status//runs` is redirected to `/status/runs`) and cut at
+    `?`: with such a -status-path the runs and metrics (or all of it) could never be reached."""
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "a", "execute-command": "/bin/true"}])
+    result = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-status-path", path, "-ip",
+                                       "127.0.0.1", "-port", str(free_port())),
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 1 and result.stderr == ""
+    assert result.stdout.startswith("error: -status-path") and result.stdout.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------
