@@ -285,7 +285,11 @@ def parse_trusted_proxies(text):
     networks = []
     for piece in text.split(","):
         try:
-            networks.append(ipaddress.ip_network(piece.strip(), strict=True))
+            network = ipaddress.ip_network(piece.strip(), strict=True)
+            mapped = getattr(network.network_address, "ipv4_mapped", None)
+            if mapped is not None and network.prefixlen >= 96:  # as parse_ip reads a peer's
+                network = ipaddress.ip_network("%s/%d" % (mapped, network.prefixlen - 96))
+            networks.append(network)
         except ValueError as exc:
             raise ValueError("%s (write e.g. 10.0.0.0/8, 2001:db8::/32 or one address)"
                              % exc) from None

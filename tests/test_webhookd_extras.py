@@ -88,6 +88,13 @@ def test_a_forwarded_address_with_a_zone_is_an_unknown_client(tmp_path):
         assert who(daemon.port, "fe80::1", hook="addr") == (200, b"[fe80::1]:PORT\n")
 
 
+def test_a_trusted_proxy_written_ipv4_mapped_is_trusted(tmp_path):
+    """A peer on a dual-stack socket (::ffff:127.0.0.1) is read as IPv4, as ip-whitelist reads
+    it: a range written in that form must match it too, never silently nothing."""
+    with start([ADDR], tmp_path, "-trusted-proxy", "::ffff:127.0.0.0/104") as daemon:
+        assert who(daemon.port, "203.0.113.7", hook="addr") == (200, b"203.0.113.7:PORT\n")
+
+
 def test_without_trusted_proxy_or_from_an_untrusted_peer_forwarded_for_is_ignored(tmp_path):
     for flags in ((), ("-trusted-proxy", "10.0.0.0/8")):  # the test connects from 127.0.0.1
         with start([WHO, ADDR], tmp_path, *flags) as daemon:
