@@ -2280,7 +2280,7 @@ class Pipeline:
         self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
             else NO_TIMEOUT
         self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs)
+        self.background = BackgroundRuns(opts.max_async_runs, self.max_body)
         self.stopping = False
         self.busy = 0  # requests and background runs not finished: the graceful stop waits
         self.busy_lock = threading.Lock()
@@ -2425,9 +2425,11 @@ class Pipeline:
             headers[canonical_header(name)] = value
         mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
             else "background"
-        if mode == "background" and not self.background.reserve():
-            log.info("[%s] %d background runs waiting already: %s refused", rid,
-                     ASYNC_BACKLOG_LIMIT, hook.id)
+        held = len(request.raw_body) if hook.payload_to_stdin else 0
+        if mode == "background" and not self.background.reserve(held):
+            log.info("[%s] the background runs' backlog is full (%d runs at most, holding "
+                     "%d bodies of -max-body-bytes for stdin): %s refused", rid,
+                     ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
         if run.record is not None:
@@ -2437,7 +2439,7 @@ class Pipeline:
             return self.run_streamed(run, stream, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.execute(run), headers, success)
-        self.run_in_background(run)
+        self.run_in_background(run, held)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
@@ -2495,9 +2497,9 @@ class Pipeline:
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
 
-    def run_in_background(self, run):
-        """Default mode, the backlog reserved: the run waits for its max-concurrency turn
-        holding no thread, then for a -max-async-runs thread."""
+    def run_in_background(self, run, held):
+        """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
+        its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
         with self.busy_lock:
             self.busy += 1
 
@@ -2515,7 +2517,7 @@ class Pipeline:
 
         def granted():
             run.has_turn = True
-            self.background.submit(job)
+            self.background.submit(job, held)
         run.gate.enter(granted)
 
     def run_streamed(self, run, stream, headers, success):
@@ -3830,30 +3832,38 @@ class Runner:
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
+ASYNC_BACKLOG_BODIES = 8  # request bodies of -max-body-bytes those runs may hold for their stdin
 
 
 class BackgroundRuns:
     """The one bounded queue of background runs: at most `size` threads, started on demand;
-    further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused."""
+    further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused, as are
+    those whose bodies (pass-payload-to-stdin) would grow what the backlog holds beyond
+    ASYNC_BACKLOG_BODIES of `max_body` (a hook with max-concurrency 1 queues them all)."""
 
-    def __init__(self, size):
+    def __init__(self, size, max_body):
         self.size = max(1, size)
+        self.max_held = ASYNC_BACKLOG_BODIES * max_body
+        self.held = 0  # bytes of request bodies the runs in the backlog hold
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
         self.threads = self.backlog = 0
 
-    def reserve(self):
-        """Count one more run in the backlog; False when it is full."""
+    def reserve(self, held=0):
+        """Count one more run in the backlog, holding `held` bytes of body until its job ends;
+        False when it is full."""
         with self.lock:
-            if self.backlog >= ASYNC_BACKLOG_LIMIT:
+            if self.backlog >= ASYNC_BACKLOG_LIMIT or (
+                    held and self.held and self.held + held > self.max_held):
                 return False
             self.backlog += 1
+            self.held += held
             return True
 
-    def submit(self, job):
+    def submit(self, job, held=0):
         """Queue a reserved job; an idle thread, or a new one below the bound, runs it."""
-        self.jobs.put(job)
+        self.jobs.put((job, held))
         if self.idle.acquire(blocking=False):
             return
         with self.lock:
@@ -3870,13 +3880,14 @@ class BackgroundRuns:
 
     def _work(self):
         while True:
-            job = self.jobs.get()
+            job, held = self.jobs.get()
             try:
                 job()
             except Exception:  # a bug in one run must not kill the thread
                 log.exception("unexpected error in a background run")
             with self.lock:
                 self.backlog -= 1
+                self.held -= held
             self.idle.release()
 
 
