@@ -176,13 +176,19 @@ def test_an_untrusted_browser_without_a_token_set_sees_only_health(daemon):
     assert status == 403 and "www-authenticate" not in headers and b"echo" not in body
 
 
-def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
-    loud = script(tmp_path / "loud.sh", "head -c 1572864 /dev/zero | tr '\\0' '<'\necho END\n")
+def loud_daemon(tmp_path, commands, max_output):
+    """A daemon whose hook `loud` runs these shell commands, keeping max_output per run."""
+    loud = script(tmp_path / "loud.sh", commands)
     hooks = write_hooks(tmp_path / "hooks.json", [{"id": "loud", "execute-command": loud}])
     port = free_port()
-    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
-                           "-status-path", "/-/status", "-runs-max-output", "4194304"),
-                port) as daemon:
+    return Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                             "-status-path", "/-/status", "-runs-max-output", str(max_output)),
+                  port)
+
+
+def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
+    with loud_daemon(tmp_path, "head -c 1572864 /dev/zero | tr '\\0' '<'\necho END\n",
+                     4194304) as daemon:
         run_id = trigger(daemon, "loud")
         assert ended(daemon, run_id)["output_bytes"] == 1572864 + 4
         _, page = html_of(daemon, "/-/status/runs/" + run_id)
@@ -322,18 +328,13 @@ def test_following_a_run_that_prints_on_keeps_only_a_tail_in_the_page(browser, t
     without end (a run printing for hours would fill the browser's memory): 3 MiB printed
     while the page follows leave at most 2 MiB in it."""
     gates = [tmp_path / "printed.gate", tmp_path / "end.gate"]
-    loud = script(tmp_path / "loud.sh", "echo first-line\nwhile [ ! -e %s ]; do sleep 0.05; done\n"
-                  "head -c 3145728 /dev/zero | tr '\\0' x\necho END\n"
-                  "while [ ! -e %s ]; do sleep 0.05; done\n" % tuple(gates))
-    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "loud", "execute-command": loud}])
-    port = free_port()
-    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
-                           "-status-path", "/-/status", "-runs-max-output", "8388608"),
-                port) as daemon:
+    with loud_daemon(tmp_path, "echo first-line\nwhile [ ! -e %s ]; do sleep 0.05; done\n"
+                     "head -c 3145728 /dev/zero | tr '\\0' x\necho END\n"
+                     "while [ ! -e %s ]; do sleep 0.05; done\n" % tuple(gates), 8388608) as daemon:
         run_id = trigger(daemon, "loud")
         wait_until(lambda: json.loads(daemon.request("GET", "/-/status/runs/" + run_id)[2])[
             "output_bytes"] > 0, WAIT, "the first line")
-        browser.get("http://127.0.0.1:%d/-/status/runs/%s" % (port, run_id))
+        browser.get("http://127.0.0.1:%d/-/status/runs/%s" % (daemon.port, run_id))
         wait_for(browser, lambda: "live" in text_of(browser, "#live"), "the script following")
         gates[0].touch()
         shown = "return document.getElementById('output').textContent"
