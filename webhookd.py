@@ -5095,7 +5095,9 @@ def runs_command(opts, out=None):
 def follow_run_file(directory, run_id, out):
     """Print a run's output as tail -f would, until its record says it ended.  The log is
     held open: when the daemon replaces it with the kept tail (a new file), what the old one
-    still held is printed, then the new one from its start, announced (lines may repeat)."""
+    still held is printed, then the new one from its start, announced (lines may repeat).  A
+    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
+    its last state is written) ends the follow with status 1."""
     record_path = os.path.join(directory, run_id + ".json")
     if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
         sys.stderr.write("no run %s in %s\n" % (run_id, directory))
@@ -5106,6 +5108,12 @@ def follow_run_file(directory, run_id, out):
             try:
                 with open_no_link(record_path) as record_file:
                     state = last_record(record_file.read()).get("state")
+            except FileNotFoundError:
+                follow_log(log_path, handle, getattr(out, "buffer", out))
+                out.flush()
+                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
+                                 "before its end was saved\n" % (run_id, directory))
+                return 1
             except (OSError, ValueError):
                 pass  # being written: read it next time
             handle = follow_log(log_path, handle, getattr(out, "buffer", out))

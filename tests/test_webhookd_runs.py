@@ -309,6 +309,33 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
     assert "Traceback" not in refused.stdout + refused.stderr
 
 
+def test_following_a_run_dropped_as_it_ends_stops(tmp_path):
+    """-runs-keep 1 drops a run as it ends when a newer one of its hook exists, removing its
+    files before its last state is written: -runs-follow must say so and stop (the bad code
+    followed forever)."""
+    gate = tmp_path / "gate"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("deploy", script(tmp_path / "deploy.sh", "echo pulling\nwhile [ ! -e %s ]; do "
+                              "sleep 0.05; done\n" % gate))])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir, "-runs-keep", "1") as daemon:
+        run_id = trigger(daemon, "deploy")
+        wait_until(lambda: printed(daemon, run_id, 8), what="first output")
+        follower = subprocess.Popen(python_cmd(WEBHOOKD, "-runs-dir", runs_dir, "-runs-follow",
+                                               run_id), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        try:
+            assert follower.stdout.readline() == b"pulling\n"
+            newer = trigger(daemon, "deploy")
+            gate.touch()
+            ended(daemon, newer)
+            assert follower.wait(20) == 1
+            assert b"was dropped" in follower.stderr.read()
+        finally:
+            follower.kill()
+            follower.wait()
+
+
 # ---------------------------------------------------------------------------------------------
 # Access control and secrets
 # ---------------------------------------------------------------------------------------------
