@@ -2427,9 +2427,8 @@ class Pipeline:
             else "background"
         held = len(request.raw_body) if hook.payload_to_stdin else 0
         if mode == "background" and not self.background.reserve(held):
-            log.info("[%s] the background runs' backlog is full (%d runs at most, holding "
-                     "%d bodies of -max-body-bytes for stdin): %s refused", rid,
-                     ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
+            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies for "
+                     "stdin): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
         if run.record is not None:
