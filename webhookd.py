@@ -4428,7 +4428,10 @@ def open_runs_dir(path, uid, gid):
     records and links in it) or if it is a symbolic link (whoever owns the folder above could
     point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
     or by an earlier daemon running as root) is handed over to that user, through its open
-    descriptor, and its entries without following links."""
+    descriptor, and its entries without following links.  The folder stays open and locked
+    while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
+    the first one's running runs interrupted and delete its records; it is refused."""
+    import fcntl  # only with -runs-dir
     os.makedirs(path, 0o700, exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -4437,6 +4440,10 @@ def open_runs_dir(path, uid, gid):
             raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
         raise
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EBUSY, "in use by another webhookd") from None
         st = os.fstat(fd)
         if st.st_uid != uid:
             if st.st_uid != 0 or os.geteuid() != 0:
@@ -4447,9 +4454,10 @@ def open_runs_dir(path, uid, gid):
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
-    finally:
+    except BaseException:
         os.close(fd)
-    return path
+        raise
+    return path  # fd stays open, holding the lock, until the daemon exits
 
 
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client

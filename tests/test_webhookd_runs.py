@@ -309,6 +309,28 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
     assert "Traceback" not in refused.stdout + refused.stderr
 
 
+def test_a_second_daemon_on_the_same_runs_dir_is_refused(tmp_path):
+    """Two daemons on one -runs-dir (a unit copied with its flags): the second, starting, would
+    mark the first one's running run interrupted and delete its records."""
+    gate = tmp_path / "gate"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("deploy", script(tmp_path / "deploy.sh", "while [ ! -e %s ]; do sleep 0.05; "
+                              "done\n" % gate))])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        run_id = trigger(daemon, "deploy")
+        wait_until(lambda: get_json(daemon, "/status/runs/" + run_id)["state"] == "running")
+        second = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1",
+                                           "-port", str(free_port()), "-runs-dir", runs_dir),
+                                capture_output=True, text=True, timeout=20)
+        assert second.returncode == 1 and "in use by another webhookd" in second.stdout
+        assert "Traceback" not in second.stdout + second.stderr
+        gate.touch()
+        assert ended(daemon, run_id)["state"] == "succeeded"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:  # free again once the first exits
+        assert get_json(daemon, "/status/runs/" + run_id)["state"] == "succeeded"
+
+
 def test_following_a_run_dropped_as_it_ends_stops(tmp_path):
     """-runs-keep 1 drops a run as it ends when a newer one of its hook exists, removing its
     files before its last state is written: -runs-follow must say so and stop (the bad code
