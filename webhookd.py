@@ -5583,6 +5583,11 @@ def serve(opts):
         print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
         return 1
 
+    for network in opts.trusted_proxy:
+        if network.prefixlen == 0:
+            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
+                        "webhookd itself can name any address in X-Forwarded-For, and pass "
+                        "ip-whitelist with it; give the proxies' own range", network)
     if opts.status_path and not opts.status_token:
         log.warning("warning: %s and its run history are served without -status-token to "
                     "loopback clients no proxy relays: behind a proxy that adds no "

@@ -95,6 +95,16 @@ def test_a_trusted_proxy_written_ipv4_mapped_is_trusted(tmp_path):
         assert who(daemon.port, "203.0.113.7", hook="addr") == (200, b"203.0.113.7:PORT\n")
 
 
+def test_a_trusted_proxy_range_of_everything_is_warned_about(tmp_path):
+    """-trusted-proxy 0.0.0.0/0 (a quick fix that "works") lets any client choose its address:
+    said at start, as loudly as a status page without a token."""
+    with start([WHO], tmp_path, "-trusted-proxy", "0.0.0.0/0,::/0") as daemon:
+        assert who(daemon.port, "203.0.113.7") == (200, b"203.0.113.7:PORT\n")
+        log = daemon.log()
+        assert "-trusted-proxy 0.0.0.0/0 trusts every address" in log
+        assert "-trusted-proxy ::/0 trusts every address" in log
+
+
 def test_without_trusted_proxy_or_from_an_untrusted_peer_forwarded_for_is_ignored(tmp_path):
     for flags in ((), ("-trusted-proxy", "10.0.0.0/8")):  # the test connects from 127.0.0.1
         with start([WHO, ADDR], tmp_path, *flags) as daemon:
