@@ -285,7 +285,11 @@ def parse_trusted_proxies(text):
     networks = []
     for piece in text.split(","):
         try:
-            networks.append(ipaddress.ip_network(piece.strip(), strict=True))
+            network = ipaddress.ip_network(piece.strip(), strict=True)
+            mapped = getattr(network.network_address, "ipv4_mapped", None)
+            if mapped is not None and network.prefixlen >= 96:  # as parse_ip reads a peer's
+                network = ipaddress.ip_network("%s/%d" % (mapped, network.prefixlen - 96))
+            networks.append(network)
         except ValueError as exc:
             raise ValueError("%s (write e.g. 10.0.0.0/8, 2001:db8::/32 or one address)"
                              % exc) from None
@@ -453,8 +457,7 @@ def template_function(name, arg, environ):
             return environ.get(arg, "")
         arg = os.path.join(directory, arg)
     try:
-        with open(arg, "rb") as handle:
-            data = handle.read()
+        data = read_template_file(name, arg)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             log.warning("template: %s %s: %s; using \"\"", name, json.dumps(arg),
@@ -462,6 +465,31 @@ def template_function(name, arg, environ):
         return ""
     data = data[:-1] if data.endswith(b"\n") else data
     return data.decode("utf-8", "surrogateescape")
+
+
+TEMPLATE_FILE_MAX_BYTES = 1 << 20  # what cat or credential reads: a secret, a key, a certificate
+
+
+def read_template_file(name, path):
+    """The bytes of the file `cat`/`credential` names.  Opened without waiting and read only if
+    it is a regular file of at most TEMPLATE_FILE_MAX_BYTES (a folder fails at the read, as
+    upstream's): a FIFO would hold the reload, and the main thread that handles SIGTERM with it,
+    until someone writes to it, /dev/zero would fill the memory; they are load errors."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ValueError("%s %s: not a regular file" % (name, json.dumps(path)))
+        data = b""
+        while len(data) <= TEMPLATE_FILE_MAX_BYTES:
+            chunk = os.read(fd, TEMPLATE_FILE_MAX_BYTES + 1 - len(data))
+            if not chunk:
+                return data
+            data += chunk
+    finally:
+        os.close(fd)
+    raise ValueError("%s %s: larger than %d KiB" % (name, json.dumps(path),
+                                                    TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
 def expand_template(text, filename, environ=None):
@@ -2255,7 +2283,7 @@ class Pipeline:
         self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
             else NO_TIMEOUT
         self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs)
+        self.background = BackgroundRuns(opts.max_async_runs, self.max_body)
         self.stopping = False
         self.busy = 0  # requests and background runs not finished: the graceful stop waits
         self.busy_lock = threading.Lock()
@@ -2400,9 +2428,10 @@ class Pipeline:
             headers[canonical_header(name)] = value
         mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
             else "background"
-        if mode == "background" and not self.background.reserve():
-            log.info("[%s] %d background runs waiting already: %s refused", rid,
-                     ASYNC_BACKLOG_LIMIT, hook.id)
+        held = len(request.raw_body) if hook.payload_to_stdin else 0
+        if mode == "background" and not self.background.reserve(held):
+            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies for "
+                     "stdin): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
             return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
         if run.record is not None:
@@ -2412,7 +2441,7 @@ class Pipeline:
             return self.run_streamed(run, stream, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.execute(run), headers, success)
-        self.run_in_background(run)
+        self.run_in_background(run, held)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
@@ -2470,9 +2499,9 @@ class Pipeline:
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
 
-    def run_in_background(self, run):
-        """Default mode, the backlog reserved: the run waits for its max-concurrency turn
-        holding no thread, then for a -max-async-runs thread."""
+    def run_in_background(self, run, held):
+        """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
+        its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
         with self.busy_lock:
             self.busy += 1
 
@@ -2490,7 +2519,7 @@ class Pipeline:
 
         def granted():
             run.has_turn = True
-            self.background.submit(job)
+            self.background.submit(job, held)
         run.gate.enter(granted)
 
     def run_streamed(self, run, stream, headers, success):
@@ -3372,15 +3401,17 @@ def forwarded_client(remote_addr, forwarded_for, trusted):
     """The client behind a peer (`remote_addr`, host:port) in a -trusted-proxy range: the
     right-most entry of X-Forwarded-For (`forwarded_for`: its lines joined in order) that is
     not in those ranges, or the left-most if all are; written host:port with the peer's port
-    (the client's own is not forwarded).  An entry that is not an address, written by a proxy
-    we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits (fail closed).
+    (the client's own is not forwarded).  An entry that is not an address (or has a zone),
+    written by a proxy we trust, ends the walk at UNKNOWN_CLIENT, whom no ip-whitelist admits.
     Any other peer, or an empty header: `remote_addr`, as Go, whatever the header says."""
     host, port = peer_host(remote_addr), remote_addr.rpartition(":")[2]
     hop = parse_ip(host)
     if hop is None or not any(hop in net for net in trusted) or not forwarded_for.strip():
         return remote_addr
     for entry in reversed(forwarded_for.split(",")):  # linear; the head is bounded
-        hop = parse_ip(entry.strip(" \t").strip("[]"))
+        entry = entry.strip(" \t").strip("[]")
+        # a zone (`fe80::1%eth0`) names a proxy's interface, and is any text a client likes
+        hop = None if "%" in entry else parse_ip(entry)
         if hop is None:
             return UNKNOWN_CLIENT
         if not any(hop in net for net in trusted):
@@ -3803,30 +3834,38 @@ class Runner:
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
+ASYNC_BACKLOG_BODIES = 8  # request bodies of -max-body-bytes those runs may hold for their stdin
 
 
 class BackgroundRuns:
     """The one bounded queue of background runs: at most `size` threads, started on demand;
-    further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused."""
+    further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused, as are
+    those whose bodies (pass-payload-to-stdin) would grow what the backlog holds beyond
+    ASYNC_BACKLOG_BODIES of `max_body` (a hook with max-concurrency 1 queues them all)."""
 
-    def __init__(self, size):
+    def __init__(self, size, max_body):
         self.size = max(1, size)
+        self.max_held = ASYNC_BACKLOG_BODIES * max_body
+        self.held = 0  # bytes of request bodies the runs in the backlog hold
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
         self.threads = self.backlog = 0
 
-    def reserve(self):
-        """Count one more run in the backlog; False when it is full."""
+    def reserve(self, held=0):
+        """Count one more run in the backlog, holding `held` bytes of body until its job ends;
+        False when it is full."""
         with self.lock:
-            if self.backlog >= ASYNC_BACKLOG_LIMIT:
+            if self.backlog >= ASYNC_BACKLOG_LIMIT or (
+                    held and self.held and self.held + held > self.max_held):
                 return False
             self.backlog += 1
+            self.held += held
             return True
 
-    def submit(self, job):
+    def submit(self, job, held=0):
         """Queue a reserved job; an idle thread, or a new one below the bound, runs it."""
-        self.jobs.put(job)
+        self.jobs.put((job, held))
         if self.idle.acquire(blocking=False):
             return
         with self.lock:
@@ -3843,13 +3882,14 @@ class BackgroundRuns:
 
     def _work(self):
         while True:
-            job = self.jobs.get()
+            job, held = self.jobs.get()
             try:
                 job()
             except Exception:  # a bug in one run must not kill the thread
                 log.exception("unexpected error in a background run")
             with self.lock:
                 self.backlog -= 1
+                self.held -= held
             self.idle.release()
 
 
@@ -3910,7 +3950,8 @@ RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed",
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
-# its file holds one JSON line of ~350 bytes per saved state (queued, ended, interrupted)
+# its file holds one JSON line of ~350 bytes per saved state (queued, running, ended), plus the
+# length of the texts a client chose (a request id from -x-request-id) on each of those lines
 RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
@@ -3960,13 +4001,14 @@ class RunRecord:
         self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
+        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
 
     def as_dict(self):
         return {name: getattr(self, name) for name in RUN_FIELDS}
 
     @property
     def kept_bytes(self):
-        return RUN_RECORD_BYTES + min(self.output_bytes, self.cap)
+        return RUN_RECORD_BYTES + self.text_bytes + min(self.output_bytes, self.cap)
 
     cap = 0  # set by the store
 
@@ -4389,7 +4431,10 @@ def open_runs_dir(path, uid, gid):
     records and links in it) or if it is a symbolic link (whoever owns the folder above could
     point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
     or by an earlier daemon running as root) is handed over to that user, through its open
-    descriptor, and its entries without following links."""
+    descriptor, and its entries without following links.  The folder stays open and locked
+    while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
+    the first one's running runs interrupted and delete its records; it is refused."""
+    import fcntl  # only with -runs-dir
     os.makedirs(path, 0o700, exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -4398,6 +4443,10 @@ def open_runs_dir(path, uid, gid):
             raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
         raise
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EBUSY, "in use by another webhookd") from None
         st = os.fstat(fd)
         if st.st_uid != uid:
             if st.st_uid != 0 or os.geteuid() != 0:
@@ -4408,9 +4457,10 @@ def open_runs_dir(path, uid, gid):
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
-    finally:
+    except BaseException:
         os.close(fd)
-    return path
+        raise
+    return path  # fd stays open, holding the lock, until the daemon exits
 
 
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
@@ -4649,11 +4699,18 @@ RUNS_PAGE_SCRIPT = """
     fetch(out.dataset.live, {cache: "no-store"}).then(function (answer) {
       if (!answer.ok || !answer.body) throw new Error("HTTP " + answer.status);
       var reader = answer.body.getReader(), text = new TextDecoder(), first = true;
+      var keep = Number(out.dataset.keep), shown = 0;
       function more(part) {
         if (part.done) return;
         if (first) out.textContent = "";  // the stream starts again from the kept output
         first = false;
-        out.append(text.decode(part.value, {stream: true}));
+        var piece = text.decode(part.value, {stream: true});
+        out.append(piece);
+        shown += piece.length;
+        if (shown > 2 * keep) {  // a run printing on for hours: the page keeps the tail
+          out.textContent = out.textContent.slice(-keep);
+          shown = keep;
+        }
         return reader.read().then(more);
       }
       return reader.read().then(more);
@@ -4734,7 +4791,7 @@ class RunsHtml:
         body = ('%s\n<main id="run"><h1>Run %s</h1>\n%s\n<h2>Output <small>(<a href="%s">raw'
                 '</a>)</small></h2>%s\n<pre id="output"%s>%s</pre></main>'
                 % (self.nav(), html_text(record["id"]), self.facts(facts), raw, "".join(notes),
-                   ' data-live="%s"' % raw if live else "",
+                   ' data-live="%s" data-keep="%d"' % (raw, RUNS_PAGE_OUTPUT) if live else "",
                    html_text(output.decode("utf-8", "replace"))))
         return self.page(200, "webhookd run %s" % record["id"], body, script=True)
 
@@ -5048,7 +5105,9 @@ def runs_command(opts, out=None):
 def follow_run_file(directory, run_id, out):
     """Print a run's output as tail -f would, until its record says it ended.  The log is
     held open: when the daemon replaces it with the kept tail (a new file), what the old one
-    still held is printed, then the new one from its start, announced (lines may repeat)."""
+    still held is printed, then the new one from its start, announced (lines may repeat).  A
+    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
+    its last state is written) ends the follow with status 1."""
     record_path = os.path.join(directory, run_id + ".json")
     if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
         sys.stderr.write("no run %s in %s\n" % (run_id, directory))
@@ -5059,6 +5118,12 @@ def follow_run_file(directory, run_id, out):
             try:
                 with open_no_link(record_path) as record_file:
                     state = last_record(record_file.read()).get("state")
+            except FileNotFoundError:
+                follow_log(log_path, handle, getattr(out, "buffer", out))
+                out.flush()
+                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
+                                 "before its end was saved\n" % (run_id, directory))
+                return 1
             except (OSError, ValueError):
                 pass  # being written: read it next time
             handle = follow_log(log_path, handle, getattr(out, "buffer", out))
@@ -5479,11 +5544,13 @@ def main(argv=None):
     if (opts.setuid != 0) != (opts.setgid != 0):
         print("error: setuid and setgid options must be used together")
         return 1
-    if opts.status_path and (not opts.status_path.startswith("/") or opts.status_path == "/"
-                             or (opts.status_path + "/").startswith("/" + opts.urlprefix + "/")
-                             or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/"
-              % (opts.status_path, opts.urlprefix))
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
+              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
         return 1
     try:
         listener_thread = setup_logging(opts)
@@ -5519,6 +5586,11 @@ def serve(opts):
         print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
         return 1
 
+    for network in opts.trusted_proxy:
+        if network.prefixlen == 0:
+            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
+                        "webhookd itself can name any address in X-Forwarded-For, and pass "
+                        "ip-whitelist with it; give the proxies' own range", network)
     if opts.status_path and not opts.status_token:
         log.warning("warning: %s and its run history are served without -status-token to "
                     "loopback clients no proxy relays: behind a proxy that adds no "

@@ -4,6 +4,7 @@ behind a reverse proxy (-trusted-proxy) and the request body on a command's stdi
 the test itself, connecting from 127.0.0.1 with X-Forwarded-For lines of its choosing."""
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -76,6 +77,32 @@ def test_trusted_proxy_client_is_the_rightmost_untrusted_forwarded_address(tmp_p
                          what="the access log line")
         assert "incoming HTTP POST request from 203.0.113.7:" in log
         assert "incoming HTTP POST request from unknown" in log
+
+
+def test_a_forwarded_address_with_a_zone_is_an_unknown_client(tmp_path):
+    """Python reads `fe80::1%<any text>` as an address: the text after `%` is the client's to
+    choose, and would reach remote-addr (a command's argv, the log) as `[fe80::1%$(id)]`."""
+    with start([ADDR], tmp_path, "-trusted-proxy", "127.0.0.0/8,10.0.0.0/8") as daemon:
+        for entry in ("fe80::1%$(id)", "[fe80::1%eth0]", "fe80::1%25x", "fe80::1%x, 10.0.0.1"):
+            assert who(daemon.port, entry, hook="addr") == (200, b"unknown\n")
+        assert who(daemon.port, "fe80::1", hook="addr") == (200, b"[fe80::1]:PORT\n")
+
+
+def test_a_trusted_proxy_written_ipv4_mapped_is_trusted(tmp_path):
+    """A peer on a dual-stack socket (::ffff:127.0.0.1) is read as IPv4, as ip-whitelist reads
+    it: a range written in that form must match it too, never silently nothing."""
+    with start([ADDR], tmp_path, "-trusted-proxy", "::ffff:127.0.0.0/104") as daemon:
+        assert who(daemon.port, "203.0.113.7", hook="addr") == (200, b"203.0.113.7:PORT\n")
+
+
+def test_a_trusted_proxy_range_of_everything_is_warned_about(tmp_path):
+    """-trusted-proxy 0.0.0.0/0 (a quick fix that "works") lets any client choose its address:
+    said at start, as loudly as a status page without a token."""
+    with start([WHO], tmp_path, "-trusted-proxy", "0.0.0.0/0,::/0") as daemon:
+        assert who(daemon.port, "203.0.113.7") == (200, b"203.0.113.7:PORT\n")
+        log = daemon.log()
+        assert "-trusted-proxy 0.0.0.0/0 trusts every address" in log
+        assert "-trusted-proxy ::/0 trusts every address" in log
 
 
 def test_without_trusted_proxy_or_from_an_untrusted_peer_forwarded_for_is_ignored(tmp_path):
@@ -183,6 +210,28 @@ def test_commands_that_do_not_read_stdin_still_finish(tmp_path):
         assert "Traceback" not in daemon.log()
 
 
+def test_queued_runs_hold_a_bounded_number_of_bodies_for_stdin(tmp_path):
+    """A background run waiting for its max-concurrency turn keeps its body for its stdin:
+    without a bound, a client could queue ASYNC_BACKLOG_LIMIT (10,000) bodies of
+    -max-body-bytes each (250 GB by default).  Eight full bodies are held at most; more get
+    503 until the queue drains; nothing accepted is lost."""
+    gate, out = tmp_path / "gate", tmp_path / "sizes"
+    hooks = [{"id": "queue", "execute-command": "/bin/sh", "pass-payload-to-stdin": True,
+              "max-concurrency": 1,
+              "pass-arguments-to-command": [{"source": "string", "name": "-c"}, {
+                  "source": "string", "name": "while [ ! -e %s ]; do sleep 0.05; done; "
+                                              "wc -c >> %s" % (gate, out)}]}]
+    body = b"z" * 100000
+    with start(hooks, tmp_path, "-max-body-bytes", "100000") as daemon:
+        answers = [daemon.request("POST", "/hooks/queue", body=body)[0] for _ in range(8)]
+        assert answers == [200] * 8
+        assert daemon.request("POST", "/hooks/queue", body=body)[0] == 503
+        gate.touch()
+        wait_until(lambda: out.exists() and out.read_text().split() == ["100000"] * 8,
+                   what="the eight queued runs")
+        assert daemon.request("POST", "/hooks/queue", body=body)[0] == 200
+
+
 def validate(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
@@ -199,3 +248,29 @@ def test_validate_knows_pass_payload_to_stdin(tmp_path):
     assert validate(tmp_path, "good.yaml", yaml)[0] == 0
     code, out = validate(tmp_path, "bad.json", good.replace("true", '"yes"'))
     assert code == 1 and "pass-payload-to-stdin: expected a boolean, got string" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# -template's cat and credential against files that are not files
+# ---------------------------------------------------------------------------------------------
+
+def test_template_reload_of_a_fifo_or_dev_zero_is_a_load_error_never_a_hang(tmp_path):
+    """A hot reload runs in the main thread, which also handles SIGTERM: a `cat` of a FIFO
+    nobody writes to must not block it (the bad code never reloads again, nor exits), nor may
+    /dev/zero be read without end.  The old hooks stay served."""
+    fifo = tmp_path / "secret.fifo"
+    os.mkfifo(fifo)
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text('[{"id": "a", "execute-command": "/bin/echo", '
+                     '"include-command-output-in-response": true}]')
+    template = '[{"id": "b", "execute-command": "/bin/echo", ' \
+               '"pass-arguments-to-command": [{"source": "string", "name": "{{ cat "%s" }}"}]}]'
+    with start_daemon(hooks, "-template", "-hotreload", "-nopanic") as daemon:
+        for path, count in ((fifo, 1), ("/dev/zero", 2)):
+            hooks.write_text(template % path)
+            wait_until(lambda: daemon.log().count("not a regular file") >= count,
+                       what="the load error for %s" % path)
+            assert daemon.request("GET", "/hooks/a", timeout=10)[::2] == (200, b"\n")
+            assert daemon.request("GET", "/hooks/b", timeout=10)[0] == 404
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(10) == 0

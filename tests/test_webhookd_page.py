@@ -10,6 +10,7 @@ import base64
 import json
 import re
 import shutil
+import subprocess
 import urllib.parse
 
 import pytest
@@ -175,19 +176,37 @@ def test_an_untrusted_browser_without_a_token_set_sees_only_health(daemon):
     assert status == 403 and "www-authenticate" not in headers and b"echo" not in body
 
 
-def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
-    loud = script(tmp_path / "loud.sh", "head -c 1572864 /dev/zero | tr '\\0' '<'\necho END\n")
+def loud_daemon(tmp_path, commands, max_output):
+    """A daemon whose hook `loud` runs these shell commands, keeping max_output per run."""
+    loud = script(tmp_path / "loud.sh", commands)
     hooks = write_hooks(tmp_path / "hooks.json", [{"id": "loud", "execute-command": loud}])
     port = free_port()
-    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
-                           "-status-path", "/-/status", "-runs-max-output", "4194304"),
-                port) as daemon:
+    return Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                             "-status-path", "/-/status", "-runs-max-output", str(max_output)),
+                  port)
+
+
+def test_a_run_page_holds_at_most_the_last_mib_of_output(tmp_path):
+    with loud_daemon(tmp_path, "head -c 1572864 /dev/zero | tr '\\0' '<'\necho END\n",
+                     4194304) as daemon:
         run_id = trigger(daemon, "loud")
         assert ended(daemon, run_id)["output_bytes"] == 1572864 + 4
         _, page = html_of(daemon, "/-/status/runs/" + run_id)
         assert page.count("&lt;") == (1 << 20) - 4 and "END" in page
         assert "Only the last 1024 KiB are shown here" in page
         assert '<a href="/-/status/runs/%s/output">all the kept output</a>' % run_id in page
+
+
+@pytest.mark.parametrize("path", ["/status/", "/a//b", "/a/./b", "/st?x", "/st#x"])
+def test_a_status_path_no_request_can_reach_is_refused_at_start(tmp_path, path):
+    """Requests are routed cleaned (`/status//runs` is redirected to `/status/runs`) and cut at
+    `?`: with such a -status-path the runs and metrics (or all of it) could never be reached."""
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "a", "execute-command": "/bin/true"}])
+    result = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-status-path", path, "-ip",
+                                       "127.0.0.1", "-port", str(free_port())),
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 1 and result.stderr == ""
+    assert result.stdout.startswith("error: -status-path") and result.stdout.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,3 +321,26 @@ def test_a_running_run_is_followed_live_until_it_ends(browser, daemon):
     assert "exit 0" in text_of(browser, "#run")
     assert all(url.startswith((base + "/", "data:")) for url in requested(browser))
     assert page_problems(browser) == []
+
+
+def test_following_a_run_that_prints_on_keeps_only_a_tail_in_the_page(browser, tmp_path):
+    """The page holds at most the last MiB of output; following it live must not grow it
+    without end (a run printing for hours would fill the browser's memory): 3 MiB printed
+    while the page follows leave at most 2 MiB in it."""
+    gates = [tmp_path / "printed.gate", tmp_path / "end.gate"]
+    with loud_daemon(tmp_path, "echo first-line\nwhile [ ! -e %s ]; do sleep 0.05; done\n"
+                     "head -c 3145728 /dev/zero | tr '\\0' x\necho END\n"
+                     "while [ ! -e %s ]; do sleep 0.05; done\n" % tuple(gates), 8388608) as daemon:
+        run_id = trigger(daemon, "loud")
+        wait_until(lambda: json.loads(daemon.request("GET", "/-/status/runs/" + run_id)[2])[
+            "output_bytes"] > 0, WAIT, "the first line")
+        browser.get("http://127.0.0.1:%d/-/status/runs/%s" % (daemon.port, run_id))
+        wait_for(browser, lambda: "live" in text_of(browser, "#live"), "the script following")
+        gates[0].touch()
+        shown = "return document.getElementById('output').textContent"
+        wait_for(browser, lambda: browser.execute_script(shown + ".endsWith('END\\n')"),
+                 "the end of the output")
+        assert browser.execute_script(shown + ".length") <= 2 << 20
+        assert text_of(browser, ".state") == "running"  # (followed, not reloaded)
+        gates[1].touch()
+        ended(daemon, run_id)

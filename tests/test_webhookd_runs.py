@@ -167,6 +167,21 @@ def test_retention_per_hook_and_total_size(tmp_path):
         assert kept[0] == ids[-1] and len(kept) < 3
 
 
+def test_runs_max_bytes_counts_a_clients_long_request_id(tmp_path):
+    """With -x-request-id (no limit, as Go), each record holds the client's id, once per saved
+    state on disk: 100 KB ids must count against -runs-max-bytes, not as a 1 KiB record."""
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("a", "/bin/true")])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-x-request-id", "-runs-max-bytes", "700000", "-runs-dir", runs_dir) \
+            as daemon:
+        for number in range(6):
+            ended(daemon, trigger(daemon, "a", headers={"X-Request-Id": "%d" % number * 100000}))
+        kept = get_json(daemon, "/status/runs?hook=a")
+        assert 1 <= len(kept) <= 2 and kept[0]["request_id"] == "5" * 100000
+        wait_until(lambda: sum(path.stat().st_size for path in runs_dir.iterdir()) <= 700000,
+                   what="the records of dropped runs removed")
+
+
 # ---------------------------------------------------------------------------------------------
 # Following a run's output
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +307,55 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
                              timeout=15)
     assert refused.returncode == 1 and "-runs-dir" in refused.stdout + refused.stderr
     assert "Traceback" not in refused.stdout + refused.stderr
+
+
+def test_a_second_daemon_on_the_same_runs_dir_is_refused(tmp_path):
+    """Two daemons on one -runs-dir (a unit copied with its flags): the second, starting, would
+    mark the first one's running run interrupted and delete its records."""
+    gate = tmp_path / "gate"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("deploy", script(tmp_path / "deploy.sh", "while [ ! -e %s ]; do sleep 0.05; "
+                              "done\n" % gate))])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        run_id = trigger(daemon, "deploy")
+        wait_until(lambda: get_json(daemon, "/status/runs/" + run_id)["state"] == "running")
+        second = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1",
+                                           "-port", str(free_port()), "-runs-dir", runs_dir),
+                                capture_output=True, text=True, timeout=20)
+        assert second.returncode == 1 and "in use by another webhookd" in second.stdout
+        assert "Traceback" not in second.stdout + second.stderr
+        gate.touch()
+        assert ended(daemon, run_id)["state"] == "succeeded"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:  # free again once the first exits
+        assert get_json(daemon, "/status/runs/" + run_id)["state"] == "succeeded"
+
+
+def test_following_a_run_dropped_as_it_ends_stops(tmp_path):
+    """-runs-keep 1 drops a run as it ends when a newer one of its hook exists, removing its
+    files before its last state is written: -runs-follow must say so and stop (the bad code
+    followed forever)."""
+    gate = tmp_path / "gate"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("deploy", script(tmp_path / "deploy.sh", "echo pulling\nwhile [ ! -e %s ]; do "
+                              "sleep 0.05; done\n" % gate))])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir, "-runs-keep", "1") as daemon:
+        run_id = trigger(daemon, "deploy")
+        wait_until(lambda: printed(daemon, run_id, 8), what="first output")
+        follower = subprocess.Popen(python_cmd(WEBHOOKD, "-runs-dir", runs_dir, "-runs-follow",
+                                               run_id), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        try:
+            assert follower.stdout.readline() == b"pulling\n"
+            newer = trigger(daemon, "deploy")
+            gate.touch()
+            ended(daemon, newer)
+            assert follower.wait(20) == 1
+            assert b"was dropped" in follower.stderr.read()
+        finally:
+            follower.kill()
+            follower.wait()
 
 
 # ---------------------------------------------------------------------------------------------
