@@ -3708,8 +3708,9 @@ def feed_stdin(pipe, data, finished):
 
 class Runner:
     """The one way a command runs: argv (never a shell), stdin /dev/null (or the request body:
-    pass-payload-to-stdin), stdout and stderr in one pipe, a session of its own (so a timeout or a shutdown stops the whole tree), temp files
-    removed afterwards.  Remembers the running processes for kill_all()."""
+    pass-payload-to-stdin), stdout and stderr in one pipe, a session of its own (so a timeout
+    or a shutdown stops the whole tree), temp files removed afterwards.  Remembers the running
+    processes for kill_all()."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -3763,10 +3764,16 @@ class Runner:
         with self.lock:
             self.processes.add(proc)
         fed = threading.Event()
-        if proc.stdin is not None:
-            threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
-                             name="stdin", daemon=True).start()
         try:
+            if proc.stdin is not None:
+                try:
+                    threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
+                                     name="stdin", daemon=True).start()
+                except RuntimeError as exc:  # no thread to be had: never run without its input
+                    self.stop(proc)
+                    proc.wait()
+                    proc.stdin.close()
+                    return CommandResult(False, error=exc)
             return self._wait(proc, timeout, on_output, request_id)
         finally:
             fed.set()

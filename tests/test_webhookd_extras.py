@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from support import WEBHOOKD, python_cmd
-from test_webhookd_features import exchange, start as start_daemon, wait_until, write_hooks
+from test_webhookd_features import exchange, start as start_daemon, started_with, wait_until
+from test_webhookd_features import write_hooks
 
 
 def start(hooks, tmp_path, *flags):
@@ -208,6 +209,41 @@ def test_commands_that_do_not_read_stdin_still_finish(tmp_path):
         assert daemon.request("POST", "/hooks/sleeps", body=body, timeout=15)[0] == 504
         assert daemon.request("POST", "/hooks/ignores", body=b"again")[::2] == (200, b"done\n")
         assert "Traceback" not in daemon.log()
+
+
+def test_a_command_whose_stdin_cannot_be_fed_is_stopped_not_left_waiting(tmp_path):
+    """No thread to be had for the stdin writer (a thread limit reached): the command, which
+    would wait for its input for ever and hold the request with it, is stopped and the run
+    fails (hang detector: the bad code never answers)."""
+    pid_file = tmp_path / "pid"
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        {"id": "reads", "execute-command": "/bin/sh", "pass-payload-to-stdin": True,
+         "include-command-output-in-response": True,
+         "pass-arguments-to-command": [{"source": "string", "name": "-c"}, {
+             "source": "string", "name": "echo $$ > %s; exec cat" % pid_file}]}])
+    no_stdin_thread = (
+        "import threading\n"
+        "start = threading.Thread.start\n"
+        "def refuse(self):\n"
+        "    if self.name == 'stdin':\n"
+        "        raise RuntimeError(\"can't start new thread\")\n"
+        "    return start(self)\n"
+        "threading.Thread.start = refuse")
+    with started_with(no_stdin_thread, ["-hooks", str(hooks)], tmp_path) as daemon:
+        status, _, body = daemon.request("POST", "/hooks/reads", body=b"payload", timeout=15)
+        assert status == 500 and b"payload" not in body
+        wait_until(lambda: "can't start new thread" in daemon.log(), what="the failure logged")
+        if pid_file.exists():  # it started: it must be gone, not waiting for input for ever
+            pid = int(pid_file.read_text())
+            wait_until(lambda: not process_exists(pid), what="the command stopped and reaped")
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_queued_runs_hold_a_bounded_number_of_bodies_for_stdin(tmp_path):
