@@ -282,3 +282,61 @@ def test_serve_runs_from_the_bytecode_cache_in_less_memory(tmp_path):
             assert json.loads(body)["uid"] in stored_uids(store)
             rss[copy] = _rss_kib(server.proc.pid)
     assert rss[cached] < rss[plain] - 5 * 1024, rss
+
+
+def plant_bytecode_cache(script, folder_mode, cache_mode, owner=None):
+    """Put beside `script` a bytecode cache whose code prints PLANTED and exits 7 (an unchecked-hash
+    .pyc, so the import takes it whatever the source), its folders given these modes and owner."""
+    import importlib.util
+    import py_compile
+    decoy = script.parent.parent / "decoy.py"
+    decoy.write_text("import sys\nprint('PLANTED')\nsys.exit(7)\n")
+    cache = importlib.util.cache_from_source(str(script))
+    py_compile.compile(str(decoy), cfile=cache, doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    os.chmod(os.path.dirname(cache), cache_mode)
+    os.chmod(script.parent, folder_mode)
+    if owner is not None:
+        os.chown(os.path.dirname(cache), owner, -1)
+    return cache
+
+
+def untrusted_cache_cases():
+    cases = [("group-writable __pycache__", 0o755, 0o775, None),
+             ("world-writable sticky folder, like /tmp", 0o1777, 0o755, None),
+             ("group-writable folder", 0o775, 0o755, None)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cases.append(("__pycache__ of another user", 0o755, 0o755, 65534))
+    return [pytest.param(*case[1:], id=case[0]) for case in cases]
+
+
+def test_a_bytecode_cache_in_a_trusted_folder_is_what_serve_runs(tmp_path):
+    """The control for the test below: a cache that only this user or root could have written
+    is run instead of the file (so the planted cache there would have run)."""
+    script = tmp_path / "app" / "searchkeys.py"
+    script.parent.mkdir()
+    script.write_bytes(SEARCHKEYS.read_bytes())
+    plant_bytecode_cache(script, 0o755, 0o755)
+    proc = subprocess.run(python_cmd(script, "serve", "--host", "127.0.0.1", "--port",
+                                     str(free_port()), "--master-key", MASTER),
+                          capture_output=True, text=True, timeout=20, env=clean_env(),
+                          stdin=subprocess.DEVNULL)
+    assert (proc.returncode, proc.stdout.strip()) == (7, "PLANTED"), proc.stderr
+
+
+@pytest.mark.parametrize("folder_mode, cache_mode, owner", untrusted_cache_cases())
+def test_serve_ignores_a_bytecode_cache_others_could_have_planted(tmp_path, folder_mode,
+                                                                  cache_mode, owner):
+    """A script run as __main__ never read a .pyc; serve now does, so a cache in a folder another
+    user can write (or own) would run as the service's user, often root: serve runs the file."""
+    script = tmp_path / "app" / "searchkeys.py"
+    script.parent.mkdir()
+    script.write_bytes(SEARCHKEYS.read_bytes())
+    plant_bytecode_cache(script, folder_mode, cache_mode, owner)
+    port = free_port()
+    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER, "--store", str(tmp_path / "keys.json"))
+    with Daemon(argv, port, env=clean_env(), timeout=20.0) as server:
+        status, _, _ = server.request("GET", "/health")
+        assert status == 200, server.log()
+        assert "PLANTED" not in server.log()
