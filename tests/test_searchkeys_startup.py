@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from support import (SEARCHKEYS, Daemon, free_port, ipv6_loopback, plant_bytecode_cache,
-                     python_cmd, untrusted_cache_cases), request
+                     python_cmd, request, untrusted_cache_cases)
 
 MASTER = "startup-master-key-0123456789"
 
