@@ -5871,7 +5871,7 @@ def serve_from_bytecode(argv):
         return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
     flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
                                    ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-1.pyc checked
+             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
     try:
         os.execv(sys.executable, [sys.executable] + flags + [
             "-c", _SERVE_FROM_CACHE, source] + list(argv))
