@@ -5838,6 +5838,26 @@ _SERVE_FROM_CACHE = (
     "s.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))")
 
 
+def bytecode_cache_is_trusted(source):
+    """Whether the bytecode cache of `source` exists and only root or this
+    process's user could have written it: the .pyc, its __pycache__ folder and
+    the script's folder owned by one of them and not writable by group or
+    others. A script run as __main__ never read a cache, so one planted where
+    others can write (a folder like /tmp) must not run as the service's user."""
+    import importlib.util
+    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
+        return False
+    cache = importlib.util.cache_from_source(source)
+    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
 def serve_from_bytecode(argv):
     """Start `serve` again in a fresh interpreter that imports this file from
     its bytecode cache (`python3 -m py_compile searchkeys.py` makes one): a
@@ -5847,12 +5867,11 @@ def serve_from_bytecode(argv):
     source = os.path.abspath(__file__)
     if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
         return
-    import importlib.util
-    if not os.path.exists(importlib.util.cache_from_source(source)):
-        return  # (a stale cache is checked, and compiled anew, by the import)
+    if not bytecode_cache_is_trusted(source):
+        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
     flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
                                    ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on]
+             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
     try:
         os.execv(sys.executable, [sys.executable] + flags + [
             "-c", _SERVE_FROM_CACHE, source] + list(argv))

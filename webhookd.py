@@ -5521,6 +5521,55 @@ def fail(message):
     return 1
 
 
+# What serve_from_bytecode runs: this file as the module `webhookd`, without the working
+# directory that `-c` puts first on the import path.  argv: the source, then main's argv.
+_SERVE_FROM_CACHE = (
+    "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
+    "s = u.spec_from_file_location('webhookd', sys.argv[1]); m = u.module_from_spec(s); "
+    "s.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))")
+
+
+def bytecode_cache_is_trusted(source):
+    """Whether the bytecode cache of `source` exists and only root or this process's user could
+    have written it: the .pyc, its __pycache__ folder and the script's folder owned by one of
+    them and not writable by group or others.  A script run as __main__ never read a cache, so
+    one planted where others can write (a folder like /tmp) must not run as the daemon's user."""
+    import importlib.util
+    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
+        return False
+    cache = importlib.util.cache_from_source(source)
+    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
+def serve_from_bytecode(argv):
+    """Start again, as the same process, in a fresh interpreter that imports this file from its
+    bytecode cache (`python3 -m py_compile webhookd.py` makes one): started as `python3
+    webhookd.py`, the daemon keeps the ~12 MiB the compiler took for the whole file.  Called
+    before anything is opened, bound or dropped: the pid (LISTEN_PID), the environment
+    (NOTIFY_SOCKET, LISTEN_FDS) and systemd's sockets (inheritable) pass through the exec.
+    Returns when there is no trusted cache (or this is already the module)."""
+    source = os.path.abspath(__file__)
+    if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
+        return
+    if not bytecode_cache_is_trusted(source):
+        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
+    flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
+                                   ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
+             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
+    try:
+        os.execv(sys.executable, [sys.executable] + flags + [
+            "-c", _SERVE_FROM_CACHE, source] + list(argv))
+    except OSError:
+        return  # no interpreter to start: the daemon goes on here
+
+
 def main(argv=None):
     """Parse the command line, then validate, print something, or serve.  Exit status."""
     argv = sys.argv if argv is None else argv
@@ -5559,6 +5608,7 @@ def main(argv=None):
         print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
               "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
         return 1
+    serve_from_bytecode(argv)
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:

@@ -220,3 +220,33 @@ def stop_session(proc, sig, timeout=10.0):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def plant_bytecode_cache(script, folder_mode, cache_mode, owner=None):
+    """Put beside `script` a bytecode cache whose code prints PLANTED and exits 7 (an unchecked-hash
+    .pyc, so the import takes it whatever the source), its folders given these modes and owner."""
+    import importlib.util
+    import py_compile
+    decoy = script.parent.parent / "decoy.py"
+    decoy.write_text("import sys\nprint('PLANTED')\nsys.exit(7)\n")
+    cache = importlib.util.cache_from_source(str(script))
+    py_compile.compile(str(decoy), cfile=cache, doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    os.chmod(os.path.dirname(cache), cache_mode)
+    os.chmod(script.parent, folder_mode)
+    if owner is not None:
+        os.chown(os.path.dirname(cache), owner, -1)
+    return cache
+
+
+def untrusted_cache_cases():
+    """pytest params (folder mode, __pycache__ mode, its owner) of caches another user could
+    have written: a test that such a cache is not run."""
+    import pytest
+    cases = [("group-writable __pycache__", 0o755, 0o775, None),
+             ("world-writable sticky folder, like /tmp", 0o1777, 0o755, None),
+             ("group-writable folder", 0o775, 0o755, None)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cases.append(("__pycache__ of another user", 0o755, 0o755, 65534))
+    return [pytest.param(*case[1:], id=case[0]) for case in cases]
+

@@ -77,6 +77,7 @@ def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
         entries[path] = (mode, owner)
     assert {owner for _, owner in entries.values()} == {"root/root"}
     assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
+    assert entries["./usr/share/webhookd/webhookd.py"][0] == "-rwxr-xr-x"
     for path in ("./" + UNIT, "./usr/share/man/man1/webhookd.1.gz",
                  "./usr/share/doc/webhookd/README.md.gz",
                  "./usr/share/doc/webhookd/webhookd.md.gz",
@@ -88,7 +89,7 @@ def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
 
 
 def test_installed_program_is_webhookd_py_with_debians_python(extracted):
-    installed = (extracted / "usr/bin/webhookd").read_text()
+    installed = (extracted / "usr/share/webhookd/webhookd.py").read_text()
     source = (ROOT / "webhookd.py").read_text()
     assert installed.startswith("#!/usr/bin/python3\n")
     assert installed.split("\n", 1)[1] == source.split("\n", 1)[1]
@@ -261,6 +262,8 @@ def test_fresh_install_with_nothing_to_take_over_is_enabled_and_purge_leaves_onl
     assert root.enabled()
     assert os.readlink(root.path / ENABLED_LINK) == "/" + UNIT
     assert os.access(root.path / "usr/bin/webhookd", os.X_OK)
+    # byte-compiled, so that /usr/bin/webhookd does not compile it at every start
+    assert list((root.path / "usr/share/webhookd/__pycache__").glob("webhookd.cpython-*.pyc"))
     # One message: enabled, waiting for the hooks file, and how to make it.
     assert "webhookd.service is enabled; it runs once /etc/webhook.conf exists" in output
     assert "/usr/share/doc/webhookd/webhook.conf.example /etc/webhook.conf" in output
@@ -275,6 +278,7 @@ def test_fresh_install_with_nothing_to_take_over_is_enabled_and_purge_leaves_onl
     root.dpkg("--purge", "webhookd")
     assert not root.enabled()
     assert not (root.path / "usr/bin/webhookd").exists()
+    assert not (root.path / "usr/share/webhookd").exists(), "the cache is removed with the package"
     assert not (root.path / "var/lib/systemd/deb-systemd-helper-enabled/webhookd.service.dsh-also").exists()
     assert (root.path / "etc/webhook.conf").read_text() == "[]\n"
     assert root.systemd_calls() == "", "no systemd here: nothing may call systemctl"

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, free_port, ipv6_loopback, python_cmd, request
+from support import (SEARCHKEYS, Daemon, free_port, ipv6_loopback, plant_bytecode_cache,
+                     python_cmd, request, untrusted_cache_cases)
 
 MASTER = "startup-master-key-0123456789"
 
@@ -282,3 +283,35 @@ def test_serve_runs_from_the_bytecode_cache_in_less_memory(tmp_path):
             assert json.loads(body)["uid"] in stored_uids(store)
             rss[copy] = _rss_kib(server.proc.pid)
     assert rss[cached] < rss[plain] - 5 * 1024, rss
+
+
+def test_a_bytecode_cache_in_a_trusted_folder_is_what_serve_runs(tmp_path):
+    """The control for the test below: a cache that only this user or root could have written
+    is run instead of the file (so the planted cache there would have run)."""
+    script = tmp_path / "app" / "searchkeys.py"
+    script.parent.mkdir()
+    script.write_bytes(SEARCHKEYS.read_bytes())
+    plant_bytecode_cache(script, 0o755, 0o755)
+    proc = subprocess.run(python_cmd(script, "serve", "--host", "127.0.0.1", "--port",
+                                     str(free_port()), "--master-key", MASTER),
+                          capture_output=True, text=True, timeout=20, env=clean_env(),
+                          stdin=subprocess.DEVNULL)
+    assert (proc.returncode, proc.stdout.strip()) == (7, "PLANTED"), proc.stderr
+
+
+@pytest.mark.parametrize("folder_mode, cache_mode, owner", untrusted_cache_cases())
+def test_serve_ignores_a_bytecode_cache_others_could_have_planted(tmp_path, folder_mode,
+                                                                  cache_mode, owner):
+    """A script run as __main__ never read a .pyc; serve now does, so a cache in a folder another
+    user can write (or own) would run as the service's user, often root: serve runs the file."""
+    script = tmp_path / "app" / "searchkeys.py"
+    script.parent.mkdir()
+    script.write_bytes(SEARCHKEYS.read_bytes())
+    plant_bytecode_cache(script, folder_mode, cache_mode, owner)
+    port = free_port()
+    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER, "--store", str(tmp_path / "keys.json"))
+    with Daemon(argv, port, env=clean_env(), timeout=20.0) as server:
+        status, _, _ = server.request("GET", "/health")
+        assert status == 200, server.log()
+        assert "PLANTED" not in server.log()
