@@ -2357,7 +2357,9 @@ class Pipeline:
         if self.opts.status_path and path == self.opts.status_path:
             return None, None, self.status_response(head, raw_query, remote_addr)
         if path == self.metrics_path:
-            return None, None, self.metrics_response(head, remote_addr)
+            return None, None, self.metrics.answer(
+                head, self.runs_page.trusted(head, remote_addr),
+                lambda: self.metrics.render(self.registry, self.runner, self.background))
         if self.opts.status_path and self.runs_page.wants(path):
             return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
                                                      lambda: self.stopping)
@@ -2557,19 +2559,6 @@ class Pipeline:
         if as_html:
             return self.runs_page.listing(raw_query, True, details)
         return json_response(200, details)
-
-    def metrics_response(self, head, remote_addr):
-        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
-        -status-token as its bearer token)."""
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        if not self.runs_page.trusted(head, remote_addr):
-            return json_response(403, {"error": "metrics are served with Authorization: Bearer "
-                                                "<-status-token>, or without one set to loopback "
-                                                "clients no proxy relays"})
-        body = self.metrics.render(self.registry, self.runner, self.background)
-        return Response(200, body, {"Content-Type": METRICS_CONTENT_TYPE,
-                                    "Cache-Control": "no-store"})
 
 
 def status_details(registry, runs, started):
@@ -4996,6 +4985,19 @@ class Metrics:
                     counts.append(0.0)
                 counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
                 counts[-1] += seconds
+
+    @staticmethod
+    def answer(head, trusted, render):
+        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
+        -status-token as its bearer token); `render()` makes the text."""
+        if head.method not in ("GET", "HEAD"):
+            return Response(405)
+        if not trusted:
+            return json_response(403, {"error": "metrics are served with Authorization: Bearer "
+                                                "<-status-token>, or without one set to loopback "
+                                                "clients no proxy relays"})
+        return Response(200, render(), {"Content-Type": METRICS_CONTENT_TYPE,
+                                        "Cache-Control": "no-store"})
 
     def render(self, registry, runner, background):
         """The exposition text: bytes."""

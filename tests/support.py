@@ -27,13 +27,15 @@ def free_port():
     """A TCP port that no socket uses on any address right now, and that no other pytest-xdist
     worker can be handed meanwhile (between this call and the daemon's bind, another worker's
     probe could get the same port, and its daemon would answer this test's requests): each
-    worker takes only ports whose remainder by the worker count is its own number."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    worker takes only its own share of the ports, by remainder."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    while True:
+    for _ in range(10000):
         port = unused_port()
-        if port % count == int(worker or 0) % count:
+        # Linux hands bind() odd ports (even ones are kept for connect()): halve it first
+        if (port >> 1) % count == worker % count:
             return port
+    return port
 
 
 def unused_port():
@@ -132,6 +134,7 @@ class Daemon:
         """Stop the process (SIGTERM unless told), then anything left in its session."""
         # Inside a method body `signal` is the module again (the class-level name is the method).
         sig = signal.SIGTERM if sig is None else sig
+        commands = descendants(self.proc.pid)  # each in a session of its own
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(sig)
@@ -139,11 +142,13 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        # Commands the daemon started in its session must not outlive the test.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # Commands the daemon started (in its session, or each in one of their own, as hooks
+        # run) must not outlive the test: a test's command waiting for a gate file would.
+        for group in [self.proc.pid] + commands:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         return self.proc.returncode
 
     def __enter__(self):
@@ -155,6 +160,25 @@ class Daemon:
             os.unlink(self._logfile.name)
         except OSError:
             pass
+
+
+def descendants(pid):
+    """The pids of a process's children, theirs, and so on (from `ps`, which every POSIX
+    system has)."""
+    try:
+        table = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True,
+                               text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    children = {}
+    for child, parent in zip(table[::2], table[1::2]):
+        children.setdefault(int(parent), []).append(int(child))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def with_portable_path(pythonpath):
