@@ -275,11 +275,17 @@ def test_a_record_whose_last_save_was_cut_short_keeps_its_run(tmp_path):
             time.sleep(0.5)  # the writer thread saves the interrupted state
 
 
-def test_shell_view_lists_runs_and_follows_one(tmp_path):
+def gated_deploy(tmp_path, before="", after=""):
+    """(gate, hooks file): a `deploy` hook that runs `before`, waits for the gate file to
+    exist, then runs `after`."""
     gate = tmp_path / "gate"
-    hooks = write_hooks(tmp_path / "hooks.json", [
-        hook("deploy", script(tmp_path / "deploy.sh", "echo pulling\nwhile [ ! -e %s ]; do "
-                              "sleep 0.05; done\necho done\n" % gate))])
+    return gate, write_hooks(tmp_path / "hooks.json", [hook("deploy", script(
+        tmp_path / "deploy.sh", "%swhile [ ! -e %s ]; do sleep 0.05; done\n%s"
+        % (before, gate, after)))])
+
+
+def test_shell_view_lists_runs_and_follows_one(tmp_path):
+    gate, hooks = gated_deploy(tmp_path, "echo pulling\n", "echo done\n")
     runs_dir = tmp_path / "runs"
     with start(hooks, "-runs-dir", runs_dir) as daemon:
         run_id = trigger(daemon, "deploy")
@@ -312,10 +318,7 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
 def test_a_second_daemon_on_the_same_runs_dir_is_refused(tmp_path):
     """Two daemons on one -runs-dir (a unit copied with its flags): the second, starting, would
     mark the first one's running run interrupted and delete its records."""
-    gate = tmp_path / "gate"
-    hooks = write_hooks(tmp_path / "hooks.json", [
-        hook("deploy", script(tmp_path / "deploy.sh", "while [ ! -e %s ]; do sleep 0.05; "
-                              "done\n" % gate))])
+    gate, hooks = gated_deploy(tmp_path)
     runs_dir = tmp_path / "runs"
     with start(hooks, "-runs-dir", runs_dir) as daemon:
         run_id = trigger(daemon, "deploy")
