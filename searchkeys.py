@@ -6143,8 +6143,9 @@ def main(argv=None):
     if args.command is None:  # checked here, after unknown options: those are said first
         parser.error("the following arguments are required: COMMAND")
     if args.command == "serve":
-        check_serve_args(args.command_parser, args)
+        # restarted before the options' files are read: one given as a pipe reads once
         serve_from_bytecode(sys.argv[1:] if argv is None else argv)
+        check_serve_args(args.command_parser, args)
         return run_serve(args)
     check_client_args(args.command_parser, args)
     try:
