@@ -5593,6 +5593,8 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
+    if not (opts.runs or opts.runs_follow):  # before the flags' files are read: a pipe reads once
+        serve_from_bytecode(argv)
     problem = runs_options_problem(opts)
     if problem:
         print("error: " + problem)
@@ -5610,7 +5612,6 @@ def main(argv=None):
         print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
               "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
         return 1
-    serve_from_bytecode(argv)
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:

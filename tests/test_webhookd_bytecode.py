@@ -166,3 +166,30 @@ def test_the_daemon_ignores_a_cache_others_could_have_planted(tmp_path, folder_m
     with Daemon(argv, port) as daemon:
         assert daemon.request("GET", "/hooks/x")[::2] == (200, b"x\n"), daemon.log()
         assert "PLANTED" not in daemon.log()
+
+
+def test_the_daemon_from_its_cache_reads_a_piped_status_token_once(tmp_path):
+    """`-status-token-file /dev/stdin` (or a shell's `<(...)`) can be read once only: the restart
+    from the bytecode cache must come before the flags' files are read, or the cached module
+    finds the pipe drained and refuses to start."""
+    script = copy_of_webhookd(tmp_path / "app", compiled=True)
+    hooks = echo_hooks(tmp_path / "hooks.json", "x")
+    port, token = free_port(), "piped-status-token-0123456789"
+    proc = subprocess.Popen(
+        python_cmd(script, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                   "-status-path", "/status", "-status-token-file", "/dev/stdin"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        proc.stdin.write(token.encode() + b"\n")
+        proc.stdin.close()
+        try:
+            support.wait_for_port(port, proc, timeout=20.0)
+        except RuntimeError:
+            pytest.fail("not started: %s" % proc.stdout.read().decode(errors="replace"))
+        status, _, _ = support.request(port, "GET", "/status",
+                                       headers={"Authorization": "Bearer " + token})
+        assert status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
