@@ -276,11 +276,11 @@ NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
-# Header lines as every party reads them alike: a token, a colon, a value
-# without CR or NUL (a bare CR may read as a line break to a backend, which
-# would then see headers, Transfer-Encoding..., the guard never saw); no
-# continuation lines.
-_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r?\n)*")
+# Header lines as every party reads them alike: a token, a colon, a value of
+# tab, space, visible ASCII and bytes 0x80-0xFF, as actix-http (httparse) takes
+# them (a bare CR may read as a line break to a backend, which would then see
+# headers, Transfer-Encoding..., the guard never saw); no continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
 
 
 class RequestHeaders:

@@ -314,6 +314,26 @@ def test_headers_reach_the_backend_as_sent_but_the_credential(guard, backend):
     assert not [n for n, _ in fields if n in ("x-hop", "connection", "accept-encoding")]
 
 
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x0bb", b"a\x0cb", b"a\x1fb", b"a\x7fb"])
+def test_a_control_character_in_a_header_value_is_refused_as_actix_does(guard, backend, value):
+    """actix-http (httparse) takes a header value of tab, space, visible ASCII and bytes
+    0x80-0xFF, and refuses the request for any other control character: the guard must too,
+    not authorize and forward a request its backend cannot read (str.splitlines, which the
+    email parser used, even cut such a value into lines of their own)."""
+    key = create_key(guard, ["search"], ["*"])["key"]
+    backend.seen.clear()
+    status, answer = raw(guard.port, (
+        "GET /indexes/blog/search?q=a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        % key).encode() + b"X-Note: " + value + b"\r\nContent-Length: 0\r\n\r\n")
+    assert status == 400, (status, answer)
+    assert backend.seen == []
+    status, _ = raw(guard.port, (
+        "GET /indexes/blog/search?q=a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        % key).encode() + b"X-Note: a\tb \x85\xff~\r\nContent-Length: 0\r\n\r\n")
+    assert status == 200
+    assert ("x-note", "a\tb \x85\xff~") in backend.seen[-1]["fields"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Logs
 # ---------------------------------------------------------------------------------------------

@@ -338,7 +338,8 @@ def test_serve_from_the_bytecode_cache_reads_a_piped_metrics_token_once(tmp_path
             wait_for_port(port, proc, timeout=20.0)
         except RuntimeError:
             pytest.fail("serve did not start: %s" % proc.stdout.read().decode(errors="replace"))
-        status, _, _ = request(port, "GET", "/metrics", headers={"Authorization": "Bearer " + token})
+        status, _, _ = request(port, "GET", "/metrics",
+                               headers={"Authorization": "Bearer " + token})
         assert status == 200
     finally:
         proc.terminate()
