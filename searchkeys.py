@@ -5834,8 +5834,11 @@ def flush_usage_every(store, seconds, stop):
 # the working directory that `-c` puts first on the import path.
 _SERVE_FROM_CACHE = (
     "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
-    "s = u.spec_from_file_location('searchkeys', sys.argv[1]); m = u.module_from_spec(s); "
-    "s.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))")
+    "s = u.spec_from_file_location('searchkeys', sys.argv[1]); m = u.module_from_spec(s)\n"
+    "try: s.loader.exec_module(m)\n"  # a damaged cache (cut short: EOFError) is compiled anew
+    "except (EOFError, ValueError, TypeError, ImportError): m = u.module_from_spec(s); "
+    "exec(compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec'), vars(m))\n"
+    "sys.exit(m.main(sys.argv[2:]))")
 
 
 def bytecode_cache_is_trusted(source):

@@ -344,3 +344,22 @@ def test_serve_from_the_bytecode_cache_reads_a_piped_metrics_token_once(tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_serve_starts_beside_a_bytecode_cache_cut_short(tmp_path):
+    """A trusted cache whose header is whole but whose code was cut short (a copy or a disk that
+    failed half-way) makes the import fail: serve compiles the file instead, as the script
+    always could, rather than stopping with a traceback."""
+    import importlib.util
+    script = tmp_path / "app" / "searchkeys.py"
+    script.parent.mkdir()
+    script.write_bytes(SEARCHKEYS.read_bytes())
+    subprocess.run([python_cmd(script)[0], "-m", "py_compile", str(script)], check=True)
+    cache = importlib.util.cache_from_source(str(script))
+    with open(cache, "r+b") as handle:
+        handle.truncate(os.path.getsize(cache) // 2)
+    port = free_port()
+    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER)
+    with Daemon(argv, port, env=clean_env(), timeout=20.0) as server:
+        assert server.request("GET", "/health")[0] == 200, server.log()

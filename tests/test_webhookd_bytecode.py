@@ -193,3 +193,19 @@ def test_the_daemon_from_its_cache_reads_a_piped_status_token_once(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_daemon_starts_beside_a_cache_cut_short(tmp_path):
+    """A trusted cache whose header is whole but whose code was cut short (a copy or a disk that
+    failed half-way) makes the import fail: the daemon compiles the file instead, as the script
+    always could, rather than stopping with a traceback."""
+    import importlib.util
+    script = copy_of_webhookd(tmp_path / "app", compiled=True)
+    cache = importlib.util.cache_from_source(str(script))
+    with open(cache, "r+b") as handle:
+        handle.truncate(os.path.getsize(cache) // 2)
+    hooks = echo_hooks(tmp_path / "hooks.json", "x")
+    port = free_port()
+    argv = python_cmd(script, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port))
+    with Daemon(argv, port, timeout=20.0) as daemon:
+        assert daemon.request("GET", "/hooks/x")[::2] == (200, b"x\n"), daemon.log()
