@@ -162,6 +162,24 @@ class Daemon:
             pass
 
 
+def status_with_piped_token(argv, port, path, token, env=None):
+    """Start a server whose token file is /dev/stdin, pipe it the token, and return the status
+    of `GET path` with that token as the bearer (fails the test if it never listens)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.stdin.write(token.encode() + b"\n")
+        proc.stdin.close()
+        try:
+            wait_for_port(port, proc, timeout=20.0)
+        except RuntimeError:
+            raise AssertionError("not started: %s" % proc.stdout.read().decode(errors="replace"))
+        return request(port, "GET", path, headers={"Authorization": "Bearer " + token})[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def descendants(pid):
     """The pids of a process's children, theirs, and so on (from `ps`, which every POSIX
     system has)."""

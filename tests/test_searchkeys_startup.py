@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from support import (SEARCHKEYS, Daemon, free_port, ipv6_loopback, plant_bytecode_cache,
-                     python_cmd, request, untrusted_cache_cases, wait_for_port)
+                     python_cmd, request, status_with_piped_token, untrusted_cache_cases)
 
 MASTER = "startup-master-key-0123456789"
 
@@ -326,24 +326,9 @@ def test_serve_from_the_bytecode_cache_reads_a_piped_metrics_token_once(tmp_path
     script.write_bytes(SEARCHKEYS.read_bytes())
     subprocess.run([python_cmd(script)[0], "-m", "py_compile", str(script)], check=True)
     port, token = free_port(), "piped-metrics-token-0123456789"
-    proc = subprocess.Popen(
-        python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port), "--master-key",
-                   MASTER, "--metrics-token-file", "/dev/stdin"),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=clean_env(), start_new_session=True)
-    try:
-        proc.stdin.write(token.encode() + b"\n")
-        proc.stdin.close()
-        try:
-            wait_for_port(port, proc, timeout=20.0)
-        except RuntimeError:
-            pytest.fail("serve did not start: %s" % proc.stdout.read().decode(errors="replace"))
-        status, _, _ = request(port, "GET", "/metrics",
-                               headers={"Authorization": "Bearer " + token})
-        assert status == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port), "--master-key",
+                      MASTER, "--metrics-token-file", "/dev/stdin")
+    assert status_with_piped_token(argv, port, "/metrics", token, clean_env()) == 200
 
 
 def test_serve_starts_beside_a_bytecode_cache_cut_short(tmp_path):

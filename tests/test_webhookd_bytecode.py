@@ -175,24 +175,9 @@ def test_the_daemon_from_its_cache_reads_a_piped_status_token_once(tmp_path):
     script = copy_of_webhookd(tmp_path / "app", compiled=True)
     hooks = echo_hooks(tmp_path / "hooks.json", "x")
     port, token = free_port(), "piped-status-token-0123456789"
-    proc = subprocess.Popen(
-        python_cmd(script, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
-                   "-status-path", "/status", "-status-token-file", "/dev/stdin"),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    try:
-        proc.stdin.write(token.encode() + b"\n")
-        proc.stdin.close()
-        try:
-            support.wait_for_port(port, proc, timeout=20.0)
-        except RuntimeError:
-            pytest.fail("not started: %s" % proc.stdout.read().decode(errors="replace"))
-        status, _, _ = support.request(port, "GET", "/status",
-                                       headers={"Authorization": "Bearer " + token})
-        assert status == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    argv = python_cmd(script, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                      "-status-path", "/status", "-status-token-file", "/dev/stdin")
+    assert support.status_with_piped_token(argv, port, "/status", token) == 200
 
 
 def test_the_daemon_starts_beside_a_cache_cut_short(tmp_path):
