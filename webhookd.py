@@ -4495,6 +4495,13 @@ def json_response(status, document):
                                    "Cache-Control": "no-store"})
 
 
+def forbidden(what):
+    """The JSON answer to a client the one access check (RunsPage.trusted) refused."""
+    return json_response(403, {"error": "%s served with Authorization: Bearer <-status-token>, "
+                                        "or without one set to loopback clients no proxy "
+                                        "relays" % what})
+
+
 class RunsPage:
     """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
     clients only (see `trusted`); as JSON, or as HTML pages (RunsHtml) to browsers."""
@@ -4528,9 +4535,7 @@ class RunsPage:
         if not self.trusted(head, remote_addr):
             if as_html:
                 return self.refused()
-            return json_response(403, {"error": "run history is served with Authorization: "
-                                                "Bearer <-status-token>, or without one set to "
-                                                "loopback clients no proxy relays"})
+            return forbidden("run history is")
         parts = path[len(self.prefix):].split("/")[1:]
         if not parts:
             return self.listing(raw_query, as_html)
@@ -4993,9 +4998,7 @@ class Metrics:
         if head.method not in ("GET", "HEAD"):
             return Response(405)
         if not trusted:
-            return json_response(403, {"error": "metrics are served with Authorization: Bearer "
-                                                "<-status-token>, or without one set to loopback "
-                                                "clients no proxy relays"})
+            return forbidden("metrics are")
         return Response(200, render(), {"Content-Type": METRICS_CONTENT_TYPE,
                                         "Cache-Control": "no-store"})
 
