@@ -1722,6 +1722,14 @@ def _is_filter(value):
         isinstance(item, str) or _is_string_list(item) for item in value)
 
 
+def _filters_nothing(value):
+    """Whether a filter of _is_filter's shape holds no condition: null, a
+    blank string, or arrays of those, which Meilisearch reads as no filter."""
+    if isinstance(value, list):
+        return all(_filters_nothing(item) for item in value)
+    return value is None or not value.strip()
+
+
 _STRINGS = ("an array of strings", _is_string_list)
 _BOOLEAN = ("a boolean", lambda value: type(value) is bool)
 _STRING = ("a string", lambda value: isinstance(value, str))
@@ -4228,6 +4236,13 @@ def _validate_forced_parameters(value):
             expected, accepts = FORCED_PARAMETERS[name]
             if not accepts(forced):
                 raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+            if name == "filter" and _filters_nothing(forced):
+                # A forced filter is a promise that the key sees only what it lets
+                # through: one that lets everything through must not look like one.
+                raise invalid_value(code, "%s.filter" % where, "`%s` holds no condition, so it "
+                                    "would restrict nothing: give a filter such as "
+                                    "`published = true`, or leave `filter` out."
+                                    % compact_json(forced))
     return value
 
 
@@ -5525,6 +5540,13 @@ def forced_parameters_from_args(args):
         forced.setdefault(pattern, {}).update(value)
     for text in args.filter or ():
         pattern, expression = _index_option("--filter", text)
+        if expression.strip() and not FILTER_OPERATOR.search(expression):
+            # `status=published` reads as index `status`, filter `published`: the index
+            # meant would get no filter at all.
+            raise ValueError("--filter %s: `%s` is not a filter (it has no operator such as "
+                             "`=`, `IN` or `EXISTS`), so index `%s` would get it and no other "
+                             "index any filter; write INDEX=FILTER, e.g. --filter "
+                             "'INDEX=%s'" % (text, expression.strip(), pattern, text))
         parameters = forced.setdefault(pattern, {})
         parameters["filter"] = fuse_filters(parameters.get("filter"), expression)
     for text in args.fields or ():
@@ -5540,6 +5562,11 @@ def forced_parameters_from_args(args):
         return _validate_forced_parameters(forced)
     except ApiError as exc:
         raise ValueError(exc.message)
+
+
+# What every Meilisearch filter condition has: a comparison, or an operator word.
+FILTER_OPERATOR = re.compile(r"[=<>]|\b(?:TO|EXISTS|IS|IN|CONTAINS|STARTS|_geoRadius|"
+                             r"_geoBoundingBox|_geoPolygon)\b", re.IGNORECASE)
 
 
 def _index_option(option, text, optional=False):
