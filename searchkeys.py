@@ -5588,7 +5588,28 @@ def run_restrict(client, args):
         return 0
     if args.restrictions is None:
         return _print(args, client.request("GET", path), [])
+    forced = args.restrictions.get("forcedParameters") or {}
+    if forced:
+        # A pattern the key's indexes never reach would force nothing, as when
+        # `--filter 'status=published AND ...'` names `status` as the index.
+        indexes = client.request("GET", _key_path(args.key_or_uid)).get("indexes") or []
+        unreached = [p for p in forced if not any(_patterns_overlap(p, i) for i in indexes)]
+        if unreached:
+            _log_to_stderr("error: the key's indexes (%s) never reach %s, so nothing would be "
+                           "forced there: name one of its indexes before the first `=` "
+                           "(--filter INDEX=FILTER); nothing was changed"
+                           % (", ".join(indexes), ", ".join("`%s`" % p for p in unreached)))
+            return 1
     return _print(args, client.request("PUT", path, args.restrictions), [])
+
+
+def _patterns_overlap(first, second):
+    """Whether some index uid matches both index patterns."""
+    if first.endswith("*") and second.endswith("*"):
+        return first.startswith(second[:-1]) or second.startswith(first[:-1])
+    if first.endswith("*"):
+        return pattern_matches(first, second)
+    return pattern_matches(second, first)
 
 
 # =============================================================================

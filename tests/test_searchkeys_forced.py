@@ -299,6 +299,18 @@ def test_the_cli_refuses_a_filter_that_would_restrict_nothing_or_the_wrong_index
     shown = json.loads(guard.request("GET", "/keys/%s/restrictions" % plain["uid"], None,
                                      ADMIN)[2])
     assert shown["forcedParameters"] == {"books": {"filter": "ok = true"}}
+    # An index the key never reaches gets the filter in vain: refused, before any change.
+    scoped = new_key(guard, None, indexes=("books", "movies*"))
+    scoped_base = base[:4] + [scoped["uid"]] + base[5:]
+    refused = subprocess.run(scoped_base + ["--filter", "status=published AND price > 1"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1, refused
+    assert "the key's indexes (books, movies*) never reach `status`" in refused.stderr
+    assert json.loads(guard.request("GET", "/keys/%s/restrictions" % scoped["uid"], None,
+                                    ADMIN)[2])["forcedParameters"] is None
+    done = subprocess.run(scoped_base + ["--filter", "movies_fr=a = 1", "--filter", "m*=b = 2"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
     good = ("books=status = published", "books=genre IN [a, b]", "books=tag EXISTS", "books*=a=1")
     done = subprocess.run(base + [arg for text in good for arg in ("--filter", text)],
                           capture_output=True, text=True, timeout=30)
