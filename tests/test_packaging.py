@@ -86,11 +86,17 @@ def test_control_fields(deb):
         assert re.search(rf"^\s+\d+ bytes,\s+\d+ lines\s.*\b{script}\b", info, re.MULTILINE)
 
 
-def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
+def contents(deb):
+    """{path: (mode, owner)} of what the package installs."""
     entries = {}
     for line in dpkg_deb("-c", str(deb)).splitlines():
         mode, owner, _size, _date, _time, path = line.split(None, 5)
         entries[path] = (mode, owner)
+    return entries
+
+
+def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
+    entries = contents(deb)
     assert {owner for _, owner in entries.values()} == {"root/root"}
     assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
     assert entries["./usr/share/webhookd/webhookd.py"][0] == "-rwxr-xr-x"
@@ -438,10 +444,7 @@ def test_searchkeys_control_fields_and_contents(debs):
                       "Architecture": "all", "Maintainer": MAINTAINER_FIELD,
                       "Depends": "python3 (>= 3.9), systemd | systemd-standalone-sysusers | "
                                  "systemd-sysusers"}
-    entries = {}
-    for line in dpkg_deb("-c", str(deb)).splitlines():
-        mode, owner, _size, _date, _time, path = line.split(None, 5)
-        entries[path] = (mode, owner)
+    entries = contents(deb)
     assert {owner for _, owner in entries.values()} == {"root/root"}
     assert entries["./usr/bin/searchkeys"][0] == "-rwxr-xr-x"
     assert entries["./usr/share/searchkeys/searchkeys.py"][0] == "-rwxr-xr-x"

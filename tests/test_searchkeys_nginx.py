@@ -185,14 +185,20 @@ def request_from(address, port, method, path, headers):
         conn.close()
 
 
-def test_per_ip_rate_limit_counts_each_client_not_nginx(stack):
-    """One client using up its per-IP rate leaves the others theirs (with --trusted-proxy)."""
-    guard, listen, _ = stack
+def rate_limited_search_key(guard, rate_limit):
+    """A key that may search `movies`, under this rateLimit."""
     key = create_key(guard.port, ["search"], ["movies"])
     master = {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"}
     status, _, body = request(guard.port, "PUT", "/keys/%s/restrictions" % key,
-                              json.dumps({"rateLimit": {"perIp": "2/minute"}}), master)
+                              json.dumps({"rateLimit": rate_limit}), master)
     assert status == 200, body
+    return key
+
+
+def test_per_ip_rate_limit_counts_each_client_not_nginx(stack):
+    """One client using up its per-IP rate leaves the others theirs (with --trusted-proxy)."""
+    guard, listen, _ = stack
+    key = rate_limited_search_key(guard, {"perIp": "2/minute"})
     search = {"Authorization": "Bearer " + key}
     first = [request_from("127.0.0.2", listen, "GET", "/indexes/movies/search?q=a", search)[0]
              for _ in range(3)]
@@ -205,12 +211,8 @@ def test_a_rate_limit_reaches_the_caller_as_429_and_nginx_logs_no_error(stack, n
     """auth_request takes 2xx, 401 and 403 from /authorize; any other status, a rate limit's
     429 included, it logs as an error and answers 500. The recipe hands the 429 over as a 403
     and turns it back into a 429 with Retry-After for the caller (issue 31)."""
-    guard, listen, backend = stack
-    key = create_key(guard.port, ["search"], ["movies"])
-    master = {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"}
-    status, _, body = request(guard.port, "PUT", "/keys/%s/restrictions" % key,
-                              json.dumps({"rateLimit": {"perKey": "1/minute"}}), master)
-    assert status == 200, body
+    guard, listen, _ = stack
+    key = rate_limited_search_key(guard, {"perKey": "1/minute"})
     error_log = nginx_prefix / "error.log"
     logged = error_log.stat().st_size if error_log.exists() else 0
     search = {"Authorization": "Bearer " + key}
