@@ -5525,6 +5525,11 @@ def restrictions_from_args(args):
     return body or None
 
 
+# What every Meilisearch filter condition has: a comparison, or an operator word.
+FILTER_OPERATOR = re.compile(r"[=<>]|\b(?:TO|EXISTS|IS|IN|CONTAINS|STARTS|_geoRadius|"
+                             r"_geoBoundingBox|_geoPolygon)\b", re.IGNORECASE)
+
+
 def forced_parameters_from_args(args):
     """forcedParameters from --filter, --force and --fields (validated as
     the server does), or None; ValueError for a bad option."""
@@ -5562,11 +5567,6 @@ def forced_parameters_from_args(args):
         return _validate_forced_parameters(forced)
     except ApiError as exc:
         raise ValueError(exc.message)
-
-
-# What every Meilisearch filter condition has: a comparison, or an operator word.
-FILTER_OPERATOR = re.compile(r"[=<>]|\b(?:TO|EXISTS|IS|IN|CONTAINS|STARTS|_geoRadius|"
-                             r"_geoBoundingBox|_geoPolygon)\b", re.IGNORECASE)
 
 
 def _index_option(option, text, optional=False):

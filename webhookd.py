@@ -70,6 +70,9 @@ from xml.parsers import expat
 
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
 VERSION = "2.8.0"  # the adnanh/webhook release whose behaviour webhookd reproduces
+# How -version and the log's first line name the program (upstream: "version 2.8.0 starting");
+# VERSION alone stays where health checks written for webhook read it.
+VERSION_LINE = "webhookd version %s (webhook %s compatible)" % (__version__, VERSION)
 PROGRAM = "webhook"
 
 
@@ -5634,7 +5637,7 @@ def main(argv=None):
         sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
         return 2
     if opts.version:
-        print("webhookd version %s (webhook %s compatible)" % (__version__, VERSION))
+        print(VERSION_LINE)
         return 0
     if opts.list_cipher_suites:
         for name in GO_CIPHER_SUITES:
@@ -5680,9 +5683,7 @@ def main(argv=None):
 def serve(opts):
     """Load the hooks, listen, and run until stopped.  Exit status."""
     signals = SignalQueue()
-    # The program's name and both versions, as -version prints them (upstream logs
-    # "version 2.8.0 starting"; VERSION stays the health check's "version").
-    log.info("webhookd version %s (webhook %s compatible) starting", __version__, VERSION)
+    log.info("%s starting", VERSION_LINE)
     environ = os.environ
     notifier = Notifier(environ)
     fd_limit = raise_fd_limit()
