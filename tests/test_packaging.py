@@ -522,10 +522,10 @@ def test_searchkeys_unit_command_line_serves_with_keys_from_its_credentials(sk_e
         assert (folder / "keys.json").exists()
 
 
-def root_user(root, name="searchkeys"):
-    """The passwd line of `name` in the throwaway root, or None."""
-    passwd = root.path / "etc/passwd"
-    lines = passwd.read_text().splitlines() if passwd.exists() else []
+def root_user(root, name="searchkeys", database="passwd"):
+    """The line of `name` in the throwaway root's /etc/passwd (or group), or None."""
+    path = root.path / "etc" / database
+    lines = path.read_text().splitlines() if path.exists() else []
     return next((line for line in lines if line.startswith(name + ":")), None)
 
 
@@ -565,6 +565,7 @@ def test_searchkeys_fresh_install_unconfigured_is_left_disabled_and_purge_keeps_
     root.dpkg("-i", str(deb))
     root.dpkg("--purge", "searchkeys", SEARCHKEYS_PURGE_STORE="yes")
     assert not (root.path / "var/lib/searchkeys").exists() and root_user(root) is None
+    assert root_user(root, database="group") is None
 
 
 @needs_dpkg
@@ -585,6 +586,7 @@ def test_searchkeys_fresh_install_with_its_keys_is_enabled_not_started_and_purge
     assert not root.enabled("searchkeys.service")
     root.dpkg("--purge", "searchkeys")
     assert root_user(root) is None, "no store: nothing keeps the user"
+    assert root_user(root, database="group") is None
     assert sorted(p.name for p in (root.path / "etc/searchkeys").iterdir()) == [
         "master-key", "upstream-key"]
     assert root.systemd_calls() == ""
