@@ -1722,6 +1722,14 @@ def _is_filter(value):
         isinstance(item, str) or _is_string_list(item) for item in value)
 
 
+def _filters_nothing(value):
+    """Whether a filter of _is_filter's shape holds no condition: null, a
+    blank string, or arrays of those, which Meilisearch reads as no filter."""
+    if isinstance(value, list):
+        return all(_filters_nothing(item) for item in value)
+    return value is None or not value.strip()
+
+
 _STRINGS = ("an array of strings", _is_string_list)
 _BOOLEAN = ("a boolean", lambda value: type(value) is bool)
 _STRING = ("a string", lambda value: isinstance(value, str))
@@ -4228,6 +4236,13 @@ def _validate_forced_parameters(value):
             expected, accepts = FORCED_PARAMETERS[name]
             if not accepts(forced):
                 raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+            if name == "filter" and _filters_nothing(forced):
+                # A forced filter is a promise that the key sees only what it lets
+                # through: one that lets everything through must not look like one.
+                raise invalid_value(code, "%s.filter" % where, "`%s` holds no condition, so it "
+                                    "would restrict nothing: give a filter such as "
+                                    "`published = true`, or leave `filter` out."
+                                    % compact_json(forced))
     return value
 
 
@@ -5510,6 +5525,11 @@ def restrictions_from_args(args):
     return body or None
 
 
+# What every Meilisearch filter condition has: a comparison, or an operator word.
+FILTER_OPERATOR = re.compile(r"[=<>]|\b(?:TO|EXISTS|IS|IN|CONTAINS|STARTS|_geoRadius|"
+                             r"_geoBoundingBox|_geoPolygon)\b", re.IGNORECASE)
+
+
 def forced_parameters_from_args(args):
     """forcedParameters from --filter, --force and --fields (validated as
     the server does), or None; ValueError for a bad option."""
@@ -5525,6 +5545,13 @@ def forced_parameters_from_args(args):
         forced.setdefault(pattern, {}).update(value)
     for text in args.filter or ():
         pattern, expression = _index_option("--filter", text)
+        if expression.strip() and not FILTER_OPERATOR.search(expression):
+            # `status=published` reads as index `status`, filter `published`: the index
+            # meant would get no filter at all.
+            raise ValueError("--filter %s: `%s` is not a filter (it has no operator such as "
+                             "`=`, `IN` or `EXISTS`), so index `%s` would get it and no other "
+                             "index any filter; write INDEX=FILTER, e.g. --filter "
+                             "'INDEX=%s'" % (text, expression.strip(), pattern, text))
         parameters = forced.setdefault(pattern, {})
         parameters["filter"] = fuse_filters(parameters.get("filter"), expression)
     for text in args.fields or ():
@@ -5561,7 +5588,28 @@ def run_restrict(client, args):
         return 0
     if args.restrictions is None:
         return _print(args, client.request("GET", path), [])
+    forced = args.restrictions.get("forcedParameters") or {}
+    if forced:
+        # A pattern the key's indexes never reach would force nothing, as when
+        # `--filter 'status=published AND ...'` names `status` as the index.
+        indexes = client.request("GET", _key_path(args.key_or_uid)).get("indexes") or []
+        unreached = [p for p in forced if not any(_patterns_overlap(p, i) for i in indexes)]
+        if unreached:
+            _log_to_stderr("error: the key's indexes (%s) never reach %s, so nothing would be "
+                           "forced there: name one of its indexes before the first `=` "
+                           "(--filter INDEX=FILTER); nothing was changed"
+                           % (", ".join(indexes), ", ".join("`%s`" % p for p in unreached)))
+            return 1
     return _print(args, client.request("PUT", path, args.restrictions), [])
+
+
+def _patterns_overlap(first, second):
+    """Whether some index uid matches both index patterns."""
+    if first.endswith("*") and second.endswith("*"):
+        return first.startswith(second[:-1]) or second.startswith(first[:-1])
+    if first.endswith("*"):
+        return pattern_matches(first, second)
+    return pattern_matches(second, first)
 
 
 # =============================================================================

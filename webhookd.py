@@ -70,6 +70,9 @@ from xml.parsers import expat
 
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
 VERSION = "2.8.0"  # the adnanh/webhook release whose behaviour webhookd reproduces
+# How -version and the log's first line name the program (upstream: "version 2.8.0 starting");
+# VERSION alone stays where health checks written for webhook read it.
+VERSION_LINE = "webhookd version %s (webhook %s compatible)" % (__version__, VERSION)
 PROGRAM = "webhook"
 
 
@@ -191,12 +194,18 @@ FLAGS = [
          "across restarts; in memory when empty"),
     Flag("runs-follow", "string", "", "webhookd: print the output of this run in -runs-dir, "
          "following it until the run ends, and exit (0 if it succeeded)"),
+    Flag("runs-hook", "string", "", "webhookd: -runs lists only the runs of this hook"),
     Flag("runs-keep", "int", 50, "webhookd: runs kept per hook, oldest dropped first (0: no run "
          "history, no run ids)"),
     Flag("runs-max-bytes", "int", 64 * 1024 * 1024, "webhookd: total size of the kept runs "
          "(records and output), oldest dropped first"),
     Flag("runs-max-output", "int", 1024 * 1024, "webhookd: output kept per run; beyond it the "
          "tail is kept"),
+    Flag("runs-since", "string", "", "webhookd: -runs lists only the runs queued since then: a "
+         "time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or time (2026-11-21, "
+         "2026-11-21T14:00:00Z)"),
+    Flag("runs-state", "string", "", "webhookd: -runs lists only the runs in this state "
+         "(queued, running, succeeded, failed, timed-out, killed, interrupted)"),
     Flag("secure", "bool", False, "use HTTPS instead of HTTP"),
     Flag("setgid", "int", 0, "set group ID after opening listening port; must be used with setuid"),
     Flag("setuid", "int", 0, "set user ID after opening listening port; must be used with setgid"),
@@ -5071,6 +5080,13 @@ def runs_options_problem(opts):
             return "-status-token-file %s is empty" % opts.status_token_file
     if (opts.runs or opts.runs_follow) and not opts.runs_dir:
         return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
+        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
+    if opts.runs_state and opts.runs_state not in RUN_STATES:
+        return "-runs-state must be one of " + ", ".join(RUN_STATES)
+    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
+        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
+                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
     if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
         return "-runs-dir %s is not a folder" % opts.runs_dir
     if opts.runs or opts.runs_follow:  # only read: any user allowed to may
@@ -5101,7 +5117,12 @@ def runs_command(opts, out=None):
     directory = opts.runs_dir
     if opts.runs_follow:
         return follow_run_file(directory, opts.runs_follow, out)
-    records = list(read_run_files(directory))
+    since = runs_since(opts.runs_since, time.time()) if opts.runs_since else ""
+    # The filters of the status page's run list (hook, state), and a time.
+    records = [r for r in read_run_files(directory)
+               if (not opts.runs_hook or r.get("hook") == opts.runs_hook)
+               and (not opts.runs_state or r.get("state") == opts.runs_state)
+               and (r.get("queued_at") or "") >= since]
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
                                                    "MS", "HOOK"))
@@ -5112,6 +5133,31 @@ def runs_command(opts, out=None):
             "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
     out.flush()
     return 0
+
+
+RUNS_SINCE_AGO = re.compile(r"(?:[0-9]+[smhd])+")
+RUNS_SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+RUNS_SINCE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2})?Z?)?")
+
+
+def runs_since(text, now):
+    """-runs-since as a record's time (UTC, as `queued_at` is written), or None if unreadable:
+    a time ago (`2h`, `1h30m`, `7d`) or a UTC date or time (`2026-11-21T14:00`, `Z` optional)."""
+    if RUNS_SINCE_AGO.fullmatch(text):
+        seconds = sum(int(count) * RUNS_SINCE_UNITS[unit]
+                      for count, unit in re.findall(r"([0-9]+)([smhd])", text))
+        return iso_time(max(now - seconds, 1))
+    if not RUNS_SINCE_TIME.fullmatch(text):
+        return None
+    day, _, clock = text.rstrip("Z").partition("T")
+    clock = clock or "00:00"
+    if clock.count(":") == 1:
+        clock += ":00"
+    try:
+        when = time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
+    except ValueError:  # (a month 13, a 25th hour)
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
 
 
 def follow_run_file(directory, run_id, out):
@@ -5591,7 +5637,7 @@ def main(argv=None):
         sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
         return 2
     if opts.version:
-        print("webhookd version %s (webhook %s compatible)" % (__version__, VERSION))
+        print(VERSION_LINE)
         return 0
     if opts.list_cipher_suites:
         for name in GO_CIPHER_SUITES:
@@ -5637,7 +5683,7 @@ def main(argv=None):
 def serve(opts):
     """Load the hooks, listen, and run until stopped.  Exit status."""
     signals = SignalQueue()
-    log.info("version %s starting", VERSION)
+    log.info("%s starting", VERSION_LINE)
     environ = os.environ
     notifier = Notifier(environ)
     fd_limit = raise_fd_limit()
@@ -5703,6 +5749,10 @@ def serve(opts):
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
     scheme = "https" if opts.secure else "http"
     log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
+    if opts.status_path:  # where an operator finds the page the service unit offers
+        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
+                 opts.status_path, "with -status-token" if opts.status_token
+                 else "loopback clients only")
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
     return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
 

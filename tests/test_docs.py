@@ -1,11 +1,11 @@
 """The documentation as a newcomer uses it: every block marked ```sh runnable in README.md,
 docs/webhookd.md and docs/searchkeys.md runs as written, in that order, in one bash shell, in a
-copy of this clone; the README's first screen works; the reference pages cover every flag."""
+copy of this clone, on free ports in place of the documented ones; the README's first screen
+works; the reference pages cover every flag."""
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,8 +15,13 @@ import support
 from support import ROOT, SEARCHKEYS, WEBHOOKD, free_port, scratch_dir
 
 DOCS = ("README.md", "docs/webhookd.md", "docs/searchkeys.md")
-# The ports the documented commands use, as a reader's machine would have them free.
+# The ports the documented commands use. The test runs them on free ports instead (a busy 9000
+# on the test machine must neither fail nor skip it), so every server a block starts names its
+# port, and the keys commands, which default to 7700, get searchkeys' URL from MEILI_URL.
 DOC_PORTS = (9000, 7700, 7701)
+DOC_PORT = re.compile(r"(?<![0-9])(%s)(?![0-9])" % "|".join(map(str, DOC_PORTS)))
+STARTS_A_SERVER = re.compile(r"python3 (?:webhookd\.py|searchkeys\.py serve|bench/stub_server\.py)"
+                             r".*&[ \t]*(?:#.*)?$", re.M)  # in the background
 RUNNABLE = re.compile(r"^```sh runnable\n(.*?)^```", re.M | re.S)
 # Left out of the copy: what a clone does not have, and what the blocks make themselves.
 NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "*.deb",
@@ -29,18 +34,18 @@ def runnable_blocks(name):
     return [(text.count("\n", 0, match.start(1)) + 1, match.group(1)) for match in RUNNABLE.finditer(text)]
 
 
-def port_in_use(port):
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+def on_ports(block, ports):
+    """The block with each documented port replaced by its stand-in of `ports`."""
+    return DOC_PORT.sub(lambda match: str(ports[int(match.group(1))]), block)
 
 
-def shell_script(copy):
-    """All runnable blocks as one bash script that stops at the first failing command and
-    says on stderr which block it was in."""
+def shell_script(copy, ports):
+    """All runnable blocks as one bash script, on `ports` (documented port -> free port), that
+    stops at the first failing command and says on stderr which block it was in."""
     lines = ["set -euo pipefail", "cd %s" % shlex_quote(copy)]
     for name in DOCS:
         for line, block in runnable_blocks(name):
-            lines += ["echo '>>> %s:%d' >&2" % (name, line), block]
+            lines += ["echo '>>> %s:%d' >&2" % (name, line), on_ports(block, ports)]
     lines.append("echo '>>> all blocks ran' >&2")
     return "\n".join(lines) + "\n"
 
@@ -54,21 +59,29 @@ def test_every_document_marks_runnable_blocks():
     assert all(counts.values()), counts
 
 
+def test_every_server_a_runnable_block_starts_names_its_port():
+    """What lets the blocks run on other ports: a server left on its default port would be
+    out of the test's reach (and collide with whatever listens there)."""
+    servers = [command for name in DOCS for _, block in runnable_blocks(name)
+               for command in STARTS_A_SERVER.findall(block)]
+    assert len(servers) >= 4, servers
+    unnamed = [command for command in servers
+               if not re.search(r" --?port [0-9]+| -socket ", command)]
+    assert not unnamed, unnamed
+
+
 @pytest.mark.skipif(not all(map(shutil.which, ("bash", "curl", "dpkg-deb"))),
                     reason="needs bash, curl and dpkg-deb (the README builds a .deb): "
                            "apt-get install bash curl dpkg")
 def test_every_runnable_block_runs_as_written():
-    busy = [port for port in DOC_PORTS if port_in_use(port)]
-    if busy:
-        pytest.skip("the documented commands use ports %s, in use here: stop what listens there"
-                    % ", ".join(map(str, busy)))
+    ports = {port: free_port() for port in DOC_PORTS}
     with scratch_dir("webhookd-docs-") as scratch:
         copy = scratch / "clone"
         shutil.copytree(ROOT, copy, ignore=NOT_COPIED)
-        (scratch / "run.sh").write_text(shell_script(copy))
+        (scratch / "run.sh").write_text(shell_script(copy, ports))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MEILI_", "SEARCHKEYS_"))}
-        # build-deb names the maintainer from git, which this copy is not.
-        env.update(DEBFULLNAME="Docs Test", DEBEMAIL="docs@example.org", HOME=str(scratch))
+        env["MEILI_URL"] = "http://127.0.0.1:%d" % ports[7700]  # the keys commands' default
+        env["HOME"] = str(scratch)
         log = scratch / "log"
         with open(log, "wb") as out:
             # Output to a file, not a pipe: the servers the blocks start keep it open.

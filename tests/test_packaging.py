@@ -1,8 +1,10 @@
-"""packaging/build-deb: the .deb it builds, read back with dpkg-deb and installed with dpkg
-into a throwaway root (never the machine's own system: dpkg gets --root, the maintainer
-scripts DPKG_ROOT, and systemctl/deb-systemd-invoke are stubs that record any call)."""
+"""packaging/build-deb: the two .debs it builds (webhookd's and searchkeys'), read back with
+dpkg-deb and installed with dpkg into a throwaway root (never the machine's own system: dpkg
+gets --root, the maintainer scripts DPKG_ROOT, and systemctl/deb-systemd-invoke are stubs that
+record any call); lintian, where installed, finds nothing to say."""
 
 import gzip
+import json
 import os
 import re
 import shutil
@@ -11,7 +13,9 @@ import sys
 
 import pytest
 
-from support import ROOT, scratch_dir
+import support
+from support import ROOT, free_port, scratch_dir
+import searchkeys
 import webhookd
 
 pytestmark = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb: apt-get install dpkg")
@@ -21,6 +25,9 @@ UNIT = "lib/systemd/system/webhookd.service"
 ENABLED_LINK = "etc/systemd/system/multi-user.target.wants/webhookd.service"
 EXEC_START = ("ExecStart=/usr/bin/webhookd -nopanic -hooks /etc/webhook.conf -hotreload -verbose "
               "-port 9000")
+# The project's, whoever builds (issue 31): not the last commit's author.
+MAINTAINER_FIELD = ("webhookd and searchkeys maintainers "
+                    "<maintainers@users.noreply.a-seed-3d0b72e0.example>")
 
 
 def build(checkout_build_deb, out_dir, **env):
@@ -34,11 +41,20 @@ def dpkg_deb(*args):
 
 
 @pytest.fixture(scope="module")
-def deb():
+def debs():
+    """Both packages, built once: {"webhookd": path, "searchkeys": path}."""
     with scratch_dir("webhookd-deb-test-") as out:
         run = build(BUILD_DEB, out)
         assert run.returncode == 0, run.stderr
-        yield out / f"webhookd_{webhookd.__version__}_all.deb"
+        built = {"webhookd": out / f"webhookd_{webhookd.__version__}_all.deb",
+                 "searchkeys": out / f"searchkeys_{searchkeys.__version__}_all.deb"}
+        assert run.stdout.split() == [str(path) for path in built.values()], run.stdout
+        yield built
+
+
+@pytest.fixture(scope="module")
+def deb(debs):
+    return debs["webhookd"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +78,7 @@ def test_control_fields(deb):
     assert fields["Version"] == webhookd.__version__
     assert fields["Architecture"] == "all"
     assert fields["Depends"] == "python3 (>= 3.9)"
-    assert re.fullmatch(r"[^<>]+ <[^@<>\s]+@[^@<>\s]+>", fields["Maintainer"])
+    assert fields["Maintainer"] == MAINTAINER_FIELD
     assert fields["Section"] and fields["Priority"] == "optional"
     info = dpkg_deb("-I", str(deb))
     assert re.search(r"^ Description: \S.*\n(  \S.*\n)+", info, re.MULTILINE), info
@@ -70,11 +86,17 @@ def test_control_fields(deb):
         assert re.search(rf"^\s+\d+ bytes,\s+\d+ lines\s.*\b{script}\b", info, re.MULTILINE)
 
 
-def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
+def contents(deb):
+    """{path: (mode, owner)} of what the package installs."""
     entries = {}
     for line in dpkg_deb("-c", str(deb)).splitlines():
         mode, owner, _size, _date, _time, path = line.split(None, 5)
         entries[path] = (mode, owner)
+    return entries
+
+
+def test_contents_are_root_owned_with_right_modes_and_nothing_in_etc(deb):
+    entries = contents(deb)
     assert {owner for _, owner in entries.values()} == {"root/root"}
     assert entries["./usr/bin/webhookd"][0] == "-rwxr-xr-x"
     assert entries["./usr/share/webhookd/webhookd.py"][0] == "-rwxr-xr-x"
@@ -110,6 +132,11 @@ def test_unit_runs_the_installed_program_and_is_otherwise_the_repositorys(extrac
     packaged = [line for line in unit if "=" in line and not line.startswith("#")]
     assert [line for line in packaged if line in settings] == settings
     assert "/usr/local/bin" not in "\n".join(unit)
+    # The status page and run history it offers, commented out, run the installed program too.
+    offered = [line for line in unit if line.startswith("#ExecStart=/")]
+    assert offered == [EXEC_START.replace("ExecStart", "#ExecStart") + " -status-path /-/status "
+                       "-status-token-file %d/status-token -runs-dir /var/lib/webhookd/runs"]
+    assert "#LoadCredential=status-token:/etc/webhookd/status-token" in unit
 
 
 def test_man_page_documents_every_flag_of_help(extracted):
@@ -155,12 +182,15 @@ def checkout_copy():
     with scratch_dir("webhookd-deb-src-") as src:
         (src / "docs").mkdir()
         for name in ("webhookd.py", "webhookd.service", "README.md", "webhook.conf.example", "LICENSE",
-                     "docs/webhookd.md"):
+                     "docs/webhookd.md", "searchkeys.py", "docs/searchkeys.md",
+                     "searchkeys-nginx.conf.example"):
             shutil.copy(ROOT / name, src / name)
         shutil.copytree(ROOT / "packaging", src / "packaging")
         yield src
 
 
+# Who builds changes nothing in the packages: not git's author (this copy is no checkout),
+# not Debian's variables for a maintainer.
 MAINTAINER = {"DEBFULLNAME": "Test Builder", "DEBEMAIL": "builder@example.org"}
 
 
@@ -177,7 +207,7 @@ def test_build_follows_edits_of_the_unit_and_the_version(checkout_copy):
     assert run.returncode == 0, run.stderr
     deb = out / "webhookd_9.1~rc1_all.deb"
     assert dpkg_deb("-f", str(deb), "Version").strip() == "9.1~rc1"
-    assert dpkg_deb("-f", str(deb), "Maintainer").strip() == "Test Builder <builder@example.org>"
+    assert dpkg_deb("-f", str(deb), "Maintainer").strip() == MAINTAINER_FIELD
     dpkg_deb("-x", str(deb), str(src / "root"))
     packaged = (src / "root" / UNIT).read_text().splitlines()
     assert "Nice=5" in packaged
@@ -222,9 +252,10 @@ class ThrowawayRoot:
             (path / "stubs" / stub).write_text(f'#!/bin/sh\necho "{stub} $*" >> "{self.calls}"\n')
             (path / "stubs" / stub).chmod(0o755)
 
-    def dpkg(self, *args):
+    def dpkg(self, *args, **env):
         # dpkg wants ldconfig and start-stop-daemon, which a non-login PATH may lack
-        env = dict(os.environ, PATH=f"{self.path / 'stubs'}:{os.environ['PATH']}:/usr/sbin:/sbin")
+        env = dict(os.environ, PATH=f"{self.path / 'stubs'}:{os.environ['PATH']}:/usr/sbin:/sbin",
+                   **env)
         run = subprocess.run(["dpkg", f"--root={self.path}", "--log=/dev/null", "--force-not-root",
                               "--force-script-chrootless", "--force-depends", *args],
                              capture_output=True, text=True, env=env, timeout=60)
@@ -380,3 +411,191 @@ def test_maintainer_scripts_without_systemd_only_record_the_enablement(extracted
         "/lib/systemd/system/webhook.service", "/usr/lib/systemd/system/webhook.service"))
     assert recorded.count("deb-systemd-helper enable webhookd.service") == (0 if webhook_here else 2)
     assert recorded[-1] == "deb-systemd-helper purge webhookd.service"
+
+
+# ---------------------------------------------------------------------------
+# searchkeys_<version>_all.deb (issue 31)
+# ---------------------------------------------------------------------------
+
+SK_UNIT = "lib/systemd/system/searchkeys.service"
+SK_EXEC = ("/usr/bin/searchkeys serve --store /var/lib/searchkeys/keys.json "
+           "--upstream http://127.0.0.1:7701")
+
+
+@pytest.fixture(scope="module")
+def sk_extracted(debs):
+    with scratch_dir("searchkeys-deb-x-") as root:
+        dpkg_deb("-x", str(debs["searchkeys"]), str(root))
+        dpkg_deb("-e", str(debs["searchkeys"]), str(root / "DEBIAN"))
+        yield root
+
+
+def unit_settings(text):
+    """[(option, value)] of a unit's lines, comments left out."""
+    return [tuple(line.split("=", 1)) for line in text.splitlines()
+            if "=" in line and not line.startswith(("#", ";"))]
+
+
+def test_searchkeys_control_fields_and_contents(debs):
+    deb = debs["searchkeys"]
+    fields = dict(line.split(": ", 1) for line in dpkg_deb(
+        "-f", str(deb), "Package", "Version", "Architecture", "Depends", "Maintainer").splitlines())
+    assert fields == {"Package": "searchkeys", "Version": searchkeys.__version__,
+                      "Architecture": "all", "Maintainer": MAINTAINER_FIELD,
+                      "Depends": "python3 (>= 3.9), systemd | systemd-standalone-sysusers | "
+                                 "systemd-sysusers"}
+    entries = contents(deb)
+    assert {owner for _, owner in entries.values()} == {"root/root"}
+    assert entries["./usr/bin/searchkeys"][0] == "-rwxr-xr-x"
+    assert entries["./usr/share/searchkeys/searchkeys.py"][0] == "-rwxr-xr-x"
+    for path in ("./" + SK_UNIT, "./usr/lib/sysusers.d/searchkeys.conf",
+                 "./usr/share/man/man1/searchkeys.1.gz", "./usr/share/doc/searchkeys/README.md.gz",
+                 "./usr/share/doc/searchkeys/searchkeys.md.gz",
+                 "./usr/share/doc/searchkeys/searchkeys-nginx.conf.example",
+                 "./usr/share/doc/searchkeys/copyright", "./usr/share/doc/searchkeys/changelog.gz"):
+        assert entries[path][0] == "-rw-r--r--", path
+    assert not [path for path in entries if path.startswith(("./etc", "./var"))], \
+        "the keys in /etc/searchkeys and the store in /var/lib/searchkeys are not the package's"
+
+
+def test_searchkeys_installed_program_runs_with_debians_python(sk_extracted):
+    installed = (sk_extracted / "usr/share/searchkeys/searchkeys.py").read_text()
+    assert installed.split("\n", 1)[1] == (ROOT / "searchkeys.py").read_text().split("\n", 1)[1]
+    if os.access("/usr/bin/python3", os.X_OK):
+        run = subprocess.run([str(sk_extracted / "usr/bin/searchkeys"), "--version"],
+                             capture_output=True, text=True, timeout=30)
+        assert run.returncode == 0 and searchkeys.__version__ in run.stdout, run.stderr
+    page = gzip.decompress((sk_extracted / "usr/share/man/man1/searchkeys.1.gz").read_bytes()).decode()
+    assert f'"searchkeys {searchkeys.__version__}"' in page
+    for option in ("--store", "--upstream", "--trusted-proxy", "--master-key-changed"):
+        assert option.replace("-", "\\-") in page, option
+    sysusers = (sk_extracted / "usr/lib/sysusers.d/searchkeys.conf").read_text()
+    assert re.search(r"^u searchkeys - .* /var/lib/searchkeys$", sysusers, re.M), sysusers
+
+
+def test_searchkeys_unit_has_its_own_user_state_directory_credentials_and_the_sandbox(sk_extracted):
+    unit = (sk_extracted / SK_UNIT).read_text()
+    settings = unit_settings(unit)
+    for setting in (("User", "searchkeys"), ("Group", "searchkeys"), ("StateDirectory", "searchkeys"),
+                    ("StateDirectoryMode", "0700"), ("UMask", "0077"),
+                    ("LoadCredential", "master-key:/etc/searchkeys/master-key"),
+                    ("LoadCredential", "upstream-key:/etc/searchkeys/upstream-key"),
+                    ("ConditionPathExists", "/etc/searchkeys/master-key"),
+                    ("ConditionPathExists", "/etc/searchkeys/upstream-key")):
+        assert setting in settings, setting
+    (execstart,) = [value for option, value in settings if option == "ExecStart"]
+    assert execstart.endswith("' " + SK_EXEC), execstart
+    assert "master-key" not in execstart.split("' ", 1)[1]  # no key on the command line
+    # Every setting of the repository unit's sandbox, with a user of its own instead of a
+    # dynamic one and credentials instead of an environment file.
+    repo = unit_settings((ROOT / "searchkeys.service").read_text())
+    left_out = {"DynamicUser", "EnvironmentFile", "ExecStart", "ConditionPathExists"}
+    missing = [setting for setting in repo if setting[0] not in left_out and setting not in settings]
+    assert not missing, missing
+    assert ("DynamicUser", "yes") not in settings
+
+
+def test_searchkeys_unit_command_line_serves_with_keys_from_its_credentials(sk_extracted):
+    """The unit's ExecStart as systemd runs it ($$ is a $; $CREDENTIALS_DIRECTORY holds the two
+    keys), with the extracted launcher, a scratch store and free ports."""
+    if not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs /usr/bin/python3, the interpreter the launcher names: apt-get install python3")
+    (execstart,) = [value for option, value in unit_settings((sk_extracted / SK_UNIT).read_text())
+                    if option == "ExecStart"]
+    script, _, arguments = execstart.replace("$$", "$").partition("' ")
+    assert script.startswith("/bin/sh -c '")
+    port = free_port()
+    with scratch_dir("searchkeys-deb-run-") as folder:
+        (folder / "credentials").mkdir()
+        (folder / "credentials/master-key").write_text("packaged-master-key-0123456789\n")
+        (folder / "credentials/upstream-key").write_text("backend-key\n")
+        argv = ["/bin/sh", "-c", script[len("/bin/sh -c '"):]] + [
+            str(sk_extracted) + arg if arg == "/usr/bin/searchkeys" else
+            str(folder / "keys.json") if arg.startswith("/var/lib/") else arg
+            for arg in arguments.split()] + ["--port", str(port)]
+        env = {"CREDENTIALS_DIRECTORY": str(folder / "credentials")}
+        with support.Daemon(argv, port, env=env) as daemon:
+            assert daemon.request("GET", "/keys")[0] == 401
+            status, _, body = daemon.request("GET", "/keys", headers={
+                "Authorization": "Bearer packaged-master-key-0123456789"})
+            assert status == 200 and json.loads(body)["total"] >= 1, body
+        assert (folder / "keys.json").exists()
+
+
+def root_user(root, name="searchkeys", database="passwd"):
+    """The line of `name` in the throwaway root's /etc/passwd (or group), or None."""
+    path = root.path / "etc" / database
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((line for line in lines if line.startswith(name + ":")), None)
+
+
+needs_sysusers = pytest.mark.skipif(not shutil.which("systemd-sysusers"),
+                                    reason="needs systemd-sysusers: apt-get install systemd")
+
+
+@needs_dpkg
+@needs_sysusers
+def test_searchkeys_fresh_install_unconfigured_is_left_disabled_and_purge_keeps_the_store(
+        debs, throwaway_root):
+    root, deb = throwaway_root, debs["searchkeys"]
+    (root.path / "etc").mkdir()  # where systemd-sysusers adds the user, as on any system
+    output = root.dpkg("-i", str(deb))
+    assert not root.enabled("searchkeys.service")
+    assert "searchkeys.service is installed but left disabled and not started" in output
+    assert "/etc/searchkeys/master-key" in output and "systemctl enable --now searchkeys" in output
+    user = root_user(root)
+    assert user and user.split(":")[5] == "/var/lib/searchkeys", user
+    assert list((root.path / "usr/share/searchkeys/__pycache__").glob("searchkeys.cpython-*.pyc"))
+    output = root.dpkg("-i", str(deb))  # reinstall: idempotent, nothing more to say
+    assert not root.enabled("searchkeys.service") and "\nsearchkeys: " not in output
+    assert root.systemd_calls() == "", "no systemd here: nothing may call systemctl"
+
+    # The service ran: its store is there. A purge keeps it and its owner, and says so.
+    (root.path / "var/lib/searchkeys").mkdir(parents=True)
+    (root.path / "var/lib/searchkeys/keys.json").write_text("{}\n")
+    output = root.dpkg("--purge", "searchkeys")
+    assert "the keys stay in /var/lib/searchkeys" in output
+    assert (root.path / "var/lib/searchkeys/keys.json").read_text() == "{}\n"
+    assert root_user(root) is not None
+    assert not (root.path / "usr/bin/searchkeys").exists()
+    assert not (root.path / "usr/share/searchkeys").exists(), "the cache is removed with the package"
+    assert not (root.path / "var/lib/systemd/deb-systemd-helper-enabled/searchkeys.service.dsh-also").exists()
+
+    # Asked to, a purge removes the store and the user too.
+    root.dpkg("-i", str(deb))
+    root.dpkg("--purge", "searchkeys", SEARCHKEYS_PURGE_STORE="yes")
+    assert not (root.path / "var/lib/searchkeys").exists() and root_user(root) is None
+    assert root_user(root, database="group") is None
+
+
+@needs_dpkg
+@needs_sysusers
+def test_searchkeys_fresh_install_with_its_keys_is_enabled_not_started_and_purge_leaves_the_keys(
+        debs, throwaway_root):
+    root, deb = throwaway_root, debs["searchkeys"]
+    (root.path / "etc/searchkeys").mkdir(parents=True)
+    for name in ("master-key", "upstream-key"):
+        (root.path / "etc/searchkeys" / name).write_text("a-key\n")
+    output = root.dpkg("-i", str(deb))
+    assert root.enabled("searchkeys.service")
+    assert os.readlink(root.path / "etc/systemd/system/multi-user.target.wants/searchkeys.service") \
+        == "/" + SK_UNIT
+    assert "is enabled" in output and "systemctl start searchkeys" in output
+    os.unlink(root.path / "etc/systemd/system/multi-user.target.wants/searchkeys.service")
+    root.dpkg("-i", str(deb))  # the admin disabled it: an upgrade keeps it so
+    assert not root.enabled("searchkeys.service")
+    root.dpkg("--purge", "searchkeys")
+    assert root_user(root) is None, "no store: nothing keeps the user"
+    assert root_user(root, database="group") is None
+    assert sorted(p.name for p in (root.path / "etc/searchkeys").iterdir()) == [
+        "master-key", "upstream-key"]
+    assert root.systemd_calls() == ""
+
+
+@pytest.mark.skipif(not shutil.which("lintian"), reason="needs lintian: apt-get install lintian")
+def test_lintian_finds_nothing_to_say(debs):
+    run = subprocess.run(["lintian", "--info", "--pedantic", *map(str, debs.values())],
+                         capture_output=True, text=True, timeout=300)
+    said = [line for line in (run.stdout + run.stderr).splitlines()
+            if not line.startswith("running with root privileges")]
+    assert run.returncode == 0 and said == [], said

@@ -233,6 +233,15 @@ def test_a_key_without_them_is_forwarded_as_sent(guard, backend):
      "`.forcedParameters.movies.rankingScoreThreshold`: expected a number from 0.0 to 1.0"),
     ({"movies": {"filter": "x" * 17000}}, "Invalid value at `.forcedParameters`: give at most "
      "16384 bytes"),
+    # A forced filter that holds no condition would restrict nothing (issue 30).
+    ({"movies": {"filter": ""}}, 'Invalid value at `.forcedParameters.movies.filter`: `""` '
+     "holds no condition, so it would restrict nothing"),
+    ({"movies": {"filter": []}}, "Invalid value at `.forcedParameters.movies.filter`: `[]` "
+     "holds no condition"),
+    ({"movies": {"filter": ["  ", [], [""]]}}, "Invalid value at "
+     "`.forcedParameters.movies.filter`: "),
+    ({"movies": {"filter": None, "attributesToRetrieve": ["a"]}}, "Invalid value at "
+     "`.forcedParameters.movies.filter`: `null` holds no condition"),
 ])
 def test_validation_errors(guard, forced, message):
     plain = new_key(guard, {"forcedParameters": {"books": {"filter": "ok = true"}}})
@@ -271,6 +280,44 @@ def test_they_persist_and_the_cli_sets_them(backend):
                                            "/indexes/movies/search", {"q": "x"})
             assert status == 200 and body == {"q": "x", "filter": "public = true",
                                               "attributesToRetrieve": SHOWN, "facets": []}
+
+
+def test_the_cli_refuses_a_filter_that_would_restrict_nothing_or_the_wrong_index(guard):
+    """`--filter 'status=published'` reads as index `status`, filter `published`: the index
+    meant would get no filter, silently. An empty filter restricts nothing. Both are refused
+    before any request, and the key keeps what it had (issue 30)."""
+    plain = new_key(guard, {"forcedParameters": {"books": {"filter": "ok = true"}}})
+    base = [sys.executable, str(SEARCHKEYS), "keys", "restrict", plain["uid"],
+            "--url", "http://127.0.0.1:%d" % guard.port, "--key", MASTER]
+    for bad, words in ((["--filter", "status=published"],
+                        "`published` is not a filter (it has no operator"),
+                       (["--filter", "books="], "`\"\"` holds no condition"),
+                       (["--force", 'books={"filter": []}'], "`[]` holds no condition")):
+        refused = subprocess.run(base + bad, capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    shown = json.loads(guard.request("GET", "/keys/%s/restrictions" % plain["uid"], None,
+                                     ADMIN)[2])
+    assert shown["forcedParameters"] == {"books": {"filter": "ok = true"}}
+    # An index the key never reaches gets the filter in vain: refused, before any change.
+    scoped = new_key(guard, None, indexes=("books", "movies*"))
+    scoped_base = base[:4] + [scoped["uid"]] + base[5:]
+    refused = subprocess.run(scoped_base + ["--filter", "status=published AND price > 1"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1, refused
+    assert "the key's indexes (books, movies*) never reach `status`" in refused.stderr
+    assert json.loads(guard.request("GET", "/keys/%s/restrictions" % scoped["uid"], None,
+                                    ADMIN)[2])["forcedParameters"] is None
+    done = subprocess.run(scoped_base + ["--filter", "movies_fr=a = 1", "--filter", "m*=b = 2"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    good = ("books=status = published", "books=genre IN [a, b]", "books=tag EXISTS", "books*=a=1")
+    done = subprocess.run(base + [arg for text in good for arg in ("--filter", text)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["forcedParameters"] == {
+        "books": {"filter": ["status = published", "genre IN [a, b]", "tag EXISTS"]},
+        "books*": {"filter": "a=1"}}
 
 
 def test_the_official_client_searches_within_them(guard, backend, key):

@@ -76,32 +76,39 @@ class Backend:
 
 
 @pytest.fixture(scope="module")
-def stack():
+def nginx_prefix():
+    """nginx's -p folder: its configuration, cache and the recipe's error.log."""
+    with scratch_dir("searchkeys-nginx-") as prefix:
+        os.chmod(prefix, 0o755)  # nginx's workers may run as another user
+        yield prefix
+
+
+@pytest.fixture(scope="module")
+def stack(nginx_prefix):
     backend = Backend()
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
                               "--master-key", MASTER, *GUARD_FLAGS), port, timeout=30.0)
-    with scratch_dir("searchkeys-nginx-") as prefix:
-        os.chmod(prefix, 0o755)  # nginx's workers may run as another user
-        listen = free_port()
-        (prefix / "nginx.conf").write_text(nginx_config(
-            "127.0.0.1:%d" % listen, "127.0.0.1:%d" % port, backend.address))
-        nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"),
-                                  "-e", "stderr"], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    prefix = nginx_prefix
+    listen = free_port()
+    (prefix / "nginx.conf").write_text(nginx_config(
+        "127.0.0.1:%d" % listen, "127.0.0.1:%d" % port, backend.address))
+    nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"),
+                              "-e", "stderr"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        wait_for_port(listen, nginx, timeout=15)
+        yield guard, listen, backend
+    finally:
+        nginx.send_signal(signal.SIGQUIT)
         try:
-            wait_for_port(listen, nginx, timeout=15)
-            yield guard, listen, backend
-        finally:
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(nginx.pid, signal.SIGKILL)
-                nginx.wait()
-            guard.__exit__(None, None, None)
-            backend.close()
+            nginx.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(nginx.pid, signal.SIGKILL)
+            nginx.wait()
+        guard.__exit__(None, None, None)
+        backend.close()
 
 
 def create_key(port, actions, indexes):
@@ -178,17 +185,46 @@ def request_from(address, port, method, path, headers):
         conn.close()
 
 
-def test_per_ip_rate_limit_counts_each_client_not_nginx(stack):
-    """One client using up its per-IP rate leaves the others theirs (with --trusted-proxy)."""
-    guard, listen, _ = stack
+def rate_limited_search_key(guard, rate_limit):
+    """A key that may search `movies`, under this rateLimit."""
     key = create_key(guard.port, ["search"], ["movies"])
     master = {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"}
     status, _, body = request(guard.port, "PUT", "/keys/%s/restrictions" % key,
-                              json.dumps({"rateLimit": {"perIp": "2/minute"}}), master)
+                              json.dumps({"rateLimit": rate_limit}), master)
     assert status == 200, body
+    return key
+
+
+def test_per_ip_rate_limit_counts_each_client_not_nginx(stack):
+    """One client using up its per-IP rate leaves the others theirs (with --trusted-proxy)."""
+    guard, listen, _ = stack
+    key = rate_limited_search_key(guard, {"perIp": "2/minute"})
     search = {"Authorization": "Bearer " + key}
     first = [request_from("127.0.0.2", listen, "GET", "/indexes/movies/search?q=a", search)[0]
              for _ in range(3)]
     assert first == [200, 200, 429], first
     status, body = request_from("127.0.0.3", listen, "GET", "/indexes/movies/search?q=a", search)
     assert status == 200, body
+
+
+def test_a_rate_limit_reaches_the_caller_as_429_and_nginx_logs_no_error(stack, nginx_prefix):
+    """auth_request takes 2xx, 401 and 403 from /authorize; any other status, a rate limit's
+    429 included, it logs as an error and answers 500. The recipe hands the 429 over as a 403
+    and turns it back into a 429 with Retry-After for the caller (issue 31)."""
+    guard, listen, _ = stack
+    key = rate_limited_search_key(guard, {"perKey": "1/minute"})
+    error_log = nginx_prefix / "error.log"
+    logged = error_log.stat().st_size if error_log.exists() else 0
+    search = {"Authorization": "Bearer " + key}
+    assert request(listen, "GET", "/indexes/movies/search?q=a", headers=search)[0] == 200
+    for _ in range(2):
+        status, headers, body = request(listen, "GET", "/indexes/movies/search?q=a",
+                                        headers=search)
+        assert status == 429 and headers["content-type"].startswith("application/json"), body
+        assert json.loads(body)["code"] == "too_many_requests"
+        assert 0 < int(headers["retry-after"]) <= 60, headers
+    # a plain refusal is still a 403 with Meilisearch's error
+    assert_meilisearch_error(request(listen, "GET", "/indexes/other/search?q=a", headers=search),
+                             403, "invalid_api_key")
+    new = error_log.read_bytes()[logged:] if error_log.exists() else b""
+    assert b"[error]" not in new and b"unexpected status" not in new, new

@@ -236,6 +236,59 @@ def test_readme_deploy_user_drop_in_passes_systemd_analyze_verify(tmp_path):
     assert result.returncode == 0 and "webhookd" not in result.stderr, result.stderr
 
 
+def offered_status_drop_in():
+    """The settings webhookd.service offers, commented out, for the status page and run history:
+    the drop-in an admin writes by uncommenting them (issue 31)."""
+    text = (ROOT / "webhookd.service").read_text()
+    offer = text[text.index("# The status page"):]
+    return ["[Service]"] + [line[1:] for line in offer.splitlines()
+                            if re.match(r"#[A-Z][A-Za-z]*=", line)]
+
+
+@needs_systemd_analyze
+def test_offered_status_page_drop_in_passes_systemd_analyze_verify(tmp_path):
+    drop_in = offered_status_drop_in()
+    assert "LoadCredential=status-token:/etc/webhookd/status-token" in drop_in
+    assert "StateDirectory=webhookd" in drop_in and drop_in[-2] == "ExecStart="
+    shutil.copy(ROOT / "webhookd.service", tmp_path)
+    (tmp_path / "webhookd.service.d").mkdir()
+    (tmp_path / "webhookd.service.d" / "status.conf").write_text("\n".join(drop_in) + "\n")
+    result = subprocess.run(["systemd-analyze", "verify", "webhookd.service"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "webhookd" not in result.stderr, result.stderr
+
+
+def test_offered_status_page_command_line_serves_the_page_to_the_token_and_keeps_runs(tmp_path):
+    """The offered ExecStart as systemd would run it: %d is the credentials folder, the runs go
+    under the state directory; here both in a scratch folder, on a free loopback port."""
+    execstart = offered_status_drop_in()[-1].partition("=")[2]
+    credentials, runs = tmp_path / "credentials", tmp_path / "state" / "runs"
+    credentials.mkdir()
+    (credentials / "status-token").write_text("offered-token-0123456789\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    hooks = tmp_path / "webhook.conf"
+    shutil.copy(EXAMPLE, hooks)
+    port = free_port()
+    replaced = {"/usr/local/bin/webhookd.py": str(WEBHOOKD), "/etc/webhook.conf": str(hooks),
+                "%d/status-token": str(credentials / "status-token"),
+                "/var/lib/webhookd/runs": str(runs), "9000": str(port)}
+    argv = [replaced.get(arg, arg) for arg in execstart.split()]
+    assert argv[:2] == ["/usr/bin/python3", str(WEBHOOKD)] and "%d" not in " ".join(argv)
+    argv = [sys.executable] + argv[1:] + ["-ip", "127.0.0.1"]
+    with Daemon(argv, port) as daemon:
+        assert daemon.request("GET", "/hooks/ping")[0] == 200
+        status, _, body = daemon.request("GET", "/-/status")
+        assert status == 200 and set(json.loads(body)) == {"status", "version"}
+        status, _, body = daemon.request("GET", "/-/status/runs", headers={
+            "Authorization": "Bearer offered-token-0123456789"})
+        assert status == 200 and [run["hook"] for run in json.loads(body)] == ["ping"]
+        eventually(lambda: sorted(path.suffix for path in runs.iterdir()),
+                   lambda suffixes: ".json" in suffixes)
+        assert "status page and run history on http://127.0.0.1:%d/-/status (with " \
+               "-status-token)" % port in daemon.log()
+        assert "offered-token" not in daemon.log()
+
+
 def nobody_python():
     """/usr/bin/python3 if user nobody may run it (the unit's interpreter), else None."""
     python = "/usr/bin/python3"

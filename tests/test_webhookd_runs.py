@@ -316,6 +316,72 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
     assert "Traceback" not in refused.stdout + refused.stderr
 
 
+def test_start_up_log_names_the_program_as_version_does_and_says_where_the_page_is(tmp_path):
+    """The log's version line and -version call the program the same (issue 31); the status
+    page a unit turns on is announced with its address and who may read it."""
+    version = subprocess.run(python_cmd(WEBHOOKD, "-version"), capture_output=True, text=True,
+                             timeout=15).stdout.strip()
+    assert version == "webhookd version %s (webhook 2.8.0 compatible)" % webhookd.__version__
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("ok", "/bin/true")])
+    with start(hooks) as daemon:
+        wait_until(lambda: "status page" in daemon.log(), what="the start-up log")
+        log = daemon.log()
+    assert " %s starting\n" % version in log, log
+    assert "status page and run history on http://127.0.0.1:%d/status (loopback clients only)" \
+        % daemon.port in log, log
+    with start(hooks, "-status-token", "s3cret") as daemon:
+        wait_until(lambda: "status page" in daemon.log(), what="the start-up log")
+        assert "on http://127.0.0.1:%d/status (with -status-token)" % daemon.port in daemon.log()
+        assert "s3cret" not in daemon.log()
+
+
+def runs_listing(capsys, runs_dir, *flags):
+    """The run ids `-runs` prints with these flags, newest first (webhookd's main, in this
+    process: one command line more is only the start of an interpreter)."""
+    capsys.readouterr()
+    assert webhookd.main(["webhookd.py", "-runs", "-runs-dir", str(runs_dir), *flags]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith("ID ")
+    return [line.split()[0] for line in listing.splitlines()[1:]]
+
+
+def test_shell_view_filters_as_the_status_page_does(tmp_path, capsys):
+    """-runs-hook and -runs-state choose what the page's ?hook= and ?state= choose; -runs-since
+    takes a time ago or a UTC date or time (issue 31)."""
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("ok", "/bin/true"),
+                                                  hook("bad", "/bin/false")])
+    runs_dir = tmp_path / "runs"
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        for hook_id in ("ok", "bad", "ok"):
+            ended(daemon, trigger(daemon, hook_id))
+        time.sleep(0.3)  # the records reach -runs-dir a moment after the run ends
+        for query, flags in (("hook=ok", ["-runs-hook", "ok"]),
+                             ("state=failed", ["-runs-state", "failed"]),
+                             ("hook=ok&state=failed", ["-runs-hook", "ok", "-runs-state", "failed"]),
+                             ("hook=none", ["-runs-hook", "none"])):
+            # (as sets: runs queued within one second may be listed in either order)
+            page = [run["id"] for run in get_json(daemon, "/status/runs?" + query)]
+            listed = runs_listing(capsys, runs_dir, *flags)
+            assert sorted(listed) == sorted(page) and len(listed) == len(set(listed)), query
+    everything = runs_listing(capsys, runs_dir)
+    assert len(everything) == 3
+    assert runs_listing(capsys, runs_dir, "-runs-since", "1h") == everything
+    assert runs_listing(capsys, runs_dir, "-runs-since", "2000-01-01") == everything
+    assert runs_listing(capsys, runs_dir, "-runs-since", "2999-01-01T00:00Z") == []
+    for flags, words in ((["-runs", "-runs-state", "done"], "-runs-state must be one of queued,"),
+                         (["-runs", "-runs-since", "yesterday"], "-runs-since yesterday: give a"),
+                         (["-runs-hook", "ok"], "add -runs")):
+        assert webhookd.main(["webhookd.py", "-runs-dir", str(runs_dir), *flags]) == 1
+        said = capsys.readouterr()
+        assert words in said.out + said.err, said
+    # and from the shell, as the operator types it
+    listing = subprocess.run(python_cmd(WEBHOOKD, "-runs", "-runs-dir", runs_dir, "-runs-hook",
+                                        "bad", "-runs-state", "failed", "-runs-since", "1d"),
+                             capture_output=True, text=True, timeout=15)
+    assert listing.returncode == 0 and len(listing.stdout.splitlines()) == 2, listing
+    assert listing.stdout.splitlines()[1].split()[1:2] == ["failed"]
+
+
 def test_a_second_daemon_on_the_same_runs_dir_is_refused(tmp_path):
     """Two daemons on one -runs-dir (a unit copied with its flags): the second, starting, would
     mark the first one's running run interrupted and delete its records."""
