@@ -592,6 +592,27 @@ def test_searchkeys_fresh_install_with_its_keys_is_enabled_not_started_and_purge
     assert root.systemd_calls() == ""
 
 
+@needs_dpkg
+@needs_sysusers
+def test_searchkeys_purge_leaves_an_account_called_searchkeys_that_it_did_not_make(
+        debs, throwaway_root):
+    """An admin's own account named searchkeys, there before the package: systemd-sysusers
+    leaves it as it is, so the purge must too (it deleted it, and its group, when no store
+    was there)."""
+    root, deb = throwaway_root, debs["searchkeys"]
+    (root.path / "etc").mkdir()
+    accounts = {"passwd": "searchkeys:x:1500:1500:Sam:/home/searchkeys:/bin/bash\n",
+                "group": "searchkeys:x:1500:\n", "shadow": "searchkeys:!:19000::::::\n",
+                "gshadow": "searchkeys:!::\n"}
+    for database, line in accounts.items():
+        (root.path / "etc" / database).write_text(line.replace("searchkeys", "root", 1)
+                                                  .replace("1500", "0") + line)
+    root.dpkg("-i", str(deb))
+    root.dpkg("--purge", "searchkeys", SEARCHKEYS_PURGE_STORE="yes")
+    assert root_user(root) == "searchkeys:x:1500:1500:Sam:/home/searchkeys:/bin/bash"
+    assert root_user(root, database="group") == "searchkeys:x:1500:"
+
+
 @pytest.mark.skipif(not shutil.which("lintian"), reason="needs lintian: apt-get install lintian")
 def test_lintian_finds_nothing_to_say(debs):
     run = subprocess.run(["lintian", "--info", "--pedantic", *map(str, debs.values())],
