@@ -5156,10 +5156,10 @@ def runs_since(text, now):
     if clock.count(":") == 1:
         clock += ":00"
     try:
-        when = time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
+        time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
     except ValueError:  # (a month 13, a 25th hour)
         return None
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
+    return day + "T" + clock + "Z"  # as written: strftime drops a year's leading zeros
 
 
 def follow_run_file(directory, run_id, out):

@@ -367,6 +367,8 @@ def test_shell_view_filters_as_the_status_page_does(tmp_path, capsys):
     assert len(everything) == 3
     assert runs_listing(capsys, runs_dir, "-runs-since", "1h") == everything
     assert runs_listing(capsys, runs_dir, "-runs-since", "2000-01-01") == everything
+    # a year before 1000 too (strftime wrote it "999-...", after every "2026-..." as text)
+    assert runs_listing(capsys, runs_dir, "-runs-since", "0999-01-01T00:00") == everything
     assert runs_listing(capsys, runs_dir, "-runs-since", "2999-01-01T00:00Z") == []
     for flags, words in ((["-runs", "-runs-state", "done"], "-runs-state must be one of queued,"),
                          (["-runs", "-runs-since", "yesterday"], "-runs-since yesterday: give a"),
