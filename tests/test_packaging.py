@@ -522,6 +522,24 @@ def test_searchkeys_unit_command_line_serves_with_keys_from_its_credentials(sk_e
         assert (folder / "keys.json").exists()
 
 
+def test_launchers_find_their_module_with_pythonsafepath_and_through_a_link(extracted,
+                                                                          sk_extracted):
+    """PYTHONSAFEPATH=1 (or -P; Python 3.11+), which hardened systems set, keeps the script's
+    folder out of sys.path: the launchers, which rewrote sys.path[0] into the module's folder,
+    then died with a ModuleNotFoundError traceback."""
+    if not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs /usr/bin/python3, the interpreter the launchers name: apt-get install python3")
+    with scratch_dir("deb-launcher-link-") as links:
+        for tree, name, flag in ((extracted, "webhookd", "-version"),
+                                 (sk_extracted, "searchkeys", "--version")):
+            os.symlink(tree / "usr/bin" / name, links / name)
+            for program in (tree / "usr/bin" / name, links / name):
+                for env in ({}, {"PYTHONSAFEPATH": "1"}):
+                    run = subprocess.run([str(program), flag], capture_output=True, text=True,
+                                         timeout=30, env=dict(os.environ, **env))
+                    assert run.returncode == 0 and run.stdout.strip(), (program, env, run)
+
+
 def root_user(root, name="searchkeys", database="passwd"):
     """The line of `name` in the throwaway root's /etc/passwd (or group), or None."""
     path = root.path / "etc" / database
