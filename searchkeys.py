@@ -5528,6 +5528,23 @@ def restrictions_from_args(args):
 # What every Meilisearch filter condition has: a comparison, or an operator word.
 FILTER_OPERATOR = re.compile(r"[=<>]|\b(?:TO|EXISTS|IS|IN|CONTAINS|STARTS|_geoRadius|"
                              r"_geoBoundingBox|_geoPolygon)\b", re.IGNORECASE)
+# Quoted text (to its end if unclosed), and the words that join conditions.
+FILTER_QUOTED = re.compile(r""""(?:[^"\\]|\\.)*(?:"|$)|'(?:[^'\\]|\\.)*(?:'|$)""", re.DOTALL)
+FILTER_JOIN = re.compile(r"(?<![^\s()])(?:AND|OR)(?![^\s()])")
+
+
+def _condition_without_operator(expression):
+    """The first of the filter's conditions (its parts between AND and OR, outside quotes)
+    that has no operator, or None."""
+    masked = FILTER_QUOTED.sub(lambda match: match.group()[0] * len(match.group()), expression)
+    start = 0
+    for join in list(FILTER_JOIN.finditer(masked)) + [None]:
+        end = join.start() if join else len(masked)
+        if not FILTER_OPERATOR.search(masked, start, end):
+            return expression[start:end].strip()
+        start = join and join.end()
+    return None
+
 
 
 def forced_parameters_from_args(args):
@@ -5545,13 +5562,16 @@ def forced_parameters_from_args(args):
         forced.setdefault(pattern, {}).update(value)
     for text in args.filter or ():
         pattern, expression = _index_option("--filter", text)
-        if expression.strip() and not FILTER_OPERATOR.search(expression):
-            # `status=published` reads as index `status`, filter `published`: the index
-            # meant would get no filter at all.
-            raise ValueError("--filter %s: `%s` is not a filter (it has no operator such as "
+        lacking = _condition_without_operator(expression) if expression.strip() else None
+        if lacking is not None:
+            # `status=published AND price > 1` reads as index `status`, filter `published
+            # AND ...`: the index meant would get no filter at all.
+            raise ValueError("--filter %s: `%s` is not a filter (%s has no operator such as "
                              "`=`, `IN` or `EXISTS`), so index `%s` would get it and no other "
                              "index any filter; write INDEX=FILTER, e.g. --filter "
-                             "'INDEX=%s'" % (text, expression.strip(), pattern, text))
+                             "'INDEX=%s'" % (text, expression.strip(), "it" if lacking ==
+                                             expression.strip() else "`%s`" % lacking,
+                                             pattern, text))
         parameters = forced.setdefault(pattern, {})
         parameters["filter"] = fuse_filters(parameters.get("filter"), expression)
     for text in args.fields or ():

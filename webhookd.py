@@ -5135,7 +5135,9 @@ def runs_command(opts, out=None):
     return 0
 
 
-RUNS_SINCE_AGO = re.compile(r"(?:[0-9]+[smhd])+")
+# A count of at most 12 digits (in seconds, over 31,000 years): longer ones overflowed the
+# float subtraction, or passed Python's limit on reading an int, with a traceback.
+RUNS_SINCE_AGO = re.compile(r"(?:[0-9]{1,12}[smhd])+")
 RUNS_SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 RUNS_SINCE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2})?Z?)?")
 
@@ -5154,10 +5156,10 @@ def runs_since(text, now):
     if clock.count(":") == 1:
         clock += ":00"
     try:
-        when = time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
+        time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
     except ValueError:  # (a month 13, a 25th hour)
         return None
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
+    return day + "T" + clock + "Z"  # as written: strftime drops a year's leading zeros
 
 
 def follow_run_file(directory, run_id, out):

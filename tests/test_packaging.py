@@ -522,6 +522,24 @@ def test_searchkeys_unit_command_line_serves_with_keys_from_its_credentials(sk_e
         assert (folder / "keys.json").exists()
 
 
+def test_launchers_find_their_module_with_pythonsafepath_and_through_a_link(extracted,
+                                                                          sk_extracted):
+    """PYTHONSAFEPATH=1 (or -P; Python 3.11+), which hardened systems set, keeps the script's
+    folder out of sys.path: the launchers, which rewrote sys.path[0] into the module's folder,
+    then died with a ModuleNotFoundError traceback."""
+    if not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs /usr/bin/python3, the interpreter the launchers name: apt-get install python3")
+    with scratch_dir("deb-launcher-link-") as links:
+        for tree, name, flag in ((extracted, "webhookd", "-version"),
+                                 (sk_extracted, "searchkeys", "--version")):
+            os.symlink(tree / "usr/bin" / name, links / name)
+            for program in (tree / "usr/bin" / name, links / name):
+                for env in ({}, {"PYTHONSAFEPATH": "1"}):
+                    run = subprocess.run([str(program), flag], capture_output=True, text=True,
+                                         timeout=30, env=dict(os.environ, **env))
+                    assert run.returncode == 0 and run.stdout.strip(), (program, env, run)
+
+
 def root_user(root, name="searchkeys", database="passwd"):
     """The line of `name` in the throwaway root's /etc/passwd (or group), or None."""
     path = root.path / "etc" / database
@@ -590,6 +608,27 @@ def test_searchkeys_fresh_install_with_its_keys_is_enabled_not_started_and_purge
     assert sorted(p.name for p in (root.path / "etc/searchkeys").iterdir()) == [
         "master-key", "upstream-key"]
     assert root.systemd_calls() == ""
+
+
+@needs_dpkg
+@needs_sysusers
+def test_searchkeys_purge_leaves_an_account_called_searchkeys_that_it_did_not_make(
+        debs, throwaway_root):
+    """An admin's own account named searchkeys, there before the package: systemd-sysusers
+    leaves it as it is, so the purge must too (it deleted it, and its group, when no store
+    was there)."""
+    root, deb = throwaway_root, debs["searchkeys"]
+    (root.path / "etc").mkdir()
+    accounts = {"passwd": "searchkeys:x:1500:1500:Sam:/home/searchkeys:/bin/bash\n",
+                "group": "searchkeys:x:1500:\n", "shadow": "searchkeys:!:19000::::::\n",
+                "gshadow": "searchkeys:!::\n"}
+    for database, line in accounts.items():
+        (root.path / "etc" / database).write_text(line.replace("searchkeys", "root", 1)
+                                                  .replace("1500", "0") + line)
+    root.dpkg("-i", str(deb))
+    root.dpkg("--purge", "searchkeys", SEARCHKEYS_PURGE_STORE="yes")
+    assert root_user(root) == "searchkeys:x:1500:1500:Sam:/home/searchkeys:/bin/bash"
+    assert root_user(root, database="group") == "searchkeys:x:1500:"
 
 
 @pytest.mark.skipif(not shutil.which("lintian"), reason="needs lintian: apt-get install lintian")

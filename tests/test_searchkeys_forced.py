@@ -302,7 +302,7 @@ def test_the_cli_refuses_a_filter_that_would_restrict_nothing_or_the_wrong_index
     # An index the key never reaches gets the filter in vain: refused, before any change.
     scoped = new_key(guard, None, indexes=("books", "movies*"))
     scoped_base = base[:4] + [scoped["uid"]] + base[5:]
-    refused = subprocess.run(scoped_base + ["--filter", "status=published AND price > 1"],
+    refused = subprocess.run(scoped_base + ["--filter", "status=kind = post"],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode == 1, refused
     assert "the key's indexes (books, movies*) never reach `status`" in refused.stderr
@@ -318,6 +318,33 @@ def test_the_cli_refuses_a_filter_that_would_restrict_nothing_or_the_wrong_index
     assert json.loads(done.stdout)["forcedParameters"] == {
         "books": {"filter": ["status = published", "genre IN [a, b]", "tag EXISTS"]},
         "books*": {"filter": "a=1"}}
+
+
+def test_the_cli_refuses_a_filter_missing_its_index_on_a_key_for_every_index(guard):
+    """On a key for `*` every pattern is reached, so `--filter 'status=published AND price > 1'`
+    (the index left out) passed as a filter `published AND price > 1` on index `status` alone:
+    the key's searches anywhere else were restricted by nothing. Each condition between AND and
+    OR needs an operator, as `published` has none; quoted text and words merely containing AND
+    or OR are not split on."""
+    plain = new_key(guard, None)  # indexes: *
+    base = [sys.executable, str(SEARCHKEYS), "keys", "restrict", plain["uid"],
+            "--url", "http://127.0.0.1:%d" % guard.port, "--key", MASTER]
+    for text, part in (("status=published AND price > 1", "published"),
+                       ("genre=comedy OR year > 2000", "comedy"),
+                       ("books=a = 1 AND (b = 2 OR draft)", "draft)")):
+        refused = subprocess.run(base + ["--filter", text], capture_output=True, text=True,
+                                 timeout=30)
+        assert refused.returncode == 2, refused
+        assert "`%s` has no operator" % part in refused.stderr, refused.stderr
+    assert json.loads(guard.request("GET", "/keys/%s/restrictions" % plain["uid"], None,
+                                    ADMIN)[2])["forcedParameters"] is None
+    good = ('books=title = "Rock AND Roll" OR tag IN [a, b]', "books=(a = 1 OR b EXISTS) AND "
+            "NOT c IS NULL", "books=brand = ANDROID OR x STARTS WITH y", "books=a = 'x OR y'")
+    done = subprocess.run(base + [arg for text in good for arg in ("--filter", text)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["forcedParameters"] == {
+        "books": {"filter": [text.split("=", 1)[1] for text in good]}}
 
 
 def test_the_official_client_searches_within_them(guard, backend, key):

@@ -367,6 +367,8 @@ def test_shell_view_filters_as_the_status_page_does(tmp_path, capsys):
     assert len(everything) == 3
     assert runs_listing(capsys, runs_dir, "-runs-since", "1h") == everything
     assert runs_listing(capsys, runs_dir, "-runs-since", "2000-01-01") == everything
+    # a year before 1000 too (strftime wrote it "999-...", after every "2026-..." as text)
+    assert runs_listing(capsys, runs_dir, "-runs-since", "0999-01-01T00:00") == everything
     assert runs_listing(capsys, runs_dir, "-runs-since", "2999-01-01T00:00Z") == []
     for flags, words in ((["-runs", "-runs-state", "done"], "-runs-state must be one of queued,"),
                          (["-runs", "-runs-since", "yesterday"], "-runs-since yesterday: give a"),
@@ -380,6 +382,19 @@ def test_shell_view_filters_as_the_status_page_does(tmp_path, capsys):
                              capture_output=True, text=True, timeout=15)
     assert listing.returncode == 0 and len(listing.stdout.splitlines()) == 2, listing
     assert listing.stdout.splitlines()[1].split()[1:2] == ["failed"]
+
+
+def test_shell_view_refuses_a_time_ago_too_long_to_count_in_one_sentence(tmp_path, capsys):
+    """-runs-since with a count no clock reaches (a 400-digit number of seconds overflowed the
+    float subtraction; 5,000 digits passed Python's limit for reading an int) gets the same one
+    sentence as any bad value, not a traceback."""
+    (tmp_path / "runs").mkdir()
+    for since in ("1" + "0" * 400 + "s", "9" * 5000 + "d", "1d" + "1" + "0" * 20 + "h"):
+        assert webhookd.main(["webhookd.py", "-runs", "-runs-dir", str(tmp_path / "runs"),
+                              "-runs-since", since]) == 1
+        said = capsys.readouterr()
+        assert "-runs-since %s: give a time ago" % since in said.out + said.err, said
+    assert runs_listing(capsys, tmp_path / "runs", "-runs-since", "999999999999d") == []
 
 
 def test_a_second_daemon_on_the_same_runs_dir_is_refused(tmp_path):
