@@ -1110,7 +1110,12 @@ class Service:
         route, index, params = route
         request.family = ROUTE_FAMILIES[route.method, route.pattern]
         if route.local == AUTHORIZE:
-            return self.answer_authorize(request)
+            try:
+                return self.answer_authorize(request)
+            except ApiError as error:
+                error.headers = list(getattr(error, "headers", ())) + [
+                    ("X-Searchkeys-Error", json.dumps(error.to_json()))]
+                raise
         if route.local == HEALTH:
             return Response.json(200, {"status": "available"})
         if route.local == METRICS:
@@ -1152,7 +1157,9 @@ class Service:
         return body.chunks()
 
     def answer_authorize(self, request):
-        """nginx auth_request: 204 when the original request is allowed."""
+        """nginx auth_request: 204 when the original request is allowed. nginx
+        relays no body of a refusal: its JSON error also rides in the header
+        X-Searchkeys-Error (ASCII JSON), for the recipe to answer it."""
         uri = request.headers.get("X-Original-URI")
         if not uri:
             raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
@@ -1162,10 +1169,14 @@ class Service:
             raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
                               "`X-Original-URI`) of the request to authorize.")
         route = match_route(method, path_segments(origin_form(uri)))
-        if route is None or route == "method" or not route[0].is_meilisearch:
+        if route is None or route == "method":
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
         route, index, _params = route
+        if route.local is not None:  # nginx would send it to the backend, with its key
+            raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
+                           "never by Meilisearch: route it to searchkeys, not through "
+                           "`GET /authorize`." % (route.method, route.pattern), "auth")
         principal = self.gate.check(request, route.actions, index)
         check_unseen(principal, route, uri, index)
         if route.scope_rule(principal, index) is not None:
