@@ -1653,8 +1653,16 @@ def check_index_creation(principal, index, body):
 
 
 def scope_multi_search(principal, index, body):
-    """POST /multi-search (federated or not): every query's indexUid must be
+    """POST /multi-search (federated or not): every query's indexUid, and
+    every index the federation's facetsByIndex names (the backend's errors
+    about it would show that index and its filterable attributes), must be
     covered; a tenant token's filters are fused into each query."""
+    federation = body.get("federation") if isinstance(body, dict) else None
+    by_index = federation.get("facetsByIndex") if isinstance(federation, dict) else None
+    for uid in by_index if isinstance(by_index, dict) else ():
+        if not principal.may_use_index(uid):
+            raise refused("index", invalid_api_key(
+                "Inside `.federation.facetsByIndex`: The provided API key is invalid."))
     queries = body.get("queries") if isinstance(body, dict) else None
     if not isinstance(queries, list):
         return body
@@ -1776,7 +1784,11 @@ def force_object(query, forced, names):
     the route's): `filter` fused in as a tenant token's is, the others
     replacing the caller's. Under a forced attributesToRetrieve, the
     attributes the caller highlights or crops (which `_formatted` shows) are
-    cut to the forced ones, unless those are forced too."""
+    cut to the forced ones, unless those are forced too, and the ranking score
+    details are turned off (unless forced): those of a sort, or of the index's
+    custom ranking rules (`price:desc`), show each hit's value of the ranked
+    attribute, shown or not (Meilisearch hides only those outside
+    displayedAttributes), and the guard does not know the index's rules."""
     if forced is None or not isinstance(query, dict):
         return query
     query = dict(query)
@@ -1793,23 +1805,9 @@ def force_object(query, forced, names):
             if name not in forced and isinstance(query.get(name), list):
                 query[name] = within_attributes(query[name], shown)
         if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
-                and query.get("showRankingScoreDetails") is True \
-                and sorts_on_hidden(query.get("sort"), shown):
+                and query.get("showRankingScoreDetails") is True:
             query["showRankingScoreDetails"] = False
     return query
-
-
-def sorts_on_hidden(sort, shown):
-    """Does a search's `sort` (a list, or a GET's comma-separated text) use an
-    attribute outside `shown`? The ranking score details of a sort show each
-    hit's value of the sorted attribute (Meilisearch hides only those outside
-    displayedAttributes), and a geo sort the hit's `_geo` point."""
-    if isinstance(sort, str):
-        sort = sort.split(",")
-    if not isinstance(sort, list):
-        return False
-    return any(not isinstance(item, str) or item.rpartition(":")[0] not in shown
-               for item in sort)
 
 
 def within_attributes(asked, shown):
@@ -1850,8 +1848,8 @@ def force_query_on(names):
                 current[name] = query_filter(value)
             elif name in FORMATTED_PARAMETERS:
                 current[name] = value.split(",")
-            elif name in ("sort", "showRankingScoreDetails"):
-                current[name] = value if name == "sort" else value == "true"
+            elif name == "showRankingScoreDetails":
+                current[name] = value == "true"
         wanted = force_object(current, forced, names)
         changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
         pairs = [(n, v) for n, v in pairs if n not in changed]
@@ -2465,6 +2463,9 @@ def plan_forward(route, request, principal, params, upstream):
         target = target if capped == query else path + "?" + capped
     if (body_capped or counted) and value is NOT_READ:
         value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
+    if body_capped and route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
+        raise restriction_refused("maxHitsPerQuery", "for more than %d queries in one "
+                                  "request" % MAX_CAPPED_QUERIES)
     if body_capped:
         value = route.hits(value, cap)
     body = None if value is NOT_READ else compact_json(value).encode()
@@ -3935,6 +3936,9 @@ MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
 MAX_REFERRER_PATTERN = 512
 MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
 DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+# The queries one multi-search of a key with maxHitsPerQuery may run (as Typesense's
+# limit_multi_searches): one request asks for at most this many times the cap.
+MAX_CAPPED_QUERIES = 20
 # What `keys restrict --preset search` sets on a public search key: a visitor
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.

@@ -375,13 +375,32 @@ def test_ranking_details_of_a_sort_on_hidden_attributes_are_turned_off(guard, ba
     target = send(guard, backend, key["key"], "GET", "/indexes/movies/search?sort=url%3Aasc"
                   "%2Csecret%3Adesc&showRankingScoreDetails=true")[2][1]
     assert query_of(target)["showRankingScoreDetails"] == "false"
-    # a sort on shown attributes keeps them
+    # a sort on shown attributes too: the details also show the index's custom ranking rules
     body = dict(body, sort=["title:asc", "url:desc"])
     sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
-    assert sent["showRankingScoreDetails"] is True
+    assert sent["showRankingScoreDetails"] is False
     target = send(guard, backend, key["key"], "GET",
                   "/indexes/movies/search?sort=title:asc&showRankingScoreDetails=true")[2][1]
-    assert query_of(target)["showRankingScoreDetails"] == "true"
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+
+
+def test_ranking_details_without_a_sort_are_turned_off(guard, backend, key):
+    """Without a sort, the details still show each hit's value of the attributes of the
+    index's custom ranking rules (`price:desc`), hidden ones included (S2)."""
+    body = {"q": "x", "showRankingScoreDetails": True}
+    for route in ("search", "similar"):
+        sent = send(guard, backend, key["key"], "POST", "/indexes/movies/" + route,
+                    dict(body, id=1) if route == "similar" else body)[2][2]
+        assert sent["showRankingScoreDetails"] is False, route
+    target = send(guard, backend, key["key"], "GET",
+                  "/indexes/movies/search?q=x&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+    sent = send(guard, backend, key["key"], "POST", "/multi-search", {
+        "queries": [dict(body, indexUid="movies")]})[2][2]
+    assert sent["queries"][0]["showRankingScoreDetails"] is False
+    # an index without forced parameters keeps them
+    sent = send(guard, backend, key["key"], "POST", "/indexes/books/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is True
 
 
 def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):

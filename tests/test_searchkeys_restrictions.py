@@ -732,3 +732,44 @@ def test_clients_cycling_addresses_cannot_lift_a_throttle(backend):
             assert [attempt(client) for _ in range(2)] == [403, 403]
         assert attempt("2001:db8:4::1") == 429  # no room: refused, nobody forgotten
         assert attempt("2001:db8:4::1", MASTER) == 200
+
+
+def test_a_capped_key_runs_a_bounded_number_of_queries_per_multi_search(guard, backend):
+    """Without a rate limit, maxHitsPerQuery alone must still bound one request: 200
+    queries of 50 hits would ask the backend for 10,000 (as Typesense's limit_multi_searches,
+    at most MAX_CAPPED_QUERIES = 20 queries)."""
+    key = new_key(guard, {"maxHitsPerQuery": 50})
+    auth = dict(JSON, Authorization="Bearer " + key["key"])
+    for federated in (False, True):
+        extra = {"federation": {}} if federated else {}
+        backend.seen.clear()
+        status, _, data = guard.request("POST", "/multi-search", json.dumps(dict(
+            extra, queries=[{"indexUid": "movies", "q": str(n)} for n in range(200)])), auth)
+        assert status == 403 and json.loads(data)["code"] == "forbidden_by_restriction", data
+        assert "maxHitsPerQuery" in json.loads(data)["message"] and backend.seen == []
+        status, _, data = guard.request("POST", "/multi-search", json.dumps(dict(
+            extra, queries=[{"indexUid": "movies", "q": str(n)} for n in range(20)])), auth)
+        assert status == 200, data
+    # a key without a cap is not bounded here (its rate limit, if any, is)
+    plain = new_key(guard, None)
+    status, _, data = guard.request("POST", "/multi-search", json.dumps({"queries": [
+        {"indexUid": "movies"}] * 200}), dict(JSON, Authorization="Bearer " + plain["key"]))
+    assert status == 200, data
+
+
+def test_facets_by_index_may_name_only_covered_indexes(guard, backend):
+    """S8: a federation's facetsByIndex naming an index the key does not cover would get
+    the backend's errors about that index (its name, its filterable attributes)."""
+    for restrictions in (None, {"maxHitsPerQuery": 50}):
+        key = new_key(guard, restrictions, indexes=("movies",))
+        auth = dict(JSON, Authorization="Bearer " + key["key"])
+        backend.seen.clear()
+        status, _, data = guard.request("POST", "/multi-search", json.dumps({
+            "federation": {"facetsByIndex": {"secret": ["owner"]}},
+            "queries": [{"indexUid": "movies", "q": "x"}]}), auth)
+        assert status == 403 and json.loads(data)["code"] == "invalid_api_key", data
+        assert backend.seen == []
+        status, _, data = guard.request("POST", "/multi-search", json.dumps({
+            "federation": {"facetsByIndex": {"movies": ["genre"]}},
+            "queries": [{"indexUid": "movies", "q": "x"}]}), auth)
+        assert status == 200, data
