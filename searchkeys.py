@@ -1098,51 +1098,53 @@ class Service:
         return response
 
     def dispatch(self, request):
-        """Route, authenticate, authorize, then answer, store or forward."""
+        """Route, authenticate, then the route's handler answers, stores or forwards."""
         method = request.method
         if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return Response(200, _preflight_headers(request.headers))
-        route = match_route(method, path_segments(origin_form(request.target)))
-        if route is None:
+        found = match_route(method, path_segments(origin_form(request.target)))
+        if found is None:
             return Response(404)
-        if route == "method":
+        if found == "method":
             return Response(405)
-        route, index, params = route
-        request.family = ROUTE_FAMILIES[route.method, route.pattern]
-        if route.local == AUTHORIZE:
-            try:
-                return self.answer_authorize(request)
-            except ApiError as error:
-                error.headers = list(getattr(error, "headers", ())) + [
-                    ("X-Searchkeys-Error", json.dumps(error.to_json()))]
-                raise
-        if route.local == HEALTH:
-            return Response.json(200, {"status": "available"})
-        if route.local == METRICS:
-            return self.answer_metrics(request)
-        principal = self.gate.check(request, route.actions, index)
-        if route.local == RESTRICTIONS:
-            return self.restrictions_api.handle(request, principal, params["key"])
-        if route.local == ROTATE:
-            return Response.json(201, self.keys_api.rotate(request, principal, params["key"]))
-        if route.local == USAGE:
-            return Response.json(200, self.keys_api.usage(principal, params["key"]))
-        if route.local == KEYS:
-            status, value = self.keys_api.handle(request, principal, method, params,
-                                                 request.query)
-            return Response.json(status, value)
-        return self.forward(request, principal, route, params)
+        route, index, params = found
+        request.family = route.family
+        principal = self.gate.check(request, route.actions, index) if route.gated else OPEN
+        return route.handler(self, Call(request, route, index, params, principal))
 
-    def forward(self, request, principal, route, params):
-        """Send the backend what `plan_forward` makes of the request; relay its answer."""
-        plan = plan_forward(route, request, principal, params, self.upstream)
-        self.gate.charge(request, principal, plan.searches)
-        upstream, body = self.upstream, plan.body
-        headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
-        if body is None:
+    def forward(self, call):
+        """Send the backend what `decide` makes of the request; relay its answer.
+        The backend's facts a decision needs (does the index exist, which
+        indexes the key covers, a task's index) are fetched here, once."""
+        request, decision = call.request, call.decision
+        value = call.json if decision.needs_body else None
+        for step in decision.body_steps:
+            value = step.apply(value, None)
+        upstream = self.upstream
+        if upstream is None:
+            raise no_upstream()
+        if decision.needs_existing_index:
+            check_index_exists(upstream, call.index, 404)
+        if decision.refusal is not None:
+            raise decision.refusal
+        context = RuleContext(call.principal, call.params, request.query,
+                              fetch_facts(upstream, call, decision.facts))
+        query = request.query
+        for step in decision.query_steps:
+            query = step.apply(query, context)
+        target = request.target if query == request.query else \
+            request.path + ("?" + query if query else "")
+        answer_filter = None if decision.answer_filter is None else \
+            functools.partial(decision.answer_filter, context)
+        self.gate.charge(request, call.principal,
+                         decision.searches(value) if decision.searches is not None else 1)
+        headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+        if decision.needs_body:
+            body = compact_json(value).encode()
+        else:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(route.method, plan.target, headers, body,
-                                is_repeatable(route.method, route.pattern), plan.answer_filter)
+        return upstream.forward(call.route.method, target, headers, body,
+                                call.route.repeatable, answer_filter)
 
     @staticmethod
     def caller_body(body, headers):
@@ -1156,10 +1158,18 @@ class Service:
             headers.append(("Content-Length", str(body.remaining)))
         return body.chunks()
 
-    def answer_authorize(self, request):
-        """nginx auth_request: 204 when the original request is allowed. nginx
-        relays no body of a refusal: its JSON error also rides in the header
-        X-Searchkeys-Error (ASCII JSON), for the recipe to answer it."""
+    def answer_authorize(self, call):
+        """nginx auth_request: 204 when the original request is allowed as it
+        is. nginx relays no body of a refusal: its JSON error also rides in the
+        header X-Searchkeys-Error (ASCII JSON), for the recipe to answer it."""
+        try:
+            return self._authorize(call.request)
+        except ApiError as error:
+            error.headers = list(getattr(error, "headers", ())) + [
+                ("X-Searchkeys-Error", json.dumps(error.to_json()))]
+            raise
+
+    def _authorize(self, request):
         uri = request.headers.get("X-Original-URI")
         if not uri:
             raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
@@ -1168,36 +1178,82 @@ class Service:
         if not method:  # judged as a GET, a POST adding documents would pass as a read
             raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
                               "`X-Original-URI`) of the request to authorize.")
-        route = match_route(method, path_segments(origin_form(uri)))
-        if route is None or route == "method":
+        found = match_route(method, path_segments(origin_form(uri)))
+        if found is None or found == "method":
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
-        route, index, _params = route
-        if route.local is not None:  # nginx would send it to the backend, with its key
+        route, index, params = found
+        principal = self.gate.check(request, route.actions, index)
+        if route.handler is not Service.forward:  # nginx would send it on with the backend's key
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
                            "`GET /authorize`." % (route.method, route.pattern), "auth")
-        principal = self.gate.check(request, route.actions, index)
-        check_unseen(principal, route, uri, index)
-        if route.scope_rule(principal, index) is not None:
-            raise scope_not_enforceable(
-                route, "through `GET /authorize`, which never sees the body nor the answer "
-                "(use `searchkeys.py serve --upstream` for such keys)")
-        check_no_implicit_creation(route, principal, index, self.upstream, 403)
+        decision = decide(route, principal, index)
+        decision.check_unchanged(route, principal, params, uri.partition("?")[2])
+        if decision.needs_existing_index:
+            if self.upstream is None:
+                raise refused("action", invalid_api_key(
+                    "This API key may not create indexes, and searchkeys runs without "
+                    "--upstream, so it cannot check that the index `%s` exists; the request "
+                    "is refused." % index))
+            check_index_exists(self.upstream, index, 403)
         return Response(204, authorize_headers(principal))
 
+    def answer_health(self, call):
+        return Response.json(200, {"status": "available"})
 
-    def answer_metrics(self, request):
+    def answer_metrics(self, call):
         """GET /metrics, this server's: for the token of --metrics-token-file,
         the master key, or a key granting `metrics.get` (Meilisearch's right
         to its own /metrics)."""
-        token = self.metrics_token
+        request, token = call.request, self.metrics_token
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         if token is None or scheme != "Bearer" or not hmac.compare_digest(
                 given.encode("utf-8", "replace"), token):
-            self.gate.check(request, ROUTE_INDEX["GET", "/metrics"].actions, None)
+            self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
+
+    def answer_keys(self, call):
+        status, value = self.keys_api.handle(call.request, call.principal, call.route.method,
+                                             call.params, call.request.query)
+        return Response.json(status, value)
+
+    def answer_restrictions(self, call):
+        return self.restrictions_api.handle(call.request, call.principal, call.params["key"])
+
+    def answer_rotate(self, call):
+        return Response.json(201, self.keys_api.rotate(call.request, call.principal,
+                                                       call.params["key"]))
+
+    def answer_usage(self, call):
+        return Response.json(200, self.keys_api.usage(call.principal, call.params["key"]))
+
+
+class Call:
+    """One request on its way from the handler to the answer: the Request,
+    its route, index and path parameters, the principal it acts for, the
+    decision for them (made once), and its JSON body (read and parsed once,
+    when the decision needs it)."""
+
+    __slots__ = ("request", "route", "index", "params", "principal", "_decision", "_json")
+
+    def __init__(self, request, route, index, params, principal):
+        self.request, self.route, self.index = request, route, index
+        self.params, self.principal = params, principal
+        self._decision = self._json = None
+
+    @property
+    def decision(self):
+        if self._decision is None:
+            self._decision = decide(self.route, self.principal, self.index)
+        return self._decision
+
+    @property
+    def json(self):
+        if self._json is None:
+            self._json = (parse_json_body(self.request.body.read(MAX_HANDLER_BODY)),)
+        return self._json[0]
 
 
 def _preflight_headers(headers):
@@ -1851,7 +1907,7 @@ def force_query_on(names):
             elif name == "showRankingScoreDetails":
                 current[name] = value == "true"
         wanted = force_object(current, forced, names)
-        changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
+        changed = [name for name in wanted if (name not in current or current[name] != wanted[name])]
         pairs = [(n, v) for n, v in pairs if n not in changed]
         for name in changed:
             if wanted[name] != [] or name not in EMPTY_IS_DEFAULT:
@@ -1968,26 +2024,6 @@ def refuse_embedders(restrictions, index, body):
     return body
 
 
-def force_parameters(route, request, restrictions, index, target, value):
-    """(target, value) with the key's forcedParameters applied on `route`
-    (`value`: the JSON body, or NOT_READ); 403 on a route that would bypass
-    them: one on a covered index, or one whose indexes are not in its path."""
-    forcing = route.forced
-    if forcing == REFUSED_WHEN_FORCED:
-        if index is None or forced_parameters(restrictions, index) is not None:
-            raise restriction_refused("forcedParameters", "on `%s %s`, which cannot apply "
-                                      "its forced search parameters"
-                                      % (route.method, route.pattern))
-        return target, value
-    if route.method == "GET":
-        path, _, query = target.partition("?")
-        forced_query = forcing(restrictions, index, query)
-        return (target if forced_query == query else path + "?" + forced_query), value
-    if value is NOT_READ:
-        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    return target, forcing(restrictions, index, value)
-
-
 ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
 
 
@@ -2091,34 +2127,18 @@ def _uid_shown(text):
     return text if number is None else number
 
 
-class RuleContext:
+class RuleContext(collections.namedtuple("RuleContext", "principal params query facts")):
     """What a handler rule sees of one request: the principal, the route's
-    parameters and query string, and the backend (some rules ask it which
-    indexes exist)."""
-
-    __slots__ = ("principal", "params", "query", "upstream")
-
-    def __init__(self, principal, params, query, upstream):
-        self.principal, self.params, self.query = principal, params, query
-        self.upstream = upstream
+    parameters, the query string, and the backend's `facts` its rule asked
+    for (see fetch_facts), fetched at the edge."""
 
     @property
     def index(self):
         return self.params.get("index_uid")
 
-    def covered_indexes(self):
-        """The backend's index objects (uid, updatedAt...) the principal covers."""
-        status, answer = self.upstream.fetch_json(
-            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
-        if status != 200 or not isinstance(answer, dict):
-            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
-        return [i for i in answer.get("results", ())
-                if isinstance(i, dict) and isinstance(i.get("uid"), str)
-                and self.principal.may_use_index(i["uid"])]
-
     def allowed_indexes(self):
         """The uids of the backend's indexes the principal covers."""
-        return [i["uid"] for i in self.covered_indexes()]
+        return [i["uid"] for i in self.facts["covered_indexes"]]
 
 
 # When a rule applies: to any scoped principal, only to a tenant token whose
@@ -2126,13 +2146,14 @@ class RuleContext:
 SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
 
 
-class Rule(collections.namedtuple("Rule", "when body query answer")):
+class Rule(collections.namedtuple("Rule", "when body query answer facts")):
     """A handler rule: `body(principal, index, json)` checks or rewrites the
     JSON body; `query(context)` returns the query string to forward;
-    `answer(context, json)` checks or filters a 200 answer."""
+    `answer(context, json)` checks or filters a 200 answer; `facts`: the
+    backend's facts (see fetch_facts) `query` and `answer` read."""
 
-    def __new__(cls, when, body=None, query=None, answer=None):
-        return super().__new__(cls, when, body, query, answer)
+    def __new__(cls, when, body=None, query=None, answer=None, facts=()):
+        return super().__new__(cls, when, body, query, answer, tuple(facts))
 
     def applies(self, principal, index):
         if principal.unscoped:
@@ -2143,15 +2164,12 @@ class Rule(collections.namedtuple("Rule", "when body query answer")):
 
 
 def _index_page_query(context):
-    paging = all_indexes_query(context.query)
-    return context.query if paging is None else paging[0]  # else the backend explains
+    return all_indexes_query(context.query)[0]
 
 
 def _index_page_answer(context, answer):
-    paging = all_indexes_query(context.query)
-    if paging is None:
-        return answer
-    return filter_index_list(context.principal, answer, paging[1], paging[2])
+    _, offset, limit = all_indexes_query(context.query)
+    return filter_index_list(context.principal, answer, offset, limit)
 
 
 def _task_listing_query(context):
@@ -2180,18 +2198,15 @@ def fetch_or_refuse(upstream, target, what):
 
 def _task_documents_query(context):
     """A task's documents, only once the backend showed the task, on an
-    index the principal covers; its refusal (a bad uid...) is relayed."""
-    task_id = context.params["task_id"]
-    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id, safe=""),
-                           "asking for task %s" % _uid_shown(task_id))
-    check_task_answer(context.principal, task_id, task)
+    index the principal covers."""
+    check_task_answer(context.principal, context.params["task_id"], context.facts["task"])
     return context.query
 
 
 SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
 SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
     c.principal, c.index, c.query))
-TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query)
+TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query, facts=("covered_indexes",))
 # The chat's search tool and the document a template renders are scoped by
 # handlers the guard does not reproduce: refused instead.
 NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
@@ -2208,12 +2223,7 @@ def scope_not_enforceable(route, where):
 # Routes: one record per route, and what a principal's request becomes
 # =============================================================================
 
-# Who answers a route when the backend does not: the /keys API, and this
-# server's own endpoints (not Meilisearch routes: /authorize refuses them).
-KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
-ROTATE = "rotate"
-USAGE, METRICS = "usage", "metrics"
-QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
+QUERY, BODY = "query", "body"  # where a route's search parameters live: its carrier
 
 
 def count_queries(body):
@@ -2223,36 +2233,61 @@ def count_queries(body):
 
 
 class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable creates_index "
-                 "forced")):
-    """One route: the `actions` it needs; who answers it (`local`, None for
-    the backend); the handler `rule` for a scoped principal; where it asks
-    for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
-    body); how many searches its body runs (`searches`, for rate limits;
-    None: one); whether it is safe to send twice (`repeatable`: GETs and
-    read-only POSTs); whether it creates its index when missing and the
-    caller may create indexes (`creates_index`: upstream's handlers passing
-    allow_index_creation; the settings deletions pass it too, and the guard
-    does not rely on Meilisearch's scheduler dropping it for them); how a
-    key's forcedParameters apply (`forced`: None, not at all;
-    REFUSED_WHEN_FORCED; or a function (restrictions, index, JSON body, or
-    query string on a GET) -> what is forwarded)."""
+        "Route", "method pattern actions handler rule hits searches repeatable creates_index "
+                 "forced carrier family gated")):
+    """One route:
+    - `actions`: what a credential must hold (PUBLIC: nothing);
+    - `handler(service, call)`: who answers (Service.forward: the backend);
+    - `rule`: the handler rule holding a scoped principal to its indexes;
+    - `hits(value, cap)`: caps the hits its search value asks for (the key's
+      maxHitsPerQuery), None when it asks for none;
+    - `searches(body)`: how many searches its body runs (rate limits); None: one;
+    - `repeatable`: safe to send twice (GETs and read-only POSTs);
+    - `creates_index`: creates its missing index when the caller may create
+      indexes (upstream's allow_index_creation; the settings deletions pass it
+      too, and the guard does not rely on Meilisearch's scheduler dropping it);
+    - `forced(restrictions, index, value)`: the key's forcedParameters applied
+      to its search value, or REFUSED_WHEN_FORCED, or None: they do not apply;
+    - `carrier`: where its search value lives, QUERY (a GET's query string)
+      or BODY (its JSON body);
+    - `family`: what /metrics counts it under;
+    - `gated`: the Gate checks its credential before the handler (/metrics
+      checks its own: its token may stand in)."""
 
-    def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None):
+    def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
         repeatable = method == "GET" if repeatable is None else repeatable
-        return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable, creates_index, forced)
+        handler = handler or Service.forward
+        return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
+                               searches, repeatable, creates_index, forced,
+                               QUERY if method == "GET" else BODY,
+                               route_family(pattern, handler is not Service.forward), gated)
 
     @property
     def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE, USAGE)
+        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
+        its additions under /keys/{key}/ are not)?"""
+        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
         this route (None: the index check was enough)."""
         rule = self.rule
         return rule if rule is not None and rule.applies(principal, index) else None
+
+
+def route_family(pattern, local):
+    """The family /metrics counts a route's requests under, one of a small
+    fixed set: search, multi-search, documents, settings, indexes, tasks,
+    keys, authorize, health, metrics, other. `local`: searchkeys answers it."""
+    parts = pattern.split("/")
+    if local:
+        return parts[1]  # keys, authorize, health, metrics
+    if parts[1] == "indexes" and len(parts) > 3:
+        return {"search": "search", "similar": "search", "facet-search": "search",
+                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
+    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
+            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
 
 
 def _settings_routes():
@@ -2281,22 +2316,22 @@ def _settings_routes():
 # a method it lacks is a 405. "{index_uid}" segments are checked against the
 # key's index patterns; other "{...}" segments match anything.
 ROUTES = tuple([
-    Route("GET", "/health", PUBLIC, local=HEALTH),
-    Route("GET", "/authorize", PUBLIC, local=AUTHORIZE),
+    Route("GET", "/health", PUBLIC, handler=Service.answer_health),
+    Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
     Route("GET", "/", PUBLIC),
     Route("GET", "/version", ("version",)),
     Route("GET", "/stats", ("stats.get",), rule=Rule(SCOPED, answer=lambda c, a: filter_stats(
-        c.principal, a, c.covered_indexes()))),
-    Route("GET", "/keys", ("keys.get",), local=KEYS),
-    Route("POST", "/keys", ("keys.create",), local=KEYS),
-    Route("GET", "/keys/{key}", ("keys.get",), local=KEYS),
-    Route("PATCH", "/keys/{key}", ("keys.update",), local=KEYS),
-    Route("DELETE", "/keys/{key}", ("keys.delete",), local=KEYS),
-    Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
-    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), local=ROTATE),
-    Route("GET", "/keys/{key}/usage", ("keys.get",), local=USAGE),
+        c.principal, a, c.facts["covered_indexes"]), facts=("covered_indexes",))),
+    Route("GET", "/keys", ("keys.get",), handler=Service.answer_keys),
+    Route("POST", "/keys", ("keys.create",), handler=Service.answer_keys),
+    Route("GET", "/keys/{key}", ("keys.get",), handler=Service.answer_keys),
+    Route("PATCH", "/keys/{key}", ("keys.update",), handler=Service.answer_keys),
+    Route("DELETE", "/keys/{key}", ("keys.delete",), handler=Service.answer_keys),
+    Route("GET", "/keys/{key}/restrictions", ("keys.get",), handler=Service.answer_restrictions),
+    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), handler=Service.answer_restrictions),
+    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), handler=Service.answer_restrictions),
+    Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), handler=Service.answer_rotate),
+    Route("GET", "/keys/{key}/usage", ("keys.get",), handler=Service.answer_usage),
     Route("GET", "/indexes", ("indexes.get",), rule=Rule(
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
     Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
@@ -2307,13 +2342,13 @@ ROUTES = tuple([
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
     Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
     Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS, forced=force_query_on(SEARCH_PARAMETERS)),
+          hits=cap_search_query, forced=force_query_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
           hits=cap_search_object, repeatable=True, forced=force_body_on(SEARCH_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
           repeatable=True, forced=force_facet_search),
     Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS, forced=force_query_on(SIMILAR_PARAMETERS)),
+          hits=cap_search_query, forced=force_query_on(SIMILAR_PARAMETERS)),
     Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
           hits=cap_search_object, repeatable=True, forced=force_body_on(SIMILAR_PARAMETERS)),
     Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
@@ -2343,20 +2378,21 @@ ROUTES = tuple([
           rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
     Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
-        SCOPED, query=_task_change_query("delete"))),
+        SCOPED, query=_task_change_query("delete"), facts=("covered_indexes",))),
     Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
-        SCOPED, query=_task_change_query("cancel"))),
+        SCOPED, query=_task_change_query("cancel"), facts=("covered_indexes",))),
     Route("POST", "/tasks/compact", ("tasks.compact",)),
     Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
     Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-        SCOPED, query=_task_documents_query), forced=REFUSED_WHEN_FORCED),
+        SCOPED, query=_task_documents_query, facts=("task",)), forced=REFUSED_WHEN_FORCED),
     Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
     Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
         SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
     Route("POST", "/dumps", ("dumps.create",)),
     Route("POST", "/snapshots", ("snapshots.create",)),
-    Route("GET", "/metrics", ("metrics.get",), local=METRICS),
+    Route("GET", "/metrics", ("metrics.get",), handler=Service.answer_metrics,
+          gated=False),
     Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
     Route("DELETE", "/logs/stream", ("metrics.get",)),
     Route("POST", "/logs/stderr", ("metrics.get",)),
@@ -2390,105 +2426,118 @@ ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
 _ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
 
 
-def route_family(route):
-    """The family /metrics counts a route's requests under, one of a small
-    fixed set: search, multi-search, documents, settings, indexes, tasks,
-    keys, authorize, health, metrics, other."""
-    if route.local in (KEYS, RESTRICTIONS, USAGE):
-        return "keys"
-    if route.local is not None:
-        return route.local
-    parts = route.pattern.split("/")
-    if parts[1] == "indexes" and len(parts) > 3:
-        return {"search": "search", "similar": "search", "facet-search": "search",
-                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
-    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
-            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
+# Why a Step is taken: the index scope of a key or tenant token (its
+# handler rule), or the restriction field that asks for it.
+SCOPE = "scope"
 
 
-ROUTE_FAMILIES = {(route.method, route.pattern): route_family(route) for route in ROUTES}
+class Step(collections.namedtuple("Step", "why apply")):
+    """One check or rewrite of what a request asks the backend: `apply(value,
+    context)` returns the value to forward (the JSON body of a body step, the
+    query string of a query step), or raises the refusal; `why` is SCOPE or a
+    restriction field."""
 
 
-def is_repeatable(method, pattern):
-    """Is the request safe to send the backend a second time (a read)?"""
-    route = ROUTE_INDEX.get((method, pattern))
-    return route is not None and route.repeatable
+class Decision(collections.namedtuple(
+        "Decision", "refusal needs_existing_index facts query_steps body_steps answer_filter "
+                    "searches")):
+    """What a principal's request on a route and index gets, before anything
+    of the request but its route is read: `refusal` (an ApiError, or None);
+    whether the index must already exist (`needs_existing_index`: the caller
+    may not create it, the backend's key may); the backend's `facts` its
+    steps need (names, see fetch_facts); the Steps applied to the query
+    string and to the JSON body, in order; `answer_filter(context, answer)`
+    rewriting a 200 JSON answer, or None; `searches(body)`, the searches a
+    body runs for the key's rate limits, or None (one)."""
+
+    @property
+    def needs_body(self):
+        return bool(self.body_steps) or self.searches is not None
+
+    def check_unchanged(self, route, principal, params, query):
+        """For `GET /authorize`, which lets nginx forward the request as sent,
+        without its body or answer: raise unless the decision allows it with
+        nothing to read, fetch or rewrite (its query steps may run: they must
+        leave `query` as it is)."""
+        if self.refusal is not None:
+            raise self.refusal
+        unseen = [step.why for step in self.body_steps]
+        if self.searches is not None:
+            unseen.append("rateLimit")
+        if self.facts or self.answer_filter is not None:
+            unseen.append(SCOPE)
+        context = RuleContext(principal, params, query, {})
+        for step in () if unseen else self.query_steps:
+            if step.apply(query, context) != query:
+                unseen.append(step.why)
+                break
+        if not unseen:
+            return
+        if unseen[0] == SCOPE:
+            raise scope_not_enforceable(
+                route, "through `GET /authorize`, which never sees the body nor the answer "
+                "(use `searchkeys.py serve --upstream` for such keys)")
+        raise restriction_refused(unseen[0], "through `GET /authorize` on this request, which "
+                                  "it would have to read or rewrite (send it through "
+                                  "`searchkeys.py serve --upstream`)")
 
 
-NOT_READ = object()  # a body left for the caller's stream to send on
-
-
-class Forward(collections.namedtuple("Forward", "target body answer_filter searches")):
-    """What the backend is sent for one request: `target`; `body` as bytes,
-    or None for the caller's body as it comes; `answer_filter` rewriting a
-    200 JSON answer, or None; the `searches` it runs, for rate limits."""
-
-
-def plan_forward(route, request, principal, params, upstream):
-    """What `principal`'s authorized `request` on `route` becomes: the one
-    place that says what a credential gets from the backend. A scoped
-    principal's rule checks the indexes its body names, fuses tenant-token
-    filters, filters listings; a key's restrictions force search parameters,
-    cap hits and count each query. Without an `upstream` the answer is 501, once the body checks
-    (upstream's 403) have had their say."""
-    index = params.get("index_uid")
+def decide(route, principal, index):
+    """The one decision of what `principal` (already allowed the route's
+    actions on `index` by `authorize`) gets on `route`: pure, no I/O. Both
+    the forwarding path and `GET /authorize` act on it."""
     rule = route.scope_rule(principal, index)
     restrictions = principal.restrictions
-    cap = restrictions.max_hits if restrictions is not None else None
-    forcing = route.forced is not None and restrictions is not None and \
-        restrictions.forced is not None
-    body_capped = cap is not None and callable(route.hits)
-    counted = route.searches is not None and restrictions is not None and restrictions.rated
-    value = NOT_READ
-    if rule is not None and rule.body is not None:
-        value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
-    if upstream is None:
-        raise no_upstream()
-    check_no_implicit_creation(route, principal, index, upstream)
-    if rule is not None and rule.when == UNENFORCEABLE:
-        raise scope_not_enforceable(route, "")
-    target, answer_filter = request.target, None
+    refusal, facts, answer_filter, searches = None, (), None, None
+    steps = {QUERY: [], BODY: []}
     if rule is not None:
-        context = RuleContext(principal, params, request.query, upstream)
+        if rule.when == UNENFORCEABLE:
+            refusal = scope_not_enforceable(route, "")
+        facts, answer_filter = rule.facts, rule.answer
+        if rule.body is not None:
+            steps[BODY].append(Step(SCOPE, lambda value, context: rule.body(
+                principal, index, value)))
         if rule.query is not None:
-            query = rule.query(context)
-            target = request.path + ("?" + query if query else "")
-        if rule.answer is not None:
-            answer_filter = functools.partial(rule.answer, context)
-    if forcing:
-        target, value = force_parameters(route, request, restrictions, index, target, value)
-    if cap is not None and route.hits == QUERY_HITS:
-        path, _, query = target.partition("?")
-        capped = cap_search_query(query, cap)
-        target = target if capped == query else path + "?" + capped
-    if (body_capped or counted) and value is NOT_READ:
-        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    if body_capped and route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
+            steps[QUERY].append(Step(SCOPE, lambda query, context: rule.query(
+                context._replace(query=query))))
+    forcing = route.forced
+    if forcing is not None and restrictions is not None and restrictions.forced is not None:
+        if forcing != REFUSED_WHEN_FORCED:
+            steps[route.carrier].append(Step("forcedParameters", lambda value, context: forcing(
+                restrictions, index, value)))
+        elif index is None or forced_parameters(restrictions, index) is not None:
+            refusal = refusal or restriction_refused(
+                "forcedParameters", "on `%s %s`, which cannot apply its forced search "
+                "parameters" % (route.method, route.pattern))
+    cap = restrictions.max_hits if restrictions is not None else None
+    if cap is not None and route.hits is not None:
+        steps[route.carrier].append(Step("maxHitsPerQuery", functools.partial(
+            cap_hits, route, cap)))
+    if route.searches is not None and restrictions is not None and restrictions.rated:
+        searches = route.searches
+    return Decision(refusal, route.creates_index and not principal.may_create_index(index),
+                    facts, tuple(steps[QUERY]), tuple(steps[BODY]), answer_filter, searches)
+
+
+def cap_hits(route, cap, value, context):
+    """A search value asking for at most `cap` hits a query; a multi-search
+    of more than MAX_CAPPED_QUERIES queries is refused."""
+    if route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
         raise restriction_refused("maxHitsPerQuery", "for more than %d queries in one "
                                   "request" % MAX_CAPPED_QUERIES)
-    if body_capped:
-        value = route.hits(value, cap)
-    body = None if value is NOT_READ else compact_json(value).encode()
-    return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
+    return route.hits(value, cap)
 
 
-def check_no_implicit_creation(route, principal, index, upstream, missing_status=404):
+def check_index_exists(upstream, index, missing_status):
     """A documents or settings write on a missing index creates it when the
     caller may create indexes (upstream's allow_index_creation). The backend
     gets our --upstream-key, which may: for a caller who may not, the index
     must exist already. Upstream would enqueue a task failing with
     `index_not_found`; the guard cannot enqueue, so it answers that error
     now (`missing_status`: 403 for /authorize, as nginx takes any other
-    refusal for its own error). Without a backend to ask (/authorize in
-    nginx mode) it refuses.
+    refusal for its own error).
     An index deleted between this check and the forward is still created:
     the backend offers no "write only if the index exists"."""
-    if not route.creates_index or principal.may_create_index(index):
-        return
-    if upstream is None:
-        raise refused("action", invalid_api_key(
-            "This API key may not create indexes, and searchkeys runs without --upstream, "
-            "so it cannot check that the index `%s` exists; the request is refused." % index))
     try:
         fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
                         "asking for index %s" % index)
@@ -2498,30 +2547,37 @@ def check_no_implicit_creation(route, principal, index, upstream, missing_status
         raise
 
 
-def check_unseen(principal, route, uri, index):
-    """/authorize cannot rewrite what nginx forwards, nor read its body: a
-    query asking for more hits than the key's cap, a capped body, a
-    multi-search whose queries a rate limit must count, or a route where
-    the key has forced parameters, is refused."""
-    restrictions = principal.restrictions
-    if restrictions is None:
-        return
-    if route.forced is not None and restrictions.forced is not None and (
-            index is None or forced_parameters(restrictions, index) is not None):
-        raise restriction_refused("forcedParameters", "through `GET /authorize`, which cannot "
-                                  "apply its forced search parameters")
-    if restrictions.rated and route.searches is not None:
-        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
-                                  "it never sees")
-    cap = restrictions.max_hits
-    if cap is None or route.hits is None:
-        return
-    if route.hits != QUERY_HITS:
-        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
-                                  "whose body it never sees")
-    asked = search_query_hits(uri.partition("?")[2])[1]
-    if asked is None or asked > cap:
-        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
+def fetch_facts(upstream, call, names):
+    """The backend's facts a decision's steps need ({name: value}), fetched
+    once for the request: `covered_indexes`, the index objects the principal
+    covers; `task`, the task of the path's task_id (its refusal relayed)."""
+    facts = {}
+    if "covered_indexes" in names:
+        status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(upstream, "listing its indexes answered %s" % status)
+        facts["covered_indexes"] = [
+            i for i in answer.get("results", ()) if isinstance(i, dict)
+            and isinstance(i.get("uid"), str) and call.principal.may_use_index(i["uid"])]
+    if "task" in names:
+        task_id = call.params["task_id"]
+        facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
+            task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
+    return facts
+
+
+def _check_route_table(routes):
+    """Index-scoped keys pass `authorize` on index-less routes of
+    HANDLER_CHECKED_ACTIONS on the promise that the route's handler rule
+    holds them to their indexes: every such route forwarded must have one."""
+    for route in routes:
+        if route.handler is Service.forward and "{index_uid}" not in route.pattern \
+                and set(route.actions) & HANDLER_CHECKED_ACTIONS and route.rule is None:
+            raise AssertionError("%s %s lets index-scoped keys in without a rule"
+                                 % (route.method, route.pattern))
+
+
+_check_route_table(ROUTES)
 
 
 # =============================================================================
@@ -2897,7 +2953,10 @@ class KeysApi:
         if method == "GET":
             return 200, self.store.find(segment).to_json()
         if method == "DELETE":
-            self._write(self.store.delete, segment, principal.key is None)
+            if self.store.find(segment).restrictions is not None:  # else an admin key could
+                # delete it and create it again (same uid, same value) without them
+                require_master(principal, "delete a key that has restrictions")
+            self._write(self.store.delete, segment)
             return 204, None
         body = request.read_json_body()
         if method == "POST":
@@ -2908,12 +2967,13 @@ class KeysApi:
 
     def rotate(self, request, principal, segment):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
+            require_master(principal, "rotate a key that has restrictions")  # (see delete)
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
+        return self._write(self.store.rotate, segment, grace).to_json()
 
     def usage(self, principal, segment):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
@@ -3246,15 +3306,10 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid, by_master=True):
-        """Delete a key. One with restrictions only by the master key: else
-        an admin key could delete it and create it again (same uid, same
-        value) without them."""
+    def delete(self, key_or_uid):
+        """Delete a key."""
         with self._lock:
             key = self.find(key_or_uid)
-            if key.restrictions is not None and not by_master:
-                raise ApiError(403, "invalid_api_key", "Only the master key can delete a key "
-                               "that has restrictions.", "auth")
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -3264,11 +3319,10 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds, by_master=True):
+    def rotate(self, key_or_uid, grace_seconds):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated; one with
-        restrictions only by the master key (see delete)."""
+        changes are one write. 409 for a key already rotated."""
         with self._lock:
             old = self.find(key_or_uid)
             if old.retirement is not None:
@@ -3277,9 +3331,6 @@ class KeyStore:
                                "replacement, or delete this key to stop it now." % (
                                    old.uid, old.retirement.replaced_by,
                                    format_timestamp(old.retirement.at_ns)))
-            if old.restrictions is not None and not by_master:
-                raise ApiError(403, "invalid_api_key", "Only the master key can rotate a key "
-                               "that has restrictions.", "auth")
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)

@@ -1445,7 +1445,11 @@ def test_authorize_endpoint(srv, parent):
     check_204(authorize(srv, "DELETE", "/indexes/movies", MASTER))
     check_204(authorize(srv, "GET", "/indexes/movies/search?q=a", parent["key"]))
     check_204(authorize(srv, "POST", "/indexes/movies/search", parent["key"]))
-    check_204(authorize(srv, "GET", "/health"))
+    # searchkeys' own routes: nginx must send them to searchkeys, never to the backend
+    status, hdrs, body = authorize(srv, "GET", "/health")
+    assert status == 403 and json.loads(body)["code"] == "unknown_route", body
+    status, hdrs, body = authorize(srv, "GET", "/keys", MASTER)
+    assert status == 403 and json.loads(body)["code"] == "unknown_route", body
     status, hdrs, body = authorize(srv, "GET", "/indexes/movies/search")
     check_error((status, json.loads(body)), 401, "missing_authorization_header", MISSING_AUTH,
                 "auth")

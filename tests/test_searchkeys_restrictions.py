@@ -624,6 +624,7 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
     from support import ROOT, stop_session, wait_for_port
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
+                              "--upstream", backend.url, "--upstream-key", "K",
                               "--trusted-proxy", "127.0.0.1/32"), port, timeout=30.0)
     with guard, scratch_dir("restrict-nginx-") as prefix:
         os.chmod(prefix, 0o755)
@@ -640,16 +641,18 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
                                  stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_for_port(listen, nginx, timeout=15)
-            limited = new_key(guard, {"rateLimit": {"perIp": "2/minute"}})
-            target = "/indexes/movies/search?q=a"
-            auth = {"Authorization": "Bearer " + limited["key"]}
-            statuses = [request(listen, "GET", target, None, auth) for _ in range(3)]
-            assert [s for s, _, _ in statuses] == [200, 200, 429]
-            assert int(statuses[2][1]["retry-after"]) >= 1
-            assert json.loads(statuses[2][2])["code"] == "too_many_requests"
-            elsewhere = new_key(guard, {"allowedIps": ["192.0.2.0/24"]})
-            assert request(listen, "GET", target, None,
-                           {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
+            # searches go through searchkeys; the documents through /authorize and its cache
+            for target in ("/indexes/movies/search?q=a", "/indexes/movies/documents"):
+                actions = ("search", "documents.get")
+                limited = new_key(guard, {"rateLimit": {"perIp": "2/minute"}}, actions)
+                auth = {"Authorization": "Bearer " + limited["key"]}
+                statuses = [request(listen, "GET", target, None, auth) for _ in range(3)]
+                assert [s for s, _, _ in statuses] == [200, 200, 429], target
+                assert int(statuses[2][1]["retry-after"]) >= 1
+                assert json.loads(statuses[2][2])["code"] == "too_many_requests"
+                elsewhere = new_key(guard, {"allowedIps": ["192.0.2.0/24"]}, actions)
+                assert request(listen, "GET", target, None,
+                               {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
         finally:
             stop_session(nginx, signal.SIGQUIT)
 
