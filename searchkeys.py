@@ -1136,6 +1136,8 @@ class Service:
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
             functools.partial(decision.answer_filter, context)
+        if decision.checks_joins:
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
@@ -1190,6 +1192,11 @@ class Service:
                            "`GET /authorize`." % (route.method, route.pattern), "auth")
         decision = decide(route, principal, index)
         decision.check_unchanged(route, principal, params, uri.partition("?")[2])
+        if decision.checks_joins:
+            if self.upstream is None:
+                raise scope_not_enforceable(route, "without --upstream, which it needs to see "
+                                            "whether the index joins others (foreignKeys)")
+            check_joins(principal, fetch_joins(self.upstream, [index]))
         if decision.needs_existing_index:
             if self.upstream is None:
                 raise refused("action", invalid_api_key(
@@ -2440,7 +2447,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts query_steps body_steps answer_filter "
-                    "searches")):
+                    "searches checks_joins")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read: `refusal` (an ApiError, or None);
     whether the index must already exist (`needs_existing_index`: the caller
@@ -2448,7 +2455,9 @@ class Decision(collections.namedtuple(
     steps need (names, see fetch_facts); the Steps applied to the query
     string and to the JSON body, in order; `answer_filter(context, answer)`
     rewriting a 200 JSON answer, or None; `searches(body)`, the searches a
-    body runs for the key's rate limits, or None (one)."""
+    body runs for the key's rate limits, or None (one); `checks_joins`: the
+    indexes searched must not join (Meilisearch's foreignKeys) documents the
+    principal may not see whole (see check_joins)."""
 
     @property
     def needs_body(self):
@@ -2515,8 +2524,55 @@ def decide(route, principal, index):
             cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
+    checks_joins = route.family in ("search", "multi-search") and not (
+        principal.unscoped and (restrictions is None or restrictions.forced is None))
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
-                    facts, tuple(steps[QUERY]), tuple(steps[BODY]), answer_filter, searches)
+                    facts, tuple(steps[QUERY]), tuple(steps[BODY]), answer_filter, searches,
+                    checks_joins)
+
+
+def check_joins(principal, joins):
+    """Meilisearch's experimental foreignKeys put the whole document of a
+    joined index into each hit (and `_foreign(...)` filters on it): `joins`
+    ({index searched: its foreignKeys setting}) must name only indexes the
+    principal covers with nothing to hold it to there (no forced parameters,
+    no tenant-token filter): the guard applies neither to joined documents."""
+    restrictions = principal.restrictions
+    for index, foreign_keys in joins.items():
+        for foreign in foreign_keys:
+            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
+            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
+                    tenant_filter(principal.rules, uid) is not None or \
+                    forced_parameters(restrictions, uid) is not None:
+                raise refused("index", invalid_api_key(
+                    "The index `%s` joins documents of another index (its `foreignKeys`) "
+                    "that this API key may not see whole; the search is refused." % index))
+
+
+def searched_indexes(call):
+    """The indexes a search request searches: its path's, or its queries'."""
+    if call.index is not None:
+        return [call.index]
+    queries = call.json.get("queries") if isinstance(call.json, dict) else None
+    return sorted({q["indexUid"] for q in queries if isinstance(q, dict)
+                   and isinstance(q.get("indexUid"), str)} if isinstance(queries, list) else ())
+
+
+def fetch_joins(upstream, indexes):
+    """{index: its foreignKeys setting} from the backend. A backend without
+    the setting (an older Meilisearch) joins nothing; its index_not_found is
+    relayed; anything else fails closed."""
+    joins = {}
+    for index in indexes:
+        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
+        status, answer = upstream.fetch_json(target)
+        if status == 404 and isinstance(answer, dict) and answer.get("code") == "index_not_found":
+            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+        if status >= 500:
+            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
+                                       "answered %s" % (index, status))
+        joins[index] = answer if status == 200 and isinstance(answer, list) else []
+    return joins
 
 
 def cap_hits(route, cap, value, context):

@@ -454,3 +454,44 @@ def test_the_log_stream_is_refused(guard, backend):
     assert status == 403 and seen is None and "forcedParameters" in error["message"]
     plain = new_key(guard, None, actions=("metrics.get",))
     assert send(guard, backend, plain["key"], "POST", "/logs/stream", stream)[0] == 200
+
+
+def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guard, backend):
+    """S3: with Meilisearch's experimental foreignKeys, each hit carries the whole document of
+    the joined index (and `_foreign(...)` filters on it), outside that index's forced
+    parameters and outside an index-scoped key's indexes."""
+    backend.joins["movies"] = [{"foreignIndexUid": "owners", "fieldName": "owner"}]
+    try:
+        scoped = new_key(guard, None, indexes=("movies",))
+        forced = new_key(guard, {"forcedParameters": {
+            "movies": {"filter": "public = true"}, "owners": {"attributesToRetrieve": ["name"]}}})
+        both = new_key(guard, None, indexes=("movies", "owners"))
+        for credential in (scoped["key"], forced["key"], token(both, {"movies": None}),
+                           token(both, {"*": {"filter": "tenant = 1"}})):
+            for method, target, body in (
+                    ("POST", "/indexes/movies/search", {"q": "x"}),
+                    ("GET", "/indexes/movies/search?q=x", None),
+                    ("POST", "/indexes/movies/similar", {"id": 1}),
+                    ("POST", "/multi-search", {"queries": [{"indexUid": "movies"}]}),
+                    ("POST", "/multi-search", {"federation": {}, "queries": [
+                        {"indexUid": "movies", "filter": "_foreign(owner, secret = 1)"}]})):
+                status, answer, sent = send(guard, backend, credential, method, target, body)
+                assert status == 403 and answer["code"] == "invalid_api_key", (target, answer)
+                assert "foreignKeys" in answer["message"] and sent is None
+        # /authorize (with --upstream) looks too
+        status = guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + scoped["key"], "X-Original-Method": "GET",
+            "X-Original-URI": "/indexes/movies/search?q=x"})[0]
+        assert status == 403
+        # joined documents the key may see whole: searched as usual
+        assert send(guard, backend, both["key"], "POST", "/indexes/movies/search",
+                    {"q": "x"})[0] == 200
+        assert send(guard, backend, token(both, {"movies": {"filter": "a = 1"}, "owners": None}),
+                    "POST", "/indexes/movies/search", {"q": "x"})[0] == 200
+        # an index without joins
+        assert send(guard, backend, scoped["key"], "POST", "/indexes/movies2/search",
+                    {"q": "x"})[0] == 403  # not covered: the index check, not the joins
+        assert send(guard, backend, forced["key"], "POST", "/indexes/books/search",
+                    {"q": "x"})[0] == 200
+    finally:
+        backend.joins.clear()

@@ -40,8 +40,8 @@ def nginx_config(listen, searchkeys, backend):
 
 class Backend:
     """A stand-in search backend that records what reaches it. Of indexes it has only
-    `movies`: searchkeys' own lookups of an index (`GET /indexes/{uid}`, to check that a
-    write cannot create one) are answered, and not recorded."""
+    `movies`, joining none: searchkeys' own lookups of an index (`GET /indexes/{uid}`, to
+    check that a write cannot create one) and of its foreignKeys are answered, not recorded."""
 
     def __init__(self):
         self.seen = []
@@ -61,6 +61,13 @@ class Backend:
                 if self.command == "GET" and self.path.startswith("/indexes/") and \
                         self.path.count("/") == 2:
                     status = 200 if self.path == "/indexes/movies" else 404
+                elif self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
+                    self.send_response(200)  # an index's joins (foreignKeys): none
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"[]")
+                    return
                 else:
                     seen.append({"method": self.command, "path": self.path, "body": body,
                                  "authorization": self.headers.get("Authorization")})

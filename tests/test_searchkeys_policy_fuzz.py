@@ -1457,14 +1457,15 @@ def forwarding_problems(client, backend, case, stats):
 
 
 def check_internal(backend):
-    """The guard's own reads (index lists and lookups, task lookups): GETs with the upstream
-    key."""
+    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys):
+    GETs with the upstream key."""
     problems = []
     for record in backend.untagged:
         route = route_of(record["method"], record["target"])
         auth = [v for n, v in record["headers"] if n == "authorization"]
         if record["method"] != "GET" or not isinstance(route, tuple) or route[0] not in (
-                "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}") or \
+                "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}",
+                "/indexes/{index_uid}/settings/foreign-keys") or \
                 auth != ["Bearer " + UPSTREAM_KEY]:
             problems.append("untagged backend request %s %s (auth %r)" % (
                 record["method"], record["target"], auth))

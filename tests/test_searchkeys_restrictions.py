@@ -288,10 +288,13 @@ ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
 
 class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
-    answers 200 with an empty hit list."""
+    answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
+    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`."""
 
     def __init__(self):
         seen = self.seen = []
+        lookups = self.lookups = []
+        joins = self.joins = {}
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -299,6 +302,11 @@ class Backend:
             def answer(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                parts = self.path.split("/")
+                if self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
+                    lookups.append(parts[2])
+                    answer_json(self, json.dumps(joins.get(parts[2], [])).encode())
+                    return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
                 answer_json(self, b'{"hits":[]}')
 
