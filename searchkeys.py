@@ -25,12 +25,14 @@ Library: ``import searchkeys`` for ``ACTIONS``, ``expand``,
 ``sign_tenant_token``/``verify_tenant_token`` and ``Client``.
 
 Request pipeline of the server:
-    request -> authenticate -> authorize (action, index) -> validate -> store -> respond
-    (other routes: ... -> authorize -> handler rules -> forward upstream -> relay)
+    request -> route -> authenticate -> authorize (action, index) -> the route's handler
+    (the /keys API: validate -> store -> respond; a backend route: decide -> forward -> relay)
 The backend gets --upstream-key, not the caller's key, so for an index-scoped
 key or a tenant token the guard also does what Meilisearch's handlers do with
 the caller's key: check the indexes named in bodies, add tenant-token filters
-to searches, filter index/stats/task listings.
+to searches, filter index/stats/task listings. What a credential gets on a
+route is one pure function, ``decide`` (with ``authorize`` and ``Principal``
+before it); forwarding and ``GET /authorize`` both act on its Decision.
 
 The file reads in that order: HTTP (requests, responses, the http.server
 glue), the service, authentication and the permission model, the handler
@@ -474,7 +476,7 @@ class Request:
         self.body, self.version = body, version
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
-        self.family = "other"  # its route's family, for metrics (ROUTE_FAMILIES)
+        self.family = "other"  # its route's family, for metrics (Route.family)
 
     @property
     def path(self):
@@ -1118,8 +1120,14 @@ class Service:
         indexes the key covers, a task's index) are fetched here, once."""
         request, decision = call.request, call.decision
         value = call.json if decision.needs_body else None
-        for step in decision.body_steps:
-            value = step.apply(value, None)
+        query = request.query
+        if decision.value_steps and decision.carrier == QUERY:
+            read = parse_search_query(query)
+            value = dict(read[0])
+        for step in decision.value_steps:
+            value = step.apply(value)
+        if decision.value_steps and decision.carrier == QUERY:
+            query = encode_search_query(query, read, value)
         upstream = self.upstream
         if upstream is None:
             raise no_upstream()
@@ -1127,9 +1135,8 @@ class Service:
             check_index_exists(upstream, call.index, 404)
         if decision.refusal is not None:
             raise decision.refusal
-        context = RuleContext(call.principal, call.params, request.query,
+        context = RuleContext(call.principal, call.params, query,
                               fetch_facts(upstream, call, decision.facts))
-        query = request.query
         for step in decision.query_steps:
             query = step.apply(query, context)
         target = request.target if query == request.query else \
@@ -1645,27 +1652,51 @@ def _parameter_name(part):
     return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
 
 
-def search_query_hits(query):
-    """(field, asked count or None when unparseable, parts, names) of a GET
-    search/similar query string: which count Meilisearch reads as its page
-    size, and what was asked for (the default when absent). The parts stay
-    as sent: a rewrite changes only the count."""
+def parse_search_query(query):
+    """A GET search or similar's query string, read once: (its search
+    value, the shape of a POST body, as Meilisearch reads each parameter; the
+    parts as sent; their names). The last of a repeated parameter counts."""
     parts = query.split("&") if query else []
     names = [_parameter_name(part) for part in parts]
-    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
-    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
-    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
-        else DEFAULT_SEARCH_LIMIT
-    return field, asked, parts, names
+    value = {}
+    for part, name in zip(parts, names):
+        value[name] = query_parameter(name, urllib.parse.unquote_plus(part.partition("=")[2]))
+    return value, parts, names
 
 
-def cap_search_query(query, cap):
-    """A GET search/similar query string asking for at most `cap` hits."""
-    field, asked, parts, names = search_query_hits(query)
-    if asked is None or asked <= cap:
+def query_parameter(name, text):
+    """One GET search parameter as its POST body spells it: the filter as
+    query_filter reads it, lists comma-separated, booleans, page counts as
+    Rust's usize reads them; anything else (or what does not parse: the
+    backend refuses it) as the text."""
+    if name == "filter":
+        return query_filter(text)
+    if name in ("limit", "hitsPerPage", "page"):
+        count = parse_rust_uint(text)
+        return text if count is None else count
+    spec = FORCED_PARAMETERS.get(name)
+    if spec is _STRINGS:
+        return text.split(",")
+    if spec is _BOOLEAN and text in ("true", "false"):
+        return text == "true"
+    return text
+
+
+def encode_search_query(query, read, value):
+    """The query string of the search value `value` that `read`
+    (parse_search_query's answer for `query`) became: `query` itself when
+    nothing changed, else its parts as sent but those of the changed
+    parameters, each of which is written once at the end (forced lists that
+    are empty, the parameter's default, left out)."""
+    before, parts, names = read
+    changed = [name for name in value if name not in before or before[name] != value[name]]
+    if not changed:
         return query
-    return "&".join([part for part, name in zip(parts, names) if name != field] +
-                    ["%s=%d" % (field, cap)])
+    kept = [part for part, name in zip(parts, names) if name not in changed]
+    for name in changed:
+        if value[name] != [] or name not in EMPTY_IS_DEFAULT:
+            kept.append(urllib.parse.urlencode([(name, query_value(name, value[name]))]))
+    return "&".join(kept)
 
 
 def most_specific_rule(rules, index):
@@ -1760,26 +1791,9 @@ def check_index_swap(principal, index, body):
     return body
 
 
-def scope_search_body(principal, index, body):
-    """POST search, facet-search, similar on one index: fuse the token's filter."""
-    return with_tenant_filter(body, principal.rules, index)
-
-
-def scope_search_query(principal, index, query):
-    """GET search/similar: the token's filter fused with the `filter`
-    parameter, which upstream reads as JSON when it parses as JSON (a JSON
-    `null` included) and as a string otherwise."""
-    rule = tenant_filter(principal.rules, index)
-    if rule is None:
-        return query
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    current = None
-    for name, value in pairs:
-        if name == "filter":
-            current = query_filter(value)
-    pairs = [(n, v) for n, v in pairs if n != "filter"]
-    pairs.append(("filter", compact_json(fuse_filters(current, rule))))
-    return urllib.parse.urlencode(pairs)
+def scope_search_value(principal, index, value):
+    """Search, facet-search, similar on one index: fuse the token's filter."""
+    return with_tenant_filter(value, principal.rules, index)
 
 
 def query_filter(value):
@@ -1890,37 +1904,10 @@ def within_attributes(asked, shown):
     return kept
 
 
-def force_body_on(names):
-    """POST search or similar on one index: the key's forced parameters."""
-    return lambda restrictions, index, body: force_object(
-        body, forced_parameters(restrictions, index), names)
-
-
-def force_query_on(names):
-    """GET search or similar: the forced parameters written into the query
-    string (as Meilisearch reads it: lists comma-separated, the filter as
-    JSON), each replacing every parameter of its name."""
-    def force(restrictions, index, query):
-        forced = forced_parameters(restrictions, index)
-        if forced is None:
-            return query
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        current = {}
-        for name, value in pairs:
-            if name == "filter":
-                current[name] = query_filter(value)
-            elif name in FORMATTED_PARAMETERS:
-                current[name] = value.split(",")
-            elif name == "showRankingScoreDetails":
-                current[name] = value == "true"
-        wanted = force_object(current, forced, names)
-        changed = [name for name in wanted if (name not in current or current[name] != wanted[name])]
-        pairs = [(n, v) for n, v in pairs if n not in changed]
-        for name in changed:
-            if wanted[name] != [] or name not in EMPTY_IS_DEFAULT:
-                pairs.append((name, query_value(name, wanted[name])))
-        return urllib.parse.urlencode(pairs)
-    return force
+def force_search_on(names):
+    """Search or similar on one index: the key's forced parameters (those in `names`)."""
+    return lambda restrictions, index, value: force_object(
+        value, forced_parameters(restrictions, index), names)
 
 
 def query_value(name, value):
@@ -2153,14 +2140,15 @@ class RuleContext(collections.namedtuple("RuleContext", "principal params query 
 SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
 
 
-class Rule(collections.namedtuple("Rule", "when body query answer facts")):
-    """A handler rule: `body(principal, index, json)` checks or rewrites the
-    JSON body; `query(context)` returns the query string to forward;
+class Rule(collections.namedtuple("Rule", "when value query answer facts")):
+    """A handler rule: `value(principal, index, value)` checks or rewrites the
+    search value (the JSON body; a GET search's parsed query string);
+    `query(context)` returns the query string of a listing to forward;
     `answer(context, json)` checks or filters a 200 answer; `facts`: the
     backend's facts (see fetch_facts) `query` and `answer` read."""
 
-    def __new__(cls, when, body=None, query=None, answer=None, facts=()):
-        return super().__new__(cls, when, body, query, answer, tuple(facts))
+    def __new__(cls, when, value=None, query=None, answer=None, facts=()):
+        return super().__new__(cls, when, value, query, answer, tuple(facts))
 
     def applies(self, principal, index):
         if principal.unscoped:
@@ -2210,9 +2198,7 @@ def _task_documents_query(context):
     return context.query
 
 
-SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
-SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
-    c.principal, c.index, c.query))
+SEARCH_RULE = Rule(TOKEN_FILTER, value=scope_search_value)
 TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query, facts=("covered_indexes",))
 # The chat's search tool and the document a template renders are scoped by
 # handlers the guard does not reproduce: refused instead.
@@ -2341,23 +2327,23 @@ ROUTES = tuple([
     Route("GET", "/keys/{key}/usage", ("keys.get",), handler=Service.answer_usage),
     Route("GET", "/indexes", ("indexes.get",), rule=Rule(
         SCOPED, query=_index_page_query, answer=_index_page_answer)),
-    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
+    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, value=check_index_creation)),
     Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
     Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
     Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
     Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
     Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
     Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
-    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=cap_search_query, forced=force_query_on(SEARCH_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True, forced=force_body_on(SEARCH_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
+    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+          hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+          hits=cap_search_object, repeatable=True, forced=force_search_on(SEARCH_PARAMETERS)),
+    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
           repeatable=True, forced=force_facet_search),
-    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=cap_search_query, forced=force_query_on(SIMILAR_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True, forced=force_body_on(SIMILAR_PARAMETERS)),
+    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+          hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+          hits=cap_search_object, repeatable=True, forced=force_search_on(SIMILAR_PARAMETERS)),
     Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
           forced=REFUSED_WHEN_FORCED),
     Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
@@ -2376,10 +2362,10 @@ ROUTES = tuple([
           forced=refuse_embedders),
     Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
 ] + _settings_routes() + [
-    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
+    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
           hits=cap_multi_search, searches=count_queries, repeatable=True,
           forced=force_multi_search),
-    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap),
+    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, value=check_index_swap),
           forced=force_same_on_swap),
     Route("POST", "/render-template", ("settings.get", "documents.get"),
           rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
@@ -2439,54 +2425,67 @@ SCOPE = "scope"
 
 
 class Step(collections.namedtuple("Step", "why apply")):
-    """One check or rewrite of what a request asks the backend: `apply(value,
-    context)` returns the value to forward (the JSON body of a body step, the
-    query string of a query step), or raises the refusal; `why` is SCOPE or a
-    restriction field."""
+    """One check or rewrite of what a request asks the backend: `why` is
+    SCOPE or a restriction field. A value step's `apply(value)` returns the
+    search value to forward; a query step's `apply(query, context)` the query
+    string of a listing. Either raises its refusal."""
 
 
 class Decision(collections.namedtuple(
-        "Decision", "refusal needs_existing_index facts query_steps body_steps answer_filter "
-                    "searches checks_joins")):
+        "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
+                    "answer_filter searches checks_joins")):
     """What a principal's request on a route and index gets, before anything
-    of the request but its route is read: `refusal` (an ApiError, or None);
-    whether the index must already exist (`needs_existing_index`: the caller
-    may not create it, the backend's key may); the backend's `facts` its
-    steps need (names, see fetch_facts); the Steps applied to the query
-    string and to the JSON body, in order; `answer_filter(context, answer)`
-    rewriting a 200 JSON answer, or None; `searches(body)`, the searches a
-    body runs for the key's rate limits, or None (one); `checks_joins`: the
-    indexes searched must not join (Meilisearch's foreignKeys) documents the
-    principal may not see whole (see check_joins)."""
+    of the request but its route is read:
+    - `refusal`: an ApiError, or None;
+    - `needs_existing_index`: the index must already exist (the caller may
+      not create it, the backend's key may);
+    - `facts`: the backend's facts its query steps and answer filter need
+      (names, see fetch_facts);
+    - `value_steps`: Steps on its search value, which lives in its `carrier`
+      (BODY: the JSON body; QUERY: a GET's query string, parsed once);
+    - `query_steps`: Steps on a listing's query string;
+    - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
+    - `searches(body)`: the searches a body runs, for the key's rate
+      limits, or None (one);
+    - `checks_joins`: the indexes searched must not join (Meilisearch's
+      foreignKeys) documents the principal may not see whole (check_joins)."""
 
     @property
     def needs_body(self):
-        return bool(self.body_steps) or self.searches is not None
+        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
 
     def check_unchanged(self, route, principal, params, query):
         """For `GET /authorize`, which lets nginx forward the request as sent,
         without its body or answer: raise unless the decision allows it with
-        nothing to read, fetch or rewrite (its query steps may run: they must
-        leave `query` as it is)."""
+        nothing to read, fetch or rewrite (the steps on its query string may
+        run: they must leave it as it is)."""
         if self.refusal is not None:
             raise self.refusal
-        unseen = [step.why for step in self.body_steps]
-        if self.searches is not None:
-            unseen.append("rateLimit")
-        if self.facts or self.answer_filter is not None:
-            unseen.append(SCOPE)
+        unseen = None
+        if self.value_steps and self.carrier == BODY:
+            unseen = self.value_steps[0].why
+        elif self.searches is not None:
+            unseen = "rateLimit"
+        elif self.facts or self.answer_filter is not None:
+            unseen = SCOPE
+        elif self.value_steps:
+            value = parse_search_query(query)[0]
+            for step in self.value_steps:
+                if step.apply(value) != value:
+                    unseen = step.why
+                    break
         context = RuleContext(principal, params, query, {})
         for step in () if unseen else self.query_steps:
             if step.apply(query, context) != query:
-                unseen.append(step.why)
+                unseen = step.why
                 break
-        if not unseen:
+        if unseen is None:
             return
-        if unseen[0] == SCOPE:
+        if unseen == SCOPE:
             raise scope_not_enforceable(
                 route, "through `GET /authorize`, which never sees the body nor the answer "
                 "(use `searchkeys.py serve --upstream` for such keys)")
-        raise restriction_refused(unseen[0], "through `GET /authorize` on this request, which "
+        raise restriction_refused(unseen, "through `GET /authorize` on this request, which "
                                   "it would have to read or rewrite (send it through "
                                   "`searchkeys.py serve --upstream`)")
 
@@ -2498,21 +2497,20 @@ def decide(route, principal, index):
     rule = route.scope_rule(principal, index)
     restrictions = principal.restrictions
     refusal, facts, answer_filter, searches = None, (), None, None
-    steps = {QUERY: [], BODY: []}
+    value_steps, query_steps = [], []
     if rule is not None:
         if rule.when == UNENFORCEABLE:
             refusal = scope_not_enforceable(route, "")
         facts, answer_filter = rule.facts, rule.answer
-        if rule.body is not None:
-            steps[BODY].append(Step(SCOPE, lambda value, context: rule.body(
-                principal, index, value)))
+        if rule.value is not None:
+            value_steps.append(Step(SCOPE, lambda value: rule.value(principal, index, value)))
         if rule.query is not None:
-            steps[QUERY].append(Step(SCOPE, lambda query, context: rule.query(
+            query_steps.append(Step(SCOPE, lambda query, context: rule.query(
                 context._replace(query=query))))
     forcing = route.forced
     if forcing is not None and restrictions is not None and restrictions.forced is not None:
         if forcing != REFUSED_WHEN_FORCED:
-            steps[route.carrier].append(Step("forcedParameters", lambda value, context: forcing(
+            value_steps.append(Step("forcedParameters", lambda value: forcing(
                 restrictions, index, value)))
         elif index is None or forced_parameters(restrictions, index) is not None:
             refusal = refusal or restriction_refused(
@@ -2520,15 +2518,14 @@ def decide(route, principal, index):
                 "parameters" % (route.method, route.pattern))
     cap = restrictions.max_hits if restrictions is not None else None
     if cap is not None and route.hits is not None:
-        steps[route.carrier].append(Step("maxHitsPerQuery", functools.partial(
-            cap_hits, route, cap)))
+        value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     checks_joins = route.family in ("search", "multi-search") and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
-                    facts, tuple(steps[QUERY]), tuple(steps[BODY]), answer_filter, searches,
-                    checks_joins)
+                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
+                    answer_filter, searches, checks_joins)
 
 
 def check_joins(principal, joins):
@@ -2575,7 +2572,7 @@ def fetch_joins(upstream, indexes):
     return joins
 
 
-def cap_hits(route, cap, value, context):
+def cap_hits(route, cap, value):
     """A search value asking for at most `cap` hits a query; a multi-search
     of more than MAX_CAPPED_QUERIES queries is refused."""
     if route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
