@@ -222,6 +222,19 @@ def test_route_table_matches_the_spec():
     assert route_of("GET", "/health")[0].actions == () and route_of("GET", "/")[0].actions == ()
 
 
+def test_every_index_less_route_an_index_scoped_key_passes_has_a_rule():
+    """authorize lets index-scoped keys onto index-less routes of HANDLER_CHECKED_ACTIONS on
+    the promise that the route's rule holds them to their indexes: the module checks its table
+    at import, and the check refuses a table that breaks the promise."""
+    sk._check_route_table(sk.ROUTES)
+    checked = [r for r in sk.ROUTES if r.handler is sk.Service.forward
+               and "{index_uid}" not in r.pattern and set(r.actions) & sk.HANDLER_CHECKED_ACTIONS]
+    assert len(checked) >= 10 and all(r.rule is not None for r in checked)
+    broken = checked[0]._replace(rule=None)
+    with pytest.raises(AssertionError, match="without a rule"):
+        sk._check_route_table(sk.ROUTES + (broken,))
+
+
 def test_route_lookup_edges():
     assert sk.match_route("GET", sk.path_segments("/nothing")) is None
     assert sk.match_route("PUT", sk.path_segments("/keys")) == "method"
