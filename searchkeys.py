@@ -2556,19 +2556,24 @@ def searched_indexes(call):
 
 
 def fetch_joins(upstream, indexes):
-    """{index: its foreignKeys setting} from the backend. A backend without
-    the setting (an older Meilisearch) joins nothing; its index_not_found is
-    relayed; anything else fails closed."""
+    """{index: its foreignKeys setting} from the backend. Its index_not_found
+    is relayed; a backend without the route (another 404: an older
+    Meilisearch) joins nothing; anything else but the setting (a list) fails
+    closed (a --upstream-key without settings.get gets 403 here)."""
     joins = {}
     for index in indexes:
         target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
         status, answer = upstream.fetch_json(target)
-        if status == 404 and isinstance(answer, dict) and answer.get("code") == "index_not_found":
+        code = answer.get("code") if isinstance(answer, dict) else None
+        if status == 404 and code == "index_not_found":
             raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
-        if status >= 500:
+        if status == 404:
+            joins[index] = []
+        elif status == 200 and isinstance(answer, list):
+            joins[index] = answer
+        else:
             raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
                                        "answered %s" % (index, status))
-        joins[index] = answer if status == 200 and isinstance(answer, list) else []
     return joins
 
 

@@ -20,7 +20,8 @@ Starts ``searchkeys.py serve`` on 127.0.0.1 with a durable ``--store`` and measu
   authorization) and sent to the stub directly, interleaved in the same run, at c=1, 8 and 32
   with the Python client and wrk;
 - where nginx is installed: the same search through nginx with ``auth_request`` to searchkeys
-  (the README's recipe, ``searchkeys-nginx.conf.example``) vs through nginx alone;
+  (the README's recipe, ``searchkeys-nginx.conf.example``: searches go through ``serve
+  --upstream``) vs through nginx alone;
 - a new client's latency (``GET /health`` on a fresh connection, p50/p99) while 5,000 idle
   keep-alive connections and 500 clients trickling their heads are held against the guard, next
   to the same figure with nothing held, plus the guard's threads and RSS meanwhile.
@@ -63,7 +64,7 @@ TARGETS_DOC = {
     "guard_p50": "the guard adds < 0.3 ms to the floor proxy's p50 at c=1, each request shape",
     "guard_rps": "guarded throughput >= 0.9x the floor (bare http.server + http.client proxy) "
                  "at each concurrency, each request shape, Python client and wrk",
-    "nginx_rps": "nginx + auth_request to searchkeys >= 0.8x nginx direct at c=8",
+    "nginx_rps": "nginx + searchkeys (the recipe) >= 0.8x nginx direct at c=8",
     "idle_rss": "idle RSS within 6 MiB of a bare ThreadingHTTPServer + subprocess + json script",
     "held_new_client": "a new client is answered within 1 s (p99) while 5,000 idle keep-alive "
                        "and 500 trickling connections are held",
@@ -363,11 +364,11 @@ def start_nginx(workdir, name, listen, searchkeys, backend):
     for folder in (workdir, prefix):
         folder.chmod(0o755)  # nginx's workers may run as another user
     text = (common.ROOT / "searchkeys-nginx.conf.example").read_text()
-    if searchkeys is None:  # without what asks searchkeys or relays its refusals
-        text = re.sub(r"\n\s*location @searchkeys_refused \{.*?return 500;\n\s*\}", "", text,
+    if searchkeys is None:  # without what goes to searchkeys, asks it or relays its refusals
+        text = re.sub(r"\n        location (~ \^/\(keys|@searchkeys_).*?\n        \}", "", text,
                       flags=re.S)
         text = "\n".join(line for line in text.splitlines()
-                         if "auth_request" not in line and "@searchkeys_refused" not in line)
+                         if "auth_request" not in line and "error_page" not in line)
     for placeholder, value in (("listen", f"{common.HOST}:{listen}"),
                                ("searchkeys", searchkeys or f"{common.HOST}:9"),
                                ("backend", backend), ("backend_key", UPSTREAM_KEY)):
@@ -378,10 +379,10 @@ def start_nginx(workdir, name, listen, searchkeys, backend):
 
 
 def measure_nginx(args, workdir):
-    """A search through nginx + auth_request to searchkeys vs through nginx alone."""
+    """A search through nginx and the recipe (via searchkeys) vs through nginx alone."""
     stub = start_stub(args, "search", workdir)
-    guard = start_searchkeys(args, workdir)
     backend = f"{common.HOST}:{stub.port}"
+    guard = start_searchkeys(args, workdir, upstream=f"http://{backend}")  # searches go through it
     servers = [stub, guard]
     try:
         servers.append(start_nginx(workdir, "nginx-direct", common.free_port(), None, backend))

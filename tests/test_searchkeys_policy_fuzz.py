@@ -549,6 +549,8 @@ class Backend:
             return 404, {"message": "Index `%s` not found." % params["index_uid"],
                          "code": "index_not_found", "type": "invalid_request",
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
+        if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
+            return 200, []  # no index joins another (foreignKeys)
         if (method, template) == ("GET", "/stats"):
             return 200, {"databaseSize": 1, "indexes": {u: {"numberOfDocuments": 1}
                                                         for u in EXISTING}}
