@@ -4466,17 +4466,30 @@ def strict_json(text):
     surrogates, at most 128 levels of nesting (deeper values would also
     overflow Python's stack wherever they are printed later)."""
     value = _STRICT_JSON.decode(text)
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise RecursionError("recursion limit exceeded")
-            stack.extend((child, depth + 1)
-                         for child in (item.values() if isinstance(item, dict) else item))
+    if _nesting_over(value, MAX_JSON_DEPTH):
+        raise RecursionError("recursion limit exceeded")
     if _SURROGATE_ESCAPE_RE.search(text):  # the only way a lone surrogate gets in
         compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone one
     return value
+
+
+def _nesting_over(value, limit):
+    """Does `value` nest lists and objects more than `limit` deep? Walked
+    with one iterator per open level, so the walk holds memory for the depth,
+    not for each value (a tuple per value made an 8 MB body cost ~340 MiB)."""
+    if not isinstance(value, (list, dict)):
+        return False
+    levels = [iter(value.values() if isinstance(value, dict) else value)]
+    while levels:
+        for item in levels[-1]:
+            if isinstance(item, (list, dict)):
+                if len(levels) >= limit:
+                    return True
+                levels.append(iter(item.values() if isinstance(item, dict) else item))
+                break
+        else:
+            levels.pop()
+    return False
 
 
 def parse_json_body(body):
