@@ -568,7 +568,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         MAX_HEAD but no cap per line, header lines every party reads alike,
         one unambiguous body framing. (Its header parsing, email's, costs
         ~60 µs more a request than RequestHeaders.)"""
-        self.started = time.monotonic()
+        self.started, self.command = time.monotonic(), None
+        self.request_version = self.default_request_version
         self.close_connection = True
         self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
         words = self.requestline.split()
@@ -717,9 +718,10 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def log_request(self, code="-", size="-"):
         """One line a request: method, path without its query or secrets,
         status, time taken (http.server's has the whole request line)."""
+        taken = time.monotonic() - self.started if self.started else 0.0
         self.server.service.log("%s %s %s %.2fms" % (
             printable(self.command or "-"), safe_path(self.path) if self.command else "-",
-            code, (time.monotonic() - (self.started or time.monotonic())) * 1000))
+            code, taken * 1000))
 
     def log_message(self, format, *args):
         self.server.service.log("searchkeys: %s" % printable(format % args))
