@@ -261,7 +261,7 @@ def key_not_found(segment):
 
 
 # =============================================================================
-# Requests and responses: what the service reads and answers, pure of sockets
+# Requests and responses: what the service reads and answers
 # =============================================================================
 
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
