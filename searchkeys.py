@@ -734,12 +734,13 @@ class Connection:
     """A caller's connection between requests: its socket, the bytes of its
     next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep")
+    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
         self.pending, self.scanned = bytearray(), 0
         self.deadline, self.keep = None, False
+        self.closing = None  # once closing: the bytes the caller may still send, to be dropped
 
     def take_back(self, data):
         """What was read past the request just answered: the next one's start."""
@@ -798,13 +799,15 @@ class WaitingRoom:
     thread ever waits for a head, however slowly or long it comes (up to
     MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
     then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
-    bytes, the connection waiting longest is closed for newcomers."""
+    bytes, the connection waiting longest is closed for newcomers. Closing
+    connections are seen out here too (see_out), without a thread."""
 
     def __init__(self, ready, close, crowded):
         self.ready, self.close, self.crowded = ready, close, crowded
         self.held = 0  # bytes of the heads read so far
         self._selector = selectors.DefaultSelector()
         self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
+        self._closing = collections.OrderedDict()  # the same, for connections seen out
         self._incoming = collections.deque()  # admitted by other threads, not yet watched
         self._wake, self._waker = socket.socketpair()
         for sock in (self._wake, self._waker):
@@ -822,12 +825,23 @@ class WaitingRoom:
         self._incoming.append(connection)
         self._wake_up()
 
+    def see_out(self, connection):
+        """Close `connection` (its answer sent, its write side shut) once the
+        caller has stopped sending, or after LINGER_SECONDS or MAX_KEYS_BODY
+        bytes: what it still sends is read and dropped, as closing with unread
+        bytes would reset the connection and lose an answer sent before its
+        request was read to the end (a refused head, an oversized body)."""
+        connection.deadline = time.monotonic() + LINGER_SECONDS
+        connection.pending, connection.closing = bytearray(), MAX_KEYS_BODY
+        self._incoming.append(connection)
+        self._wake_up()
+
     def stop(self):
         self._running = False
         self._wake_up()
         if self._thread.is_alive():
             self._thread.join(5)
-        for connection in list(self._waiting) + list(self._incoming):
+        for connection in list(self._waiting) + list(self._closing) + list(self._incoming):
             connection.sock.close()
         self._selector.close()
         self._wake.close()
@@ -850,6 +864,8 @@ class WaitingRoom:
             while self._incoming:
                 self._watch(self._incoming.popleft())
             now = time.monotonic()
+            while self._closing and next(iter(self._closing)).deadline <= now:
+                self._drop(next(iter(self._closing)))
             while self._waiting and (next(iter(self._waiting)).deadline <= now or
                                      self.crowded() or self.held > MAX_HEADS_HELD):
                 self._drop(next(iter(self._waiting)))
@@ -867,11 +883,11 @@ class WaitingRoom:
         except (OSError, ValueError):  # closed meanwhile: nothing to watch
             self.close(connection)
             return
-        self._waiting[connection] = None
+        (self._waiting if connection.closing is None else self._closing)[connection] = None
         self.held += len(connection.pending)
 
     def _unwatch(self, connection):
-        del self._waiting[connection]
+        del (self._waiting if connection.closing is None else self._closing)[connection]
         self._selector.unregister(connection.sock)
         self.held -= len(connection.pending)
 
@@ -880,6 +896,9 @@ class WaitingRoom:
         self.close(connection)
 
     def _receive(self, connection):
+        if connection.closing is not None:
+            self._drop_what_comes(connection)
+            return
         try:
             data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
         except (BlockingIOError, InterruptedError):
@@ -898,6 +917,17 @@ class WaitingRoom:
             return
         self._unwatch(connection)
         self.ready(connection)  # a head, or the end of a cut-off one
+
+    def _drop_what_comes(self, connection):
+        try:
+            data = connection.sock.recv(SMALL_BODY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        connection.closing -= len(data)
+        if not data or connection.closing <= 0:
+            self._drop(connection)
 
 
 def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
@@ -930,11 +960,12 @@ class KeysServer(http.server.HTTPServer):
     `shutdown_request` (one whose request was answered) hand it to the
     waiting room until its next head is in; then one of at most
     `max_connections` threads serves it (`finish_request`, as socketserver
-    does), the others waiting their turn in order. So idle keep-alive
-    connections and slow heads hold no thread, and a newcomer is served while
-    thousands of them are open; past `max_open` connections the one waiting
-    longest is closed. (ThreadingMixIn's thread for each connection is what
-    this replaces.)"""
+    does), the others waiting their turn in order; a connection that is not
+    kept alive is seen out by the waiting room too. So idle keep-alive
+    connections, slow heads and closing connections hold no thread, and a
+    newcomer is served while thousands of them are open; past `max_open`
+    connections the one waiting longest is closed. (ThreadingMixIn's thread
+    for each connection is what this replaces.)"""
 
     request_queue_size = 1024
     # An optimization, measured: a thread with nothing to serve waits this long
@@ -948,7 +979,7 @@ class KeysServer(http.server.HTTPServer):
         self.open = self._threads = self._idle_threads = 0
         self._ready = collections.deque()  # connections whose head is in, first come first
         self._lock = threading.Condition()  # over all of these counts; notified when one is ready
-        self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock, False),
+        self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
                                         lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
         super().__init__(address, KeysHandler)
@@ -1022,12 +1053,17 @@ class KeysServer(http.server.HTTPServer):
         """socketserver's hook once a request is answered: a kept-alive
         connection waits for its next head (served on by this thread if it
         comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
-        waiting room); others close, lingering."""
+        waiting room); others are seen out by the waiting room."""
         connection = request if isinstance(request, Connection) else Connection(request, None)
         if connection.keep and not connection.head_arrived() and not self._ready:
             self._next_request_soon(connection)
         if not connection.keep:
-            self._close(connection.sock, True)
+            try:
+                connection.sock.shutdown(socket.SHUT_WR)
+            except OSError:  # gone already
+                self._close(connection.sock)
+            else:
+                self.waiting_room.see_out(connection)
         elif connection.head_arrived():
             with self._lock:  # taken in turn, after those already waiting
                 self._ready.append(connection)
@@ -1050,26 +1086,7 @@ class KeysServer(http.server.HTTPServer):
             connection.keep = False  # closed by the caller
         connection.pending += data
 
-    def _close(self, sock, linger):
-        """Close a connection; with `linger`, what the caller still sends is
-        read and dropped for a moment first, or closing with unread bytes
-        would reset the connection and lose an answer sent before the request
-        was read to its end (a refused head, an oversized body)."""
-        if linger:
-            try:
-                sock.shutdown(socket.SHUT_WR)
-                deadline, budget = time.monotonic() + LINGER_SECONDS, MAX_KEYS_BODY
-                while budget > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break  # in all, not per read: a trickling caller holds no thread
-                    sock.settimeout(left)
-                    data = sock.recv(SMALL_BODY)
-                    if not data:
-                        break
-                    budget -= len(data)
-            except OSError:
-                pass
+    def _close(self, sock):
         self.close_request(sock)
         with self._lock:
             self.open -= 1

@@ -554,6 +554,43 @@ def test_long_unfinished_heads_hold_no_thread():
                 sock.close()
 
 
+def test_connections_being_closed_hold_no_thread():
+    """--max-connections 2: twenty clients each send a request line the guard refuses, then go
+    on sending: each is seen out for up to 2 s, its bytes read and dropped, before the close (so
+    its answer is not lost to a reset), and meanwhile a newcomer is answered (each used to hold a
+    worker for those 2 s: twenty of them made a newcomer wait ~20 s)."""
+    with start_guard(extra=("--max-connections", "2")) as guard:
+        refused = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                   for _ in range(20)]
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.2):
+                for sock in refused:
+                    try:
+                        sock.send(b"x")
+                    except OSError:
+                        pass
+
+        for sock in refused:
+            sock.sendall(b"GARBAGE\r\n\r\n")
+        trickler = threading.Thread(target=trickle)
+        trickler.start()
+        try:
+            time.sleep(0.5)
+            status, _, body = request(guard.port, "GET", "/health", timeout=10)  # hang detector
+            assert (status, body) == (200, b'{"status":"available"}')
+        finally:
+            stop.set()
+            trickler.join()
+        try:
+            for sock in refused:
+                assert AnswerReader(sock).next()[0] == 400
+        finally:
+            for sock in refused:
+                sock.close()
+
+
 def test_trickled_bodies_of_answered_requests_hold_no_worker(backend):
     """--max-connections 2: two callers announce a 1 MB body on /health and trickle it a byte
     at a time. Their answers do not need the body, so the guard skips it for a moment, then
