@@ -651,8 +651,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         """http.server's refusals (a bad request line, a head too large...),
         as upstream's JSON error."""
-        self.close_connection = True
-        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
+        self.close_connection = True  # (an HTTPStatus from http.server prints as a name on 3.9)
+        error = ApiError(int(code), "bad_request", message or http.HTTPStatus(code).phrase)
         self.send_answer(Response.error(error))
 
     def send_answer(self, response):
