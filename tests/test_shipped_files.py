@@ -325,7 +325,8 @@ def test_searchkeys_unit_command_line_serves_with_keys_from_the_environment(tmp_
     port = free_port()
     backend_port = free_port()
     argv = [a.replace("127.0.0.1:7701", "127.0.0.1:%d" % backend_port) for a in argv]
-    env = {"MEILI_MASTER_KEY": "unit-test-master-key-0123456789", "SEARCHKEYS_UPSTREAM_KEY": "backend-key"}
+    env = {"MEILI_MASTER_KEY": "unit-test-master-key-0123456789", "SEARCHKEYS_UPSTREAM_KEY": "backend-key",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # no cache written into the clone
     with Daemon(argv + ["--port", str(port)], port, env=env, cwd=SEARCHKEYS.parent) as daemon:
         assert daemon.request("GET", "/health")[0] == 200
         assert daemon.request("GET", "/keys")[0] == 401
