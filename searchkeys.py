@@ -55,10 +55,12 @@ import hmac
 import http.client
 import http.server
 import io
+import ipaddress
 import itertools
 import json
 import os
 import re
+import resource
 import secrets
 import select
 import selectors
@@ -69,6 +71,7 @@ import socket
 import sys
 import threading
 import time
+import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -263,26 +266,15 @@ def key_not_found(segment):
 
 
 # =============================================================================
-# Requests and responses: what the service reads and answers, pure of sockets
+# Requests and responses: what the service reads and answers
 # =============================================================================
 
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
-MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
 MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
-READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
-NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
-OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
-_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
-# Header lines as every party reads them alike: a token, a colon, a value of
-# tab, space, visible ASCII and bytes 0x80-0xFF, as actix-http (httparse) takes
-# them (a bare CR may read as a line break to a backend, which would then see
-# headers, Transfer-Encoding..., the guard never saw); no continuation lines.
-_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
 
 
 class RequestHeaders:
@@ -516,12 +508,32 @@ class Response:
 
 
 # =============================================================================
-# HTTP: http.server glue (KeysServer + KeysHandler)
+# HTTP: http.server, with a waiting room for connections between requests
 # =============================================================================
+# The request cycle is http.server's own (handle_one_request -> parse_request
+# -> do_* -> send_response_only/send_header/end_headers -> wfile); the only
+# way in or out of it is Service.handle(Request) -> Response. Overridden:
+# parse_request (actix-http's head rules), handle_expect_100 (the 100 waits
+# for the body's first read), send_error (upstream's JSON error) and, on the
+# server, socketserver's process_request and shutdown_request, which hand a
+# connection to the waiting room between requests instead of to a thread.
+
+MAX_HEADERS = 100       # header lines in a request head
+LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
+MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished heads the waiting room holds in all
+OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
+_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
+# Header lines as every party reads them alike: a token, a colon, a value of
+# tab, space, visible ASCII and bytes 0x80-0xFF, as actix-http (httparse) takes
+# them (a bare CR may read as a line break to a backend, which would then see
+# headers, Transfer-Encoding..., the guard never saw); no continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
 
 
 class KeysHandler(http.server.BaseHTTPRequestHandler):
-    """Reads a request, asks `server.service` for the answer, writes it."""
+    """One request of a connection: http.server reads it, `server.service`
+    answers it, `send_answer` writes the answer."""
 
     protocol_version = "HTTP/1.1"
     server_version = "searchkeys/" + __version__
@@ -530,59 +542,39 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     wbufsize = SMALL_BODY  # a head and a small body leave in one send
     default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
     body = None
+    started = None
 
     def setup(self):
-        """StreamRequestHandler's, on a Connection: the bytes read ahead of
-        this request come first, and its head is bounded in total time."""
+        """StreamRequestHandler's, on a Connection: rfile reads the bytes the
+        waiting room read (a whole head) before the socket."""
         self.connection = self.request.sock
         if self.connection.gettimeout() != self.timeout:  # a system call each time
             self.connection.settimeout(self.timeout)
-        self.reader = ReadAhead(self.request)
+        self.reader = ConnectionReader(self.request)
         self.rfile = io.BufferedReader(self.reader)
         self.wfile = self.connection.makefile("wb", self.wbufsize)
 
     def handle(self):
-        """One request a turn: between requests the server holds the
-        connection without a thread, with what was read past this one."""
+        """One request a turn (not http.server's loop): between requests the
+        server holds the connection without a thread, with what was read
+        past this one."""
         connection = self.request
-        connection.keep, connection.read_ahead = False, b""
         self.close_connection = True
-        self.handle_one_request()
-        if not self.close_connection:
-            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
-
-    def handle_one_request(self):
-        """Like http.server's, with the whole head (not each line) bounded
-        at MAX_HEAD, and one pipeline instead of do_* methods."""
-        self.status, self.body, self.command = None, None, None
-        self.path, self.request_version = None, self.default_request_version
         try:
-            self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
-            started = time.monotonic()  # not before: a keep-alive connection waits idle
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if len(self.raw_requestline) > MAX_HEAD:
-                self.send_error(414, "Request line too long")
-            elif self.parse_request():
-                request = Request(self.command, self.path, self.headers, self.body,
-                                  self.request_version, self.client_address[0])
-                self.send_answer(self.server.service.handle(request))
-            self.wfile.flush()
-        except (TimeoutError, socket.timeout, ConnectionError):
+            self.handle_one_request()
+        except OSError:  # reset, or a broken pipe: the caller is gone
             self.close_connection = True
-        finally:
-            if self.status is not None or self.command:
-                self.server.service.log("%s %s %s %.2fms" % (
-                    printable(self.command or "-"), safe_path(self.path or "-")
-                    if self.command else "-", self.status or "-",
-                    (time.monotonic() - started) * 1000))
+        connection.keep = not self.close_connection
+        connection.take_back(self.reader.leftover(self.rfile) if connection.keep else b"")
 
     def parse_request(self):
         """Replaces http.server's: a request line of three words and HTTP/1.x
         (no HTTP/0.9, whose answers have no head), the whole head within
         MAX_HEAD but no cap per line, header lines every party reads alike,
-        one unambiguous body framing; 100 Continue waits until the body is read."""
+        one unambiguous body framing. (Its header parsing, email's, costs
+        ~60 µs more a request than RequestHeaders.)"""
+        self.started, self.command = time.monotonic(), None
+        self.request_version = self.default_request_version
         self.close_connection = True
         self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
         words = self.requestline.split()
@@ -600,13 +592,12 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
         if head is None:
             return False
-        self.reader.end_of_head()
         self.headers = RequestHeaders(head)
         connection = self.headers.get("Connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version == "HTTP/1.0" and connection != "keep-alive")
         expecting = self.request_version == "HTTP/1.1" and \
-            self.headers.get("Expect", "").lower() == "100-continue"
+            self.headers.get("Expect", "").lower() == "100-continue" and self.handle_expect_100()
         try:
             self.body = Body.of_request(self.rfile, self.headers,
                                         self.send_continue if expecting else None)
@@ -634,21 +625,40 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return None
         return block.decode("iso-8859-1")
 
+    def handle_expect_100(self):
+        """http.server's hook for `Expect: 100-continue`: the 100 is sent when
+        the body is first read (send_continue), so a refused request never
+        invites its body."""
+        return True
+
     def send_continue(self):
-        """100 Continue, sent when the body is first read: a refused request
-        never invites its body (http.server's handle_expect_100 is not used)."""
-        self.send_response_only(100)
-        self.end_headers()
+        super().handle_expect_100()  # http.server's: the 100 Continue
         self.wfile.flush()
 
+    def do_request(self):
+        """Every method's do_*: the service routes methods as upstream does."""
+        self.send_answer(self.server.service.handle(Request(
+            self.command, self.path, self.headers, self.body, self.request_version,
+            self.client_address[0])))
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
+
+    def __getattr__(self, name):
+        """do_<any other method> too (an unknown one gets the service's 404 or
+        405, as from upstream, not http.server's 501)."""
+        if name.startswith("do_"):
+            return self.do_request
+        raise AttributeError(name)
+
     def send_error(self, code, message=None, explain=None):
-        """Refusals of http.server's own checks, as upstream's JSON error."""
-        self.close_connection = True
-        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
+        """http.server's refusals (a bad request line, a head too large...),
+        as upstream's JSON error."""
+        self.close_connection = True  # (an HTTPStatus from http.server prints as a name on 3.9)
+        error = ApiError(int(code), "bad_request", message or http.HTTPStatus(code).phrase)
         self.send_answer(Response.error(error))
 
     def send_answer(self, response):
-        """Write a Response, framed for this hop."""
+        """Write a Response, framed for this hop: the one writer of answers."""
         body = self.body
         if body is not None and not body.finished:
             self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
@@ -656,7 +666,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
-        self.status = status
+        self.log_request(status)
         self.send_response_only(status)
         names = set()
         for name, value in response.headers:
@@ -710,35 +720,53 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             KeysHandler._date = (now, super().date_time_string(now))
         return KeysHandler._date[1]
 
+    def log_request(self, code="-", size="-"):
+        """One line a request: method, path without its query or secrets,
+        status, time taken (http.server's has the whole request line)."""
+        taken = time.monotonic() - self.started if self.started else 0.0
+        self.server.service.log("%s %s %s %.2fms" % (
+            printable(self.command or "-"), safe_path(self.path) if self.command else "-",
+            code, taken * 1000))
+
     def log_message(self, format, *args):
         self.server.service.log("searchkeys: %s" % printable(format % args))
 
 
 class Connection:
-    """A caller's connection between requests: its socket, the bytes read
-    ahead of its next request, and when that request's head must be in."""
+    """A caller's connection between requests: its socket, the bytes of its
+    next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
+    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
-        self.read_ahead, self.deadline, self.keep = b"", None, False
+        self.pending, self.scanned = bytearray(), 0
+        self.deadline, self.keep = None, False
+        self.closing = None  # once closing: the bytes the caller may still send, to be dropped
+
+    def take_back(self, data):
+        """What was read past the request just answered: the next one's start."""
+        self.pending, self.scanned = bytearray(data), 0
 
     def head_arrived(self):
-        """Has a whole head come (or all that a waiting connection may hold)?"""
-        data = self.read_ahead
-        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
+        """Has a whole head come, or more than a head may hold? Searched on
+        from where the last search stopped (a head trickled a byte at a time
+        is searched once in all, not once a byte)."""
+        data, start = self.pending, max(0, self.scanned - 2)
+        if len(data) > MAX_HEAD or data.find(b"\n\r\n", start) >= 0 or \
+                data.find(b"\n\n", start) >= 0:
+            return True
+        self.scanned = len(data)
+        return False
 
 
-class ReadAhead(io.RawIOBase):
-    """What a handler reads: its connection's read-ahead bytes, then the
-    socket, the head by its deadline in total (a timeout per recv would let
-    a client sending a byte now and then hold a worker for ever)."""
+class ConnectionReader(io.RawIOBase):
+    """What a handler's rfile reads: the bytes its connection's request came
+    in so far, then the socket."""
 
     def __init__(self, connection):
         super().__init__()
-        self.sock, self.deadline = connection.sock, connection.deadline
-        self.pending = memoryview(connection.read_ahead)
+        self.sock, self.pending = connection.sock, memoryview(bytes(connection.pending))
         self.probing = False
 
     def readable(self):
@@ -752,19 +780,7 @@ class ReadAhead(io.RawIOBase):
             return count
         if self.probing:
             return None  # "nothing without waiting", to leftover()
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("the request head took too long")
-            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
         return self.sock.recv_into(buffer)
-
-    def end_of_head(self):
-        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
-        if self.deadline is not None:
-            self.deadline = None
-            if self.sock.gettimeout() != CLIENT_TIMEOUT:
-                self.sock.settimeout(CLIENT_TIMEOUT)
 
     def leftover(self, rfile):
         """What `rfile` (reading this) already holds past the request just
@@ -778,31 +794,47 @@ class ReadAhead(io.RawIOBase):
             pieces.append(piece)
 
 
-class ConnectionWatcher:
-    """Connections waiting for their next request, held without a thread:
-    one thread watches them all (selectors), reads what arrives, and hands
-    a connection to `ready` once its head is in. A connection has
-    CLIENT_TIMEOUT for its next head in total, then is closed; while
-    `crowded()`, the connection waiting longest is closed for a newcomer."""
+class WaitingRoom:
+    """Connections waiting for their next request's head, held without a
+    thread: one thread watches them all (selectors) and reads what they send
+    until a whole head is in, then hands the connection to `ready`. So no
+    thread ever waits for a head, however slowly or long it comes (up to
+    MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
+    then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
+    bytes, the connection waiting longest is closed for newcomers. Closing
+    connections are seen out here too (see_out), without a thread."""
 
     def __init__(self, ready, close, crowded):
         self.ready, self.close, self.crowded = ready, close, crowded
+        self.held = 0  # bytes of the heads read so far
         self._selector = selectors.DefaultSelector()
         self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
-        self._incoming = collections.deque()  # parked by other threads, not yet watched
+        self._closing = collections.OrderedDict()  # the same, for connections seen out
+        self._incoming = collections.deque()  # admitted by other threads, not yet watched
         self._wake, self._waker = socket.socketpair()
         for sock in (self._wake, self._waker):
             sock.setblocking(False)
         self._selector.register(self._wake, selectors.EVENT_READ)
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="waiting-room", daemon=True)
 
     def start(self):
         self._thread.start()
 
-    def park(self, connection):
-        """Watch `connection` until its next head is in (from any thread)."""
+    def admit(self, connection):
+        """Hold `connection` until its next head is in (from any thread)."""
         connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self._incoming.append(connection)
+        self._wake_up()
+
+    def see_out(self, connection):
+        """Close `connection` (its answer sent, its write side shut) once the
+        caller has stopped sending, or after LINGER_SECONDS or MAX_KEYS_BODY
+        bytes: what it still sends is read and dropped, as closing with unread
+        bytes would reset the connection and lose an answer sent before its
+        request was read to the end (a refused head, an oversized body)."""
+        connection.deadline = time.monotonic() + LINGER_SECONDS
+        connection.pending, connection.closing = bytearray(), MAX_KEYS_BODY
         self._incoming.append(connection)
         self._wake_up()
 
@@ -811,7 +843,7 @@ class ConnectionWatcher:
         self._wake_up()
         if self._thread.is_alive():
             self._thread.join(5)
-        for connection in list(self._waiting) + list(self._incoming):
+        for connection in list(self._waiting) + list(self._closing) + list(self._incoming):
             connection.sock.close()
         self._selector.close()
         self._wake.close()
@@ -834,8 +866,10 @@ class ConnectionWatcher:
             while self._incoming:
                 self._watch(self._incoming.popleft())
             now = time.monotonic()
+            while self._closing and next(iter(self._closing)).deadline <= now:
+                self._drop(next(iter(self._closing)))
             while self._waiting and (next(iter(self._waiting)).deadline <= now or
-                                     self.crowded()):
+                                     self.crowded() or self.held > MAX_HEADS_HELD):
                 self._drop(next(iter(self._waiting)))
 
     def _drain(self):
@@ -851,38 +885,56 @@ class ConnectionWatcher:
         except (OSError, ValueError):  # closed meanwhile: nothing to watch
             self.close(connection)
             return
-        self._waiting[connection] = None
+        (self._waiting if connection.closing is None else self._closing)[connection] = None
+        self.held += len(connection.pending)
 
     def _unwatch(self, connection):
-        del self._waiting[connection]
+        del (self._waiting if connection.closing is None else self._closing)[connection]
         self._selector.unregister(connection.sock)
+        self.held -= len(connection.pending)
 
     def _drop(self, connection):
         self._unwatch(connection)
         self.close(connection)
 
     def _receive(self, connection):
+        if connection.closing is not None:
+            self._drop_what_comes(connection)
+            return
         try:
-            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
+            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = connection.read_ahead = b""  # reset: nothing left to answer
+            data = b""  # reset: nothing left to answer
+            self.held -= len(connection.pending)
+            connection.pending = bytearray()
         if data:
-            connection.read_ahead += data
+            connection.pending += data
+            self.held += len(data)
             if not connection.head_arrived():
                 return
-        if not connection.read_ahead:  # closed between requests
+        if not connection.pending:  # closed between requests
             self._drop(connection)
             return
         self._unwatch(connection)
         self.ready(connection)  # a head, or the end of a cut-off one
 
+    def _drop_what_comes(self, connection):
+        try:
+            data = connection.sock.recv(SMALL_BODY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        connection.closing -= len(data)
+        if not data or connection.closing <= 0:
+            self._drop(connection)
+
 
 def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
     """Raise the soft limit on open files towards `wanted` (within the hard
     limit): each waiting connection holds one. Returns the limit in force."""
-    import resource  # Unix only, like fcntl
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
         if hard != resource.RLIM_INFINITY:
@@ -905,25 +957,32 @@ def listen_family(host):
 
 
 class KeysServer(http.server.HTTPServer):
-    """Between requests a connection waits in a ConnectionWatcher, without
-    a thread; a request whose head is in is served by one of at most
-    `max_connections` worker threads (the rest wait their turn). So idle
-    keep-alive connections and slow heads hold no thread, and a newcomer is
-    served while thousands of them are open. Past `max_open` connections
-    the one waiting longest is closed. (ThreadingMixIn's thread for each
-    connection is what this replaces.)"""
+    """http.server's HTTPServer, with what socketserver does with a
+    connection overridden: `process_request` (a new one) and
+    `shutdown_request` (one whose request was answered) hand it to the
+    waiting room until its next head is in; then one of at most
+    `max_connections` threads serves it (`finish_request`, as socketserver
+    does), the others waiting their turn in order; a connection that is not
+    kept alive is seen out by the waiting room too. So idle keep-alive
+    connections, slow heads and closing connections hold no thread, and a
+    newcomer is served while thousands of them are open; past `max_open`
+    connections the one waiting longest is closed. (ThreadingMixIn's thread
+    for each connection is what this replaces.)"""
 
     request_queue_size = 1024
-    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
+    # An optimization, measured: a thread with nothing to serve waits this long
+    # for a next connection before it ends; starting a thread for each new
+    # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
+    thread_idle_seconds = 5.0
 
     def __init__(self, address, service, max_connections=512, max_open=1000):
         self.service = service
-        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
-        self._ready = collections.deque()
-        self._turns = threading.Condition()
-        self._workers = self._idle_workers = 0
-        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
-                                         lambda: self.open > self.max_open)
+        self.max_threads, self.max_open = max(1, max_connections), max_open
+        self.open = self._threads = self._idle_threads = 0
+        self._ready = collections.deque()  # connections whose head is in, first come first
+        self._lock = threading.Condition()  # over all of these counts; notified when one is ready
+        self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
+                                        lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
         super().__init__(address, KeysHandler)
 
@@ -938,118 +997,101 @@ class KeysServer(http.server.HTTPServer):
         super().server_bind()
 
     def serve_forever(self, poll_interval=0.5):
-        self.watcher.start()
+        self.waiting_room.start()
         super().serve_forever(poll_interval)
 
     def server_close(self):
         super().server_close()
-        self.watcher.stop()
+        self.waiting_room.stop()
 
     def process_request(self, request, client_address):
-        """A new connection waits for its first request like any other."""
+        """socketserver's hook for a new connection: it waits for its first
+        head in the waiting room, like any other."""
+        with self._lock:
+            self.open += 1
         try:
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        with self._turns:
-            self.open += 1
-        self.watcher.park(Connection(request, client_address))
+        self.waiting_room.admit(Connection(request, client_address))
 
-    def _queue(self, connection):
-        """Serve `connection`'s request on a waiting worker, or a new one
-        while there are fewer than max_connections."""
-        with self._turns:
+    def _head_in(self, connection):
+        """Serve `connection` on an idle thread, or a new one while there are
+        fewer than max_threads; else a running one takes it in its turn."""
+        with self._lock:
             self._ready.append(connection)
-            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
+            start = len(self._ready) > self._idle_threads and self._threads < self.max_threads
             if start:
-                self._workers += 1
-            self._turns.notify()
+                self._threads += 1
+            self._lock.notify()
         if start:
             try:
-                threading.Thread(target=self._work, daemon=True).start()
-            except RuntimeError:  # no thread to be had: the running workers take it
-                with self._turns:
-                    self._workers -= 1
+                threading.Thread(target=self._serve_ready, daemon=True).start()
+            except RuntimeError:  # no thread to be had: the running ones take it
+                with self._lock:
+                    self._threads -= 1
 
-    def _work(self):
+    def _serve_ready(self):
+        """A serving thread: connections whose head is in, until none has come
+        for thread_idle_seconds."""
         while True:
-            with self._turns:
+            with self._lock:
                 while not self._ready:
-                    self._idle_workers += 1
-                    woken = self._turns.wait(self.worker_idle_seconds)
-                    self._idle_workers -= 1
+                    self._idle_threads += 1
+                    woken = self._lock.wait(self.thread_idle_seconds)
+                    self._idle_threads -= 1
                     if not woken and not self._ready:
-                        self._workers -= 1
+                        self._threads -= 1
                         return
                 connection = self._ready.popleft()
-            self._serve_turn(connection)
-
-    def _serve_turn(self, connection):
-        """Requests of one connection while they come at once and nobody
-        else waits for a worker; then it waits for its next one, or closes."""
-        while True:
             try:
                 self.finish_request(connection, connection.address)
             except Exception:
-                self.handle_error(connection.sock, connection.address)
+                self.handle_error(connection, connection.address)
                 connection.keep = False
-            if connection.keep and not connection.head_arrived() and not self._ready:
-                self._next_request_soon(connection)
-            if not connection.keep:
-                self._close(connection, True)
-                return
-            if not connection.head_arrived():
-                self.watcher.park(connection)
-                return
-            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
-            if self._ready:  # others wait: take turns
-                self._queue(connection)
-                return
+            self.shutdown_request(connection)
+
+    def shutdown_request(self, request):
+        """socketserver's hook once a request is answered: a kept-alive
+        connection waits for its next head (served on by this thread if it
+        comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
+        waiting room); others are seen out by the waiting room."""
+        connection = request if isinstance(request, Connection) else Connection(request, None)
+        if connection.keep and not connection.head_arrived() and not self._ready:
+            self._next_request_soon(connection)
+        if not connection.keep:
+            try:
+                connection.sock.shutdown(socket.SHUT_WR)
+            except OSError:  # gone already
+                self._close(connection.sock)
+            else:
+                self.waiting_room.see_out(connection)
+        elif connection.head_arrived():
+            with self._lock:  # taken in turn, after those already waiting
+                self._ready.append(connection)
+        else:
+            self.waiting_room.admit(connection)
 
     @staticmethod
     def _next_request_soon(connection):
         """Read what comes within NEXT_REQUEST_WAIT: a keep-alive caller sends
         its next request right away more often than not, and serving it here
-        saves the trip through the watcher to another worker."""
+        saves the trip through the waiting room to another thread."""
         sock = connection.sock
         try:  # waited for apart: changing the socket's timeout costs a system call
             if not _readable(sock, NEXT_REQUEST_WAIT):
-                return  # the watcher will see what comes
-            data = sock.recv(READ_AHEAD - len(connection.read_ahead))
+                return  # the waiting room will see what comes
+            data = sock.recv(SMALL_BODY)
         except (OSError, ValueError):  # (ValueError: select() past descriptor 1023)
             return
         if not data:
             connection.keep = False  # closed by the caller
-        connection.read_ahead += data
+        connection.pending += data
 
-    def _close(self, connection, linger):
-        if linger:
-            self.shutdown_request(connection.sock)
-        else:
-            self.close_request(connection.sock)
-        with self._turns:
+    def _close(self, sock):
+        self.close_request(sock)
+        with self._lock:
             self.open -= 1
-
-    def shutdown_request(self, request):
-        """socketserver's, plus a lingering close: what the caller still sends
-        is read and dropped for a moment, or closing with unread bytes would
-        reset the connection and lose an answer sent before the request was
-        read to its end (a refused head, an oversized body)."""
-        try:
-            request.shutdown(socket.SHUT_WR)
-            deadline, budget = time.monotonic() + LINGER_SECONDS, MAX_KEYS_BODY
-            while budget > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break  # in all, not per read: a trickling caller holds no thread
-                request.settimeout(left)
-                data = request.recv(SMALL_BODY)
-                if not data:
-                    break
-                budget -= len(data)
-        except OSError:
-            pass
-        self.close_request(request)
 
     def handle_error(self, request, client_address):
         self.service.log("searchkeys: internal error: %s" % printable(
@@ -1423,7 +1465,6 @@ _RUST_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs", "
 def rust_debug_str(text):
     """A string the way Rust's `{:?}` prints it: quoted, with \\n, \\" and
     \\u{7f}-style escapes."""
-    import unicodedata  # local: only refusal messages naming odd index patterns need it
     out = []
     for char in text:
         if char in _RUST_ESCAPES:
@@ -3527,7 +3568,7 @@ class KeyStore:
 
 
 def new_uid():
-    import uuid  # local: only key creation needs it
+    import uuid  # here: ~0.2 MiB and ~3 ms of start-up that only key creation needs
     return str(uuid.uuid4())
 
 
@@ -3896,7 +3937,7 @@ class Upstream:
                     connection = self._idle.pop() if self._idle else None
             if connection is None:
                 if self.tls:
-                    import ssl  # only for https backends
+                    import ssl  # here: a Python built without ssl still serves http backends
                     return http.client.HTTPSConnection(
                         *self.address, timeout=self.timeout,
                         context=ssl.create_default_context()), False
@@ -4158,7 +4199,6 @@ def referrer_allowed(patterns, origin, referer):
 
 def ip_range(text):
     """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
-    import ipaddress
     try:
         if not isinstance(text, str):
             raise ValueError("not a string")
@@ -4171,7 +4211,6 @@ def ip_range(text):
 @functools.lru_cache(maxsize=4096)
 def parse_address(text):
     """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
-    import ipaddress
     try:
         address = ipaddress.ip_address(text.strip().strip("[]"))
     except ValueError:
@@ -4218,7 +4257,6 @@ def counter_client(address):
     if address.version == 6:
         number = int(address)
         if number >> 32 in _IPV4_IN_IPV6:
-            import ipaddress
             return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
         return "%x/64" % (number >> 64)
     return str(address)
@@ -4604,17 +4642,30 @@ def strict_json(text):
     surrogates, at most 128 levels of nesting (deeper values would also
     overflow Python's stack wherever they are printed later)."""
     value = _STRICT_JSON.decode(text)
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise RecursionError("recursion limit exceeded")
-            stack.extend((child, depth + 1)
-                         for child in (item.values() if isinstance(item, dict) else item))
+    if _nesting_over(value, MAX_JSON_DEPTH):
+        raise RecursionError("recursion limit exceeded")
     if _SURROGATE_ESCAPE_RE.search(text):  # the only way a lone surrogate gets in
         compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone one
     return value
+
+
+def _nesting_over(value, limit):
+    """Does `value` nest lists and objects more than `limit` deep? Walked
+    with one iterator per open level, so the walk holds memory for the depth,
+    not for each value (a tuple per value made an 8 MB body cost ~340 MiB)."""
+    if not isinstance(value, (list, dict)):
+        return False
+    levels = [iter(value.values() if isinstance(value, dict) else value)]
+    while levels:
+        for item in levels[-1]:
+            if isinstance(item, (list, dict)):
+                if len(levels) >= limit:
+                    return True
+                levels.append(iter(item.values() if isinstance(item, dict) else item))
+                break
+        else:
+            levels.pop()
+    return False
 
 
 def parse_json_body(body):
@@ -5215,7 +5266,7 @@ def serde_unexpected(value):
     if isinstance(value, int):
         return "integer `%d`" % value
     if isinstance(value, float):
-        import decimal  # local: only this rare message needs it
+        import decimal  # here: ~0.3 MiB and ~4 ms of start-up for this rare message
         text = format(decimal.Decimal(repr(value)), "f")  # Rust prints no exponent
         return "floating point `%s`" % (text if "." in text else text + ".0")
     if isinstance(value, str):
@@ -5968,56 +6019,17 @@ def flush_usage_every(store, seconds, stop):
         store.flush_usage()
 
 
-# What serve_from_bytecode runs: this file as the module `searchkeys`, without
-# the working directory that `-c` puts first on the import path.
-_SERVE_FROM_CACHE = (
-    "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
-    "s = u.spec_from_file_location('searchkeys', sys.argv[1]); m = u.module_from_spec(s)\n"
-    "try: s.loader.exec_module(m)\n"  # a damaged cache (cut short: EOFError) is compiled anew
-    "except (EOFError, ValueError, TypeError, ImportError): m = u.module_from_spec(s); "
-    "exec(compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec'), vars(m))\n"
-    "sys.exit(m.main(sys.argv[2:]))")
-
-
-def bytecode_cache_is_trusted(source):
-    """Whether the bytecode cache of `source` exists and only root or this
-    process's user could have written it: the .pyc, its __pycache__ folder and
-    the script's folder owned by one of them and not writable by group or
-    others. A script run as __main__ never read a cache, so one planted where
-    others can write (a folder like /tmp) must not run as the service's user."""
-    import importlib.util
-    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
-        return False
-    cache = importlib.util.cache_from_source(source)
-    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
-        try:
-            info = os.stat(path)
-        except OSError:
-            return False
-        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
-
-
-def serve_from_bytecode(argv):
-    """Start `serve` again in a fresh interpreter that imports this file from
-    its bytecode cache (`python3 -m py_compile searchkeys.py` makes one): a
-    process started as `python3 searchkeys.py` keeps the ~13 MiB the compiler
-    took for the whole file, while the cached module costs ~1.5 MiB. Returns
-    when there is no cache (or this is already the module): serve goes on here."""
-    source = os.path.abspath(__file__)
-    if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
-        return
-    if not bytecode_cache_is_trusted(source):
-        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
-    flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
-                                   ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
+def release_startup_memory():
+    """An optimization, measured: hand the C heap's free pages back to the
+    system once serve has started. Compiling this file (run as a script, not
+    imported from its bytecode) leaves ~13 MiB freed but kept by glibc's
+    malloc; malloc_trim(0) returns it (idle RSS ~36 -> ~25 MiB on Debian's
+    Python 3.11). Best effort: nothing happens without ctypes or glibc."""
     try:
-        os.execv(sys.executable, [sys.executable] + flags + [
-            "-c", _SERVE_FROM_CACHE, source] + list(argv))
-    except OSError:
-        return  # no interpreter to start: serve goes on here
+        import ctypes  # here: optional (absent on some systems), and ~0.3 MiB
+        ctypes.CDLL(None).malloc_trim(0)
+    except (ImportError, OSError, AttributeError):  # no ctypes, no libc, not glibc
+        pass
 
 
 def run_serve(args):
@@ -6030,7 +6042,6 @@ def run_serve(args):
                        "(Meilisearch refuses such a key in production)")
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
-        gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
@@ -6060,6 +6071,7 @@ def run_serve(args):
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
         server.server_address[1], " -> " + upstream.display_url if upstream else ""))
+    release_startup_memory()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -6284,8 +6296,6 @@ def main(argv=None):
     if args.command is None:  # checked here, after unknown options: those are said first
         parser.error("the following arguments are required: COMMAND")
     if args.command == "serve":
-        # restarted before the options' files are read: one given as a pipe reads once
-        serve_from_bytecode(sys.argv[1:] if argv is None else argv)
         check_serve_args(args.command_parser, args)
         return run_serve(args)
     check_client_args(args.command_parser, args)

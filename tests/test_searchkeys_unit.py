@@ -574,6 +574,29 @@ def test_content_type_and_payload():
                                       "limit exceeded`."), depth
 
 
+def _parse_peak(parse, body):
+    """The most memory `parse(body)` held at once, as tracemalloc counts it."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        parse(body)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_parsing_a_body_costs_a_small_multiple_of_its_size():
+    """A search body of 400 kB of numbers costs what its parsed value costs (~5x the body), and
+    no shape costs more than the plain parse of it: the nesting check holds memory for the
+    depth, not for each value (a tuple per value made one 8 MB body cost ~340 MiB)."""
+    numbers = b'{"q":"x","filter":[' + b"1," * 200000 + b"1]}"
+    assert _parse_peak(sk.parse_json_body, numbers) < 8 * len(numbers)
+    for item in (b"[]", b"{}", b'"ab"', b"[[1]]"):
+        body = b'{"q":"x","filter":[' + (item + b",") * (400000 // len(item)) + item + b"]}"
+        plain = _parse_peak(lambda data: json.loads(data.decode("utf-8")), body)
+        assert _parse_peak(sk.parse_json_body, body) < 1.2 * plain, item
+
+
 # ---------------------------------------------------------------------------------------------
 # UUIDs (uuid crate forms and messages)
 # ---------------------------------------------------------------------------------------------
