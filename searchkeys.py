@@ -915,7 +915,8 @@ class KeysServer(http.server.HTTPServer):
     request_queue_size = 1024
     worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
 
-    def __init__(self, address, service, max_connections=512, max_open=1000):
+    def __init__(self, address, service, max_connections=512, max_open=1000,
+                 bind_and_activate=True):
         self.service = service
         self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
         self._ready = collections.deque()
@@ -924,7 +925,7 @@ class KeysServer(http.server.HTTPServer):
         self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
                                          lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler)
+        super().__init__(address, KeysHandler, bind_and_activate)
 
     def server_bind(self):
         """An IPv6 socket takes IPv4 callers too where the system allows it
@@ -5695,6 +5696,17 @@ def positive_int(text):
     return number
 
 
+def worker_count(text):
+    """--workers value -> int: a count of 1 or more, or `auto`: one per core
+    this process may run on."""
+    if text != "auto":
+        return positive_int(text)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on macOS or FreeBSD
+        return os.cpu_count() or 1
+
+
 def http_url(text):
     """An http:// or https:// URL with a host and a valid port; ValueError otherwise."""
     try:
@@ -5767,6 +5779,14 @@ def add_serve_command(commands):
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="requests served at once, a thread each (512)")
+    serve.add_argument("--workers", type=_argument_type(worker_count, "count"), default=1,
+                       metavar="N",
+                       help="processes serving the port and --store, restarted if one ends, "
+                            "all stopped by SIGTERM; `auto`: one per core (1). A key created, "
+                            "changed or deleted through one is honoured or refused by all "
+                            "within 1 s. Each keeps its own rate counters, failure throttle, "
+                            "metrics and usage counts not saved yet (usage is added into the "
+                            "store every 5 s)")
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics, besides "
                             "the master key")
@@ -5875,6 +5895,10 @@ def check_serve_args(parser, args):
     if args.store == "":
         parser.error("--store is empty: name a file, or leave the option out to keep keys in "
                      "memory")
+    if args.workers > 1 and args.store is None:
+        parser.error("--workers %d needs --store: keys kept in memory are one process's, so "
+                     "a key made through one worker would be unknown to the others"
+                     % args.workers)
     if args.upstream_key is None:
         args.upstream_key = os.environ.get("SEARCHKEYS_UPSTREAM_KEY")
         if args.upstream_key == "":
@@ -5981,6 +6005,14 @@ def run_serve(args):
     elif len(master_key.encode()) < 16:
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
+    # one file each: a connection, a worker's backend connection, the pool and the store
+    max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
+    try:  # listening first: a start that fails on a busy port leaves no store behind
+        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open)
+    except OSError as exc:  # a busy port, an unknown host
+        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                       % (args.host, args.port, exc.strerror or exc))
+        return 1
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
@@ -5988,31 +6020,44 @@ def run_serve(args):
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
-        # one file each: a connection, a worker's backend connection, the pool and the store
-        max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
-        server = KeysServer((args.host, args.port), Service(
-            store, master_key, upstream, _log_to_stderr, limits, metrics, args.metrics_token),
-            args.max_connections, max_open)
+        service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
+                          args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
+        listener.server_close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
-    except OSError as exc:  # the listening socket: a busy port, an unknown host
-        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
-                       % (args.host, args.port, exc.strerror or exc))
-        return 1
+    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
+        len(store), " in " + args.store if args.store else " in memory",
+        "[%s]" % args.host if ":" in args.host else args.host,
+        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        "; %d workers" % args.workers if args.workers > 1 else ""))
+    if args.workers == 1:
+        listener.service = service
+        return serve_until_stopped(listener, store)
 
+    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
+        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
+                            bind_and_activate=False)
+        server.socket.close()
+        server.socket = listener.socket
+        return serve_until_stopped(server, store)
+    try:
+        return run_workers(args.workers, serve_as_worker)
+    finally:
+        listener.server_close()
+
+
+def serve_until_stopped(server, store):
+    """Serve until SIGTERM (or ^C), keeping the store fresh; the exit status."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    store.refresh()  # a worker started later than the store was opened
     stopping = threading.Event()
     keeper = threading.Thread(target=keep_store, name="store-keeper", args=(store, stopping),
                               daemon=True)
     keeper.start()
-    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
-        len(store), " in " + args.store if args.store else " in memory",
-        "[%s]" % args.host if ":" in args.host else args.host,
-        server.server_address[1], " -> " + upstream.display_url if upstream else ""))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -6023,6 +6068,73 @@ def run_serve(args):
         keeper.join(10)  # its last flush ends before close's
         store.close()  # saves the usage counts
     return 0
+
+
+class _Stop(Exception):
+    """SIGTERM (or ^C) reached the process running the workers."""
+
+
+WORKER_DEATHS = (5, 10.0)  # this many workers ending within so many seconds stop them all
+
+
+def run_workers(count, serve):
+    """serve --workers: `serve()` in `count` processes forked from this one
+    (they share its listening socket and the store as it loaded it); one that
+    ends is started again, SIGTERM stops them all. Returns the exit status."""
+    workers = set()
+    deaths = collections.deque(maxlen=WORKER_DEATHS[0])
+
+    def start():
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until it sets its own
+            status = 1
+            try:
+                status = serve()
+            except BaseException as exc:
+                _log_to_stderr("searchkeys: worker %d failed: %s"
+                               % (os.getpid(), printable(repr(exc))))
+            finally:
+                os._exit(status)
+        workers.add(pid)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
+        raise _Stop
+    signal.signal(signal.SIGTERM, stop)
+    status = 0
+    try:
+        for _ in range(count):
+            start()
+        while True:
+            pid, code = os.wait()
+            if pid not in workers:
+                continue
+            workers.discard(pid)
+            code = os.waitstatus_to_exitcode(code)
+            deaths.append(time.monotonic())
+            if len(deaths) == deaths.maxlen and deaths[-1] - deaths[0] < WORKER_DEATHS[1]:
+                _log_to_stderr("searchkeys: %d workers ended within %g s (the last one, %d, "
+                               "with status %d); stopping" % (WORKER_DEATHS + (pid, code)))
+                status = 1
+                break
+            _log_to_stderr("searchkeys: worker %d ended (%s); starting another" % (
+                pid, "signal %d" % -code if code < 0 else "status %d" % code))
+            start()
+    except (_Stop, KeyboardInterrupt):
+        pass
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for pid in workers:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    return status
 
 
 def run_keys(args):
