@@ -2951,10 +2951,12 @@ class KeysApi:
         return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
 
     def usage(self, principal, segment):
-        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
+        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
+        `lastUsedAt` and `unsaved`, the part only this process has counted."""
         require_master(principal, "read the usage of a key")
         key = self.store.find(segment)
-        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid))
+        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
+                    unsaved=self.store.usage.unsaved(key.uid))
 
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not

@@ -127,18 +127,21 @@ def test_200_concurrent_creates_split_across_two_processes_all_survive(pair):
 def test_usage_counted_by_two_processes_adds_up_in_the_store(pair):
     a, b, store = pair
     key = create(a)
-    assert within(WITHIN, lambda: works(b, key["key"]))[0]
+    assert within(WITHIN, lambda: works(b, key["key"]))[0]  # one request allowed by B
     for port, times in ((a, 3), (b, 4)):
         for _ in range(times):
             assert works(port, key["key"])
-    # each process saves what it counted within USAGE_FLUSH_SECONDS (5 s)
-    def saved():
+    shown = call(a, "GET", "/keys/%s/usage" % key["uid"])[1]
+    assert shown["unsaved"]["allowed"] <= shown["allowed"] and shown["unsaved"]["refused"] == 0
+
+    def saved():  # each process adds what it counted within USAGE_FLUSH_SECONDS (5 s)
         usage = json.loads(store.read_text()).get("usage", {}).get(key["uid"])
-        return usage is not None and usage["allowed"] >= 7 + 1  # + the checks above
+        return usage is not None and usage["allowed"] == 8
     assert within(15, saved)[0], store.read_text()[-300:]
-    # A shows the saved totals (B's included) once it has taken in B's last save
-    assert within(WITHIN, lambda: call(a, "GET", "/keys/%s/usage" % key["uid"])[1]["allowed"]
-                  >= 8)[0]
+    # A shows the saved totals, B's counts included, once it has taken in B's last save
+    assert within(WITHIN, lambda: call(a, "GET", "/keys/%s/usage" % key["uid"])[1] == dict(
+        shown, allowed=8, unsaved={"allowed": 0, "refused": 0},
+        lastUsedAt=call(b, "GET", "/keys/%s/usage" % key["uid"])[1]["lastUsedAt"]))[0]
 
 
 # ---------------------------------------------------------------------------------------------
