@@ -3188,10 +3188,20 @@ class KeyStore:
             try:
                 record = self._open(master_key_changed)
                 self._file.remove_stale_temp_files()
-                if record or not self._keys or self._next_retirement <= time.time_ns():
+                if not self._keys:
                     self._commit_all(self._defaults(), ())  # all four in one write
+                elif record or self._next_retirement <= time.time_ns():
+                    self._tidy()
             finally:
                 self._file.unlock()
+
+    def _tidy(self):
+        """At start, record the master key's fingerprint and drop retired
+        keys now; if that write fails, the next change makes it."""
+        try:
+            self._commit_all((), ())
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: %s; the next change will save it" % exc)
 
     def _defaults(self):
         """The four keys a store without keys starts with, or none."""
@@ -6009,12 +6019,14 @@ def run_serve(args):
                        "(Meilisearch refuses such a key in production)")
     # one file each: a connection, a worker's backend connection, the pool and the store
     max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
-    try:  # listening first: a start that fails on a busy port leaves no store behind
-        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open)
+    # the port first: a start that fails on a busy port leaves no store behind; callers are
+    # taken (listen) once the store is loaded
+    try:
+        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
+                              bind_and_activate=False)
+        listener.server_bind()
     except OSError as exc:  # a busy port, an unknown host
-        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
-                       % (args.host, args.port, exc.strerror or exc))
-        return 1
+        return cannot_listen(args, exc)
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
@@ -6028,6 +6040,11 @@ def run_serve(args):
         listener.server_close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
+    try:
+        listener.server_activate()
+    except OSError as exc:
+        listener.server_close()
+        return cannot_listen(args, exc)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
@@ -6047,6 +6064,12 @@ def run_serve(args):
         return run_workers(args.workers, serve_as_worker)
     finally:
         listener.server_close()
+
+
+def cannot_listen(args, exc):
+    _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                   % (args.host, args.port, exc.strerror or exc))
+    return 1
 
 
 def serve_until_stopped(server, store):

@@ -8,13 +8,17 @@ import http.client
 import json
 import os
 import re
+import shlex
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
+from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
+    wait_for_port
+from test_searchkeys_nginx import NGINX
 from test_searchkeys_startup import MASTER, clean_env, refused, start
 
 WITHIN = 1.0  # seconds: the bound for every process to honour a change
@@ -191,7 +195,8 @@ def connection_owners(port, pids):
 
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"),
-                                reason="reads which process holds a connection from /proc (Linux)")
+                                reason="needs Linux's /proc, to see which process holds a "
+                                       "connection: run the suite on Linux")
 
 
 @pytest.fixture
@@ -251,3 +256,68 @@ def test_workers_need_a_store_file(tmp_path):
     code, message = refused("--master-key", MASTER, "--workers", "0", "--store",
                             str(tmp_path / "keys.json"))
     assert code == 2 and "--workers" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/searchkeys.md, "Several processes": two processes behind nginx, as written
+# ---------------------------------------------------------------------------------------------
+
+def several_processes_section():
+    text = (ROOT / "docs" / "searchkeys.md").read_text()
+    return text.split("### Several processes\n", 1)[1].split("\n## ", 1)[0]
+
+
+def fenced(section, language):
+    return [block.split("\n", 1)[1] for block in section.split("```")[1::2]
+            if block.startswith(language + "\n")]
+
+
+def test_the_docs_several_processes_setup_behind_nginx_works_as_written(tmp_path):
+    if NGINX is None:
+        pytest.skip("needs nginx: apt-get install nginx")
+    section = several_processes_section()
+    (commands,) = fenced(section, "sh")
+    (config,) = fenced(section, "nginx")
+    ports = {"7700": free_port(), "7702": free_port()}
+    store = tmp_path / "keys.json"
+    argvs = []
+    for line in commands.splitlines():
+        if line.startswith("python3 searchkeys.py serve") and "--port" in line:
+            argv = shlex.split(line.rstrip("& "))
+            argvs.append(python_cmd(SEARCHKEYS, *[
+                str(store) if word == "/var/lib/searchkeys/keys.json" else ports.get(word, word)
+                for word in argv[2:]]))
+    assert len(argvs) == 2 and "--trusted-proxy" in argvs[0], commands
+    listen = free_port()
+    assert "listen 443 ssl;" in config and "127.0.0.1:7700" in config, config
+    config = config.replace("listen 443 ssl;", "listen 127.0.0.1:%d;" % listen)
+    for written, port in ports.items():
+        config = config.replace("127.0.0.1:%s" % written, "127.0.0.1:%d" % port)
+    env = clean_env(MEILI_MASTER_KEY=MASTER)
+    with Daemon(argvs[0], ports["7700"], env=env, timeout=20.0), \
+            Daemon(argvs[1], ports["7702"], env=env, timeout=20.0), \
+            scratch_dir("searchkeys-nginx-") as prefix:
+        os.chmod(prefix, 0o755)  # nginx's workers may run as another user
+        (prefix / "nginx.conf").write_text("daemon off;\nevents {}\n" + config)
+        nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"),
+                                  "-e", "stderr"], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            wait_for_port(listen, nginx, timeout=15)
+            key = create(listen)  # through nginx, on one of the two processes
+
+            def all_answer(expected):  # nginx takes turns between the two processes
+                return all(works(listen, key["key"]) == expected for _ in range(10))
+            honoured, took = within(WITHIN, lambda: all_answer(True))
+            assert honoured, "a key created through nginx was refused after %.2f s" % took
+            assert call(listen, "DELETE", "/keys/" + key["uid"])[0] == 204
+            refused_by_all, took = within(WITHIN, lambda: all_answer(False))
+            assert refused_by_all, "a deleted key was still let through after %.2f s" % took
+        finally:
+            nginx.send_signal(signal.SIGQUIT)
+            try:
+                nginx.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(nginx.pid, signal.SIGKILL)
+                nginx.wait()
