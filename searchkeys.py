@@ -3272,7 +3272,8 @@ class KeyStore:
         try:
             keys = []
             for position, record in enumerate(records):
-                old = self._keys.get(record.get("uid")) if isinstance(record, dict) else None
+                uid = record.get("uid") if isinstance(record, dict) else None
+                old = self._keys.get(uid) if isinstance(uid, str) else None
                 if old is None or old.stored_json() != compact_json(record):
                     old = ApiKey.from_record(record, self.derive)
                 keys.append(old)
@@ -3685,18 +3686,18 @@ class StoreFile:
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
-                             "is left untouched" % (self.shown, exc))
+            raise StoreError("store %s is corrupt (not JSON: %s); the file is left untouched"
+                             % (self.shown, exc))
         if not isinstance(document, dict) or document.get("format") != self.FORMAT \
                 or document.get("version") != self.VERSION \
                 or not isinstance(document.get("keys"), list):
-            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
-                             "refusing to start" % (self.shown, self.FORMAT, self.VERSION))
+            raise StoreError("store %s is not a searchkeys store (format %s, version %d); the "
+                             "file is left untouched" % (self.shown, self.FORMAT, self.VERSION))
         fingerprint = document.get("masterKeyFingerprint")
         if fingerprint is not None and not (isinstance(fingerprint, str)
                                             and _FINGERPRINT_RE.match(fingerprint)):
-            raise StoreError("store %s has a bad masterKeyFingerprint; refusing to start, the "
-                             "file is left untouched" % self.shown)
+            raise StoreError("store %s has a bad masterKeyFingerprint; the file is left "
+                             "untouched" % self.shown)
         return document["keys"], fingerprint, document.get("usage")
 
     def remove_stale_temp_files(self):

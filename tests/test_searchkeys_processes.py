@@ -321,3 +321,28 @@ def test_the_docs_several_processes_setup_behind_nginx_works_as_written(tmp_path
             except subprocess.TimeoutExpired:
                 os.killpg(nginx.pid, signal.SIGKILL)
                 nginx.wait()
+
+
+def test_a_store_being_written_in_place_is_never_loaded_half_written(pair):
+    """A hand edit in progress (the file cut short) leaves each process with the keys it has,
+    refuses changes (500, the file left alone) and is taken in once whole."""
+    a, b, store = pair
+    key = create(a)
+    assert within(WITHIN, lambda: works(b, key["key"]))[0]
+    whole = store.read_bytes()
+    with open(store, "r+b") as file:  # in place, as an editor may write
+        file.truncate(len(whole) // 2)
+    time.sleep(3 * 0.25 + 0.5)  # a few polls
+    assert works(a, key["key"]) and works(b, key["key"])
+    status, answer = call(b, "POST", "/keys", {"actions": ["search"], "indexes": ["*"],
+                                               "expiresAt": None})
+    assert status == 500 and "corrupt" in answer["message"], answer
+    assert store.read_bytes() == whole[:len(whole) // 2]
+    document = json.loads(whole)
+    document["keys"] = [r for r in document["keys"] if r["uid"] != key["uid"]]
+    with open(store, "r+b") as file:
+        file.write(json.dumps(document).encode())
+        file.truncate()
+    refused, took = within(WITHIN, lambda: not works(a, key["key"])
+                           and not works(b, key["key"]))
+    assert refused, "the whole file, without the key, was not taken in after %.2f s" % took
