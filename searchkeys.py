@@ -6138,17 +6138,22 @@ def run_workers(count, serve):
                 continue
             workers.discard(pid)
             code = os.waitstatus_to_exitcode(code)
+            ended = "worker %d ended (%s)" % (
+                pid, "signal %d" % -code if code < 0 else "status %d" % code)
             deaths.append(time.monotonic())
             if len(deaths) == deaths.maxlen and deaths[-1] - deaths[0] < WORKER_DEATHS[1]:
-                _log_to_stderr("searchkeys: %d workers ended within %g s (the last one, %d, "
-                               "with status %d); stopping" % (WORKER_DEATHS + (pid, code)))
+                _log_to_stderr("searchkeys: %s, the %dth within %g s; stopping"
+                               % ((ended,) + WORKER_DEATHS))
                 status = 1
                 break
-            _log_to_stderr("searchkeys: worker %d ended (%s); starting another" % (
-                pid, "signal %d" % -code if code < 0 else "status %d" % code))
+            _log_to_stderr("searchkeys: %s; starting another" % ended)
             start()
     except (_Stop, KeyboardInterrupt):
         pass
+    except OSError as exc:  # fork: no process to be had
+        _log_to_stderr("searchkeys: cannot start a worker: %s; stopping"
+                       % (exc.strerror or exc))
+        status = 1
     finally:
         for pid in workers:
             try:

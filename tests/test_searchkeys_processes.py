@@ -346,3 +346,14 @@ def test_a_store_being_written_in_place_is_never_loaded_half_written(pair):
     refused, took = within(WITHIN, lambda: not works(a, key["key"])
                            and not works(b, key["key"]))
     assert refused, "the whole file, without the key, was not taken in after %.2f s" % took
+
+
+@linux_only
+def test_workers_ending_again_and_again_stop_them_all(workers):
+    """Five workers ending within 10 s is a fault, not a crash to retry for ever."""
+    for killed in range(1, 6):
+        assert within(10, lambda: len(children(workers.proc.pid)) == 2)[0], workers.log()
+        os.kill(children(workers.proc.pid)[0], signal.SIGKILL)
+        assert within(10, lambda: workers.log().count("ended (signal 9)") == killed)[0]
+    assert workers.proc.wait(10) == 1, workers.log()
+    assert "within 10 s; stopping" in workers.log()
