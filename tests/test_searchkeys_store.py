@@ -123,3 +123,28 @@ def test_serve_on_a_busy_port_leaves_no_store_and_the_right_key_starts_next(tmp_
     with start(free_port(), "--master-key", MASTER, "--store", str(store)) as server:
         status, _, _ = server.request("GET", "/keys", headers={"Authorization": "Bearer " + MASTER})
         assert status == 200
+
+
+def test_a_process_takes_in_another_processes_usage_saves_and_key_changes(tmp_path):
+    """refresh() after a save of usage counts alone reads only that section (the keys'
+    bytes are the same); any other change, even in the writer's own layout, loads the keys."""
+    path = tmp_path / "keys.json"
+    a, b = sk.KeyStore(MASTER, str(path)), sk.KeyStore(MASTER, str(path))
+    key = a.create(dict(FIELDS, name="k"))
+    b.refresh()
+    assert b.by_uid(key.uid).name == "k"
+    for _ in range(3):
+        a.usage.count(key.uid, None, time.time_ns())
+    a.flush_usage()
+    b.refresh()
+    assert b.usage.to_json(key.uid)["allowed"] == 3 and b.usage.unsaved(key.uid)["allowed"] == 0
+    text = path.read_text()
+    assert text.endswith("}}\n") and '\n],\n"usage": ' in text  # the writer's layout
+    path.write_text(text.replace('"name":"k"', '"name":"renamed"', 1))  # keys changed, tail not
+    b.refresh()
+    assert b.by_uid(key.uid).name == "renamed" and b.usage.to_json(key.uid)["allowed"] == 3
+    path.write_text(path.read_text().replace('"usage": {', '"usage": [', 1))  # not JSON now
+    b.refresh()
+    assert b.by_uid(key.uid).name == "renamed"  # the keys it had
+    a.close()
+    b.close()
