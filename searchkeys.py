@@ -3277,21 +3277,15 @@ class KeyStore:
     def _build(self, records):
         """The keys of `records`; a key unchanged since the last load is kept
         as it is (its value is not derived again)."""
-        collecting = gc.isenabled()
-        gc.disable()  # loading makes ~6 objects a key, none of them garbage
-        try:
-            keys = []
-            for position, record in enumerate(records):
-                uid = record.get("uid") if isinstance(record, dict) else None
-                old = self._keys.get(uid) if isinstance(uid, str) else None
-                if old is None or old.stored_json() != compact_json(record):
-                    old = ApiKey.from_record(record, self.derive)
-                keys.append(old)
-                records[position] = None  # free the parsed record early
-            return keys
-        finally:
-            if collecting:
-                gc.enable()
+        keys = []
+        for position, record in enumerate(records):
+            uid = record.get("uid") if isinstance(record, dict) else None
+            old = self._keys.get(uid) if isinstance(uid, str) else None
+            if old is None or old.stored_json() != compact_json(record):
+                old = ApiKey.from_record(record, self.derive)
+            keys.append(old)
+            records[position] = None  # free the parsed record early
+        return keys
 
     def _install(self, keys, section):
         """Make `keys` (and the usage totals of `section`) what memory holds."""
