@@ -3622,8 +3622,7 @@ class StoreFile:
     def lock(self):
         """Wait for FILE.lock: one change at a time, across processes."""
         try:  # never through a link someone planted, 0600 from its creation
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW
-                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             if os.path.islink(self.lock_path):
                 raise StoreError("the lock file %s of store %s is a symbolic link; refusing to "
