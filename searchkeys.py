@@ -45,6 +45,7 @@ import argparse
 import base64
 import calendar
 import collections
+import contextlib
 import datetime
 import fcntl
 import functools
@@ -975,7 +976,8 @@ class KeysServer(http.server.HTTPServer):
     # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
     thread_idle_seconds = 5.0
 
-    def __init__(self, address, service, max_connections=512, max_open=1000):
+    def __init__(self, address, service, max_connections=512, max_open=1000,
+                 bind_and_activate=True):
         self.service = service
         self.max_threads, self.max_open = max(1, max_connections), max_open
         self.open = self._threads = self._idle_threads = 0
@@ -984,7 +986,7 @@ class KeysServer(http.server.HTTPServer):
         self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
                                         lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler)
+        super().__init__(address, KeysHandler, bind_and_activate)
 
     def server_bind(self):
         """An IPv6 socket takes IPv4 callers too where the system allows it
@@ -2871,14 +2873,24 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 class Usage:
     """Per key (by uid): requests allowed, refused by reason, last used.
-    A request costs a few increments under one lock; the KeyStore saves the
-    counts with each change of keys and, when they changed, every
-    USAGE_FLUSH_SECONDS, so a kill -9 loses at most those last seconds."""
+
+    A request costs a few increments under one lock, in this process's
+    memory. The KeyStore saves them with each change of keys and, when there
+    are some, every USAGE_FLUSH_SECONDS (a kill -9 loses at most those last
+    seconds): saving adds them to the totals the store file holds, to which
+    every process sharing the store adds its own. A key's usage reads as
+    those saved totals plus this process's counts not saved yet."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._counts = {}  # uid -> [allowed, one per USAGE_REASONS..., last used ns]
-        self.changed = False
+        self._saved = {}   # uid -> counts: the store file's totals, as last read or written
+        self._counts = {}  # uid -> counts of this process, not saved yet
+        # counts: [allowed, one per USAGE_REASONS..., last used ns]
+
+    @property
+    def changed(self):
+        """Whether there are counts to save."""
+        return bool(self._counts)
 
     def count(self, uid, reason, now_ns):
         slot = _USAGE_SLOT.get(reason)
@@ -2890,47 +2902,82 @@ class Usage:
                 counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
             counts[slot] += 1
             counts[-1] = now_ns
-            self.changed = True
 
     def forget(self, uid):
         with self._lock:
+            self._saved.pop(uid, None)
             self._counts.pop(uid, None)
 
     def to_json(self, uid):
-        """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never) of key `uid`."""
+        """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never)
+        of key `uid`: the saved totals plus this process's unsaved counts."""
         with self._lock:
-            counts = list(self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1))
+            counts = _added(self._saved.get(uid), self._counts.get(uid))
         return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
                 "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
 
-    def section(self, keep):
-        """The counts as the store saves them, for the uids `keep(uid)` holds
-        (a deleted key's are left out); they count as saved from now on."""
+    def unsaved(self, uid):
+        """The part of key `uid`'s usage only this process has counted yet:
+        `allowed` and `refused` (all reasons)."""
         with self._lock:
-            self.changed = False
-            return {uid: {"allowed": counts[0],
-                          "refused": {reason: n for reason, n in
-                                      zip(USAGE_REASONS, counts[1:-1]) if n},
-                          "lastUsedAt": counts[-1]}
-                    for uid, counts in self._counts.items() if keep(uid)}
+            counts = self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1)
+        return {"allowed": counts[0], "refused": sum(counts[1:-1])}
+
+    def take(self, keep):
+        """(the totals to save, for the uids `keep(uid)` holds (a deleted
+        key's are left out), the unsaved counts they include): the counts
+        are no longer unsaved. After the write, saved(totals), or
+        give_back(taken) if it failed."""
+        with self._lock:
+            taken, self._counts = self._counts, {}
+            totals = {uid: _added(self._saved.get(uid), taken.get(uid))
+                      for uid in itertools.chain(self._saved, taken.keys() - self._saved.keys())
+                      if keep(uid)}
+        return totals, taken
+
+    def saved(self, totals):
+        with self._lock:
+            self._saved = totals
+
+    def give_back(self, taken):
+        with self._lock:
+            for uid, counts in taken.items():
+                self._counts[uid] = _added(counts, self._counts.get(uid))
 
     def load(self, section, keys):
-        """Take the store's usage section; returns what was wrong with it
-        (counts of unknown keys are dropped, bad entries skipped)."""
-        if section is None:
-            return []
-        if not isinstance(section, dict):
-            return ["the usage section is not an object"]
-        problems = []
-        for uid, record in section.items():
-            try:
-                counts = _usage_counts(record)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                problems.append("bad usage counts for key %s" % printable(uid))
-                continue
-            if uid in keys:
-                self._counts[uid] = counts
+        """Take the store file's usage section as the saved totals; returns
+        what was wrong with it (counts of unknown keys are dropped, bad
+        entries skipped)."""
+        saved, problems = {}, []
+        if section is not None and not isinstance(section, dict):
+            problems.append("the usage section is not an object")
+        elif section is not None:
+            for uid, record in section.items():
+                try:
+                    counts = _usage_counts(record)
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    problems.append("bad usage counts for key %s" % printable(uid))
+                    continue
+                if uid in keys:
+                    saved[uid] = counts
+        with self._lock:
+            self._saved = saved
         return problems
+
+
+def usage_section(totals):
+    """Usage totals as the store file holds them (reasons with no refusal left out)."""
+    return {uid: {"allowed": counts[0],
+                  "refused": {reason: n for reason, n in zip(USAGE_REASONS, counts[1:-1]) if n},
+                  "lastUsedAt": counts[-1]}
+            for uid, counts in totals.items()}
+
+
+def _added(counts, more):
+    """Two usage counts of a key added up (the later last use kept); either may be None."""
+    if counts is None or more is None:
+        return list(counts or more or [0] * (len(_USAGE_SLOT) + 1))
+    return [a + b for a, b in zip(counts[:-1], more[:-1])] + [max(counts[-1], more[-1])]
 
 
 def _usage_counts(record):
@@ -3089,10 +3136,12 @@ class KeysApi:
         return self._write(self.store.rotate, segment, grace).to_json()
 
     def usage(self, principal, segment):
-        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
+        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
+        `lastUsedAt` and `unsaved`, the part only this process has counted."""
         require_master(principal, "read the usage of a key")
         key = self.store.find(segment)
-        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid))
+        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
+                    unsaved=self.store.usage.unsaved(key.uid))
 
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not
@@ -3125,7 +3174,7 @@ class ApiKey:
                  "restrictions", "retirement")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None, restrictions=None, retirement=None):
+                 updated_ns, value, restrictions=None, retirement=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -3137,7 +3186,7 @@ class ApiKey:
         self.value = value  # derived hex value; None without a master key
         self.grants = grants(self.actions)
         self.is_global = "*" in self.indexes
-        self._stored = stored  # the record's JSON text, once known
+        self._stored = None  # stored_json(), once computed
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
         self.retirement = retirement  # Retirement of a rotated key, or None
 
@@ -3196,7 +3245,9 @@ class ApiKey:
 
     def stored_json(self):
         """to_record() as compact JSON text, computed once: every write of
-        the store includes every key, and re-encoding them each time is slow."""
+        the store includes every key, and re-encoding them each time is slow.
+        (Always from the record, never from the file's text: a file edited
+        by hand is written back whole.)"""
         if self._stored is None:
             self._stored = compact_json(self.to_record())
         return self._stored
@@ -3217,11 +3268,11 @@ class ApiKey:
         return record
 
     @classmethod
-    def from_record(cls, record, derive, stored=None):
+    def from_record(cls, record, derive):
         """A stored record -> ApiKey; ValueError says what is wrong with it.
 
         `derive` computes the value from the uid (see key_deriver), or is
-        None without a master key; `stored` is the record's JSON text.
+        None without a master key.
         """
         if not isinstance(record, dict) or record.keys() - _OPTIONAL_RECORD_FIELDS \
                 != _RECORD_FIELDS:
@@ -3248,7 +3299,7 @@ class ApiKey:
         if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
-                   derive(uid) if derive is not None else None, stored,
+                   derive(uid) if derive is not None else None,
                    stored_restrictions(record.get("restrictions"), uid),
                    Retirement.from_record(record, uid))
 
@@ -3287,68 +3338,177 @@ _OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
 
 class KeyStore:
     """All keys in memory, indexed by uid and by derived value, optionally
-    made durable in a StoreFile. Writers serialize on one lock and write the
-    file before the change goes live; readers (the per-request key lookup)
-    never wait: keys are immutable and dict reads are atomic.
+    made durable in a StoreFile that any number of processes may share.
+
+    A change holds this store's lock (against this process's threads) and
+    the file's lock (against other processes) for the change alone, starts
+    from the file's current content, and is written before it goes live.
+    refresh(), called every STORE_POLL_SECONDS, takes in what other
+    processes wrote. Readers (the per-request key lookup) never wait: keys
+    are immutable and dict reads are atomic.
     """
 
     def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
         self.derive = key_deriver(master_key) if master_key is not None else None
+        # what the file records of the master key (--open: whatever it holds)
+        self.fingerprint = master_key_fingerprint(master_key) if master_key else None
         self.log = log or (lambda message: None)
         self.clock = Clock()
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
         self._retiring = {}   # uid -> when that rotated key stops working (ns)
         self._next_retirement = float("inf")  # the earliest of those
-        # reentrant: a write looks keys up, and a lookup may sweep out retired keys
+        # reentrant: a change looks keys up, and a lookup may sweep out retired keys
         self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
+        self._file_locked = False  # whether this process holds the file's lock
+        self._unloadable = None  # (signature of a file that failed to load, whether logged)
         self.usage = Usage()
-        try:
-            self._load(master_key, master_key_changed)
-            self.sweep()
-            if not self._keys:  # all four in one write: a crash leaves none or all
-                defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
-                            for name, description, actions in DEFAULT_KEYS]
-                if self._file:
-                    self._file.write([key.stored_json() for key in defaults])
-                for key in defaults:
-                    self._put(key)
-        except BaseException:
-            self.close()
-            raise
+        with self._lock:
+            if self._file is None:
+                self._commit_all(self._defaults(), ())
+                return
+            self._file.refuse_journal()
+            self._file.lock()
+            try:
+                record = self._open(master_key_changed)
+                self._file.remove_stale_temp_files()
+                if not self._keys:
+                    self._commit_all(self._defaults(), ())  # all four in one write
+                elif record or self._next_retirement <= time.time_ns():
+                    self._tidy()
+            finally:
+                self._file.unlock()
 
-    def _load(self, master_key, master_key_changed):
-        """Read the store file (and fold in a journal an older version left)."""
-        if not self._file:
-            return
-        collecting = gc.isenabled()
-        gc.disable()  # loading makes ~6 objects a key, none of them garbage
+    def _tidy(self):
+        """At start, record the master key's fingerprint and drop retired
+        keys now; if that write fails, the next change makes it."""
         try:
-            keys, changes = self._file.open(
-                lambda record, text: ApiKey.from_record(record, self.derive, text))
-            self._file.check_master_key(master_key, master_key_changed, keys)
-            for key in keys:
-                self._put(key)
-            for change in changes or ():
-                self._replay(change)
-            for problem in self.usage.load(self._file.usage, self._keys):
-                self.log("searchkeys: warning: store %s: %s; counting afresh"
-                         % (self._file.path, problem))
-        except ValueError as exc:
-            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
-        finally:
-            if collecting:
-                gc.enable()
-        # Newest-first listing relies on dict order == createdAt order.
-        ordered = list(self._keys.values())
-        if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
-            self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
-        if ordered:
-            self.clock.advance_past(max(key.created_ns for key in ordered))
-        if changes is not None:
-            self._file.write(self._records(), self.usage.section(self._keys.__contains__))
-            self._file.retire_journal()
+            self._commit_all((), ())
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: %s; the next change will save it" % exc)
+
+    def _defaults(self):
+        """The four keys a store without keys starts with, or none."""
+        if self._keys:
+            return []
+        return [self._new_key(new_uid(), name, description, actions, ["*"], None)
+                for name, description, actions in DEFAULT_KEYS]
+
+    def _open(self, master_key_changed):
+        """Load the file at start; whether its master key fingerprint is to be
+        recorded now. Refuses another master key than the one the store's keys
+        were made with (every key value would change), unless that is intended."""
+        keys, stored = self._reload()
+        if self.derive is None:  # --open: no key values at all; keep what is recorded
+            return False
+        if stored is None or not keys or hmac.compare_digest(stored, self.fingerprint):
+            # a store without one (made with --open) records this one now: else a store that
+            # never changes would take another master key silently at every start
+            return stored != self.fingerprint
+        if not master_key_changed:
+            raise StoreError(
+                "store %s was made with another master key, so every one of its %d keys would "
+                "get a new value and every key handed out would stop working: start with the "
+                "master key the store was made with, or add --master-key-changed if the change "
+                "is intended" % (self._file.shown, len(keys)))
+        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
+                 "master key; its %d keys now have new values (the uids stay), and the store "
+                 "records the new master key" % (self._file.shown, len(keys)))
+        return True
+
+    def _reload(self):
+        """Load the file's current content if it is not the one in memory:
+        (its keys, its master key fingerprint); StoreError if it cannot be
+        used (memory then stays as it was). A missing file keeps memory too:
+        the next change writes it anew."""
+        data, signature, fd = self._file.read()
+        if data is None or signature == self._file.loaded:
+            if fd is not None:
+                os.close(fd)
+            return list(self._keys.values()), self.fingerprint
+        usage = self._file.new_usage_only(data)
+        if usage is not None:  # another process saved its usage counts
+            try:
+                section = json.loads(usage) if usage else None
+            except (UnicodeDecodeError, ValueError) as exc:
+                os.close(fd)
+                raise StoreError("store %s is corrupt (not JSON: %s); the file is left "
+                                 "untouched" % (self._file.shown, exc))
+            self._load_usage(section)
+            self._file.hold(fd, signature, data)
+            return list(self._keys.values()), self.fingerprint
+        try:
+            records, stored, section = self._file.parse(data)
+            if self.derive is not None and stored is not None and self._keys \
+                    and not hmac.compare_digest(stored, self.fingerprint):
+                raise StoreError("store %s now records another master key (a process was "
+                                 "started with --master-key-changed): this process keeps the "
+                                 "keys it holds; restart it with that master key"
+                                 % self._file.shown)
+            try:
+                keys = self._build(records)
+            except ValueError as exc:
+                raise StoreError("store %s holds a bad key: %s" % (self._file.shown, exc))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._install(keys, section)
+        if self.derive is None:
+            self.fingerprint = stored
+        self._file.hold(fd, signature, data)
+        return keys, stored
+
+    def _build(self, records):
+        """The keys of `records`; a key unchanged since the last load is kept
+        as it is (its value is not derived again)."""
+        keys = []
+        for position, record in enumerate(records):
+            uid = record.get("uid") if isinstance(record, dict) else None
+            old = self._keys.get(uid) if isinstance(uid, str) else None
+            if old is None or old.stored_json() != compact_json(record):
+                old = ApiKey.from_record(record, self.derive)
+            keys.append(old)
+            records[position] = None  # free the parsed record early
+        return keys
+
+    def _install(self, keys, section):
+        """Make `keys` (and the usage totals of `section`) what memory holds."""
+        if any(a.created_ns > b.created_ns for a, b in zip(keys, keys[1:])):
+            keys = sorted(keys, key=lambda key: key.created_ns)  # newest-first listing needs it
+        by_uid = {key.uid: key for key in keys}
+        retiring = {key.uid: key.retirement.at_ns for key in keys if key.retirement is not None}
+        self._by_value = {key.value: key for key in by_uid.values() if key.value is not None}
+        self._keys, self._retiring = by_uid, retiring
+        self._next_retirement = min(retiring.values(), default=float("inf"))
+        if keys:
+            self.clock.advance_past(max(key.created_ns for key in keys))
+        self._load_usage(section)
+
+    def _load_usage(self, section):
+        for problem in self.usage.load(section, self._keys):
+            self.log("searchkeys: warning: store %s: %s; counting afresh"
+                     % (self._file.shown, problem))
+
+    def refresh(self):
+        """Take in a change another process made to the file. A file that
+        cannot be loaded (one being written in place, half-written, is not a
+        whole document) leaves memory as it is; it is logged once it stays
+        so for a poll."""
+        if self._file is None:
+            return
+        signature = self._file.signature()
+        if signature in (None, self._file.loaded) or self._unloadable == (signature, True):
+            return
+        with self._lock:
+            try:
+                self._reload()
+            except StoreError as exc:
+                logged = self._unloadable == (signature, False)  # the second poll that failed
+                self._unloadable = (signature, logged)
+                if logged:
+                    self.log("searchkeys: warning: %s; the keys loaded before stay in use"
+                             % exc)
 
     # -- reads ---------------------------------------------------------------
 
@@ -3401,7 +3561,7 @@ class KeyStore:
 
     def create(self, fields):
         """Create a key from validated POST fields; 409 ApiError on a used uid."""
-        with self._lock:
+        with self._changing():
             uid = fields.get("uid")
             if uid is None:
                 uid = self._unused_uid()
@@ -3414,20 +3574,20 @@ class KeyStore:
             return key
 
     def update(self, key_or_uid, changes):
-        with self._lock:
+        with self._changing():
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
             self._commit(key)
             return key
 
     def delete(self, key_or_uid):
         """Delete a key."""
-        with self._lock:
+        with self._changing():
             key = self.find(key_or_uid)
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
         """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
-        with self._lock:
+        with self._changing():
             key = self.find(key_or_uid)
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
@@ -3436,7 +3596,7 @@ class KeyStore:
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
         changes are one write. 409 for a key already rotated."""
-        with self._lock:
+        with self._changing():
             old = self.find(key_or_uid)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
@@ -3447,8 +3607,9 @@ class KeyStore:
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
-            if grace_seconds:
-                self._commit_all([old.retiring(now + grace_seconds * 10 ** 9, uid), new], ())
+            if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
+                retires = time.time_ns() + grace_seconds * 10 ** 9
+                self._commit_all([old.retiring(retires, uid), new], ())
             else:
                 self._commit_all([new], (old.uid,))
             return new
@@ -3458,14 +3619,13 @@ class KeyStore:
         refused already: see ApiKey.is_expired). Cheap when none is due."""
         if self._next_retirement > time.time_ns():
             return
-        with self._lock:
-            if self._next_retirement > time.time_ns():
-                return  # another thread swept them meanwhile
-            try:
-                self._commit_all((), ())  # a write drops them
-            except StoreWriteError as exc:  # they stay refused; try again in a minute
-                self._next_retirement = time.time_ns() + 60 * 10 ** 9
-                self.log("searchkeys: cannot remove retired keys: %s" % exc)
+        try:
+            with self._changing():
+                if self._next_retirement <= time.time_ns():  # not swept meanwhile
+                    self._commit_all((), ())  # a write drops them
+        except StoreWriteError as exc:  # they stay refused; try again in a minute
+            self._next_retirement = time.time_ns() + 60 * 10 ** 9
+            self.log("searchkeys: cannot remove retired keys: %s" % exc)
 
     def _unused_uid(self):
         uid = new_uid()
@@ -3478,6 +3638,30 @@ class KeyStore:
         value = self.derive(uid) if self.derive is not None else None
         return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
 
+    @contextlib.contextmanager
+    def _changing(self):
+        """Hold the store for one change: this process's other writers wait,
+        and with a file every other process's too, and memory holds the
+        file's current content (StoreWriteError if it cannot be read)."""
+        with self._lock:
+            if self._file is None or self._file_locked:
+                yield
+                return
+            try:
+                self._file.lock()
+            except StoreError as exc:
+                raise StoreWriteError(str(exc))
+            self._file_locked = True
+            try:
+                try:
+                    self._reload()
+                except StoreError as exc:
+                    raise StoreWriteError("%s; the change was not made" % exc)
+                yield
+            finally:
+                self._file_locked = False
+                self._file.unlock()
+
     def _commit(self, key, removed=None):
         """Write the store with `key` put (or uid `removed` deleted), then
         make the change live."""
@@ -3487,7 +3671,7 @@ class KeyStore:
         """Write the store with `keys` put, the uids `removed` deleted and the
         rotated keys past their grace period dropped, in one write, then make
         it live; StoreWriteError leaves everything as it was. The caller
-        holds the lock or is the constructor."""
+        holds the store (_changing) or is the constructor."""
         now = time.time_ns()
         removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
         changed = {key.uid: key for key in keys}
@@ -3504,32 +3688,25 @@ class KeyStore:
             self._remove(uid)
 
     def _write(self, records, keep):
-        """Write `records` with the usage counts of the uids `keep(uid)` holds."""
+        """Write `records` with the usage totals of the uids `keep(uid)` holds."""
+        totals, taken = self.usage.take(keep)
         try:
-            self._file.write(records, self.usage.section(keep))
+            self._file.write(records, usage_section(totals), self.fingerprint)
         except StoreWriteError:
-            self.usage.changed = True  # still to be saved
+            self.usage.give_back(taken)  # still to be saved
             raise
+        self.usage.saved(totals)
 
     def flush_usage(self):
-        """Save the usage counts if they changed since the last write; a
-        failure is logged and tried again at the next flush."""
+        """Save the usage counts if there are some; a failure is logged and
+        tried again at the next flush."""
         if not self._file or not self.usage.changed:
             return
-        with self._lock:
-            try:
+        try:
+            with self._changing():
                 self._write(self._records(), self._keys.__contains__)
-            except StoreWriteError as exc:
-                self.log("searchkeys: warning: usage counts not saved: %s" % exc)
-
-    def _replay(self, change):
-        """Apply one line of an older version's journal."""
-        if change.get("op") == "put":
-            self._put(ApiKey.from_record(change.get("key"), self.derive))
-        elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
-            self._remove(change["uid"])
-        else:
-            raise ValueError("unknown change %r" % (change,))
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
     def _put(self, key):
         old = self._keys.get(key.uid)
@@ -3560,16 +3737,16 @@ class KeyStore:
         return [key.stored_json() for key in self._keys.values()]
 
     def close(self):
-        """Save the usage counts, then release the store file (its lock) so
-        another KeyStore may open it."""
-        if self._file:
-            self.flush_usage()
-            self._file.close()
+        """Save the usage counts (the file is locked only for a change)."""
+        self.flush_usage()
 
 
 def new_uid():
     import uuid  # here: ~0.2 MiB and ~3 ms of start-up that only key creation needs
     return str(uuid.uuid4())
+
+
+STORE_POLL_SECONDS = 0.25  # a change made by another process is taken in at most this late
 
 
 class StoreFile:
@@ -3579,11 +3756,13 @@ class StoreFile:
     the store and the folder fsync'd, so the store is always either the old
     or the new document, and an acknowledged change survives kill -9 and
     power loss. A symlinked store is written through to its target (the
-    link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values, and a
-    fingerprint of the master key (another one would change every value).
-    Older versions kept changes in FILE.journal (one JSON line each): such
-    a journal is folded into the document at the first start, then removed.
+    link stays). Any number of processes share it: FILE.lock is held with
+    flock for one change at a time, never for a process's life, and a
+    process tells a new version by its signature (inode, size, mtime). The
+    version a process holds in memory stays open, so its inode cannot be
+    handed to a later version. Files are 0600 and hold uids and metadata,
+    never key values, and a fingerprint of the master key (another one would
+    change every value).
     """
 
     FORMAT = "searchkeys-store"
@@ -3596,184 +3775,134 @@ class StoreFile:
         self.shown = path
         self.path = os.path.realpath(path)  # write through a symlink to its target
         self.folder = os.path.dirname(self.path)
-        self.journal_path = os.path.abspath(path) + ".journal"
+        self.lock_path = self.path + ".lock"
         self.log = log
+        self.loaded = None  # the signature of the version held in memory
+        self._held = None  # that version, open
+        self._keys_digest = None  # of that version's bytes up to its keys' end (_keys_end)
         self._lock_fd = None
-        self.usage = None  # the document's usage section, once read
-        # master_key_fingerprint() of the master key the keys were made with
-        # (None in files of older versions); KeyStore checks and sets it
-        self.fingerprint = None
 
-    def check_master_key(self, master_key, master_key_changed, keys):
-        """Refuse a master key other than the one the store's keys were made
-        with (every key value would change), unless that is intended; a
-        store without a fingerprint (older, or new) records this one."""
-        if master_key is None:  # --open: no key values at all; keep what is recorded
-            return
-        stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
-        self.fingerprint = wanted  # written with the next change
-        if stored is None and keys:
-            self._record_fingerprint(keys)
-        if stored is None or not keys or hmac.compare_digest(stored, wanted):
-            return
-        if not master_key_changed:
-            raise StoreError(
-                "store %s was made with another master key, so every one of its %d keys would "
-                "get a new value and every key handed out would stop working: start with the "
-                "master key the store was made with, or add --master-key-changed if the change "
-                "is intended" % (self.shown, len(keys)))
-        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
-                 "master key; its %d keys now have new values (the uids stay), and the store "
-                 "records the new master key" % (self.shown, len(keys)))
-        self.write([key.stored_json() for key in keys], self.usage)
+    def refuse_journal(self):
+        """Development builds (never a release) kept changes in FILE.journal:
+        one there is refused in one sentence, and left alone."""
+        journal = os.path.abspath(self.shown) + ".journal"
+        if os.path.islink(journal):
+            raise StoreError("%s is a symbolic link; refusing to follow it (a store keeps no "
+                             "journal: remove it)" % journal)
+        if os.path.lexists(journal):
+            raise StoreError("store %s has a journal %s, which only development builds of "
+                             "searchkeys wrote and this version does not read: remove it, or "
+                             "start the build that wrote it once to fold it in"
+                             % (self.shown, journal))
 
-    def _record_fingerprint(self, keys):
-        """An older store's keys get the fingerprint now, not at their next
-        change: a store that never changes would take another master key
-        silently at every start (every key handed out refused)."""
-        try:
-            self.write([key.stored_json() for key in keys], self.usage)
-        except StoreWriteError as exc:  # as before: recorded with the next change
-            self.log("searchkeys: warning: cannot record the master key's fingerprint: %s"
-                     % exc)
-
-    def _header(self):
-        if self.fingerprint is None:
-            return self._HEADER
-        return self._FINGERPRINTED_HEADER % self.fingerprint.encode()
-
-    def open(self, build):
-        """(keys, journal changes or None); StoreError if unusable.
-
-        `build(record, text)` turns a record (and its JSON text, when
-        known) into a key."""
-        self._lock()
-        data = self._read(self.path)
-        keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
-        changes = None if journal is None else self._parse_journal(journal)
-        self._remove_stale_temp_files()
-        return keys, changes
-
-    def _lock(self):
-        lock_path = self.path + ".lock"
-        try:
-            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
+    def lock(self):
+        """Wait for FILE.lock: one change at a time, across processes."""
+        try:  # never through a link someone planted, 0600 from its creation
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
+            if os.path.islink(self.lock_path):
+                raise StoreError("the lock file %s of store %s is a symbolic link; refusing to "
+                                 "follow it (remove it)" % (self.lock_path, self.shown))
             raise StoreError("cannot open the lock file %s of store %s: %s"
-                             % (lock_path, self.shown, exc.strerror or exc))
+                             % (self.lock_path, self.shown, exc.strerror or exc))
         try:
-            os.fchmod(self._lock_fd, 0o600)  # one left by a looser umask or hand
-        except OSError:
-            pass  # not ours to change; it holds nothing
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.close()
-            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
-                             % (self.shown, lock_path))
-
-    def _read(self, path, follow=True):
-        """The file's bytes, or None if there is none. Unless `follow`, a
-        symbolic link is refused, not read (nor its target made 0600)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
-        except FileNotFoundError:
-            return None
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:
-            if not follow and os.path.islink(path):
-                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
-                                 "itself there)" % path)
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise StoreError("store %s is a folder, not a file" % path)
-            if mode & 0o077:
-                self._tighten(fd, path, mode)
-            with open(fd, "rb", closefd=False) as file:
-                return file.read()
-        except OSError as exc:
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        finally:
             os.close(fd)
+            raise StoreError("cannot lock %s of store %s: %s"
+                             % (self.lock_path, self.shown, exc.strerror or exc))
+        self._lock_fd = fd
 
-    def _tighten(self, fd, path, mode):
+    def unlock(self):
+        os.close(self._lock_fd)  # also drops the flock
+        self._lock_fd = None
+
+    def signature(self):
+        """The store's (inode, device, size, mtime), or None if there is none."""
+        try:
+            return _signature(os.stat(self.path))
+        except OSError:
+            return None
+
+    def read(self):
+        """(the file's bytes, its signature, an open descriptor of it for
+        hold()), or (None, None, None) if there is none."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None, None, None
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (self.shown, exc.strerror or exc))
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise StoreError("store %s is a folder, not a file" % self.shown)
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                self._tighten(fd, stat.S_IMODE(info.st_mode))
+            with open(fd, "rb", closefd=False) as file:
+                return file.read(), _signature(info), fd
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError("cannot read store %s: %s" % (self.shown, exc.strerror or exc))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def hold(self, fd, signature, data):
+        """Note the version of `signature` (its bytes: `data`) as the one in
+        memory and keep it open (`fd`), letting the last one go."""
+        if self._held is not None:
+            os.close(self._held)
+        self._held, self.loaded = fd, signature
+        end = _keys_end(data)
+        self._keys_digest = None if end is None else hashlib.sha256(data[:end]).digest()
+
+    def new_usage_only(self, data):
+        """The usage section's text (b"" for none) if `data` differs from
+        the version in memory in that section alone, else None.
+
+        An optimization, measured: a process saves its usage counts every
+        USAGE_FLUSH_SECONDS, and every other process sharing the store would
+        otherwise load all its keys again each time (10,000 keys: ~60 ms on
+        a quiet machine, 150-800 ms on a busy one; this check: a few ms).
+        Safe: the bytes up to the keys' end are the same (by their SHA-256),
+        and after them comes only write()'s tail."""
+        end = _keys_end(data)
+        if end is None or self._keys_digest is None \
+                or hashlib.sha256(data[:end]).digest() != self._keys_digest:
+            return None
+        return data[end + len(_USAGE_TAIL):-2]
+
+    def _tighten(self, fd, mode):
         try:
             os.fchmod(fd, 0o600)
-            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
+            self.log("searchkeys: store file %s had mode %04o; now 0600" % (self.shown, mode))
         except OSError as exc:
             self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
-                     "0600: %s" % (path, mode, exc.strerror or exc))
+                     "0600: %s" % (self.shown, mode, exc.strerror or exc))
 
-    def _parse(self, data, build):
+    def parse(self, data):
+        """(the key records, the master key fingerprint or None, the usage
+        section or None) of a store document; StoreError if it is not one."""
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
-                             "is left untouched" % (self.path, exc))
+            raise StoreError("store %s is corrupt (not JSON: %s); the file is left untouched"
+                             % (self.shown, exc))
         if not isinstance(document, dict) or document.get("format") != self.FORMAT \
                 or document.get("version") != self.VERSION \
                 or not isinstance(document.get("keys"), list):
-            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
-                             "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+            raise StoreError("store %s is not a searchkeys store (format %s, version %d); the "
+                             "file is left untouched" % (self.shown, self.FORMAT, self.VERSION))
         fingerprint = document.get("masterKeyFingerprint")
         if fingerprint is not None and not (isinstance(fingerprint, str)
                                             and _FINGERPRINT_RE.match(fingerprint)):
-            raise StoreError("store %s has a bad masterKeyFingerprint; refusing to start, the "
-                             "file is left untouched" % self.path)
-        self.fingerprint = fingerprint
-        records = document.pop("keys")
-        self.usage = document.get("usage")
-        # In the layout write() makes (one record a line, then the usage line
-        # if any) each record's text is kept for the next write, which then
-        # need not re-encode it.
-        lines = data.split(b"\n")
-        del data
-        texts = itertools.repeat(None)
-        tail = 2 if lines[-2:] == [b"]}", b""] else 3 if lines[-3:-2] == [b"],"] \
-            and lines[-2].startswith(b'"usage": ') and lines[-1] == b"" else 0
-        if tail and len(lines) == len(records) + 1 + tail and lines[0] == self._header()[:-1]:
-            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-tail])
-        keys = []
-        for position, text in zip(range(len(records)), texts):
-            keys.append(build(records[position], text))
-            records[position] = None  # free the parsed record early
-        return keys
+            raise StoreError("store %s has a bad masterKeyFingerprint; the file is left "
+                             "untouched" % self.shown)
+        return document["keys"], fingerprint, document.get("usage")
 
-    def _parse_journal(self, data):
-        """The changes of an older version's journal. Its torn last line (no
-        newline: a crash mid-append) was never acknowledged and is dropped."""
-        lines = data.split(b"\n")
-        torn = lines.pop()
-        changes = []
-        for number, line in enumerate(lines, 1):
-            try:
-                change = json.loads(line.decode("utf-8"))
-                if not isinstance(change, dict) or change.get("op") not in ("put", "delete"):
-                    raise ValueError("not a change")
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise StoreError("store journal %s is corrupt at line %d (%s); refusing to "
-                                 "start, the file is left untouched"
-                                 % (self.journal_path, number, exc))
-            changes.append(change)
-        if torn:
-            self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
-                     "was never acknowledged" % (self.journal_path, len(torn)))
-        return changes
-
-    def retire_journal(self):
-        """Remove an older version's journal once write() holds its changes."""
-        try:
-            os.unlink(self.journal_path)
-        except OSError as exc:
-            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
-                             % (self.journal_path, self.path, exc.strerror or exc))
-        self._sync_folder(os.path.dirname(self.journal_path))
-        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
-
-    def _remove_stale_temp_files(self):
-        # temp files of a process killed mid-write; ours, as we hold the lock
+    def remove_stale_temp_files(self):
+        # temp files of a process killed mid-write: the lock is held, so no one writes one now
         prefix = os.path.basename(self.path) + ".tmp-"
         try:
             names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
@@ -3782,13 +3911,15 @@ class StoreFile:
         except OSError:
             pass  # harmless leftovers; the next start tries again
 
-    def write(self, records, usage=None):
-        """Replace the document with `records` (JSON texts) and the `usage`
-        section (left out when empty) atomically, or raise StoreWriteError
-        leaving it as it was."""
+    def write(self, records, usage=None, fingerprint=None):
+        """Replace the document with `records` (JSON texts, one a line), the
+        `usage` section (left out when empty) and the master key's
+        `fingerprint` atomically, or raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
+        header = self._HEADER if fingerprint is None \
+            else self._FINGERPRINTED_HEADER % fingerprint.encode()
         body = ",\n".join(records).encode("utf-8")
-        data = self._header() + body + (b"\n]" if records else b"]")
+        data = header + body + (b"\n]" if records else b"]")
         if usage:
             data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
         data += b"}\n"
@@ -3797,21 +3928,24 @@ class StoreFile:
             try:
                 _write_all(fd, data)
                 os.fsync(fd)
-            finally:
+                info = os.fstat(fd)
+                os.replace(temp, self.path)
+            except OSError:
                 os.close(fd)
-            os.replace(temp, self.path)
+                raise
         except OSError as exc:
             try:
                 os.unlink(temp)
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self.hold(fd, _signature(info), data)
         self._sync_folder(self.folder)
 
     def _sync_folder(self, folder):
-        """fsync a folder after a rename or unlink. The change is made once
-        that succeeded (the file holds it, and so must memory); a failed
-        sync only leaves it less durable, so it is logged, not raised."""
+        """fsync a folder after a rename. The change is made once that
+        succeeded (the file holds it, and so must memory); a failed sync only
+        leaves it less durable, so it is logged, not raised."""
         try:
             _fsync_folder(folder)
         except OSError as exc:
@@ -3819,17 +3953,31 @@ class StoreFile:
                      "may not survive a power loss): %s"
                      % (folder, self.shown, exc.strerror or exc))
 
-    def close(self):
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # also drops the flock
-            self._lock_fd = None
-
 
 def _write_all(fd, data):
     """os.write until all of `data` is written (a write may be partial)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+_USAGE_TAIL = b'\n],\n"usage": '
+
+
+def _keys_end(data):
+    """Where the keys of a document in write()'s layout end (its last
+    "\n]", then "}\n" or the usage section: compact JSON has no newline),
+    or None if `data` is not in that layout."""
+    end = data.rfind(b"\n]")
+    tail = data[end:]
+    if end < 0 or not (tail == b"\n]}\n"
+                       or tail.startswith(_USAGE_TAIL) and tail.endswith(b"}\n")):
+        return None
+    return end
+
+
+def _signature(info):
+    return (info.st_ino, info.st_dev, info.st_size, info.st_mtime_ns)
 
 
 def _fsync_folder(folder):
@@ -5060,7 +5208,7 @@ class Clock:
 
 def derive_key(master_key, uid):
     """A key's value: lowercase hex HMAC-SHA256(master key, uid)."""
-    return hmac.digest(master_key.encode(), uid.encode(), "sha256").hex()
+    return key_deriver(master_key)(uid)
 
 
 FINGERPRINT_MESSAGE = b"searchkeys master key fingerprint v1"
@@ -5074,24 +5222,15 @@ def master_key_fingerprint(master_key):
 
 
 def key_deriver(master_key):
-    """derive_key with the master key fixed: a function uid -> value.
-
-    The HMAC's inner and outer hash states are keyed once and copied per
-    uid, which makes deriving 100,000 keys at startup several times faster.
-    """
-    secret = master_key.encode()
-    if len(secret) > 64:  # HMAC hashes keys longer than the block size
-        secret = hashlib.sha256(secret).digest()
-    secret = secret.ljust(64, b"\0")
-    inner = hashlib.sha256(bytes(b ^ 0x36 for b in secret))
-    outer = hashlib.sha256(bytes(b ^ 0x5C for b in secret))
+    """derive_key with the master key fixed: a function uid -> value. The
+    keyed HMAC state is made once and copied for each uid (a start derives
+    every stored key's value)."""
+    keyed = hmac.new(master_key.encode(), digestmod=hashlib.sha256)
 
     def derive(uid):
-        state = inner.copy()
+        state = keyed.copy()
         state.update(uid.encode())
-        result = outer.copy()
-        result.update(state.digest())
-        return result.hexdigest()
+        return state.hexdigest()
     return derive
 
 
@@ -5799,6 +5938,17 @@ def positive_int(text):
     return number
 
 
+def worker_count(text):
+    """--workers value -> int: a count of 1 or more, or `auto`: one per core
+    this process may run on."""
+    if text != "auto":
+        return positive_int(text)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on macOS or FreeBSD
+        return os.cpu_count() or 1
+
+
 def http_url(text):
     """An http:// or https:// URL with a host and a valid port; ValueError otherwise."""
     try:
@@ -5871,6 +6021,14 @@ def add_serve_command(commands):
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="requests served at once, a thread each (512)")
+    serve.add_argument("--workers", type=_argument_type(worker_count, "count"), default=1,
+                       metavar="N",
+                       help="processes serving the port and --store, restarted if one ends, "
+                            "all stopped by SIGTERM; `auto`: one per core (1). A key created, "
+                            "changed or deleted through one is honoured or refused by all "
+                            "within 1 s. Each keeps its own rate counters, failure throttle, "
+                            "metrics and usage counts not saved yet (usage is added into the "
+                            "store every 5 s)")
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics, besides "
                             "the master key")
@@ -5979,6 +6137,10 @@ def check_serve_args(parser, args):
     if args.store == "":
         parser.error("--store is empty: name a file, or leave the option out to keep keys in "
                      "memory")
+    if args.workers > 1 and args.store is None:
+        parser.error("--workers %d needs --store: keys kept in memory are one process's, so "
+                     "a key made through one worker would be unknown to the others"
+                     % args.workers)
     if args.upstream_key is None:
         args.upstream_key = os.environ.get("SEARCHKEYS_UPSTREAM_KEY")
         if args.upstream_key == "":
@@ -6013,10 +6175,16 @@ def read_token_file(path):
     return token
 
 
-def flush_usage_every(store, seconds, stop):
-    """serve's usage saver: store.flush_usage every `seconds` until the Event `stop` is set."""
-    while not stop.wait(seconds):
-        store.flush_usage()
+def keep_store(store, stop):
+    """serve's store keeper, until the Event `stop` is set: takes in what
+    other processes wrote every STORE_POLL_SECONDS and saves the usage
+    counts every USAGE_FLUSH_SECONDS."""
+    flushed = time.monotonic()
+    while not stop.wait(STORE_POLL_SECONDS):
+        store.refresh()
+        if time.monotonic() - flushed >= USAGE_FLUSH_SECONDS:
+            store.flush_usage()
+            flushed = time.monotonic()
 
 
 def release_startup_memory():
@@ -6040,37 +6208,71 @@ def run_serve(args):
     elif len(master_key.encode()) < 16:
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
+    # one file each: a connection, a worker's backend connection, the pool and the store
+    max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
+    # the port first: a start that fails on a busy port leaves no store behind; callers are
+    # taken (listen) once the store is loaded
+    try:
+        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
+                              bind_and_activate=False)
+        listener.server_bind()
+    except OSError as exc:  # a busy port, an unknown host
+        return cannot_listen(args, exc)
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
-        # one file each: a connection, a worker's backend connection, the pool and the store
-        max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
-        server = KeysServer((args.host, args.port), Service(
-            store, master_key, upstream, _log_to_stderr, limits, metrics, args.metrics_token),
-            args.max_connections, max_open)
+        service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
+                          args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
+        listener.server_close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
-    except OSError as exc:  # the listening socket: a busy port, an unknown host
-        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
-                       % (args.host, args.port, exc.strerror or exc))
-        return 1
+    try:
+        listener.server_activate()
+    except OSError as exc:
+        listener.server_close()
+        return cannot_listen(args, exc)
+    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
+        len(store), " in " + args.store if args.store else " in memory",
+        "[%s]" % args.host if ":" in args.host else args.host,
+        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        "; %d workers" % args.workers if args.workers > 1 else ""))
+    if args.workers == 1:
+        listener.service = service
+        return serve_until_stopped(listener, store)
 
+    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
+        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
+                            bind_and_activate=False)
+        server.socket.close()
+        server.socket = listener.socket
+        return serve_until_stopped(server, store)
+    try:
+        return run_workers(args.workers, serve_as_worker)
+    finally:
+        listener.server_close()
+
+
+def cannot_listen(args, exc):
+    _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                   % (args.host, args.port, exc.strerror or exc))
+    return 1
+
+
+def serve_until_stopped(server, store):
+    """Serve until SIGTERM (or ^C), keeping the store fresh; the exit status."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    store.refresh()  # a worker started later than the store was opened
     stopping = threading.Event()
-    flusher = threading.Thread(target=flush_usage_every, name="usage-flush",
-                               args=(store, USAGE_FLUSH_SECONDS, stopping), daemon=True)
-    flusher.start()
-    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
-        len(store), " in " + args.store if args.store else " in memory",
-        "[%s]" % args.host if ":" in args.host else args.host,
-        server.server_address[1], " -> " + upstream.display_url if upstream else ""))
+    keeper = threading.Thread(target=keep_store, name="store-keeper", args=(store, stopping),
+                              daemon=True)
+    keeper.start()
     release_startup_memory()
     try:
         server.serve_forever()
@@ -6079,9 +6281,81 @@ def run_serve(args):
     finally:
         server.server_close()
         stopping.set()
-        flusher.join(10)  # never a flush after the store's lock is released
+        keeper.join(10)  # its last flush ends before close's
         store.close()  # saves the usage counts
     return 0
+
+
+class _Stop(Exception):
+    """SIGTERM (or ^C) reached the process running the workers."""
+
+
+WORKER_DEATHS = (5, 10.0)  # this many workers ending within so many seconds stop them all
+
+
+def run_workers(count, serve):
+    """serve --workers: `serve()` in `count` processes forked from this one
+    (they share its listening socket and the store as it loaded it); one that
+    ends is started again, SIGTERM stops them all. Returns the exit status."""
+    workers = set()
+    deaths = collections.deque(maxlen=WORKER_DEATHS[0])
+
+    def start():
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until it sets its own
+            status = 1
+            try:
+                status = serve()
+            except BaseException as exc:
+                _log_to_stderr("searchkeys: worker %d failed: %s"
+                               % (os.getpid(), printable(repr(exc))))
+            finally:
+                os._exit(status)
+        workers.add(pid)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
+        raise _Stop
+    signal.signal(signal.SIGTERM, stop)
+    status = 0
+    try:
+        for _ in range(count):
+            start()
+        while True:
+            pid, code = os.wait()
+            if pid not in workers:
+                continue
+            workers.discard(pid)
+            code = os.waitstatus_to_exitcode(code)
+            ended = "worker %d ended (%s)" % (
+                pid, "signal %d" % -code if code < 0 else "status %d" % code)
+            deaths.append(time.monotonic())
+            if len(deaths) == deaths.maxlen and deaths[-1] - deaths[0] < WORKER_DEATHS[1]:
+                _log_to_stderr("searchkeys: %s, the %dth within %g s; stopping"
+                               % ((ended,) + WORKER_DEATHS))
+                status = 1
+                break
+            _log_to_stderr("searchkeys: %s; starting another" % ended)
+            start()
+    except (_Stop, KeyboardInterrupt):
+        pass
+    except OSError as exc:  # fork: no process to be had
+        _log_to_stderr("searchkeys: cannot start a worker: %s; stopping"
+                       % (exc.strerror or exc))
+        status = 1
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for pid in workers:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    return status
 
 
 def run_keys(args):

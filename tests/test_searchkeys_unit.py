@@ -1072,9 +1072,9 @@ def test_file_store_survives_reopen_and_holds_no_secrets(tmp_path):
     assert again.by_uid(kept.uid).to_json() == store.by_uid(kept.uid).to_json()
     assert again.by_uid(kept.uid).to_json()["expiresAt"] == "2099-01-01T00:00:00.5+02:00"
     assert again.by_uid(gone.uid) is None and len(again) == 5
-    with pytest.raises(sk.StoreError) as info:
-        sk.KeyStore(MASTER, str(path))  # in use by `again`
-    assert "in use" in str(info.value) and str(path) in str(info.value)
+    other = sk.KeyStore(MASTER, str(path))  # another process's: the store is shared (issue 32)
+    assert other.by_uid(kept.uid).to_json() == again.by_uid(kept.uid).to_json()
+    other.close()
     again.close()
     with pytest.raises(sk.StoreError) as info:  # every key value would change
         sk.KeyStore("another-master", str(path))
@@ -1105,41 +1105,24 @@ def test_symlinked_store_is_written_through_to_its_target(tmp_path):
     store.close()
     assert link.is_symlink()
     assert sk.KeyStore(MASTER, str(link)).by_uid(made.uid).name == "through"
-    with pytest.raises(sk.StoreError):  # the same store under its other name is locked too
-        sk.KeyStore(MASTER, str(target))
+    # the lock file sits beside the target: processes reaching the store by either name
+    # take turns on one lock
+    assert sorted(p.name for p in target.parent.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert not (tmp_path / "keys.json.lock").exists()
 
 
-def test_older_journal_is_folded_in_at_first_start(tmp_path):
-    """searchkeys 1.0 kept FILE plus FILE.journal: an upgrade loses no key."""
+def test_a_journal_of_a_development_build_is_refused_in_one_sentence(tmp_path):
+    """Only development builds (no release) kept FILE.journal beside the store: its changes
+    are not read, so the start stops with one sentence naming it, both files untouched."""
     path = tmp_path / "keys.json"
-    store = sk.KeyStore(MASTER, str(path))
-    old = store.create(new_fields(name="old"))
-    store.close()
+    sk.KeyStore(MASTER, str(path)).close()
     journal = tmp_path / "keys.json.journal"
-    added = dict(old.to_record(), uid="9a77a636-e4e2-4a5b-9c1d-2f3e4a5b6c7d", name="journaled",
-                 createdAt=old.created_ns + 1, updatedAt=old.created_ns + 1)
-    renamed = dict(old.to_record(), name="renamed")
-    lines = [{"op": "put", "key": added}, {"op": "put", "key": renamed},
-             {"op": "delete", "uid": store.page(0, 10)[0][-1].uid}]
-    legacy = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    journal.write_bytes(legacy + b'{"op":"put","key":{"uid":"5b')  # a torn, unacknowledged line
-    logged = []
-    upgraded = sk.KeyStore(MASTER, str(path), logged.append)
-    assert [k.name for k in upgraded.page(0, 10)[0]] == [
-        "journaled", "renamed", "Default Search API Key", "Default Admin API Key",
-        "Default Read-Only Admin API Key"]
-    assert not journal.exists() and any("torn" in line for line in logged)
-    assert [r["name"] for r in store_document(path)["keys"]][-2:] == ["renamed", "journaled"]
-    upgraded.close()
-    reopened = sk.KeyStore(MASTER, str(path))
-    assert len(reopened) == 5
-    reopened.close()
-
-    journal.write_bytes(b"garbage\n" + legacy)  # damage before good lines: refuse, touch nothing
+    journal.write_bytes(b'{"op": "delete", "uid": "x"}\n')
     before = (path.read_bytes(), journal.read_bytes())
     with pytest.raises(sk.StoreError) as info:
         sk.KeyStore(MASTER, str(path))
-    assert str(journal) in str(info.value) and "line 1" in str(info.value)
+    assert str(journal) in str(info.value) and "development" in str(info.value)
+    assert ". " not in str(info.value)
     assert (path.read_bytes(), journal.read_bytes()) == before
 
 
