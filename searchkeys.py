@@ -1346,6 +1346,421 @@ def safe_path(raw):
 
 
 # =============================================================================
+# Routes: one record per route, and what a principal's request becomes
+# =============================================================================
+
+QUERY, BODY = "query", "body"  # where a route's search parameters live: its carrier
+
+
+def count_queries(body):
+    """The searches a multi-search body runs (federated or not): one a query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    return len(queries) if isinstance(queries, list) else 1
+
+
+class Route(collections.namedtuple(
+        "Route", "method pattern actions handler rule hits searches repeatable creates_index "
+                 "forced carrier family gated")):
+    """One route:
+    - `actions`: what a credential must hold (PUBLIC: nothing);
+    - `handler(service, call)`: who answers (Service.forward: the backend);
+    - `rule`: the handler rule holding a scoped principal to its indexes;
+    - `hits(value, cap)`: caps the hits its search value asks for (the key's
+      maxHitsPerQuery), None when it asks for none;
+    - `searches(body)`: how many searches its body runs (rate limits); None: one;
+    - `repeatable`: safe to send twice (GETs and read-only POSTs);
+    - `creates_index`: creates its missing index when the caller may create
+      indexes (upstream's allow_index_creation; the settings deletions pass it
+      too, and the guard does not rely on Meilisearch's scheduler dropping it);
+    - `forced(restrictions, index, value)`: the key's forcedParameters applied
+      to its search value, or REFUSED_WHEN_FORCED, or None: they do not apply;
+    - `carrier`: where its search value lives, QUERY (a GET's query string)
+      or BODY (its JSON body);
+    - `family`: what /metrics counts it under;
+    - `gated`: the Gate checks its credential before the handler (/metrics
+      checks its own: its token may stand in)."""
+
+    def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
+        repeatable = method == "GET" if repeatable is None else repeatable
+        handler = handler or Service.forward
+        return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
+                               searches, repeatable, creates_index, forced,
+                               QUERY if method == "GET" else BODY,
+                               route_family(pattern, handler is not Service.forward), gated)
+
+    @property
+    def is_meilisearch(self):
+        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
+        its additions under /keys/{key}/ are not)?"""
+        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
+
+    def scope_rule(self, principal, index):
+        """The rule that holds `principal` to its indexes and filters on
+        this route (None: the index check was enough)."""
+        rule = self.rule
+        return rule if rule is not None and rule.applies(principal, index) else None
+
+
+def route_family(pattern, local):
+    """The family /metrics counts a route's requests under, one of a small
+    fixed set: search, multi-search, documents, settings, indexes, tasks,
+    keys, authorize, health, metrics, other. `local`: searchkeys answers it."""
+    parts = pattern.split("/")
+    if local:
+        return parts[1]  # keys, authorize, health, metrics
+    if parts[1] == "indexes" and len(parts) > 3:
+        return {"search": "search", "similar": "search", "facet-search": "search",
+                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
+    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
+            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
+
+
+def _settings_routes():
+    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
+    put_names = (
+        "filterable-attributes", "sortable-attributes", "displayed-attributes",
+        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+        "prefix-search", "foreign-keys",
+    )
+    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+    routes = []
+    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
+        for name in names:
+            pattern = "/indexes/{index_uid}/settings/" + name
+            routes += [Route("GET", pattern, ("settings.get",)),
+                       Route(verb, pattern, ("settings.update",), creates_index=True,
+                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
+                       Route("DELETE", pattern, ("settings.update",), creates_index=True)]
+    return routes
+
+
+def build_routes():
+    """The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
+    each. Like actix, the first pattern matching a path wins (in table order);
+    a method it lacks is a 405. "{index_uid}" segments are checked against the
+    key's index patterns; other "{...}" segments match anything.
+    Built once every handler and rule exists (called at the end of the
+    file, so that this module reads in the order a request travels)."""
+    return tuple([
+        Route("GET", "/health", PUBLIC, handler=Service.answer_health),
+        Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
+        Route("GET", "/", PUBLIC),
+        Route("GET", "/version", ("version",)),
+        Route("GET", "/stats", ("stats.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: filter_stats(c.principal, a, c.facts["covered_indexes"]),
+            facts=("covered_indexes",))),
+        Route("GET", "/keys", ("keys.get",), handler=Service.answer_keys),
+        Route("POST", "/keys", ("keys.create",), handler=Service.answer_keys),
+        Route("GET", "/keys/{key}", ("keys.get",), handler=Service.answer_keys),
+        Route("PATCH", "/keys/{key}", ("keys.update",), handler=Service.answer_keys),
+        Route("DELETE", "/keys/{key}", ("keys.delete",), handler=Service.answer_keys),
+        Route("GET", "/keys/{key}/restrictions", ("keys.get",),
+              handler=Service.answer_restrictions),
+        Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
+              handler=Service.answer_restrictions),
+        Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
+              handler=Service.answer_restrictions),
+        Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
+              handler=Service.answer_rotate),
+        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=Service.answer_usage),
+        Route("GET", "/indexes", ("indexes.get",), rule=Rule(
+            SCOPED, query=_index_page_query, answer=_index_page_answer)),
+        Route("POST", "/indexes", ("indexes.create",),
+              rule=Rule(SCOPED, value=check_index_creation)),
+        Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
+        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
+        Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
+        Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
+        Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
+        Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
+        Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, repeatable=True,
+              forced=force_search_on(SEARCH_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
+              repeatable=True, forced=force_facet_search),
+        Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, repeatable=True,
+              forced=force_search_on(SIMILAR_PARAMETERS)),
+        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+        Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+        Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
+        Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
+              forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
+        Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
+        Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
+              forced=refuse_embedders),
+        Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
+    ] + _settings_routes() + [
+        Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
+              hits=cap_multi_search, searches=count_queries, repeatable=True,
+              forced=force_multi_search),
+        Route("POST", "/swap-indexes", ("indexes.swap",),
+              rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
+        Route("POST", "/render-template", ("settings.get", "documents.get"),
+              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
+        Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
+            SCOPED, query=_task_change_query("delete"), facts=("covered_indexes",))),
+        Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
+            SCOPED, query=_task_change_query("cancel"), facts=("covered_indexes",))),
+        Route("POST", "/tasks/compact", ("tasks.compact",)),
+        Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
+        Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
+            SCOPED, query=_task_documents_query, facts=("task",)), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
+        Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
+        Route("POST", "/dumps", ("dumps.create",)),
+        Route("POST", "/snapshots", ("snapshots.create",)),
+        Route("GET", "/metrics", ("metrics.get",), handler=Service.answer_metrics,
+              gated=False),
+        Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/logs/stream", ("metrics.get",)),
+        Route("POST", "/logs/stderr", ("metrics.get",)),
+        Route("GET", "/experimental-features", ("experimental.get",)),
+        Route("PATCH", "/experimental-features", ("experimental.update",)),
+        Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
+        Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
+        Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/webhooks", ("webhooks.get",)),
+        Route("POST", "/webhooks", ("webhooks.create",)),
+        Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
+        Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
+        Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
+        Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
+        Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
+        Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
+        Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
+        Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
+        Route("GET", "/chats", ("chats.get",)),
+        Route("GET", "/chats/{workspace}", ("chats.get",)),
+        Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
+        Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
+        Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+        Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
+              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
+    ])
+
+
+def match_route(method, segments):
+    """Find the route of a request path given as decoded segments (see
+    path_segments).
+
+    Returns (Route, index_uid, params) when the route exists, "method" when
+    the path exists but not for this method, None when no route has the path.
+    """
+    for parts, methods in _ROUTES_BY_SHAPE.get(segments[:1] + (len(segments),), ()):
+        params = _match_segments(parts, segments)
+        if params is None:
+            continue
+        if method not in methods:
+            return "method"
+        return methods[method], params.get("index_uid"), params
+    return None
+
+
+def _match_segments(parts, segments):
+    if len(parts) != len(segments):
+        return None
+    params = {}
+    for want, got in zip(parts, segments):
+        if want.startswith("{"):
+            if not got:
+                return None
+            params[want[1:-1]] = got
+        elif want != got:
+            return None
+    return params
+
+
+def _routes_by_shape(routes):
+    """(path parts, {method: Route}) of each pattern, grouped by (first
+    segment, segment count), in table order: a request is matched against a
+    handful of patterns, not all of them."""
+    by_pattern = {}
+    for route in routes:
+        by_pattern.setdefault(route.pattern, {})[route.method] = route
+    shapes = {}
+    for pattern, methods in by_pattern.items():
+        parts = tuple(pattern.split("/")[1:]) if pattern != "/" else ()
+        shapes.setdefault(parts[:1] + (len(parts),), []).append((parts, methods))
+    return shapes
+
+
+def path_segments(raw_path):
+    """Upstream's view of a request path: `//` merged, one trailing slash
+    trimmed, then each segment percent-decoded (so `%2F` stays inside its
+    segment). `/` is the empty tuple."""
+    path = raw_path.split("?", 1)[0]
+    if "//" in path:
+        path = re.sub("/{2,}", "/", path)
+    if path.endswith("/"):
+        path = path[:-1]
+    segments = path.split("/")[1:]
+    if "%" in path:
+        segments = [urllib.parse.unquote(s, errors="replace") for s in segments]
+    return tuple(segments)
+
+
+# =============================================================================
+# Restrictions: enforced by the Gate (client address -> brute-force throttle
+# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
+# and GET/PUT/DELETE /keys/{key}/restrictions
+# =============================================================================
+
+
+class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
+    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
+    throttle (a Rate of failures, or None: off) and the counters' bound."""
+
+    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
+        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
+
+
+class TooManyRequests(ApiError):
+    """429 with Retry-After and RateLimit-* headers (`headers`)."""
+
+    def __init__(self, message, wait, rate):
+        super().__init__(429, "too_many_requests", message)
+        seconds = str(max(1, int(-(-wait // 1))))
+        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
+                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
+                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
+        self.headers += NOT_CACHEABLE
+
+
+def too_many_failures(wait, throttle):
+    return refused("throttled", TooManyRequests(
+        "Too many failed authentications from your address; retry later.", wait, throttle))
+
+
+# An answer that depends on more than method, URI and credential (the client's
+# address, its Origin, the time) must not be kept by nginx's decision cache.
+NOT_CACHEABLE = [("Cache-Control", "no-store")]
+
+
+# The refusal reason (see USAGE_REASONS) of each restriction.
+RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+
+
+def restriction_refused(field, what):
+    """403 naming the restriction, never its settings."""
+    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
+                     "`%s` restriction)." % (what, field), "auth")
+    error.headers = NOT_CACHEABLE
+    return refused(RESTRICTION_REASONS[field], error)
+
+
+def authorize_headers(principal):
+    """Headers of /authorize's 204: not cacheable for a restricted key."""
+    key = principal.key
+    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
+
+
+class Gate:
+    """Guard.check plus what restrictions add: callers over the brute-force
+    throttle get 429 before their credential is looked at; an authorized
+    key's (or tenant token's parent key's) restrictions are then applied."""
+
+    def __init__(self, guard, limits=None):
+        self.guard = guard
+        self.limits = limits or Limits()
+        self.counters = Counters(self.limits.max_clients)
+        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
+
+    def client(self, request):
+        trusted = self.limits.trusted_proxies
+        forwarded = None
+        if trusted:
+            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
+        return client_address(request.peer or "", forwarded, trusted)
+
+    def check(self, request, actions, index):
+        """The Principal, as Guard.check; raises its refusals, 403 for an
+        address or referrer the key does not allow, 429 over a rate."""
+        throttle, address = self.limits.throttle, None
+        if throttle is not None and actions:
+            address = self.client(request)
+            left = self.failures.throttled(counter_client(address))
+            if left is not None:
+                raise too_many_failures(left, throttle)
+        try:
+            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+        except ApiError as error:
+            if error.reason is None:  # no key: none, an unknown one, a bad tenant token
+                error.reason = "credential"
+            if throttle is not None and actions and \
+                    not self.failures.fail(counter_client(address)):
+                raise too_many_failures(throttle.window, throttle)
+            raise
+        key = request.key = principal.key
+        restrictions = key.restrictions if key is not None else None
+        if restrictions is None:
+            return principal
+        if address is None:
+            address = self.client(request)
+        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
+            raise restriction_refused("allowedIps", "from your address")
+        self._take(self._rates(key, address))  # before the referrer check: a refusal counts
+        if restrictions.referrers is not None and not referrer_allowed(
+                restrictions.referrers, request.headers.get("Origin"),
+                request.headers.get("Referer")):
+            raise restriction_refused("allowedReferrers", "from this site")
+        return principal
+
+    def charge(self, request, principal, searches):
+        """Count a request's further searches (a multi-search runs one a
+        query; `check` counted the first) against the key's rates: 429 over
+        a rate, 403 when one request holds more than a rate allows."""
+        key = principal.key
+        if searches <= 1 or key is None or key.restrictions is None:
+            return
+        wanted = self._rates(key, self.client(request))
+        if any(searches > rate.count for _, rate in wanted):
+            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
+        for _ in range(searches - 1):
+            self._take(wanted)
+
+    @staticmethod
+    def _rates(key, address):
+        """The (counter, Rate) pairs a request with `key` from `address` counts against."""
+        restrictions, wanted = key.restrictions, []
+        if restrictions.per_ip is not None:
+            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
+        if restrictions.per_key is not None:
+            wanted.append((key.uid, restrictions.per_key))
+        return wanted
+
+    def _take(self, wanted):
+        refusal = self.counters.take(wanted) if wanted else None
+        if refusal is not None:
+            wait, rate = refusal
+            raise refused("rate", TooManyRequests(
+                "Too many requests with this API key (its `rateLimit` restriction); retry in "
+                "%d seconds." % max(1, -(-wait // 1)), wait, rate))
+
+
+# =============================================================================
 # Authentication: Authorization header -> master key, API key or tenant token
 # =============================================================================
 
@@ -1581,64 +1996,225 @@ def index_scoped_global_action(actions, indexes):
     return None
 
 
-def match_route(method, segments):
-    """Find the route of a request path given as decoded segments (see
-    path_segments).
+# =============================================================================
+# Decision: what a principal's request on a route gets (pure), and the
+# backend's facts it needs, fetched at the edge
+# =============================================================================
 
-    Returns (Route, index_uid, params) when the route exists, "method" when
-    the path exists but not for this method, None when no route has the path.
-    """
-    for parts, methods in _ROUTES_BY_SHAPE.get(segments[:1] + (len(segments),), ()):
-        params = _match_segments(parts, segments)
-        if params is None:
-            continue
-        if method not in methods:
-            return "method"
-        return methods[method], params.get("index_uid"), params
-    return None
+# Why a Step is taken: the index scope of a key or tenant token (its
+# handler rule), or the restriction field that asks for it.
+SCOPE = "scope"
 
 
-def _match_segments(parts, segments):
-    if len(parts) != len(segments):
-        return None
-    params = {}
-    for want, got in zip(parts, segments):
-        if want.startswith("{"):
-            if not got:
-                return None
-            params[want[1:-1]] = got
-        elif want != got:
-            return None
-    return params
+class Step(collections.namedtuple("Step", "why apply")):
+    """One check or rewrite of what a request asks the backend: `why` is
+    SCOPE or a restriction field. A value step's `apply(value)` returns the
+    search value to forward; a query step's `apply(query, context)` the query
+    string of a listing. Either raises its refusal."""
 
 
-def _routes_by_shape(routes):
-    """(path parts, {method: Route}) of each pattern, grouped by (first
-    segment, segment count), in table order: a request is matched against a
-    handful of patterns, not all of them."""
-    by_pattern = {}
+class Decision(collections.namedtuple(
+        "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
+                    "answer_filter searches checks_joins")):
+    """What a principal's request on a route and index gets, before anything
+    of the request but its route is read:
+    - `refusal`: an ApiError, or None;
+    - `needs_existing_index`: the index must already exist (the caller may
+      not create it, the backend's key may);
+    - `facts`: the backend's facts its query steps and answer filter need
+      (names, see fetch_facts);
+    - `value_steps`: Steps on its search value, which lives in its `carrier`
+      (BODY: the JSON body; QUERY: a GET's query string, parsed once);
+    - `query_steps`: Steps on a listing's query string;
+    - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
+    - `searches(body)`: the searches a body runs, for the key's rate
+      limits, or None (one);
+    - `checks_joins`: the indexes searched must not join (Meilisearch's
+      foreignKeys) documents the principal may not see whole (check_joins)."""
+
+    @property
+    def needs_body(self):
+        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
+
+    def check_unchanged(self, route, principal, params, query):
+        """For `GET /authorize`, which lets nginx forward the request as sent,
+        without its body or answer: raise unless the decision allows it with
+        nothing to read, fetch or rewrite (the steps on its query string may
+        run: they must leave it as it is)."""
+        if self.refusal is not None:
+            raise self.refusal
+        unseen = None
+        if self.value_steps and self.carrier == BODY:
+            unseen = self.value_steps[0].why
+        elif self.searches is not None:
+            unseen = "rateLimit"
+        elif self.facts or self.answer_filter is not None:
+            unseen = SCOPE
+        elif self.value_steps:
+            value = parse_search_query(query)[0]
+            for step in self.value_steps:
+                if step.apply(value) != value:
+                    unseen = step.why
+                    break
+        context = RuleContext(principal, params, query, {})
+        for step in () if unseen else self.query_steps:
+            if step.apply(query, context) != query:
+                unseen = step.why
+                break
+        if unseen is None:
+            return
+        if unseen == SCOPE:
+            raise scope_not_enforceable(
+                route, "through `GET /authorize`, which never sees the body nor the answer "
+                "(use `searchkeys.py serve --upstream` for such keys)")
+        raise restriction_refused(unseen, "through `GET /authorize` on this request, which "
+                                  "it would have to read or rewrite (send it through "
+                                  "`searchkeys.py serve --upstream`)")
+
+
+def decide(route, principal, index):
+    """The one decision of what `principal` (already allowed the route's
+    actions on `index` by `authorize`) gets on `route`: pure, no I/O. Both
+    the forwarding path and `GET /authorize` act on it."""
+    rule = route.scope_rule(principal, index)
+    restrictions = principal.restrictions
+    refusal, facts, answer_filter, searches = None, (), None, None
+    value_steps, query_steps = [], []
+    if rule is not None:
+        if rule.when == UNENFORCEABLE:
+            refusal = scope_not_enforceable(route, "")
+        facts, answer_filter = rule.facts, rule.answer
+        if rule.value is not None:
+            value_steps.append(Step(SCOPE, lambda value: rule.value(principal, index, value)))
+        if rule.query is not None:
+            query_steps.append(Step(SCOPE, lambda query, context: rule.query(
+                context._replace(query=query))))
+    forcing = route.forced
+    if forcing is not None and restrictions is not None and restrictions.forced is not None:
+        if forcing != REFUSED_WHEN_FORCED:
+            value_steps.append(Step("forcedParameters", lambda value: forcing(
+                restrictions, index, value)))
+        elif index is None or forced_parameters(restrictions, index) is not None:
+            refusal = refusal or restriction_refused(
+                "forcedParameters", "on `%s %s`, which cannot apply its forced search "
+                "parameters" % (route.method, route.pattern))
+    cap = restrictions.max_hits if restrictions is not None else None
+    if cap is not None and route.hits is not None:
+        value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
+    if route.searches is not None and restrictions is not None and restrictions.rated:
+        searches = route.searches
+    checks_joins = route.family in ("search", "multi-search") and not (
+        principal.unscoped and (restrictions is None or restrictions.forced is None))
+    return Decision(refusal, route.creates_index and not principal.may_create_index(index),
+                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
+                    answer_filter, searches, checks_joins)
+
+
+def check_joins(principal, joins):
+    """Meilisearch's experimental foreignKeys put the whole document of a
+    joined index into each hit (and `_foreign(...)` filters on it): `joins`
+    ({index searched: its foreignKeys setting}) must name only indexes the
+    principal covers with nothing to hold it to there (no forced parameters,
+    no tenant-token filter): the guard applies neither to joined documents."""
+    restrictions = principal.restrictions
+    for index, foreign_keys in joins.items():
+        for foreign in foreign_keys:
+            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
+            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
+                    tenant_filter(principal.rules, uid) is not None or \
+                    forced_parameters(restrictions, uid) is not None:
+                raise refused("index", invalid_api_key(
+                    "The index `%s` joins documents of another index (its `foreignKeys`) "
+                    "that this API key may not see whole; the search is refused." % index))
+
+
+def searched_indexes(call):
+    """The indexes a search request searches: its path's, or its queries'."""
+    if call.index is not None:
+        return [call.index]
+    queries = call.json.get("queries") if isinstance(call.json, dict) else None
+    return sorted({q["indexUid"] for q in queries if isinstance(q, dict)
+                   and isinstance(q.get("indexUid"), str)} if isinstance(queries, list) else ())
+
+
+def fetch_joins(upstream, indexes):
+    """{index: its foreignKeys setting} from the backend. Its index_not_found
+    is relayed; a backend without the route (another 404: an older
+    Meilisearch) joins nothing; anything else but the setting (a list) fails
+    closed (a --upstream-key without settings.get gets 403 here)."""
+    joins = {}
+    for index in indexes:
+        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
+        status, answer = upstream.fetch_json(target)
+        code = answer.get("code") if isinstance(answer, dict) else None
+        if status == 404 and code == "index_not_found":
+            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+        if status == 404:
+            joins[index] = []
+        elif status == 200 and isinstance(answer, list):
+            joins[index] = answer
+        else:
+            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
+                                       "answered %s" % (index, status))
+    return joins
+
+
+def cap_hits(route, cap, value):
+    """A search value asking for at most `cap` hits a query; a multi-search
+    of more than MAX_CAPPED_QUERIES queries is refused."""
+    if route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
+        raise restriction_refused("maxHitsPerQuery", "for more than %d queries in one "
+                                  "request" % MAX_CAPPED_QUERIES)
+    return route.hits(value, cap)
+
+
+def check_index_exists(upstream, index, missing_status):
+    """A documents or settings write on a missing index creates it when the
+    caller may create indexes (upstream's allow_index_creation). The backend
+    gets our --upstream-key, which may: for a caller who may not, the index
+    must exist already. Upstream would enqueue a task failing with
+    `index_not_found`; the guard cannot enqueue, so it answers that error
+    now (`missing_status`: 403 for /authorize, as nginx takes any other
+    refusal for its own error).
+    An index deleted between this check and the forward is still created:
+    the backend offers no "write only if the index exists"."""
+    try:
+        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
+                        "asking for index %s" % index)
+    except ApiError as error:
+        if error.status == 404:
+            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+        raise
+
+
+def fetch_facts(upstream, call, names):
+    """The backend's facts a decision's steps need ({name: value}), fetched
+    once for the request: `covered_indexes`, the index objects the principal
+    covers; `task`, the task of the path's task_id (its refusal relayed)."""
+    facts = {}
+    if "covered_indexes" in names:
+        status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(upstream, "listing its indexes answered %s" % status)
+        facts["covered_indexes"] = [
+            i for i in answer.get("results", ()) if isinstance(i, dict)
+            and isinstance(i.get("uid"), str) and call.principal.may_use_index(i["uid"])]
+    if "task" in names:
+        task_id = call.params["task_id"]
+        facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
+            task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
+    return facts
+
+
+def _check_route_table(routes):
+    """Index-scoped keys pass `authorize` on index-less routes of
+    HANDLER_CHECKED_ACTIONS on the promise that the route's handler rule
+    holds them to their indexes: every such route forwarded must have one."""
     for route in routes:
-        by_pattern.setdefault(route.pattern, {})[route.method] = route
-    shapes = {}
-    for pattern, methods in by_pattern.items():
-        parts = tuple(pattern.split("/")[1:]) if pattern != "/" else ()
-        shapes.setdefault(parts[:1] + (len(parts),), []).append((parts, methods))
-    return shapes
-
-
-def path_segments(raw_path):
-    """Upstream's view of a request path: `//` merged, one trailing slash
-    trimmed, then each segment percent-decoded (so `%2F` stays inside its
-    segment). `/` is the empty tuple."""
-    path = raw_path.split("?", 1)[0]
-    if "//" in path:
-        path = re.sub("/{2,}", "/", path)
-    if path.endswith("/"):
-        path = path[:-1]
-    segments = path.split("/")[1:]
-    if "%" in path:
-        segments = [urllib.parse.unquote(s, errors="replace") for s in segments]
-    return tuple(segments)
+        if route.handler is Service.forward and "{index_uid}" not in route.pattern \
+                and set(route.actions) & HANDLER_CHECKED_ACTIONS and route.rule is None:
+            raise AssertionError("%s %s lets index-scoped keys in without a rule"
+                                 % (route.method, route.pattern))
 
 
 # =============================================================================
@@ -1647,6 +2223,14 @@ def path_segments(raw_path):
 # key's maxHitsPerQuery. The backend gets our --upstream-key, not the
 # caller's credential, so the guard applies them.
 # =============================================================================
+
+DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+
+
+# The queries one multi-search of a key with maxHitsPerQuery may run (as Typesense's
+# limit_multi_searches): one request asks for at most this many times the cap.
+MAX_CAPPED_QUERIES = 20
+
 
 def _capped(value, cap):
     """A requested count, capped; values that are not counts are left for
@@ -1897,6 +2481,52 @@ FORMATTED_PARAMETERS = ("attributesToHighlight", "attributesToCrop")
 # A forced list that is empty means the parameter's default on a GET, so the
 # parameter is left out; for the others an empty list has no GET spelling.
 EMPTY_IS_DEFAULT = frozenset(FORMATTED_PARAMETERS + ("facets", "locales"))
+
+
+MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
+
+
+def _validate_forced_parameters(value):
+    """forcedParameters: 1 to 100 index patterns, each with at least one
+    search parameter Meilisearch would accept, at most 16 KiB in all."""
+    code = "invalid_restrictions_forced_parameters"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".forcedParameters", "an object", value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
+                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
+    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
+        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
+                            % MAX_FORCED_PARAMETERS)
+    for pattern, parameters in value.items():
+        where = ".forcedParameters.%s" % printable(pattern)
+        if not is_valid_index_pattern(pattern):
+            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
+                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
+                                % printable(pattern))
+        if not isinstance(parameters, dict):
+            raise wrong_type(code, where, "an object", parameters)
+        if not parameters:
+            raise invalid_value(code, where, "give at least one search parameter.")
+        for name, forced in parameters.items():
+            if name not in FORCED_PARAMETERS:
+                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
+                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
+                                  backticked(FORCED_PARAMETERS)))
+            expected, accepts = FORCED_PARAMETERS[name]
+            if not accepts(forced):
+                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+    return value
+
+
+def forced_parameters(restrictions, index):
+    """The search parameters a key's forcedParameters force on `index` (those
+    of its most specific pattern, as for a tenant token's searchRules), or None."""
+    if restrictions is None or restrictions.forced is None:
+        return None
+    return most_specific_rule(restrictions.forced, index)
 
 
 def force_object(query, forced, names):
@@ -2256,607 +2886,6 @@ def scope_not_enforceable(route, where):
 
 
 # =============================================================================
-# Routes: one record per route, and what a principal's request becomes
-# =============================================================================
-
-QUERY, BODY = "query", "body"  # where a route's search parameters live: its carrier
-
-
-def count_queries(body):
-    """The searches a multi-search body runs (federated or not): one a query."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    return len(queries) if isinstance(queries, list) else 1
-
-
-class Route(collections.namedtuple(
-        "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated")):
-    """One route:
-    - `actions`: what a credential must hold (PUBLIC: nothing);
-    - `handler(service, call)`: who answers (Service.forward: the backend);
-    - `rule`: the handler rule holding a scoped principal to its indexes;
-    - `hits(value, cap)`: caps the hits its search value asks for (the key's
-      maxHitsPerQuery), None when it asks for none;
-    - `searches(body)`: how many searches its body runs (rate limits); None: one;
-    - `repeatable`: safe to send twice (GETs and read-only POSTs);
-    - `creates_index`: creates its missing index when the caller may create
-      indexes (upstream's allow_index_creation; the settings deletions pass it
-      too, and the guard does not rely on Meilisearch's scheduler dropping it);
-    - `forced(restrictions, index, value)`: the key's forcedParameters applied
-      to its search value, or REFUSED_WHEN_FORCED, or None: they do not apply;
-    - `carrier`: where its search value lives, QUERY (a GET's query string)
-      or BODY (its JSON body);
-    - `family`: what /metrics counts it under;
-    - `gated`: the Gate checks its credential before the handler (/metrics
-      checks its own: its token may stand in)."""
-
-    def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
-        repeatable = method == "GET" if repeatable is None else repeatable
-        handler = handler or Service.forward
-        return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
-                               searches, repeatable, creates_index, forced,
-                               QUERY if method == "GET" else BODY,
-                               route_family(pattern, handler is not Service.forward), gated)
-
-    @property
-    def is_meilisearch(self):
-        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/{key}/ are not)?"""
-        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
-
-    def scope_rule(self, principal, index):
-        """The rule that holds `principal` to its indexes and filters on
-        this route (None: the index check was enough)."""
-        rule = self.rule
-        return rule if rule is not None and rule.applies(principal, index) else None
-
-
-def route_family(pattern, local):
-    """The family /metrics counts a route's requests under, one of a small
-    fixed set: search, multi-search, documents, settings, indexes, tasks,
-    keys, authorize, health, metrics, other. `local`: searchkeys answers it."""
-    parts = pattern.split("/")
-    if local:
-        return parts[1]  # keys, authorize, health, metrics
-    if parts[1] == "indexes" and len(parts) > 3:
-        return {"search": "search", "similar": "search", "facet-search": "search",
-                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
-    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
-            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
-
-
-def _settings_routes():
-    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
-    put_names = (
-        "filterable-attributes", "sortable-attributes", "displayed-attributes",
-        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
-        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
-        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
-        "prefix-search", "foreign-keys",
-    )
-    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
-    routes = []
-    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
-        for name in names:
-            pattern = "/indexes/{index_uid}/settings/" + name
-            routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",), creates_index=True,
-                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
-                       Route("DELETE", pattern, ("settings.update",), creates_index=True)]
-    return routes
-
-
-def build_routes():
-    """The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
-    each. Like actix, the first pattern matching a path wins (in table order);
-    a method it lacks is a 405. "{index_uid}" segments are checked against the
-    key's index patterns; other "{...}" segments match anything.
-    Built once every handler and rule exists (called at the end of the
-    file, so that this module reads in the order a request travels)."""
-    return tuple([
-        Route("GET", "/health", PUBLIC, handler=Service.answer_health),
-        Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
-        Route("GET", "/", PUBLIC),
-        Route("GET", "/version", ("version",)),
-        Route("GET", "/stats", ("stats.get",), rule=Rule(
-            SCOPED, answer=lambda c, a: filter_stats(c.principal, a, c.facts["covered_indexes"]),
-            facts=("covered_indexes",))),
-        Route("GET", "/keys", ("keys.get",), handler=Service.answer_keys),
-        Route("POST", "/keys", ("keys.create",), handler=Service.answer_keys),
-        Route("GET", "/keys/{key}", ("keys.get",), handler=Service.answer_keys),
-        Route("PATCH", "/keys/{key}", ("keys.update",), handler=Service.answer_keys),
-        Route("DELETE", "/keys/{key}", ("keys.delete",), handler=Service.answer_keys),
-        Route("GET", "/keys/{key}/restrictions", ("keys.get",),
-              handler=Service.answer_restrictions),
-        Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
-              handler=Service.answer_restrictions),
-        Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
-              handler=Service.answer_restrictions),
-        Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
-              handler=Service.answer_rotate),
-        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=Service.answer_usage),
-        Route("GET", "/indexes", ("indexes.get",), rule=Rule(
-            SCOPED, query=_index_page_query, answer=_index_page_answer)),
-        Route("POST", "/indexes", ("indexes.create",),
-              rule=Rule(SCOPED, value=check_index_creation)),
-        Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
-        Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
-        Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
-        Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
-        Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
-        Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
-        Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SEARCH_PARAMETERS)),
-        Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
-              repeatable=True, forced=force_facet_search),
-        Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
-        Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SIMILAR_PARAMETERS)),
-        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
-        Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-        Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-        Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
-        Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
-        Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
-        Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
-        Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
-              forced=REFUSED_WHEN_FORCED),
-        Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
-        Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
-        Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-        Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
-              forced=refuse_embedders),
-        Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
-    ] + _settings_routes() + [
-        Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
-              hits=cap_multi_search, searches=count_queries, repeatable=True,
-              forced=force_multi_search),
-        Route("POST", "/swap-indexes", ("indexes.swap",),
-              rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
-        Route("POST", "/render-template", ("settings.get", "documents.get"),
-              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
-        Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
-        Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
-            SCOPED, query=_task_change_query("delete"), facts=("covered_indexes",))),
-        Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
-            SCOPED, query=_task_change_query("cancel"), facts=("covered_indexes",))),
-        Route("POST", "/tasks/compact", ("tasks.compact",)),
-        Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
-            SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
-        Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-            SCOPED, query=_task_documents_query, facts=("task",)), forced=REFUSED_WHEN_FORCED),
-        Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
-        Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
-            SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
-        Route("POST", "/dumps", ("dumps.create",)),
-        Route("POST", "/snapshots", ("snapshots.create",)),
-        Route("GET", "/metrics", ("metrics.get",), handler=Service.answer_metrics,
-              gated=False),
-        Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
-        Route("DELETE", "/logs/stream", ("metrics.get",)),
-        Route("POST", "/logs/stderr", ("metrics.get",)),
-        Route("GET", "/experimental-features", ("experimental.get",)),
-        Route("PATCH", "/experimental-features", ("experimental.update",)),
-        Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
-        Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
-        Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
-        Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
-        Route("GET", "/webhooks", ("webhooks.get",)),
-        Route("POST", "/webhooks", ("webhooks.create",)),
-        Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
-        Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
-        Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
-        Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
-        Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
-        Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
-        Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
-        Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
-        Route("GET", "/chats", ("chats.get",)),
-        Route("GET", "/chats/{workspace}", ("chats.get",)),
-        Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
-        Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
-        Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",),
-              forced=REFUSED_WHEN_FORCED),
-        Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
-        Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
-              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
-    ])
-
-
-ROUTES = build_routes()
-ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
-_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
-
-
-# Why a Step is taken: the index scope of a key or tenant token (its
-# handler rule), or the restriction field that asks for it.
-SCOPE = "scope"
-
-
-class Step(collections.namedtuple("Step", "why apply")):
-    """One check or rewrite of what a request asks the backend: `why` is
-    SCOPE or a restriction field. A value step's `apply(value)` returns the
-    search value to forward; a query step's `apply(query, context)` the query
-    string of a listing. Either raises its refusal."""
-
-
-class Decision(collections.namedtuple(
-        "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins")):
-    """What a principal's request on a route and index gets, before anything
-    of the request but its route is read:
-    - `refusal`: an ApiError, or None;
-    - `needs_existing_index`: the index must already exist (the caller may
-      not create it, the backend's key may);
-    - `facts`: the backend's facts its query steps and answer filter need
-      (names, see fetch_facts);
-    - `value_steps`: Steps on its search value, which lives in its `carrier`
-      (BODY: the JSON body; QUERY: a GET's query string, parsed once);
-    - `query_steps`: Steps on a listing's query string;
-    - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
-    - `searches(body)`: the searches a body runs, for the key's rate
-      limits, or None (one);
-    - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins)."""
-
-    @property
-    def needs_body(self):
-        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
-
-    def check_unchanged(self, route, principal, params, query):
-        """For `GET /authorize`, which lets nginx forward the request as sent,
-        without its body or answer: raise unless the decision allows it with
-        nothing to read, fetch or rewrite (the steps on its query string may
-        run: they must leave it as it is)."""
-        if self.refusal is not None:
-            raise self.refusal
-        unseen = None
-        if self.value_steps and self.carrier == BODY:
-            unseen = self.value_steps[0].why
-        elif self.searches is not None:
-            unseen = "rateLimit"
-        elif self.facts or self.answer_filter is not None:
-            unseen = SCOPE
-        elif self.value_steps:
-            value = parse_search_query(query)[0]
-            for step in self.value_steps:
-                if step.apply(value) != value:
-                    unseen = step.why
-                    break
-        context = RuleContext(principal, params, query, {})
-        for step in () if unseen else self.query_steps:
-            if step.apply(query, context) != query:
-                unseen = step.why
-                break
-        if unseen is None:
-            return
-        if unseen == SCOPE:
-            raise scope_not_enforceable(
-                route, "through `GET /authorize`, which never sees the body nor the answer "
-                "(use `searchkeys.py serve --upstream` for such keys)")
-        raise restriction_refused(unseen, "through `GET /authorize` on this request, which "
-                                  "it would have to read or rewrite (send it through "
-                                  "`searchkeys.py serve --upstream`)")
-
-
-def decide(route, principal, index):
-    """The one decision of what `principal` (already allowed the route's
-    actions on `index` by `authorize`) gets on `route`: pure, no I/O. Both
-    the forwarding path and `GET /authorize` act on it."""
-    rule = route.scope_rule(principal, index)
-    restrictions = principal.restrictions
-    refusal, facts, answer_filter, searches = None, (), None, None
-    value_steps, query_steps = [], []
-    if rule is not None:
-        if rule.when == UNENFORCEABLE:
-            refusal = scope_not_enforceable(route, "")
-        facts, answer_filter = rule.facts, rule.answer
-        if rule.value is not None:
-            value_steps.append(Step(SCOPE, lambda value: rule.value(principal, index, value)))
-        if rule.query is not None:
-            query_steps.append(Step(SCOPE, lambda query, context: rule.query(
-                context._replace(query=query))))
-    forcing = route.forced
-    if forcing is not None and restrictions is not None and restrictions.forced is not None:
-        if forcing != REFUSED_WHEN_FORCED:
-            value_steps.append(Step("forcedParameters", lambda value: forcing(
-                restrictions, index, value)))
-        elif index is None or forced_parameters(restrictions, index) is not None:
-            refusal = refusal or restriction_refused(
-                "forcedParameters", "on `%s %s`, which cannot apply its forced search "
-                "parameters" % (route.method, route.pattern))
-    cap = restrictions.max_hits if restrictions is not None else None
-    if cap is not None and route.hits is not None:
-        value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
-    if route.searches is not None and restrictions is not None and restrictions.rated:
-        searches = route.searches
-    checks_joins = route.family in ("search", "multi-search") and not (
-        principal.unscoped and (restrictions is None or restrictions.forced is None))
-    return Decision(refusal, route.creates_index and not principal.may_create_index(index),
-                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins)
-
-
-def check_joins(principal, joins):
-    """Meilisearch's experimental foreignKeys put the whole document of a
-    joined index into each hit (and `_foreign(...)` filters on it): `joins`
-    ({index searched: its foreignKeys setting}) must name only indexes the
-    principal covers with nothing to hold it to there (no forced parameters,
-    no tenant-token filter): the guard applies neither to joined documents."""
-    restrictions = principal.restrictions
-    for index, foreign_keys in joins.items():
-        for foreign in foreign_keys:
-            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
-            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
-                    tenant_filter(principal.rules, uid) is not None or \
-                    forced_parameters(restrictions, uid) is not None:
-                raise refused("index", invalid_api_key(
-                    "The index `%s` joins documents of another index (its `foreignKeys`) "
-                    "that this API key may not see whole; the search is refused." % index))
-
-
-def searched_indexes(call):
-    """The indexes a search request searches: its path's, or its queries'."""
-    if call.index is not None:
-        return [call.index]
-    queries = call.json.get("queries") if isinstance(call.json, dict) else None
-    return sorted({q["indexUid"] for q in queries if isinstance(q, dict)
-                   and isinstance(q.get("indexUid"), str)} if isinstance(queries, list) else ())
-
-
-def fetch_joins(upstream, indexes):
-    """{index: its foreignKeys setting} from the backend. Its index_not_found
-    is relayed; a backend without the route (another 404: an older
-    Meilisearch) joins nothing; anything else but the setting (a list) fails
-    closed (a --upstream-key without settings.get gets 403 here)."""
-    joins = {}
-    for index in indexes:
-        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
-        status, answer = upstream.fetch_json(target)
-        code = answer.get("code") if isinstance(answer, dict) else None
-        if status == 404 and code == "index_not_found":
-            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
-        if status == 404:
-            joins[index] = []
-        elif status == 200 and isinstance(answer, list):
-            joins[index] = answer
-        else:
-            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
-                                       "answered %s" % (index, status))
-    return joins
-
-
-def cap_hits(route, cap, value):
-    """A search value asking for at most `cap` hits a query; a multi-search
-    of more than MAX_CAPPED_QUERIES queries is refused."""
-    if route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
-        raise restriction_refused("maxHitsPerQuery", "for more than %d queries in one "
-                                  "request" % MAX_CAPPED_QUERIES)
-    return route.hits(value, cap)
-
-
-def check_index_exists(upstream, index, missing_status):
-    """A documents or settings write on a missing index creates it when the
-    caller may create indexes (upstream's allow_index_creation). The backend
-    gets our --upstream-key, which may: for a caller who may not, the index
-    must exist already. Upstream would enqueue a task failing with
-    `index_not_found`; the guard cannot enqueue, so it answers that error
-    now (`missing_status`: 403 for /authorize, as nginx takes any other
-    refusal for its own error).
-    An index deleted between this check and the forward is still created:
-    the backend offers no "write only if the index exists"."""
-    try:
-        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
-                        "asking for index %s" % index)
-    except ApiError as error:
-        if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
-        raise
-
-
-def fetch_facts(upstream, call, names):
-    """The backend's facts a decision's steps need ({name: value}), fetched
-    once for the request: `covered_indexes`, the index objects the principal
-    covers; `task`, the task of the path's task_id (its refusal relayed)."""
-    facts = {}
-    if "covered_indexes" in names:
-        status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
-        if status != 200 or not isinstance(answer, dict):
-            raise upstream_unreachable(upstream, "listing its indexes answered %s" % status)
-        facts["covered_indexes"] = [
-            i for i in answer.get("results", ()) if isinstance(i, dict)
-            and isinstance(i.get("uid"), str) and call.principal.may_use_index(i["uid"])]
-    if "task" in names:
-        task_id = call.params["task_id"]
-        facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
-            task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
-    return facts
-
-
-def _check_route_table(routes):
-    """Index-scoped keys pass `authorize` on index-less routes of
-    HANDLER_CHECKED_ACTIONS on the promise that the route's handler rule
-    holds them to their indexes: every such route forwarded must have one."""
-    for route in routes:
-        if route.handler is Service.forward and "{index_uid}" not in route.pattern \
-                and set(route.actions) & HANDLER_CHECKED_ACTIONS and route.rule is None:
-            raise AssertionError("%s %s lets index-scoped keys in without a rule"
-                                 % (route.method, route.pattern))
-
-
-_check_route_table(ROUTES)
-
-
-# =============================================================================
-# Restrictions: enforced by the Gate (client address -> brute-force throttle
-# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
-# and GET/PUT/DELETE /keys/{key}/restrictions
-# =============================================================================
-
-
-class Limits(collections.namedtuple("Limits", "trusted_proxies throttle max_clients")):
-    """Server-wide settings of the Gate: trusted proxy ranges, the brute-force
-    throttle (a Rate of failures, or None: off) and the counters' bound."""
-
-    def __new__(cls, trusted_proxies=(), throttle=None, max_clients=100000):
-        return super().__new__(cls, tuple(trusted_proxies), throttle, max_clients)
-
-
-class TooManyRequests(ApiError):
-    """429 with Retry-After and RateLimit-* headers (`headers`)."""
-
-    def __init__(self, message, wait, rate):
-        super().__init__(429, "too_many_requests", message)
-        seconds = str(max(1, int(-(-wait // 1))))
-        self.headers = [("Retry-After", seconds), ("RateLimit-Limit", str(rate.count)),
-                        ("RateLimit-Remaining", "0"), ("RateLimit-Reset", seconds),
-                        ("RateLimit-Policy", "%d;w=%d" % (rate.count, rate.window))]
-        self.headers += NOT_CACHEABLE
-
-
-def too_many_failures(wait, throttle):
-    return refused("throttled", TooManyRequests(
-        "Too many failed authentications from your address; retry later.", wait, throttle))
-
-
-# An answer that depends on more than method, URI and credential (the client's
-# address, its Origin, the time) must not be kept by nginx's decision cache.
-NOT_CACHEABLE = [("Cache-Control", "no-store")]
-
-
-# The refusal reason (see USAGE_REASONS) of each restriction.
-RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
-                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
-
-
-def restriction_refused(field, what):
-    """403 naming the restriction, never its settings."""
-    error = ApiError(403, "forbidden_by_restriction", "This API key cannot be used %s (its "
-                     "`%s` restriction)." % (what, field), "auth")
-    error.headers = NOT_CACHEABLE
-    return refused(RESTRICTION_REASONS[field], error)
-
-
-def authorize_headers(principal):
-    """Headers of /authorize's 204: not cacheable for a restricted key."""
-    key = principal.key
-    return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
-
-
-class Gate:
-    """Guard.check plus what restrictions add: callers over the brute-force
-    throttle get 429 before their credential is looked at; an authorized
-    key's (or tenant token's parent key's) restrictions are then applied."""
-
-    def __init__(self, guard, limits=None):
-        self.guard = guard
-        self.limits = limits or Limits()
-        self.counters = Counters(self.limits.max_clients)
-        self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
-
-    def client(self, request):
-        trusted = self.limits.trusted_proxies
-        forwarded = None
-        if trusted:
-            forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
-        return client_address(request.peer or "", forwarded, trusted)
-
-    def check(self, request, actions, index):
-        """The Principal, as Guard.check; raises its refusals, 403 for an
-        address or referrer the key does not allow, 429 over a rate."""
-        throttle, address = self.limits.throttle, None
-        if throttle is not None and actions:
-            address = self.client(request)
-            left = self.failures.throttled(counter_client(address))
-            if left is not None:
-                raise too_many_failures(left, throttle)
-        try:
-            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
-        except ApiError as error:
-            if error.reason is None:  # no key: none, an unknown one, a bad tenant token
-                error.reason = "credential"
-            if throttle is not None and actions and \
-                    not self.failures.fail(counter_client(address)):
-                raise too_many_failures(throttle.window, throttle)
-            raise
-        key = request.key = principal.key
-        restrictions = key.restrictions if key is not None else None
-        if restrictions is None:
-            return principal
-        if address is None:
-            address = self.client(request)
-        if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
-            raise restriction_refused("allowedIps", "from your address")
-        self._take(self._rates(key, address))  # before the referrer check: a refusal counts
-        if restrictions.referrers is not None and not referrer_allowed(
-                restrictions.referrers, request.headers.get("Origin"),
-                request.headers.get("Referer")):
-            raise restriction_refused("allowedReferrers", "from this site")
-        return principal
-
-    def charge(self, request, principal, searches):
-        """Count a request's further searches (a multi-search runs one a
-        query; `check` counted the first) against the key's rates: 429 over
-        a rate, 403 when one request holds more than a rate allows."""
-        key = principal.key
-        if searches <= 1 or key is None or key.restrictions is None:
-            return
-        wanted = self._rates(key, self.client(request))
-        if any(searches > rate.count for _, rate in wanted):
-            raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
-        for _ in range(searches - 1):
-            self._take(wanted)
-
-    @staticmethod
-    def _rates(key, address):
-        """The (counter, Rate) pairs a request with `key` from `address` counts against."""
-        restrictions, wanted = key.restrictions, []
-        if restrictions.per_ip is not None:
-            wanted.append(((key.uid, counter_client(address)), restrictions.per_ip))
-        if restrictions.per_key is not None:
-            wanted.append((key.uid, restrictions.per_key))
-        return wanted
-
-    def _take(self, wanted):
-        refusal = self.counters.take(wanted) if wanted else None
-        if refusal is not None:
-            wait, rate = refusal
-            raise refused("rate", TooManyRequests(
-                "Too many requests with this API key (its `rateLimit` restriction); retry in "
-                "%d seconds." % max(1, -(-wait // 1)), wait, rate))
-
-
-class RestrictionsApi:
-    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
-
-    def __init__(self, store, write):
-        self.store, self.write = store, write
-
-    def handle(self, request, principal, segment):
-        require_master(principal, "read or change the restrictions of a key")
-        if request.method == "GET":
-            restrictions = self.store.find(segment).restrictions
-            return Response.json(200, restrictions.to_json() if restrictions
-                                 else dict.fromkeys(RESTRICTION_FIELDS))
-        if request.method == "DELETE":
-            self.write(self.store.restrict, segment, None)
-            return Response(204)
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
-        restrictions = Restrictions.from_json(request.read_json_body())
-        key = self.write(self.store.restrict, segment, restrictions)
-        return Response.json(200, key.restrictions.to_json() if key.restrictions
-                             else dict.fromkeys(RESTRICTION_FIELDS))
-
-
-# =============================================================================
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
@@ -3064,16 +3093,16 @@ class Metrics:
         return "".join(out)
 
 
+# =============================================================================
+# The /keys API: validate -> store -> respond
+# =============================================================================
+
+
 def require_master(principal, what):
     """Only the master key may `what`: any API key gets 403."""
     if principal.key is not None:
         raise refused("action", ApiError(403, "invalid_api_key", "Only the master key can %s."
                                          % what, "auth"))
-
-
-# =============================================================================
-# The /keys API: validate -> store -> respond
-# =============================================================================
 
 
 def usage_asked(query):
@@ -3151,6 +3180,28 @@ class KeysApi:
         except StoreWriteError as exc:
             self.store.log("searchkeys: %s" % exc)
             raise internal_error("The change could not be saved: %s" % exc)
+
+
+class RestrictionsApi:
+    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
+
+    def __init__(self, store, write):
+        self.store, self.write = store, write
+
+    def handle(self, request, principal, segment):
+        require_master(principal, "read or change the restrictions of a key")
+        if request.method == "GET":
+            restrictions = self.store.find(segment).restrictions
+            return Response.json(200, restrictions.to_json() if restrictions
+                                 else dict.fromkeys(RESTRICTION_FIELDS))
+        if request.method == "DELETE":
+            self.write(self.store.restrict, segment, None)
+            return Response(204)
+        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(request.read_json_body())
+        key = self.write(self.store.restrict, segment, restrictions)
+        return Response.json(200, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
 
 
 # =============================================================================
@@ -4247,17 +4298,10 @@ _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
 MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
 MAX_REFERRER_PATTERN = 512
 MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
-DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
-# The queries one multi-search of a key with maxHitsPerQuery may run (as Typesense's
-# limit_multi_searches): one request asks for at most this many times the cap.
-MAX_CAPPED_QUERIES = 20
 # What `keys restrict --preset search` sets on a public search key: a visitor
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
-MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
-
-
 class Rate(collections.namedtuple("Rate", "count window text")):
     """`count` requests per `window` seconds, written `text` (`60/minute`)."""
 
@@ -4518,49 +4562,6 @@ def _validate_restriction_list(field, value, parse):
         except ValueError as exc:
             raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
     return value
-
-
-def _validate_forced_parameters(value):
-    """forcedParameters: 1 to 100 index patterns, each with at least one
-    search parameter Meilisearch would accept, at most 16 KiB in all."""
-    code = "invalid_restrictions_forced_parameters"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise wrong_type(code, ".forcedParameters", "an object", value)
-    if not value or len(value) > MAX_RESTRICTION_ITEMS:
-        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
-                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
-    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
-        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
-                            % MAX_FORCED_PARAMETERS)
-    for pattern, parameters in value.items():
-        where = ".forcedParameters.%s" % printable(pattern)
-        if not is_valid_index_pattern(pattern):
-            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
-                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
-                                % printable(pattern))
-        if not isinstance(parameters, dict):
-            raise wrong_type(code, where, "an object", parameters)
-        if not parameters:
-            raise invalid_value(code, where, "give at least one search parameter.")
-        for name, forced in parameters.items():
-            if name not in FORCED_PARAMETERS:
-                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
-                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
-                                  backticked(FORCED_PARAMETERS)))
-            expected, accepts = FORCED_PARAMETERS[name]
-            if not accepts(forced):
-                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
-    return value
-
-
-def forced_parameters(restrictions, index):
-    """The search parameters a key's forcedParameters force on `index` (those
-    of its most specific pattern, as for a tenant token's searchRules), or None."""
-    if restrictions is None or restrictions.forced is None:
-        return None
-    return most_specific_rule(restrictions.forced, index)
 
 
 class Counters:
@@ -6582,6 +6583,12 @@ def main(argv=None):
     except ConnectionFailed as exc:
         _log_to_stderr("error: %s" % exc)
     return 1
+
+
+ROUTES = build_routes()
+ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
+_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
+_check_route_table(ROUTES)
 
 
 if __name__ == "__main__":
