@@ -34,11 +34,13 @@ to searches, filter index/stats/task listings. What a credential gets on a
 route is one pure function, ``decide`` (with ``authorize`` and ``Principal``
 before it); forwarding and ``GET /authorize`` both act on its Decision.
 
-The file reads in that order: HTTP (requests, responses, the http.server
-glue), the service, authentication and the permission model, the handler
-rules and the route table, the restrictions gate, the /keys API and its
-store, the upstream; then the pure libraries (restrictions, validation,
-UUIDs, dates, key derivation, tenant tokens), the client and the command line.
+The file reads in that order: HTTP (requests, responses, http.server), the
+service, the routes, the gate (restrictions, then authentication and the
+permission model), the decision and the handler rules it applies, usage and
+metrics, the /keys API and its store, the upstream; then the pure libraries
+(restrictions, validation, UUIDs, dates, key derivation, tenant tokens), the
+client and the command line. The route table, which names handlers and rules
+from all over, is built last, at the end of the file.
 """
 
 import argparse
@@ -1101,7 +1103,7 @@ class KeysServer(http.server.HTTPServer):
 
 
 # =============================================================================
-# Service: request -> authenticate -> authorize -> validate -> store or forward
+# Service: route -> Gate -> the route's handler (the /keys API, or decide -> forward)
 # =============================================================================
 
 
@@ -1346,7 +1348,7 @@ def safe_path(raw):
 
 
 # =============================================================================
-# Routes: one record per route, and what a principal's request becomes
+# Routes: one record per route, holding its handler, and how a path finds it
 # =============================================================================
 
 QUERY, BODY = "query", "body"  # where a route's search parameters live: its carrier
@@ -1622,9 +1624,8 @@ def path_segments(raw_path):
 
 
 # =============================================================================
-# Restrictions: enforced by the Gate (client address -> brute-force throttle
-# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
-# and GET/PUT/DELETE /keys/{key}/restrictions
+# Gate: client address -> brute-force throttle -> Guard -> the key's
+# restrictions (IPs, rates, referrers)
 # =============================================================================
 
 
