@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
-    wait_for_port
+    stop_session, wait_for_port
 
 NGINX = shutil.which("nginx") or next(
     (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
@@ -111,12 +111,7 @@ def stack():
             wait_for_port(listen, nginx, timeout=15)
             yield guard, listen, backend
         finally:
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(nginx.pid, signal.SIGKILL)
-                nginx.wait()
+            stop_session(nginx, signal.SIGQUIT)
             guard.__exit__(None, None, None)
             backend.close()
 

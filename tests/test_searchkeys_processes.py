@@ -17,7 +17,7 @@ import time
 import pytest
 
 from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
-    wait_for_port
+    stop_session, wait_for_port
 from test_searchkeys_nginx import NGINX
 from test_searchkeys_startup import MASTER, clean_env, refused, start
 
@@ -315,12 +315,7 @@ def test_the_docs_several_processes_setup_behind_nginx_works_as_written(tmp_path
             refused_by_all, took = within(WITHIN, lambda: all_answer(False))
             assert refused_by_all, "a deleted key was still let through after %.2f s" % took
         finally:
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(nginx.pid, signal.SIGKILL)
-                nginx.wait()
+            stop_session(nginx, signal.SIGQUIT)
 
 
 def test_a_store_being_written_in_place_is_never_loaded_half_written(pair):
