@@ -1117,7 +1117,6 @@ class Service:
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
         self.gate = Gate(self.guard, limits)
-        self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
@@ -1273,21 +1272,6 @@ class Service:
             self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
-
-    def answer_keys(self, call):
-        status, value = self.keys_api.handle(call.request, call.principal, call.route.method,
-                                             call.params, call.request.query)
-        return Response.json(status, value)
-
-    def answer_restrictions(self, call):
-        return self.restrictions_api.handle(call.request, call.principal, call.params["key"])
-
-    def answer_rotate(self, call):
-        return Response.json(201, self.keys_api.rotate(call.request, call.principal,
-                                                       call.params["key"]))
-
-    def answer_usage(self, call):
-        return Response.json(200, self.keys_api.usage(call.principal, call.params["key"]))
 
 
 class Call:
@@ -1454,20 +1438,22 @@ def build_routes():
         Route("GET", "/stats", ("stats.get",), rule=Rule(
             SCOPED, answer=lambda c, a: filter_stats(c.principal, a, c.facts["covered_indexes"]),
             facts=("covered_indexes",))),
-        Route("GET", "/keys", ("keys.get",), handler=Service.answer_keys),
-        Route("POST", "/keys", ("keys.create",), handler=Service.answer_keys),
-        Route("GET", "/keys/{key}", ("keys.get",), handler=Service.answer_keys),
-        Route("PATCH", "/keys/{key}", ("keys.update",), handler=Service.answer_keys),
-        Route("DELETE", "/keys/{key}", ("keys.delete",), handler=Service.answer_keys),
+        Route("GET", "/keys", ("keys.get",), handler=on_keys_api(KeysApi.list_keys)),
+        Route("POST", "/keys", ("keys.create",), handler=on_keys_api(KeysApi.create_key)),
+        Route("GET", "/keys/{key}", ("keys.get",), handler=on_keys_api(KeysApi.get_key)),
+        Route("PATCH", "/keys/{key}", ("keys.update",),
+              handler=on_keys_api(KeysApi.update_key)),
+        Route("DELETE", "/keys/{key}", ("keys.delete",),
+              handler=on_keys_api(KeysApi.delete_key)),
         Route("GET", "/keys/{key}/restrictions", ("keys.get",),
-              handler=Service.answer_restrictions),
+              handler=on_keys_api(KeysApi.get_restrictions)),
         Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
-              handler=Service.answer_restrictions),
+              handler=on_keys_api(KeysApi.put_restrictions)),
         Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
-              handler=Service.answer_restrictions),
+              handler=on_keys_api(KeysApi.delete_restrictions)),
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
-              handler=Service.answer_rotate),
-        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=Service.answer_usage),
+              handler=on_keys_api(KeysApi.rotate_key)),
+        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -3122,56 +3108,84 @@ def usage_asked(query):
 
 
 class KeysApi:
-    """The five /keys endpoints, once the request is authorized."""
+    """The /keys API, once the request is authorized: one method a route,
+    each taking the Call and answering its Response."""
 
     def __init__(self, store):
         self.store = store
 
-    def handle(self, request, principal, method, params, query):
-        """(status, JSON value or None) for a /keys request `principal` may make."""
-        segment = params.get("key")
-        if method == "GET" and segment is None:
-            query, with_usage = usage_asked(query)
-            if with_usage:
-                require_master(principal, "read the usage of keys")
-            offset, limit = validate_list_query(query)
-            keys, total = self.store.page(offset, limit)
-            results = [k.to_json() for k in keys]
-            for key, shown in zip(keys, results) if with_usage else ():
-                shown["usage"] = self.store.usage.to_json(key.uid)
-            return 200, {"results": results, "offset": offset, "limit": limit, "total": total}
-        if method == "GET":
-            return 200, self.store.find(segment).to_json()
-        if method == "DELETE":
-            if self.store.find(segment).restrictions is not None:  # else an admin key could
-                # delete it and create it again (same uid, same value) without them
-                require_master(principal, "delete a key that has restrictions")
-            self._write(self.store.delete, segment)
-            return 204, None
-        body = request.read_json_body()
-        if method == "POST":
-            fields = validate_create(body, time.time_ns())
-            return 201, self._write(self.store.create, fields).to_json()
-        changes = validate_patch(body)
-        return 200, self._write(self.store.update, segment, changes).to_json()
+    def list_keys(self, call):
+        query, with_usage = usage_asked(call.request.query)
+        if with_usage:
+            require_master(call.principal, "read the usage of keys")
+        offset, limit = validate_list_query(query)
+        keys, total = self.store.page(offset, limit)
+        results = [k.to_json() for k in keys]
+        for key, shown in zip(keys, results) if with_usage else ():
+            shown["usage"] = self.store.usage.to_json(key.uid)
+        return Response.json(200, {"results": results, "offset": offset, "limit": limit,
+                                   "total": total})
 
-    def rotate(self, request, principal, segment):
+    def get_key(self, call):
+        return Response.json(200, self.store.find(call.params["key"]).to_json())
+
+    def create_key(self, call):
+        fields = validate_create(call.request.read_json_body(), time.time_ns())
+        return Response.json(201, self._write(self.store.create, fields).to_json())
+
+    def update_key(self, call):
+        segment = call.params["key"]
+        changes = validate_patch(call.request.read_json_body())
+        return Response.json(200, self._write(self.store.update, segment, changes).to_json())
+
+    def delete_key(self, call):
+        segment = call.params["key"]
+        if self.store.find(segment).restrictions is not None:  # else an admin key could
+            # delete it and create it again (same uid, same value) without them
+            require_master(call.principal, "delete a key that has restrictions")
+        self._write(self.store.delete, segment)
+        return Response(204)
+
+    def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
+        request, segment = call.request, call.params["key"]
         if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
-            require_master(principal, "rotate a key that has restrictions")  # (see delete)
+            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return self._write(self.store.rotate, segment, grace).to_json()
+        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
 
-    def usage(self, principal, segment):
+    def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
         `lastUsedAt` and `unsaved`, the part only this process has counted."""
-        require_master(principal, "read the usage of a key")
-        key = self.store.find(segment)
-        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
-                    unsaved=self.store.usage.unsaved(key.uid))
+        require_master(call.principal, "read the usage of a key")
+        key = self.store.find(call.params["key"])
+        return Response.json(200, dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
+                                       unsaved=self.store.usage.unsaved(key.uid)))
+
+    def get_restrictions(self, call):
+        """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
+        require_master(call.principal, "read or change the restrictions of a key")
+        return self._restrictions(200, self.store.find(call.params["key"]))
+
+    def put_restrictions(self, call):
+        require_master(call.principal, "read or change the restrictions of a key")
+        self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(call.request.read_json_body())
+        return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
+                                                   restrictions))
+
+    def delete_restrictions(self, call):
+        require_master(call.principal, "read or change the restrictions of a key")
+        self._write(self.store.restrict, call.params["key"], None)
+        return Response(204)
+
+    @staticmethod
+    def _restrictions(status, key):
+        return Response.json(status, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
 
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not
@@ -3183,26 +3197,12 @@ class KeysApi:
             raise internal_error("The change could not be saved: %s" % exc)
 
 
-class RestrictionsApi:
-    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
-
-    def __init__(self, store, write):
-        self.store, self.write = store, write
-
-    def handle(self, request, principal, segment):
-        require_master(principal, "read or change the restrictions of a key")
-        if request.method == "GET":
-            restrictions = self.store.find(segment).restrictions
-            return Response.json(200, restrictions.to_json() if restrictions
-                                 else dict.fromkeys(RESTRICTION_FIELDS))
-        if request.method == "DELETE":
-            self.write(self.store.restrict, segment, None)
-            return Response(204)
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
-        restrictions = Restrictions.from_json(request.read_json_body())
-        key = self.write(self.store.restrict, segment, restrictions)
-        return Response.json(200, key.restrictions.to_json() if key.restrictions
-                             else dict.fromkeys(RESTRICTION_FIELDS))
+def on_keys_api(method):
+    """The route handler (service, call) answering with `method` of the
+    service's KeysApi."""
+    def handler(service, call):
+        return method(service.keys_api, call)
+    return handler
 
 
 # =============================================================================
