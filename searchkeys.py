@@ -1220,7 +1220,7 @@ class Service:
             return self._authorize(call.request)
         except ApiError as error:
             error.headers = list(getattr(error, "headers", ())) + [
-                ("X-Searchkeys-Error", json.dumps(error.to_json()))]
+                ("X-Searchkeys-Error", error_header(error))]
             raise
 
     def _authorize(self, request):
@@ -1272,6 +1272,22 @@ class Service:
             self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
+
+
+MAX_ERROR_HEADER = 1024  # bytes of X-Searchkeys-Error: nginx's header buffer is 4 KiB
+
+
+def error_header(error):
+    """An error's JSON as one header value: ASCII (JSON escapes the rest),
+    its message shortened to fit MAX_ERROR_HEADER (a key with many index
+    patterns names them all)."""
+    value = error.to_json()
+    text = json.dumps(value)
+    while len(text) > MAX_ERROR_HEADER:
+        value["message"] = value["message"][:len(value["message"]) - (
+            len(text) - MAX_ERROR_HEADER) - 3] + "..."
+        text = json.dumps(value)
+    return text
 
 
 class Call:

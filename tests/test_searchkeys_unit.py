@@ -1232,3 +1232,17 @@ def test_only_origin_form_targets_pass():
 def test_log_text_is_one_line():
     assert sk.printable("/a\nb\r\x1b\u2028") == "/a\\nb\\r\\x1b\\u2028"
     assert "\n" not in sk.safe_path("/indexes/a%0Aforged/search")
+
+
+def test_authorize_errors_fit_in_one_header_nginx_can_read():
+    """/authorize's refusal rides in X-Searchkeys-Error for nginx, whose header buffer is
+    4 KiB: a key naming 100 long index patterns must not make nginx answer 502."""
+    patterns = ["i%03d" % n + "x" * 390 for n in range(100)]
+    message = sk.Principal(FakeKey(["search"], patterns)).index_refusal("other").message
+    assert len(message) > 39000
+    header = sk.error_header(sk.ApiError(403, "invalid_api_key", message, "auth"))
+    assert len(header) <= 1024 and header.isascii()
+    assert json.loads(header)["code"] == "invalid_api_key"
+    assert json.loads(header)["message"].startswith("The API key cannot acces the index `other`")
+    short = sk.ApiError(403, "unknown_route", "`GET /keys` is answered by searchkeys itself.")
+    assert json.loads(sk.error_header(short)) == short.to_json()
