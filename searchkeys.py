@@ -1245,7 +1245,7 @@ class Service:
         decision = decide(route, principal, index)
         decision.check_unchanged(route, principal, params, uri.partition("?")[2])
         if decision.checks_joins:
-            if self.upstream is None:
+            if self.upstream is None or index is None:  # (a multi-search was refused above)
                 raise scope_not_enforceable(route, "without --upstream, which it needs to see "
                                             "whether the index joins others (foreignKeys)")
             check_joins(principal, fetch_joins(self.upstream, [index]))
