@@ -25,24 +25,29 @@ Library: ``import searchkeys`` for ``ACTIONS``, ``expand``,
 ``sign_tenant_token``/``verify_tenant_token`` and ``Client``.
 
 Request pipeline of the server:
-    request -> authenticate -> authorize (action, index) -> validate -> store -> respond
-    (other routes: ... -> authorize -> handler rules -> forward upstream -> relay)
+    request -> route -> authenticate -> authorize (action, index) -> the route's handler
+    (the /keys API: validate -> store -> respond; a backend route: decide -> forward -> relay)
 The backend gets --upstream-key, not the caller's key, so for an index-scoped
 key or a tenant token the guard also does what Meilisearch's handlers do with
 the caller's key: check the indexes named in bodies, add tenant-token filters
-to searches, filter index/stats/task listings.
+to searches, filter index/stats/task listings. What a credential gets on a
+route is one pure function, ``decide`` (with ``authorize`` and ``Principal``
+before it); forwarding and ``GET /authorize`` both act on its Decision.
 
-The file reads in that order: HTTP (requests, responses, the http.server
-glue), the service, authentication and the permission model, the handler
-rules and the route table, the restrictions gate, the /keys API and its
-store, the upstream; then the pure libraries (restrictions, validation,
-UUIDs, dates, key derivation, tenant tokens), the client and the command line.
+The file reads in that order: HTTP (requests, responses, http.server), the
+service, the routes, the gate (restrictions, then authentication and the
+permission model), the decision and the handler rules it applies, usage and
+metrics, the /keys API and its store, the upstream; then the pure libraries
+(restrictions, validation, UUIDs, dates, key derivation, tenant tokens), the
+client and the command line. The route table, which names handlers and rules
+from all over, is built last, at the end of the file.
 """
 
 import argparse
 import base64
 import calendar
 import collections
+import contextlib
 import datetime
 import fcntl
 import functools
@@ -53,10 +58,12 @@ import hmac
 import http.client
 import http.server
 import io
+import ipaddress
 import itertools
 import json
 import os
 import re
+import resource
 import secrets
 import select
 import selectors
@@ -67,6 +74,7 @@ import socket
 import sys
 import threading
 import time
+import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -261,26 +269,15 @@ def key_not_found(segment):
 
 
 # =============================================================================
-# Requests and responses: what the service reads and answers, pure of sockets
+# Requests and responses: what the service reads and answers
 # =============================================================================
 
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
-MAX_HEADERS = 100       # header lines in a request head
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
 MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
-READ_AHEAD = 8 * 1024   # bytes of its next head a waiting connection holds (a worker reads on)
-NEXT_REQUEST_WAIT = 0.002  # seconds a free worker waits for a keep-alive caller's next request
-OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
-_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
-# Header lines as every party reads them alike: a token, a colon, a value of
-# tab, space, visible ASCII and bytes 0x80-0xFF, as actix-http (httparse) takes
-# them (a bare CR may read as a line break to a backend, which would then see
-# headers, Transfer-Encoding..., the guard never saw); no continuation lines.
-_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
 
 
 class RequestHeaders:
@@ -474,7 +471,7 @@ class Request:
         self.body, self.version = body, version
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
-        self.family = "other"  # its route's family, for metrics (ROUTE_FAMILIES)
+        self.family = "other"  # its route's family, for metrics (Route.family)
 
     @property
     def path(self):
@@ -514,12 +511,32 @@ class Response:
 
 
 # =============================================================================
-# HTTP: http.server glue (KeysServer + KeysHandler)
+# HTTP: http.server, with a waiting room for connections between requests
 # =============================================================================
+# The request cycle is http.server's own (handle_one_request -> parse_request
+# -> do_* -> send_response_only/send_header/end_headers -> wfile); the only
+# way in or out of it is Service.handle(Request) -> Response. Overridden:
+# parse_request (actix-http's head rules), handle_expect_100 (the 100 waits
+# for the body's first read), send_error (upstream's JSON error) and, on the
+# server, socketserver's process_request and shutdown_request, which hand a
+# connection to the waiting room between requests instead of to a thread.
+
+MAX_HEADERS = 100       # header lines in a request head
+LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
+NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
+MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished heads the waiting room holds in all
+OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
+_HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
+# Header lines as every party reads them alike: a token, a colon, a value of
+# tab, space, visible ASCII and bytes 0x80-0xFF, as actix-http (httparse) takes
+# them (a bare CR may read as a line break to a backend, which would then see
+# headers, Transfer-Encoding..., the guard never saw); no continuation lines.
+_HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
 
 
 class KeysHandler(http.server.BaseHTTPRequestHandler):
-    """Reads a request, asks `server.service` for the answer, writes it."""
+    """One request of a connection: http.server reads it, `server.service`
+    answers it, `send_answer` writes the answer."""
 
     protocol_version = "HTTP/1.1"
     server_version = "searchkeys/" + __version__
@@ -528,59 +545,39 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     wbufsize = SMALL_BODY  # a head and a small body leave in one send
     default_request_version = "HTTP/1.1"  # answers to unreadable request lines get a head
     body = None
+    started = None
 
     def setup(self):
-        """StreamRequestHandler's, on a Connection: the bytes read ahead of
-        this request come first, and its head is bounded in total time."""
+        """StreamRequestHandler's, on a Connection: rfile reads the bytes the
+        waiting room read (a whole head) before the socket."""
         self.connection = self.request.sock
         if self.connection.gettimeout() != self.timeout:  # a system call each time
             self.connection.settimeout(self.timeout)
-        self.reader = ReadAhead(self.request)
+        self.reader = ConnectionReader(self.request)
         self.rfile = io.BufferedReader(self.reader)
         self.wfile = self.connection.makefile("wb", self.wbufsize)
 
     def handle(self):
-        """One request a turn: between requests the server holds the
-        connection without a thread, with what was read past this one."""
+        """One request a turn (not http.server's loop): between requests the
+        server holds the connection without a thread, with what was read
+        past this one."""
         connection = self.request
-        connection.keep, connection.read_ahead = False, b""
         self.close_connection = True
-        self.handle_one_request()
-        if not self.close_connection:
-            connection.keep, connection.read_ahead = True, self.reader.leftover(self.rfile)
-
-    def handle_one_request(self):
-        """Like http.server's, with the whole head (not each line) bounded
-        at MAX_HEAD, and one pipeline instead of do_* methods."""
-        self.status, self.body, self.command = None, None, None
-        self.path, self.request_version = None, self.default_request_version
         try:
-            self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
-            started = time.monotonic()  # not before: a keep-alive connection waits idle
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if len(self.raw_requestline) > MAX_HEAD:
-                self.send_error(414, "Request line too long")
-            elif self.parse_request():
-                request = Request(self.command, self.path, self.headers, self.body,
-                                  self.request_version, self.client_address[0])
-                self.send_answer(self.server.service.handle(request))
-            self.wfile.flush()
-        except (TimeoutError, socket.timeout, ConnectionError):
+            self.handle_one_request()
+        except OSError:  # reset, or a broken pipe: the caller is gone
             self.close_connection = True
-        finally:
-            if self.status is not None or self.command:
-                self.server.service.log("%s %s %s %.2fms" % (
-                    printable(self.command or "-"), safe_path(self.path or "-")
-                    if self.command else "-", self.status or "-",
-                    (time.monotonic() - started) * 1000))
+        connection.keep = not self.close_connection
+        connection.take_back(self.reader.leftover(self.rfile) if connection.keep else b"")
 
     def parse_request(self):
         """Replaces http.server's: a request line of three words and HTTP/1.x
         (no HTTP/0.9, whose answers have no head), the whole head within
         MAX_HEAD but no cap per line, header lines every party reads alike,
-        one unambiguous body framing; 100 Continue waits until the body is read."""
+        one unambiguous body framing. (Its header parsing, email's, costs
+        ~60 µs more a request than RequestHeaders.)"""
+        self.started, self.command = time.monotonic(), None
+        self.request_version = self.default_request_version
         self.close_connection = True
         self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
         words = self.requestline.split()
@@ -598,13 +595,12 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
         if head is None:
             return False
-        self.reader.end_of_head()
         self.headers = RequestHeaders(head)
         connection = self.headers.get("Connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version == "HTTP/1.0" and connection != "keep-alive")
         expecting = self.request_version == "HTTP/1.1" and \
-            self.headers.get("Expect", "").lower() == "100-continue"
+            self.headers.get("Expect", "").lower() == "100-continue" and self.handle_expect_100()
         try:
             self.body = Body.of_request(self.rfile, self.headers,
                                         self.send_continue if expecting else None)
@@ -632,21 +628,40 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return None
         return block.decode("iso-8859-1")
 
+    def handle_expect_100(self):
+        """http.server's hook for `Expect: 100-continue`: the 100 is sent when
+        the body is first read (send_continue), so a refused request never
+        invites its body."""
+        return True
+
     def send_continue(self):
-        """100 Continue, sent when the body is first read: a refused request
-        never invites its body (http.server's handle_expect_100 is not used)."""
-        self.send_response_only(100)
-        self.end_headers()
+        super().handle_expect_100()  # http.server's: the 100 Continue
         self.wfile.flush()
 
+    def do_request(self):
+        """Every method's do_*: the service routes methods as upstream does."""
+        self.send_answer(self.server.service.handle(Request(
+            self.command, self.path, self.headers, self.body, self.request_version,
+            self.client_address[0])))
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
+
+    def __getattr__(self, name):
+        """do_<any other method> too (an unknown one gets the service's 404 or
+        405, as from upstream, not http.server's 501)."""
+        if name.startswith("do_"):
+            return self.do_request
+        raise AttributeError(name)
+
     def send_error(self, code, message=None, explain=None):
-        """Refusals of http.server's own checks, as upstream's JSON error."""
-        self.close_connection = True
-        error = ApiError(code, "bad_request", message or http.HTTPStatus(code).phrase)
+        """http.server's refusals (a bad request line, a head too large...),
+        as upstream's JSON error."""
+        self.close_connection = True  # (an HTTPStatus from http.server prints as a name on 3.9)
+        error = ApiError(int(code), "bad_request", message or http.HTTPStatus(code).phrase)
         self.send_answer(Response.error(error))
 
     def send_answer(self, response):
-        """Write a Response, framed for this hop."""
+        """Write a Response, framed for this hop: the one writer of answers."""
         body = self.body
         if body is not None and not body.finished:
             self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
@@ -654,7 +669,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
-        self.status = status
+        self.log_request(status)
         self.send_response_only(status)
         names = set()
         for name, value in response.headers:
@@ -708,35 +723,53 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             KeysHandler._date = (now, super().date_time_string(now))
         return KeysHandler._date[1]
 
+    def log_request(self, code="-", size="-"):
+        """One line a request: method, path without its query or secrets,
+        status, time taken (http.server's has the whole request line)."""
+        taken = time.monotonic() - self.started if self.started else 0.0
+        self.server.service.log("%s %s %s %.2fms" % (
+            printable(self.command or "-"), safe_path(self.path) if self.command else "-",
+            code, taken * 1000))
+
     def log_message(self, format, *args):
         self.server.service.log("searchkeys: %s" % printable(format % args))
 
 
 class Connection:
-    """A caller's connection between requests: its socket, the bytes read
-    ahead of its next request, and when that request's head must be in."""
+    """A caller's connection between requests: its socket, the bytes of its
+    next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "read_ahead", "deadline", "keep")
+    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
-        self.read_ahead, self.deadline, self.keep = b"", None, False
+        self.pending, self.scanned = bytearray(), 0
+        self.deadline, self.keep = None, False
+        self.closing = None  # once closing: the bytes the caller may still send, to be dropped
+
+    def take_back(self, data):
+        """What was read past the request just answered: the next one's start."""
+        self.pending, self.scanned = bytearray(data), 0
 
     def head_arrived(self):
-        """Has a whole head come (or all that a waiting connection may hold)?"""
-        data = self.read_ahead
-        return b"\n\r\n" in data or b"\n\n" in data or len(data) >= READ_AHEAD
+        """Has a whole head come, or more than a head may hold? Searched on
+        from where the last search stopped (a head trickled a byte at a time
+        is searched once in all, not once a byte)."""
+        data, start = self.pending, max(0, self.scanned - 2)
+        if len(data) > MAX_HEAD or data.find(b"\n\r\n", start) >= 0 or \
+                data.find(b"\n\n", start) >= 0:
+            return True
+        self.scanned = len(data)
+        return False
 
 
-class ReadAhead(io.RawIOBase):
-    """What a handler reads: its connection's read-ahead bytes, then the
-    socket, the head by its deadline in total (a timeout per recv would let
-    a client sending a byte now and then hold a worker for ever)."""
+class ConnectionReader(io.RawIOBase):
+    """What a handler's rfile reads: the bytes its connection's request came
+    in so far, then the socket."""
 
     def __init__(self, connection):
         super().__init__()
-        self.sock, self.deadline = connection.sock, connection.deadline
-        self.pending = memoryview(connection.read_ahead)
+        self.sock, self.pending = connection.sock, memoryview(bytes(connection.pending))
         self.probing = False
 
     def readable(self):
@@ -750,19 +783,7 @@ class ReadAhead(io.RawIOBase):
             return count
         if self.probing:
             return None  # "nothing without waiting", to leftover()
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("the request head took too long")
-            self.sock.settimeout(min(left, CLIENT_TIMEOUT))
         return self.sock.recv_into(buffer)
-
-    def end_of_head(self):
-        """The body may take CLIENT_TIMEOUT a read, as long as it keeps coming."""
-        if self.deadline is not None:
-            self.deadline = None
-            if self.sock.gettimeout() != CLIENT_TIMEOUT:
-                self.sock.settimeout(CLIENT_TIMEOUT)
 
     def leftover(self, rfile):
         """What `rfile` (reading this) already holds past the request just
@@ -776,31 +797,47 @@ class ReadAhead(io.RawIOBase):
             pieces.append(piece)
 
 
-class ConnectionWatcher:
-    """Connections waiting for their next request, held without a thread:
-    one thread watches them all (selectors), reads what arrives, and hands
-    a connection to `ready` once its head is in. A connection has
-    CLIENT_TIMEOUT for its next head in total, then is closed; while
-    `crowded()`, the connection waiting longest is closed for a newcomer."""
+class WaitingRoom:
+    """Connections waiting for their next request's head, held without a
+    thread: one thread watches them all (selectors) and reads what they send
+    until a whole head is in, then hands the connection to `ready`. So no
+    thread ever waits for a head, however slowly or long it comes (up to
+    MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
+    then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
+    bytes, the connection waiting longest is closed for newcomers. Closing
+    connections are seen out here too (see_out), without a thread."""
 
     def __init__(self, ready, close, crowded):
         self.ready, self.close, self.crowded = ready, close, crowded
+        self.held = 0  # bytes of the heads read so far
         self._selector = selectors.DefaultSelector()
         self._waiting = collections.OrderedDict()  # Connection -> None, oldest deadline first
-        self._incoming = collections.deque()  # parked by other threads, not yet watched
+        self._closing = collections.OrderedDict()  # the same, for connections seen out
+        self._incoming = collections.deque()  # admitted by other threads, not yet watched
         self._wake, self._waker = socket.socketpair()
         for sock in (self._wake, self._waker):
             sock.setblocking(False)
         self._selector.register(self._wake, selectors.EVENT_READ)
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="connections", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="waiting-room", daemon=True)
 
     def start(self):
         self._thread.start()
 
-    def park(self, connection):
-        """Watch `connection` until its next head is in (from any thread)."""
+    def admit(self, connection):
+        """Hold `connection` until its next head is in (from any thread)."""
         connection.deadline = time.monotonic() + CLIENT_TIMEOUT
+        self._incoming.append(connection)
+        self._wake_up()
+
+    def see_out(self, connection):
+        """Close `connection` (its answer sent, its write side shut) once the
+        caller has stopped sending, or after LINGER_SECONDS or MAX_KEYS_BODY
+        bytes: what it still sends is read and dropped, as closing with unread
+        bytes would reset the connection and lose an answer sent before its
+        request was read to the end (a refused head, an oversized body)."""
+        connection.deadline = time.monotonic() + LINGER_SECONDS
+        connection.pending, connection.closing = bytearray(), MAX_KEYS_BODY
         self._incoming.append(connection)
         self._wake_up()
 
@@ -809,7 +846,7 @@ class ConnectionWatcher:
         self._wake_up()
         if self._thread.is_alive():
             self._thread.join(5)
-        for connection in list(self._waiting) + list(self._incoming):
+        for connection in list(self._waiting) + list(self._closing) + list(self._incoming):
             connection.sock.close()
         self._selector.close()
         self._wake.close()
@@ -832,8 +869,10 @@ class ConnectionWatcher:
             while self._incoming:
                 self._watch(self._incoming.popleft())
             now = time.monotonic()
+            while self._closing and next(iter(self._closing)).deadline <= now:
+                self._drop(next(iter(self._closing)))
             while self._waiting and (next(iter(self._waiting)).deadline <= now or
-                                     self.crowded()):
+                                     self.crowded() or self.held > MAX_HEADS_HELD):
                 self._drop(next(iter(self._waiting)))
 
     def _drain(self):
@@ -849,38 +888,56 @@ class ConnectionWatcher:
         except (OSError, ValueError):  # closed meanwhile: nothing to watch
             self.close(connection)
             return
-        self._waiting[connection] = None
+        (self._waiting if connection.closing is None else self._closing)[connection] = None
+        self.held += len(connection.pending)
 
     def _unwatch(self, connection):
-        del self._waiting[connection]
+        del (self._waiting if connection.closing is None else self._closing)[connection]
         self._selector.unregister(connection.sock)
+        self.held -= len(connection.pending)
 
     def _drop(self, connection):
         self._unwatch(connection)
         self.close(connection)
 
     def _receive(self, connection):
+        if connection.closing is not None:
+            self._drop_what_comes(connection)
+            return
         try:
-            data = connection.sock.recv(READ_AHEAD - len(connection.read_ahead))
+            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = connection.read_ahead = b""  # reset: nothing left to answer
+            data = b""  # reset: nothing left to answer
+            self.held -= len(connection.pending)
+            connection.pending = bytearray()
         if data:
-            connection.read_ahead += data
+            connection.pending += data
+            self.held += len(data)
             if not connection.head_arrived():
                 return
-        if not connection.read_ahead:  # closed between requests
+        if not connection.pending:  # closed between requests
             self._drop(connection)
             return
         self._unwatch(connection)
         self.ready(connection)  # a head, or the end of a cut-off one
 
+    def _drop_what_comes(self, connection):
+        try:
+            data = connection.sock.recv(SMALL_BODY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        connection.closing -= len(data)
+        if not data or connection.closing <= 0:
+            self._drop(connection)
+
 
 def raise_open_files_limit(wanted=OPEN_FILES_WANTED):
     """Raise the soft limit on open files towards `wanted` (within the hard
     limit): each waiting connection holds one. Returns the limit in force."""
-    import resource  # Unix only, like fcntl
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for target in (wanted, 10240, 4096):  # macOS refuses more than its OPEN_MAX
         if hard != resource.RLIM_INFINITY:
@@ -903,27 +960,35 @@ def listen_family(host):
 
 
 class KeysServer(http.server.HTTPServer):
-    """Between requests a connection waits in a ConnectionWatcher, without
-    a thread; a request whose head is in is served by one of at most
-    `max_connections` worker threads (the rest wait their turn). So idle
-    keep-alive connections and slow heads hold no thread, and a newcomer is
-    served while thousands of them are open. Past `max_open` connections
-    the one waiting longest is closed. (ThreadingMixIn's thread for each
-    connection is what this replaces.)"""
+    """http.server's HTTPServer, with what socketserver does with a
+    connection overridden: `process_request` (a new one) and
+    `shutdown_request` (one whose request was answered) hand it to the
+    waiting room until its next head is in; then one of at most
+    `max_connections` threads serves it (`finish_request`, as socketserver
+    does), the others waiting their turn in order; a connection that is not
+    kept alive is seen out by the waiting room too. So idle keep-alive
+    connections, slow heads and closing connections hold no thread, and a
+    newcomer is served while thousands of them are open; past `max_open`
+    connections the one waiting longest is closed. (ThreadingMixIn's thread
+    for each connection is what this replaces.)"""
 
     request_queue_size = 1024
-    worker_idle_seconds = 5.0  # an idle worker thread waits this long for work, then ends
+    # An optimization, measured: a thread with nothing to serve waits this long
+    # for a next connection before it ends; starting a thread for each new
+    # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
+    thread_idle_seconds = 5.0
 
-    def __init__(self, address, service, max_connections=512, max_open=1000):
+    def __init__(self, address, service, max_connections=512, max_open=1000,
+                 bind_and_activate=True):
         self.service = service
-        self.max_workers, self.max_open, self.open = max(1, max_connections), max_open, 0
-        self._ready = collections.deque()
-        self._turns = threading.Condition()
-        self._workers = self._idle_workers = 0
-        self.watcher = ConnectionWatcher(self._queue, lambda c: self._close(c, False),
-                                         lambda: self.open > self.max_open)
+        self.max_threads, self.max_open = max(1, max_connections), max_open
+        self.open = self._threads = self._idle_threads = 0
+        self._ready = collections.deque()  # connections whose head is in, first come first
+        self._lock = threading.Condition()  # over all of these counts; notified when one is ready
+        self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
+                                        lambda: self.open > self.max_open)
         self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler)
+        super().__init__(address, KeysHandler, bind_and_activate)
 
     def server_bind(self):
         """An IPv6 socket takes IPv4 callers too where the system allows it
@@ -936,118 +1001,101 @@ class KeysServer(http.server.HTTPServer):
         super().server_bind()
 
     def serve_forever(self, poll_interval=0.5):
-        self.watcher.start()
+        self.waiting_room.start()
         super().serve_forever(poll_interval)
 
     def server_close(self):
         super().server_close()
-        self.watcher.stop()
+        self.waiting_room.stop()
 
     def process_request(self, request, client_address):
-        """A new connection waits for its first request like any other."""
+        """socketserver's hook for a new connection: it waits for its first
+        head in the waiting room, like any other."""
+        with self._lock:
+            self.open += 1
         try:
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        with self._turns:
-            self.open += 1
-        self.watcher.park(Connection(request, client_address))
+        self.waiting_room.admit(Connection(request, client_address))
 
-    def _queue(self, connection):
-        """Serve `connection`'s request on a waiting worker, or a new one
-        while there are fewer than max_connections."""
-        with self._turns:
+    def _head_in(self, connection):
+        """Serve `connection` on an idle thread, or a new one while there are
+        fewer than max_threads; else a running one takes it in its turn."""
+        with self._lock:
             self._ready.append(connection)
-            start = len(self._ready) > self._idle_workers and self._workers < self.max_workers
+            start = len(self._ready) > self._idle_threads and self._threads < self.max_threads
             if start:
-                self._workers += 1
-            self._turns.notify()
+                self._threads += 1
+            self._lock.notify()
         if start:
             try:
-                threading.Thread(target=self._work, daemon=True).start()
-            except RuntimeError:  # no thread to be had: the running workers take it
-                with self._turns:
-                    self._workers -= 1
+                threading.Thread(target=self._serve_ready, daemon=True).start()
+            except RuntimeError:  # no thread to be had: the running ones take it
+                with self._lock:
+                    self._threads -= 1
 
-    def _work(self):
+    def _serve_ready(self):
+        """A serving thread: connections whose head is in, until none has come
+        for thread_idle_seconds."""
         while True:
-            with self._turns:
+            with self._lock:
                 while not self._ready:
-                    self._idle_workers += 1
-                    woken = self._turns.wait(self.worker_idle_seconds)
-                    self._idle_workers -= 1
+                    self._idle_threads += 1
+                    woken = self._lock.wait(self.thread_idle_seconds)
+                    self._idle_threads -= 1
                     if not woken and not self._ready:
-                        self._workers -= 1
+                        self._threads -= 1
                         return
                 connection = self._ready.popleft()
-            self._serve_turn(connection)
-
-    def _serve_turn(self, connection):
-        """Requests of one connection while they come at once and nobody
-        else waits for a worker; then it waits for its next one, or closes."""
-        while True:
             try:
                 self.finish_request(connection, connection.address)
             except Exception:
-                self.handle_error(connection.sock, connection.address)
+                self.handle_error(connection, connection.address)
                 connection.keep = False
-            if connection.keep and not connection.head_arrived() and not self._ready:
-                self._next_request_soon(connection)
-            if not connection.keep:
-                self._close(connection, True)
-                return
-            if not connection.head_arrived():
-                self.watcher.park(connection)
-                return
-            connection.deadline = time.monotonic() + CLIENT_TIMEOUT
-            if self._ready:  # others wait: take turns
-                self._queue(connection)
-                return
+            self.shutdown_request(connection)
+
+    def shutdown_request(self, request):
+        """socketserver's hook once a request is answered: a kept-alive
+        connection waits for its next head (served on by this thread if it
+        comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
+        waiting room); others are seen out by the waiting room."""
+        connection = request if isinstance(request, Connection) else Connection(request, None)
+        if connection.keep and not connection.head_arrived() and not self._ready:
+            self._next_request_soon(connection)
+        if not connection.keep:
+            try:
+                connection.sock.shutdown(socket.SHUT_WR)
+            except OSError:  # gone already
+                self._close(connection.sock)
+            else:
+                self.waiting_room.see_out(connection)
+        elif connection.head_arrived():
+            with self._lock:  # taken in turn, after those already waiting
+                self._ready.append(connection)
+        else:
+            self.waiting_room.admit(connection)
 
     @staticmethod
     def _next_request_soon(connection):
         """Read what comes within NEXT_REQUEST_WAIT: a keep-alive caller sends
         its next request right away more often than not, and serving it here
-        saves the trip through the watcher to another worker."""
+        saves the trip through the waiting room to another thread."""
         sock = connection.sock
         try:  # waited for apart: changing the socket's timeout costs a system call
             if not _readable(sock, NEXT_REQUEST_WAIT):
-                return  # the watcher will see what comes
-            data = sock.recv(READ_AHEAD - len(connection.read_ahead))
+                return  # the waiting room will see what comes
+            data = sock.recv(SMALL_BODY)
         except (OSError, ValueError):  # (ValueError: select() past descriptor 1023)
             return
         if not data:
             connection.keep = False  # closed by the caller
-        connection.read_ahead += data
+        connection.pending += data
 
-    def _close(self, connection, linger):
-        if linger:
-            self.shutdown_request(connection.sock)
-        else:
-            self.close_request(connection.sock)
-        with self._turns:
+    def _close(self, sock):
+        self.close_request(sock)
+        with self._lock:
             self.open -= 1
-
-    def shutdown_request(self, request):
-        """socketserver's, plus a lingering close: what the caller still sends
-        is read and dropped for a moment, or closing with unread bytes would
-        reset the connection and lose an answer sent before the request was
-        read to its end (a refused head, an oversized body)."""
-        try:
-            request.shutdown(socket.SHUT_WR)
-            deadline, budget = time.monotonic() + LINGER_SECONDS, MAX_KEYS_BODY
-            while budget > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break  # in all, not per read: a trickling caller holds no thread
-                request.settimeout(left)
-                data = request.recv(SMALL_BODY)
-                if not data:
-                    break
-                budget -= len(data)
-        except OSError:
-            pass
-        self.close_request(request)
 
     def handle_error(self, request, client_address):
         self.service.log("searchkeys: internal error: %s" % printable(
@@ -1055,7 +1103,7 @@ class KeysServer(http.server.HTTPServer):
 
 
 # =============================================================================
-# Service: request -> authenticate -> authorize -> validate -> store or forward
+# Service: route -> Gate -> the route's handler (the /keys API, or decide -> forward)
 # =============================================================================
 
 
@@ -1069,7 +1117,6 @@ class Service:
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
         self.gate = Gate(self.guard, limits)
-        self.restrictions_api = RestrictionsApi(store, self.keys_api._write)
         self.upstream = upstream
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
@@ -1098,46 +1145,60 @@ class Service:
         return response
 
     def dispatch(self, request):
-        """Route, authenticate, authorize, then answer, store or forward."""
+        """Route, authenticate, then the route's handler answers, stores or forwards."""
         method = request.method
         if method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return Response(200, _preflight_headers(request.headers))
-        route = match_route(method, path_segments(origin_form(request.target)))
-        if route is None:
+        found = match_route(method, path_segments(origin_form(request.target)))
+        if found is None:
             return Response(404)
-        if route == "method":
+        if found == "method":
             return Response(405)
-        route, index, params = route
-        request.family = ROUTE_FAMILIES[route.method, route.pattern]
-        if route.local == AUTHORIZE:
-            return self.answer_authorize(request)
-        if route.local == HEALTH:
-            return Response.json(200, {"status": "available"})
-        if route.local == METRICS:
-            return self.answer_metrics(request)
-        principal = self.gate.check(request, route.actions, index)
-        if route.local == RESTRICTIONS:
-            return self.restrictions_api.handle(request, principal, params["key"])
-        if route.local == ROTATE:
-            return Response.json(201, self.keys_api.rotate(request, principal, params["key"]))
-        if route.local == USAGE:
-            return Response.json(200, self.keys_api.usage(principal, params["key"]))
-        if route.local == KEYS:
-            status, value = self.keys_api.handle(request, principal, method, params,
-                                                 request.query)
-            return Response.json(status, value)
-        return self.forward(request, principal, route, params)
+        route, index, params = found
+        request.family = route.family
+        principal = self.gate.check(request, route.actions, index) if route.gated else OPEN
+        return route.handler(self, Call(request, route, index, params, principal))
 
-    def forward(self, request, principal, route, params):
-        """Send the backend what `plan_forward` makes of the request; relay its answer."""
-        plan = plan_forward(route, request, principal, params, self.upstream)
-        self.gate.charge(request, principal, plan.searches)
-        upstream, body = self.upstream, plan.body
-        headers = upstream.headers_for(request.headers.items(), plan.answer_filter is None)
-        if body is None:
+    def forward(self, call):
+        """Send the backend what `decide` makes of the request; relay its answer.
+        The backend's facts a decision needs (does the index exist, which
+        indexes the key covers, a task's index) are fetched here, once."""
+        request, decision = call.request, call.decision
+        value = call.json if decision.needs_body else None
+        query = request.query
+        if decision.value_steps and decision.carrier == QUERY:
+            read = parse_search_query(query)
+            value = dict(read[0])
+        for step in decision.value_steps:
+            value = step.apply(value)
+        if decision.value_steps and decision.carrier == QUERY:
+            query = encode_search_query(query, read, value)
+        upstream = self.upstream
+        if upstream is None:
+            raise no_upstream()
+        if decision.needs_existing_index:
+            check_index_exists(upstream, call.index, 404)
+        if decision.refusal is not None:
+            raise decision.refusal
+        context = RuleContext(call.principal, call.params, query,
+                              fetch_facts(upstream, call, decision.facts))
+        for step in decision.query_steps:
+            query = step.apply(query, context)
+        target = request.target if query == request.query else \
+            request.path + ("?" + query if query else "")
+        answer_filter = None if decision.answer_filter is None else \
+            functools.partial(decision.answer_filter, context)
+        if decision.checks_joins:
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
+        self.gate.charge(request, call.principal,
+                         decision.searches(value) if decision.searches is not None else 1)
+        headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+        if decision.needs_body:
+            body = compact_json(value).encode()
+        else:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(route.method, plan.target, headers, body,
-                                is_repeatable(route.method, route.pattern), plan.answer_filter)
+        return upstream.forward(call.route.method, target, headers, body,
+                                call.route.repeatable, answer_filter)
 
     @staticmethod
     def caller_body(body, headers):
@@ -1151,8 +1212,18 @@ class Service:
             headers.append(("Content-Length", str(body.remaining)))
         return body.chunks()
 
-    def answer_authorize(self, request):
-        """nginx auth_request: 204 when the original request is allowed."""
+    def answer_authorize(self, call):
+        """nginx auth_request: 204 when the original request is allowed as it
+        is. nginx relays no body of a refusal: its JSON error also rides in the
+        header X-Searchkeys-Error (ASCII JSON), for the recipe to answer it."""
+        try:
+            return self._authorize(call.request)
+        except ApiError as error:
+            error.headers = list(getattr(error, "headers", ())) + [
+                ("X-Searchkeys-Error", error_header(error))]
+            raise
+
+    def _authorize(self, request):
         uri = request.headers.get("X-Original-URI")
         if not uri:
             raise bad_request("`GET /authorize` needs the `X-Original-URI` header (and "
@@ -1161,32 +1232,88 @@ class Service:
         if not method:  # judged as a GET, a POST adding documents would pass as a read
             raise bad_request("`GET /authorize` needs the `X-Original-Method` header (and "
                               "`X-Original-URI`) of the request to authorize.")
-        route = match_route(method, path_segments(origin_form(uri)))
-        if route is None or route == "method" or not route[0].is_meilisearch:
+        found = match_route(method, path_segments(origin_form(uri)))
+        if found is None or found == "method":
             raise ApiError(403, "unknown_route", "`%s %s` is not a Meilisearch route."
                            % (printable(method), safe_path(uri)), "auth")
-        route, index, _params = route
+        route, index, params = found
         principal = self.gate.check(request, route.actions, index)
-        check_unseen(principal, route, uri, index)
-        if route.scope_rule(principal, index) is not None:
-            raise scope_not_enforceable(
-                route, "through `GET /authorize`, which never sees the body nor the answer "
-                "(use `searchkeys.py serve --upstream` for such keys)")
-        check_no_implicit_creation(route, principal, index, self.upstream, 403)
+        if route.handler is not Service.forward:  # nginx would send it on with the backend's key
+            raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
+                           "never by Meilisearch: route it to searchkeys, not through "
+                           "`GET /authorize`." % (route.method, route.pattern), "auth")
+        decision = decide(route, principal, index)
+        decision.check_unchanged(route, principal, params, uri.partition("?")[2])
+        if decision.checks_joins:
+            if self.upstream is None or index is None:  # (a multi-search was refused above)
+                raise scope_not_enforceable(route, "without --upstream, which it needs to see "
+                                            "whether the index joins others (foreignKeys)")
+            check_joins(principal, fetch_joins(self.upstream, [index]))
+        if decision.needs_existing_index:
+            if self.upstream is None:
+                raise refused("action", invalid_api_key(
+                    "This API key may not create indexes, and searchkeys runs without "
+                    "--upstream, so it cannot check that the index `%s` exists; the request "
+                    "is refused." % index))
+            check_index_exists(self.upstream, index, 403)
         return Response(204, authorize_headers(principal))
 
+    def answer_health(self, call):
+        return Response.json(200, {"status": "available"})
 
-    def answer_metrics(self, request):
+    def answer_metrics(self, call):
         """GET /metrics, this server's: for the token of --metrics-token-file,
         the master key, or a key granting `metrics.get` (Meilisearch's right
         to its own /metrics)."""
-        token = self.metrics_token
+        request, token = call.request, self.metrics_token
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         if token is None or scheme != "Bearer" or not hmac.compare_digest(
                 given.encode("utf-8", "replace"), token):
-            self.gate.check(request, ROUTE_INDEX["GET", "/metrics"].actions, None)
+            self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
+
+
+MAX_ERROR_HEADER = 1024  # bytes of X-Searchkeys-Error: nginx's header buffer is 4 KiB
+
+
+def error_header(error):
+    """An error's JSON as one header value: ASCII (JSON escapes the rest),
+    its message shortened to fit MAX_ERROR_HEADER (a key with many index
+    patterns names them all)."""
+    value = error.to_json()
+    text = json.dumps(value)
+    while len(text) > MAX_ERROR_HEADER:
+        value["message"] = value["message"][:len(value["message"]) - (
+            len(text) - MAX_ERROR_HEADER) - 3] + "..."
+        text = json.dumps(value)
+    return text
+
+
+class Call:
+    """One request on its way from the handler to the answer: the Request,
+    its route, index and path parameters, the principal it acts for, the
+    decision for them (made once), and its JSON body (read and parsed once,
+    when the decision needs it)."""
+
+    __slots__ = ("request", "route", "index", "params", "principal", "_decision", "_json")
+
+    def __init__(self, request, route, index, params, principal):
+        self.request, self.route, self.index = request, route, index
+        self.params, self.principal = params, principal
+        self._decision = self._json = None
+
+    @property
+    def decision(self):
+        if self._decision is None:
+            self._decision = decide(self.route, self.principal, self.index)
+        return self._decision
+
+    @property
+    def json(self):
+        if self._json is None:
+            self._json = (parse_json_body(self.request.body.read(MAX_HANDLER_BODY)),)
+        return self._json[0]
 
 
 def _preflight_headers(headers):
@@ -1221,240 +1348,221 @@ def safe_path(raw):
 
 
 # =============================================================================
-# Authentication: Authorization header -> master key, API key or tenant token
+# Routes: one record per route, holding its handler, and how a path finds it
 # =============================================================================
 
-
-def _visible_ascii(value):
-    """The header as actix's `to_str()` sees it: empty unless visible ASCII."""
-    if value is None:
-        return None
-    if value.isascii() and value.replace("\t", " ").isprintable():
-        return value
-    return ""
+QUERY, BODY = "query", "body"  # where a route's search parameters live: its carrier
 
 
-class Guard:
-    """Decides whether a bearer credential may perform a route's actions."""
-
-    def __init__(self, store, master_key):
-        self.store = store
-        self.master_key = master_key
-        self._master_bytes = master_key.encode() if master_key is not None else None
-
-    def check(self, authorization, actions, index):
-        """The Principal allowed to perform `actions` on `index` (None on
-        index-less routes); raises upstream's 401/403 ApiError otherwise."""
-        if not actions:
-            return OPEN  # public route: no header check at all
-        header = _visible_ascii(authorization)
-        if header is None:
-            if self.master_key is not None:
-                raise missing_authorization_header()
-            return self._authenticate("", actions, index)  # open instance: all but /keys
-        scheme, space, token = header.partition(" ")
-        if scheme != "Bearer":
-            raise missing_authorization_header()
-        if not space:
-            raise invalid_api_key()
-        return self._authenticate(token, actions, index)
-
-    def _authenticate(self, token, actions, index):
-        principal = OPEN
-        for action in actions:
-            principal = self.policy(token, action, index)
-        return principal
-
-    def policy(self, token, action, index):
-        """Upstream's ActionPolicy for one action: a Principal, or raises."""
-        if self.master_key is None:  # no master key: everything but /keys is open
-            if action in KEYS_ACTIONS:
-                raise missing_master_key()
-            return OPEN
-        if hmac.compare_digest(self._master_bytes, token.encode()):
-            return OPEN
-        rules = None
-        key = None
-        if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
-            try:
-                claims = verify_tenant_token(token, self.store.derive)
-            except NotATenantToken:
-                pass
-            except TenantTokenError as exc:
-                raise invalid_api_key(str(exc))
-            else:
-                rules = claims["searchRules"]
-                key = self.store.by_uid(claims["apiKeyUid"])
-                if key is None:
-                    raise invalid_api_key()
-        if rules is None:
-            key = self.store.by_value(token)
-            if key is None:
-                raise invalid_api_key()
-        refusal = authorize(key, action, index, tenant_rules=rules)
-        if refusal is not None:
-            refusal.key = key
-            raise refusal
-        return Principal(key, rules)
+def count_queries(body):
+    """The searches a multi-search body runs (federated or not): one a query."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    return len(queries) if isinstance(queries, list) else 1
 
 
-# =============================================================================
-# Permission model (pure): expansion, index patterns, Principal, authorize
-# =============================================================================
+class Route(collections.namedtuple(
+        "Route", "method pattern actions handler rule hits searches repeatable creates_index "
+                 "forced carrier family gated")):
+    """One route:
+    - `actions`: what a credential must hold (PUBLIC: nothing);
+    - `handler(service, call)`: who answers (Service.forward: the backend);
+    - `rule`: the handler rule holding a scoped principal to its indexes;
+    - `hits(value, cap)`: caps the hits its search value asks for (the key's
+      maxHitsPerQuery), None when it asks for none;
+    - `searches(body)`: how many searches its body runs (rate limits); None: one;
+    - `repeatable`: safe to send twice (GETs and read-only POSTs);
+    - `creates_index`: creates its missing index when the caller may create
+      indexes (upstream's allow_index_creation; the settings deletions pass it
+      too, and the guard does not rely on Meilisearch's scheduler dropping it);
+    - `forced(restrictions, index, value)`: the key's forcedParameters applied
+      to its search value, or REFUSED_WHEN_FORCED, or None: they do not apply;
+    - `carrier`: where its search value lives, QUERY (a GET's query string)
+      or BODY (its JSON body);
+    - `family`: what /metrics counts it under;
+    - `gated`: the Gate checks its credential before the handler (/metrics
+      checks its own: its token may stand in)."""
 
-
-def expand(action):
-    """The set of actions that holding `action` grants."""
-    return frozenset(EXPANSIONS.get(action, (action,)))
-
-
-@functools.lru_cache(maxsize=4096)
-def grants(actions):
-    """Everything a key with the tuple `actions` may do (cached: keys share shapes)."""
-    granted = set()
-    for action in actions:
-        granted |= expand(action)
-    return frozenset(granted)
-
-
-_PATTERN_RE = re.compile(r"[A-Za-z0-9_-]{1,400}\*?\Z|\*\Z")
-
-
-def is_valid_index_pattern(pattern):
-    """`*`, or 1..400 ASCII alphanumerics/`-`/`_` with an optional trailing star."""
-    return isinstance(pattern, str) and _PATTERN_RE.match(pattern) is not None
-
-
-def pattern_matches(pattern, index):
-    """Does index pattern `pattern` cover index uid `index`?"""
-    if pattern.endswith("*"):
-        return index.startswith(pattern[:-1])
-    return pattern == index
-
-
-_RUST_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\",
-                 '"': '\\"'}
-# What Rust's char::escape_debug writes as \u{...}: the categories its
-# is_printable leaves out (but the space), and grapheme extenders.
-_RUST_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs", "Mn", "Me"))
-
-
-def rust_debug_str(text):
-    """A string the way Rust's `{:?}` prints it: quoted, with \\n, \\" and
-    \\u{7f}-style escapes."""
-    import unicodedata  # local: only refusal messages naming odd index patterns need it
-    out = []
-    for char in text:
-        if char in _RUST_ESCAPES:
-            out.append(_RUST_ESCAPES[char])
-        elif char != " " and unicodedata.category(char) in _RUST_UNPRINTABLE:
-            out.append("\\u{%x}" % ord(char))
-        else:
-            out.append(char)
-    return '"%s"' % "".join(out)
-
-
-def rust_debug_list(strings):
-    """A list of strings the way Rust's `{:?}` prints a Vec<String>: ["a", "b"]."""
-    return "[" + ", ".join(rust_debug_str(s) for s in strings) + "]"
-
-
-def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
-    """May `key` perform `action` on `index` (None on index-less routes)?
-
-    Returns None when allowed, else the ApiError upstream answers. Mirrors
-    upstream's order: index checks (tenant token rules, then the key's
-    patterns) come before the action and expiry checks. `tenant_rules` are
-    the `searchRules` of a tenant token signed by `key`, if any.
-    """
-    if index is not None:
-        refusal = Principal(key, tenant_rules).index_refusal(index)
-        if refusal is not None:
-            return refused("index", refusal)
-    if action not in key.grants:
-        return refused("action", invalid_api_key())
-    if key.is_expired(now_ns):
-        return refused("expiry", invalid_api_key())
-    if key.is_global or index is not None:
-        return None
-    # An index-less route with an index-scoped key: only handler-checked
-    # actions let it in (the route restricts what it sees).
-    if action in HANDLER_CHECKED_ACTIONS and key.indexes:
-        return None
-    return refused("index", invalid_api_key())
-
-
-class Principal:
-    """Who an authorized request acts for: a key (None for the master key or
-    an instance without one) and the searchRules of a tenant token, if any.
-    The one owner of "may this credential touch this index" (upstream's
-    AuthFilter::is_index_authorized): `authorize`, the handler rules and the
-    listing filters all ask it."""
-
-    __slots__ = ("key", "rules")
-
-    def __init__(self, key=None, rules=None):
-        self.key = key
-        self.rules = rules
+    def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
+        repeatable = method == "GET" if repeatable is None else repeatable
+        handler = handler or Service.forward
+        return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
+                               searches, repeatable, creates_index, forced,
+                               QUERY if method == "GET" else BODY,
+                               route_family(pattern, handler is not Service.forward), gated)
 
     @property
-    def unscoped(self):
-        return self.key is None or (self.key.is_global and self.rules is None)
+    def is_meilisearch(self):
+        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
+        its additions under /keys/{key}/ are not)?"""
+        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
 
-    def index_refusal(self, index):
-        """None when the credential covers `index`, else upstream's refusal
-        (the token's rules are checked before its parent key's patterns)."""
-        key, rules = self.key, self.rules
-        if key is None:
-            return None
-        if rules is not None and not search_rules_allow(rules, index):
-            return invalid_api_key(
-                "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(set(search_rule_patterns(rules))))))
-        if any(pattern_matches(p, index) for p in key.indexes):
-            return None
-        if rules is not None:
-            return invalid_api_key("The API key used to generate this tenant token cannot "
-                                   "acces the index `%s`." % index)
-        return invalid_api_key("The API key cannot acces the index `%s`, authorized indexes "
-                               "are %s." % (index, rust_debug_list(sorted(set(key.indexes)))))
-
-    def may_use_index(self, index):
-        return self.index_refusal(index) is None
-
-    def may_create_index(self, index):
-        """Upstream's allow_index_creation: may a write that finds no index
-        `index` create it? Only when the key grants indexes.create and
-        covers `index` (the master key always may)."""
-        return self.key is None or authorize(self.key, "indexes.create", index,
-                                             tenant_rules=self.rules) is None
-
-    @property
-    def restrictions(self):
-        """The key's (or the token's parent key's) Restrictions, or None."""
-        return self.key.restrictions if self.key is not None else None
+    def scope_rule(self, principal, index):
+        """The rule that holds `principal` to its indexes and filters on
+        this route (None: the index check was enough)."""
+        rule = self.rule
+        return rule if rule is not None and rule.applies(principal, index) else None
 
 
-OPEN = Principal()
+def route_family(pattern, local):
+    """The family /metrics counts a route's requests under, one of a small
+    fixed set: search, multi-search, documents, settings, indexes, tasks,
+    keys, authorize, health, metrics, other. `local`: searchkeys answers it."""
+    parts = pattern.split("/")
+    if local:
+        return parts[1]  # keys, authorize, health, metrics
+    if parts[1] == "indexes" and len(parts) > 3:
+        return {"search": "search", "similar": "search", "facet-search": "search",
+                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
+    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
+            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
 
 
-def search_rule_patterns(rules):
-    """The index patterns a tenant token's `searchRules` name."""
-    return list(rules)  # a list of patterns, or the keys of an object
+def _settings_routes():
+    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
+    put_names = (
+        "filterable-attributes", "sortable-attributes", "displayed-attributes",
+        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
+        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
+        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
+        "prefix-search", "foreign-keys",
+    )
+    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
+    routes = []
+    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
+        for name in names:
+            pattern = "/indexes/{index_uid}/settings/" + name
+            routes += [Route("GET", pattern, ("settings.get",)),
+                       Route(verb, pattern, ("settings.update",), creates_index=True,
+                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
+                       Route("DELETE", pattern, ("settings.update",), creates_index=True)]
+    return routes
 
 
-def search_rules_allow(rules, index):
-    return any(pattern_matches(p, index) for p in search_rule_patterns(rules))
-
-
-def index_scoped_global_action(actions, indexes):
-    """The first global action of a key scoped to some indexes, or None."""
-    if not indexes or "*" in indexes:
-        return None
-    for action in actions:
-        if action in GLOBAL_ACTIONS:
-            return action
-    return None
+def build_routes():
+    """The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
+    each. Like actix, the first pattern matching a path wins (in table order);
+    a method it lacks is a 405. "{index_uid}" segments are checked against the
+    key's index patterns; other "{...}" segments match anything.
+    Built once every handler and rule exists (called at the end of the
+    file, so that this module reads in the order a request travels)."""
+    return tuple([
+        Route("GET", "/health", PUBLIC, handler=Service.answer_health),
+        Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
+        Route("GET", "/", PUBLIC),
+        Route("GET", "/version", ("version",)),
+        Route("GET", "/stats", ("stats.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: filter_stats(c.principal, a, c.facts["covered_indexes"]),
+            facts=("covered_indexes",))),
+        Route("GET", "/keys", ("keys.get",), handler=on_keys_api(KeysApi.list_keys)),
+        Route("POST", "/keys", ("keys.create",), handler=on_keys_api(KeysApi.create_key)),
+        Route("GET", "/keys/{key}", ("keys.get",), handler=on_keys_api(KeysApi.get_key)),
+        Route("PATCH", "/keys/{key}", ("keys.update",),
+              handler=on_keys_api(KeysApi.update_key)),
+        Route("DELETE", "/keys/{key}", ("keys.delete",),
+              handler=on_keys_api(KeysApi.delete_key)),
+        Route("GET", "/keys/{key}/restrictions", ("keys.get",),
+              handler=on_keys_api(KeysApi.get_restrictions)),
+        Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
+              handler=on_keys_api(KeysApi.put_restrictions)),
+        Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
+              handler=on_keys_api(KeysApi.delete_restrictions)),
+        Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
+              handler=on_keys_api(KeysApi.rotate_key)),
+        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("GET", "/indexes", ("indexes.get",), rule=Rule(
+            SCOPED, query=_index_page_query, answer=_index_page_answer)),
+        Route("POST", "/indexes", ("indexes.create",),
+              rule=Rule(SCOPED, value=check_index_creation)),
+        Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
+        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
+        Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
+        Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
+        Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
+        Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
+        Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, repeatable=True,
+              forced=force_search_on(SEARCH_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
+              repeatable=True, forced=force_facet_search),
+        Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+        Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
+              hits=cap_search_object, repeatable=True,
+              forced=force_search_on(SIMILAR_PARAMETERS)),
+        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+        Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
+        Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
+        Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
+        Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
+              forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
+        Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
+        Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
+              forced=refuse_embedders),
+        Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
+    ] + _settings_routes() + [
+        Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
+              hits=cap_multi_search, searches=count_queries, repeatable=True,
+              forced=force_multi_search),
+        Route("POST", "/swap-indexes", ("indexes.swap",),
+              rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
+        Route("POST", "/render-template", ("settings.get", "documents.get"),
+              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
+        Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
+            SCOPED, query=_task_change_query("delete"), facts=("covered_indexes",))),
+        Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
+            SCOPED, query=_task_change_query("cancel"), facts=("covered_indexes",))),
+        Route("POST", "/tasks/compact", ("tasks.compact",)),
+        Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
+        Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
+            SCOPED, query=_task_documents_query, facts=("task",)), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
+        Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
+            SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
+        Route("POST", "/dumps", ("dumps.create",)),
+        Route("POST", "/snapshots", ("snapshots.create",)),
+        Route("GET", "/metrics", ("metrics.get",), handler=Service.answer_metrics,
+              gated=False),
+        Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/logs/stream", ("metrics.get",)),
+        Route("POST", "/logs/stderr", ("metrics.get",)),
+        Route("GET", "/experimental-features", ("experimental.get",)),
+        Route("PATCH", "/experimental-features", ("experimental.update",)),
+        Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
+        Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
+        Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/webhooks", ("webhooks.get",)),
+        Route("POST", "/webhooks", ("webhooks.create",)),
+        Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
+        Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
+        Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
+        Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
+        Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
+        Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
+        Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
+        Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
+        Route("GET", "/chats", ("chats.get",)),
+        Route("GET", "/chats/{workspace}", ("chats.get",)),
+        Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
+        Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
+        Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",),
+              forced=REFUSED_WHEN_FORCED),
+        Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
+        Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
+              rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
+    ])
 
 
 def match_route(method, segments):
@@ -1518,1012 +1626,8 @@ def path_segments(raw_path):
 
 
 # =============================================================================
-# Handler rules: what upstream's handlers check and filter for a scoped
-# principal (an index-scoped key or a tenant token), and the hit caps of a
-# key's maxHitsPerQuery. The backend gets our --upstream-key, not the
-# caller's credential, so the guard applies them.
-# =============================================================================
-
-def _capped(value, cap):
-    """A requested count, capped; values that are not counts are left for
-    the backend to refuse."""
-    if type(value) is int and value > cap:
-        return cap
-    return value
-
-
-def cap_search_object(query, cap):
-    """A search query object (POST search/similar body, one multi-search
-    query, a federation) asking for at most `cap` hits. Meilisearch pages by
-    `hitsPerPage` when `page` or `hitsPerPage` is set (null is unset), else
-    by `limit`: that count is capped (its default 20 made explicit when the
-    cap is lower), and the other one too when it is given."""
-    if not isinstance(query, dict):
-        return query
-    paged = query.get("page") is not None or query.get("hitsPerPage") is not None
-    field, other = ("hitsPerPage", "limit") if paged else ("limit", "hitsPerPage")
-    wanted = query.get(field)
-    capped = {field: _capped(DEFAULT_SEARCH_LIMIT if wanted is None else wanted, cap)}
-    if query.get(other) is not None:
-        capped[other] = _capped(query[other], cap)
-    if all(query.get(name, DEFAULT_SEARCH_LIMIT) == count for name, count in capped.items()):
-        return query
-    return dict(query, **capped)
-
-
-def cap_multi_search(body, cap):
-    """Every query of a multi-search, and its federation's window, capped."""
-    if not isinstance(body, dict):
-        return body
-    body = dict(body)
-    if isinstance(body.get("queries"), list):
-        federated = isinstance(body.get("federation"), dict)
-        # federated queries may not carry `limit` (Meilisearch refuses it)
-        body["queries"] = body["queries"] if federated else \
-            [cap_search_object(q, cap) for q in body["queries"]]
-    if isinstance(body.get("federation"), dict):
-        body["federation"] = cap_search_object(body["federation"], cap)
-    return body
-
-
-def _parameter_name(part):
-    name = part.partition("=")[0]
-    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
-
-
-def search_query_hits(query):
-    """(field, asked count or None when unparseable, parts, names) of a GET
-    search/similar query string: which count Meilisearch reads as its page
-    size, and what was asked for (the default when absent). The parts stay
-    as sent: a rewrite changes only the count."""
-    parts = query.split("&") if query else []
-    names = [_parameter_name(part) for part in parts]
-    field = "hitsPerPage" if ("page" in names or "hitsPerPage" in names) else "limit"
-    values = [part.partition("=")[2] for part, name in zip(parts, names) if name == field]
-    asked = parse_rust_uint(urllib.parse.unquote_plus(values[-1])) if values \
-        else DEFAULT_SEARCH_LIMIT
-    return field, asked, parts, names
-
-
-def cap_search_query(query, cap):
-    """A GET search/similar query string asking for at most `cap` hits."""
-    field, asked, parts, names = search_query_hits(query)
-    if asked is None or asked <= cap:
-        return query
-    return "&".join([part for part, name in zip(parts, names) if name != field] +
-                    ["%s=%d" % (field, cap)])
-
-
-def most_specific_rule(rules, index):
-    """The value in `rules` (index pattern -> value) of the most specific
-    pattern covering `index` (exact beats prefix, longer beats shorter), or
-    None: how tenant tokens' searchRules and forcedParameters are matched."""
-    matching = [p for p in rules if pattern_matches(p, index)]
-    if not matching:
-        return None
-    return rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
-
-
-def tenant_filter(rules, index):
-    """The filter a tenant token adds to searches on `index`: that of the
-    most specific matching rule, or None."""
-    if not isinstance(rules, dict):
-        return None
-    rule = most_specific_rule(rules, index)
-    return rule.get("filter") if isinstance(rule, dict) else None
-
-
-def fuse_filters(left, right):
-    """Upstream's fuse_filters (None: no filter): both sides as one AND-list,
-    an array side spliced in, so an inner array keeps meaning OR."""
-    if left is None:
-        return right
-    if right is None:
-        return left
-    return (left if isinstance(left, list) else [left]) + \
-        (right if isinstance(right, list) else [right])
-
-
-def with_tenant_filter(query, rules, index):
-    """A search query (JSON object) with the token's filter fused in, the
-    way upstream's add_search_rules does it."""
-    rule = tenant_filter(rules, index)
-    if rule is None or not isinstance(query, dict):
-        return query
-    return dict(query, filter=fuse_filters(query.get("filter"), rule))
-
-
-def check_index_creation(principal, index, body):
-    """POST /indexes: the new index's uid must be one the key covers."""
-    uid = body.get("uid") if isinstance(body, dict) else None
-    if isinstance(uid, str) and not principal.may_use_index(uid):
-        raise refused("index", invalid_api_key())
-    return body
-
-
-def scope_multi_search(principal, index, body):
-    """POST /multi-search (federated or not): every query's indexUid must be
-    covered; a tenant token's filters are fused into each query."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    if not isinstance(queries, list):
-        return body
-    scoped, grown, rule_sizes = [], 0, {}
-    for position, query in enumerate(queries):
-        uid = query.get("indexUid") if isinstance(query, dict) else None
-        if isinstance(uid, str):
-            if not principal.may_use_index(uid):
-                raise refused("index", invalid_api_key(
-                    "Inside `.queries[%d]`: The provided API key is invalid." % position))
-            rule = tenant_filter(principal.rules, uid)
-            if rule is not None:
-                # a token's filter is copied into each query: many small queries and a
-                # long filter must not grow the forwarded body past what one may send
-                if uid not in rule_sizes:
-                    rule_sizes[uid] = len(compact_json(rule))
-                grown += rule_sizes[uid]
-                if grown > MAX_HANDLER_BODY:
-                    raise payload_too_large(MAX_HANDLER_BODY)
-                query = dict(query, filter=fuse_filters(query.get("filter"), rule))
-        scoped.append(query)
-    return dict(body, queries=scoped)
-
-
-def check_index_swap(principal, index, body):
-    """POST /swap-indexes: both indexes of every swap must be covered."""
-    for swap in body if isinstance(body, list) else ():
-        indexes = swap.get("indexes") if isinstance(swap, dict) else None
-        for uid in indexes if isinstance(indexes, list) else ():
-            if isinstance(uid, str) and not principal.may_use_index(uid):
-                raise refused("index", invalid_api_key())
-    return body
-
-
-def scope_search_body(principal, index, body):
-    """POST search, facet-search, similar on one index: fuse the token's filter."""
-    return with_tenant_filter(body, principal.rules, index)
-
-
-def scope_search_query(principal, index, query):
-    """GET search/similar: the token's filter fused with the `filter`
-    parameter, which upstream reads as JSON when it parses as JSON (a JSON
-    `null` included) and as a string otherwise."""
-    rule = tenant_filter(principal.rules, index)
-    if rule is None:
-        return query
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    current = None
-    for name, value in pairs:
-        if name == "filter":
-            current = query_filter(value)
-    pairs = [(n, v) for n, v in pairs if n != "filter"]
-    pairs.append(("filter", compact_json(fuse_filters(current, rule))))
-    return urllib.parse.urlencode(pairs)
-
-
-def query_filter(value):
-    """A GET search's `filter` parameter as upstream reads it: JSON when it
-    parses as JSON, else a string; a JSON null is upstream's Some(Null),
-    which fuse_filters keeps as one element."""
-    try:
-        current = strict_json(value)
-    except (ValueError, RecursionError):
-        current = value
-    return [None] if current is None else current
-
-
-def _is_string_list(value):
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-def _is_filter(value):
-    """Meilisearch's filter shape: a string, or an AND-array of strings and
-    OR-arrays of strings (or null: no filter)."""
-    return value is None or isinstance(value, str) or isinstance(value, list) and all(
-        isinstance(item, str) or _is_string_list(item) for item in value)
-
-
-def _filters_nothing(value):
-    """Whether a filter of _is_filter's shape holds no condition: null, a
-    blank string, or arrays of those, which Meilisearch reads as no filter."""
-    if isinstance(value, list):
-        return all(_filters_nothing(item) for item in value)
-    return value is None or not value.strip()
-
-
-_STRINGS = ("an array of strings", _is_string_list)
-_BOOLEAN = ("a boolean", lambda value: type(value) is bool)
-_STRING = ("a string", lambda value: isinstance(value, str))
-# The search parameters a key may force, with what Meilisearch accepts for
-# each. Page sizes are not among them: `maxHitsPerQuery` caps those.
-FORCED_PARAMETERS = {
-    "filter": ("a string, an array of strings and arrays of strings, or null", _is_filter),
-    "attributesToRetrieve": _STRINGS, "attributesToHighlight": _STRINGS,
-    "attributesToCrop": _STRINGS, "facets": _STRINGS, "attributesToSearchOn": _STRINGS,
-    "locales": _STRINGS,
-    "cropLength": ("a positive integer", lambda value: type(value) is int and value >= 0),
-    "cropMarker": _STRING, "highlightPreTag": _STRING, "highlightPostTag": _STRING,
-    "distinct": _STRING,
-    "showMatchesPosition": _BOOLEAN, "showRankingScore": _BOOLEAN,
-    "showRankingScoreDetails": _BOOLEAN, "retrieveVectors": _BOOLEAN,
-    "matchingStrategy": ("one of `last`, `all`, `frequency`",
-                         lambda value: value in ("last", "all", "frequency")),
-    "rankingScoreThreshold": ("a number from 0.0 to 1.0", lambda value: type(value) in (
-        int, float) and 0 <= value <= 1),
-}
-
-
-# Which forced parameters exist where: every one on a search (but `facets`
-# in a federated query, which the federation's facetsByIndex takes); some
-# on similar and facet search, whose bodies refuse unknown fields.
-SEARCH_PARAMETERS = frozenset(FORCED_PARAMETERS)
-FEDERATED_PARAMETERS = SEARCH_PARAMETERS - {"facets"}
-SIMILAR_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors",
-                                "showRankingScore", "showRankingScoreDetails",
-                                "rankingScoreThreshold"))
-FACET_SEARCH_PARAMETERS = frozenset(("filter", "matchingStrategy", "attributesToSearchOn",
-                                     "rankingScoreThreshold", "locales"))
-FORMATTED_PARAMETERS = ("attributesToHighlight", "attributesToCrop")
-# A forced list that is empty means the parameter's default on a GET, so the
-# parameter is left out; for the others an empty list has no GET spelling.
-EMPTY_IS_DEFAULT = frozenset(FORMATTED_PARAMETERS + ("facets", "locales"))
-
-
-def force_object(query, forced, names):
-    """A search query object with the `forced` parameters (those in `names`,
-    the route's): `filter` fused in as a tenant token's is, the others
-    replacing the caller's. Under a forced attributesToRetrieve, the
-    attributes the caller highlights or crops (which `_formatted` shows) are
-    cut to the forced ones, unless those are forced too."""
-    if forced is None or not isinstance(query, dict):
-        return query
-    query = dict(query)
-    for name, value in forced.items():
-        if name not in names:
-            continue
-        if name != "filter":
-            query[name] = value
-        elif value is not None:
-            query["filter"] = fuse_filters(query.get("filter"), value)
-    shown = forced.get("attributesToRetrieve") if "attributesToRetrieve" in names else None
-    if shown is not None and "*" not in shown:
-        for name in FORMATTED_PARAMETERS:
-            if name not in forced and isinstance(query.get(name), list):
-                query[name] = within_attributes(query[name], shown)
-        if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
-                and query.get("showRankingScoreDetails") is True \
-                and sorts_on_hidden(query.get("sort"), shown):
-            query["showRankingScoreDetails"] = False
-    return query
-
-
-def sorts_on_hidden(sort, shown):
-    """Does a search's `sort` (a list, or a GET's comma-separated text) use an
-    attribute outside `shown`? The ranking score details of a sort show each
-    hit's value of the sorted attribute (Meilisearch hides only those outside
-    displayedAttributes), and a geo sort the hit's `_geo` point."""
-    if isinstance(sort, str):
-        sort = sort.split(",")
-    if not isinstance(sort, list):
-        return False
-    return any(not isinstance(item, str) or item.rpartition(":")[0] not in shown
-               for item in sort)
-
-
-def within_attributes(asked, shown):
-    """Highlighted or cropped attributes (`title`, `title:10`, `*`) kept to
-    the `shown` ones: `*` stands for all of those; anything else is dropped."""
-    kept = []
-    for item in asked:
-        if not isinstance(item, str):
-            kept.append(item)  # the backend refuses it
-            continue
-        name, colon, length = item.rpartition(":")
-        name, suffix = (name, colon + length) if colon and is_decimal(length) else (item, "")
-        if name == "*":
-            kept.extend(attribute + suffix for attribute in shown)
-        elif name in shown:
-            kept.append(item)
-    return kept
-
-
-def force_body_on(names):
-    """POST search or similar on one index: the key's forced parameters."""
-    return lambda restrictions, index, body: force_object(
-        body, forced_parameters(restrictions, index), names)
-
-
-def force_query_on(names):
-    """GET search or similar: the forced parameters written into the query
-    string (as Meilisearch reads it: lists comma-separated, the filter as
-    JSON), each replacing every parameter of its name."""
-    def force(restrictions, index, query):
-        forced = forced_parameters(restrictions, index)
-        if forced is None:
-            return query
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        current = {}
-        for name, value in pairs:
-            if name == "filter":
-                current[name] = query_filter(value)
-            elif name in FORMATTED_PARAMETERS:
-                current[name] = value.split(",")
-            elif name in ("sort", "showRankingScoreDetails"):
-                current[name] = value if name == "sort" else value == "true"
-        wanted = force_object(current, forced, names)
-        changed = [name for name in wanted if current.get(name, NOT_READ) != wanted[name]]
-        pairs = [(n, v) for n, v in pairs if n not in changed]
-        for name in changed:
-            if wanted[name] != [] or name not in EMPTY_IS_DEFAULT:
-                pairs.append((name, query_value(name, wanted[name])))
-        return urllib.parse.urlencode(pairs)
-    return force
-
-
-def query_value(name, value):
-    """A forced parameter's value as a GET search spells it; 403 when it
-    has no spelling there (a comma inside a list item, an empty list)."""
-    if name == "filter":
-        return compact_json(value)
-    if isinstance(value, list):
-        if not value or any("," in item for item in value):
-            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
-                                      "spell its forced `%s`: use POST" % name)
-        return ",".join(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return value if isinstance(value, str) else compact_json(value)
-
-
-def force_facet_search(restrictions, index, body):
-    """POST facet-search: the forced parameters that exist there; under a
-    forced `facets`, only those facets' values may be searched."""
-    forced = forced_parameters(restrictions, index)
-    if forced is None or not isinstance(body, dict):
-        return body
-    facets, name = forced.get("facets"), body.get("facetName")
-    if facets is not None and "*" not in facets and isinstance(name, str) \
-            and name not in facets:
-        raise restriction_refused("forcedParameters", "to search the values of this facet")
-    return force_object(body, forced, FACET_SEARCH_PARAMETERS)
-
-
-def force_multi_search(restrictions, index, body):
-    """POST /multi-search: each query gets its index's forced parameters; in
-    a federated one, a forced `facets` becomes the federation's facetsByIndex
-    entry for that index, whatever the caller asked there."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    if not isinstance(queries, list):
-        return body
-    federation = body.get("federation")
-    names = FEDERATED_PARAMETERS if isinstance(federation, dict) else SEARCH_PARAMETERS
-    if len(queries) * len(compact_json(restrictions.forced)) > MAX_HANDLER_BODY:
-        raise payload_too_large(MAX_HANDLER_BODY)  # what this key's queries would grow to
-    facets, forced_queries = {}, []
-    for query in queries:
-        uid = query.get("indexUid") if isinstance(query, dict) else None
-        forced = forced_parameters(restrictions, uid) if isinstance(uid, str) else None
-        forced_queries.append(force_object(query, forced, names))
-        if forced is not None and "facets" in forced:
-            facets[uid] = forced["facets"]
-    body = dict(body, queries=forced_queries)
-    if isinstance(federation, dict):
-        body["federation"] = force_facets_by_index(restrictions, federation, facets)
-    return body
-
-
-def force_facets_by_index(restrictions, federation, facets):
-    """A federation whose facetsByIndex holds the forced `facets` (index uid
-    -> list) of the queried indexes, and of every covered index it names."""
-    by_index = federation.get("facetsByIndex")
-    if (by_index is None and not facets) or not isinstance(by_index, (dict, type(None))):
-        return federation  # nothing to force, or a value the backend refuses
-    by_index = dict(by_index or {}, **facets)
-    for uid in by_index:
-        forced = forced_parameters(restrictions, uid)
-        if forced is not None and "facets" in forced:
-            by_index[uid] = forced["facets"]
-    return dict(federation, facetsByIndex=by_index)
-
-
-def _same_forced(restrictions, uid, other):
-    return forced_parameters(restrictions, uid) == forced_parameters(restrictions, other)
-
-
-def force_same_on_swap(restrictions, index, body):
-    """POST /swap-indexes: a swap (or a rename) moves each index's documents
-    under the other's name, so both names must have the same forced
-    parameters: else a covered index's documents would be searched
-    without them."""
-    for swap in body if isinstance(body, list) else ():
-        uids = swap.get("indexes") if isinstance(swap, dict) else None
-        uids = [uid for uid in uids if isinstance(uid, str)] if isinstance(uids, list) else []
-        if any(not _same_forced(restrictions, uids[0], uid) for uid in uids[1:]):
-            raise restriction_refused("forcedParameters", "to swap or rename indexes whose "
-                                      "forced search parameters differ")
-    return body
-
-
-def force_same_on_rename(restrictions, index, body):
-    """PATCH /indexes/{uid} with a new `uid` renames the index: the new name
-    must have the same forced parameters as the old (see force_same_on_swap)."""
-    uid = body.get("uid") if isinstance(body, dict) else None
-    if isinstance(uid, str) and not _same_forced(restrictions, index, uid):
-        raise restriction_refused("forcedParameters", "to rename an index to a name whose "
-                                  "forced search parameters differ")
-    return body
-
-
-REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
-
-
-def refuse_embedders(restrictions, index, body):
-    """PATCH /indexes/{uid}/settings on a covered index: not its `embedders`,
-    as the embedders route is refused (REFUSED_WHEN_FORCED): a REST
-    embedder's documentTemplate sends every document, whole, to its URL."""
-    if isinstance(body, dict) and body.get("embedders") is not None \
-            and forced_parameters(restrictions, index) is not None:
-        raise restriction_refused("forcedParameters", "to change the embedders of an index "
-                                  "it searches with forced parameters")
-    return body
-
-
-def force_parameters(route, request, restrictions, index, target, value):
-    """(target, value) with the key's forcedParameters applied on `route`
-    (`value`: the JSON body, or NOT_READ); 403 on a route that would bypass
-    them: one on a covered index, or one whose indexes are not in its path."""
-    forcing = route.forced
-    if forcing == REFUSED_WHEN_FORCED:
-        if index is None or forced_parameters(restrictions, index) is not None:
-            raise restriction_refused("forcedParameters", "on `%s %s`, which cannot apply "
-                                      "its forced search parameters"
-                                      % (route.method, route.pattern))
-        return target, value
-    if route.method == "GET":
-        path, _, query = target.partition("?")
-        forced_query = forcing(restrictions, index, query)
-        return (target if forced_query == query else path + "?" + forced_query), value
-    if value is NOT_READ:
-        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    return target, forcing(restrictions, index, value)
-
-
-ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
-
-
-def all_indexes_query(query):
-    """GET /indexes for a scoped key: (the query that asks the backend
-    for every index, offset, limit to apply after filtering); upstream's 400
-    ApiError for parameters it refuses, so none goes unfiltered."""
-    offset, limit = validate_list_query(query, "index")
-    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
-
-
-def filter_index_list(principal, answer, offset, limit):
-    """GET /indexes for a scoped key: only its indexes, paginated after
-    filtering as upstream does."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
-        return answer
-    allowed = [i for i in answer["results"]
-               if isinstance(i, dict) and principal.may_use_index(str(i.get("uid")))]
-    return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
-                total=len(allowed))
-
-
-def filter_stats(principal, answer, covered):
-    """GET /stats for a scoped key: only its indexes, and upstream's
-    `lastUpdate` over them: the latest `updatedAt` of `covered` (the
-    backend's index objects the key covers), null for none."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
-        return answer
-    updates = [(instant.ns, text) for instant, text in (
-        (parse_expires_at(i.get("updatedAt")) if isinstance(i.get("updatedAt"), str) else None,
-         i.get("updatedAt")) for i in covered) if instant is not None]
-    return dict(answer, lastUpdate=max(updates)[1] if updates else None,
-                indexes={uid: stats for uid, stats in answer["indexes"].items()
-                         if principal.may_use_index(uid)})
-
-
-def scope_task_query(query, allowed_uids):
-    """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
-    `indexUids` parameter to the indexes the key covers. With none left,
-    name an index that cannot exist, so the backend matches nothing."""
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = [v for n, v in pairs if n == "indexUids"]
-    uids = set(allowed_uids)
-    if asked:
-        wanted = {u.strip() for u in ",".join(asked).split(",")}
-        if "*" not in wanted:
-            uids &= wanted
-    if not uids:
-        uids = {"searchkeys-no-index-" + secrets.token_hex(8)}
-    pairs = [(n, v) for n, v in pairs if n != "indexUids"]
-    return urllib.parse.urlencode(pairs + [("indexUids", ",".join(sorted(uids)))])
-
-
-def check_task_answer(principal, task_id, answer):
-    """GET /tasks/{id} for a scoped key: a task on another index (or on
-    none) does not exist for it."""
-    uid = answer.get("indexUid") if isinstance(answer, dict) else None
-    if not isinstance(uid, str) or not principal.may_use_index(uid):
-        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
-    return answer
-
-
-# Task kinds of one index (upstream's Kind::related_to_one_index); a batch
-# of other kinds (a swap, a dump...) is never shown to a scoped key.
-ONE_INDEX_TASK_KINDS = frozenset((
-    "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
-    "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
-
-
-def check_batch_answer(principal, batch_id, answer):
-    """GET /batches/{id} for a scoped key: as upstream's
-    get_batch_ids_from_authorized_indexes means it (and as GET /batches
-    lists it), a batch of one-index tasks with at least one covered index.
-    (Upstream subtracts the task uids of the other kinds from the batch
-    uids, a slip: it would show a dump batch to every scoped key.)"""
-    stats = answer.get("stats") if isinstance(answer, dict) else None
-    uids = stats.get("indexUids") if isinstance(stats, dict) else None
-    kinds = stats.get("types") if isinstance(stats, dict) else None
-    if not isinstance(uids, dict) or not any(principal.may_use_index(uid) for uid in uids) \
-            or not isinstance(kinds, dict) or not ONE_INDEX_TASK_KINDS.issuperset(kinds):
-        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
-    return answer
-
-
-def check_task_filters(query, verb):
-    """DELETE /tasks, POST /tasks/cancel: upstream's 400 without a filter
-    (the guard would otherwise add one: "every task of my indexes"). Every
-    parameter upstream accepts there is a filter; with another, it refuses
-    the request itself."""
-    if not urllib.parse.parse_qsl(query, keep_blank_values=True):
-        raise ApiError(400, "missing_task_filters", "Query parameters to filter the tasks to %s "
-                       "are missing. Available query parameters are: `uids`, `indexUids`, "
-                       "`statuses`, `types`, `canceledBy`, `beforeEnqueuedAt`, "
-                       "`afterEnqueuedAt`, `beforeStartedAt`, `afterStartedAt`, "
-                       "`beforeFinishedAt`, `afterFinishedAt`." % verb)
-
-
-def _uid_shown(text):
-    """A task or batch uid as upstream's message shows it: the parsed u32."""
-    number = parse_rust_uint(text, U32_MAX)
-    return text if number is None else number
-
-
-class RuleContext:
-    """What a handler rule sees of one request: the principal, the route's
-    parameters and query string, and the backend (some rules ask it which
-    indexes exist)."""
-
-    __slots__ = ("principal", "params", "query", "upstream")
-
-    def __init__(self, principal, params, query, upstream):
-        self.principal, self.params, self.query = principal, params, query
-        self.upstream = upstream
-
-    @property
-    def index(self):
-        return self.params.get("index_uid")
-
-    def covered_indexes(self):
-        """The backend's index objects (uid, updatedAt...) the principal covers."""
-        status, answer = self.upstream.fetch_json(
-            "/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
-        if status != 200 or not isinstance(answer, dict):
-            raise upstream_unreachable(self.upstream, "listing its indexes answered %s" % status)
-        return [i for i in answer.get("results", ())
-                if isinstance(i, dict) and isinstance(i.get("uid"), str)
-                and self.principal.may_use_index(i["uid"])]
-
-    def allowed_indexes(self):
-        """The uids of the backend's indexes the principal covers."""
-        return [i["uid"] for i in self.covered_indexes()]
-
-
-# When a rule applies: to any scoped principal, only to a tenant token whose
-# rules filter the route's index, or never forwarded for such principals.
-SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
-
-
-class Rule(collections.namedtuple("Rule", "when body query answer")):
-    """A handler rule: `body(principal, index, json)` checks or rewrites the
-    JSON body; `query(context)` returns the query string to forward;
-    `answer(context, json)` checks or filters a 200 answer."""
-
-    def __new__(cls, when, body=None, query=None, answer=None):
-        return super().__new__(cls, when, body, query, answer)
-
-    def applies(self, principal, index):
-        if principal.unscoped:
-            return False
-        if self.when == TOKEN_FILTER:
-            return index is not None and tenant_filter(principal.rules, index) is not None
-        return True
-
-
-def _index_page_query(context):
-    paging = all_indexes_query(context.query)
-    return context.query if paging is None else paging[0]  # else the backend explains
-
-
-def _index_page_answer(context, answer):
-    paging = all_indexes_query(context.query)
-    if paging is None:
-        return answer
-    return filter_index_list(context.principal, answer, paging[1], paging[2])
-
-
-def _task_listing_query(context):
-    return scope_task_query(context.query, context.allowed_indexes())
-
-
-def _task_change_query(verb):
-    def query(context):
-        check_task_filters(context.query, verb)
-        return _task_listing_query(context)
-    return query
-
-
-def fetch_or_refuse(upstream, target, what):
-    """GET `target` from the backend for the guard's own check: its 200
-    JSON answer; its refusal (a Meilisearch error: a bad uid, not found...)
-    relayed as the caller's; anything else a 502, so the check fails closed."""
-    status, answer = upstream.fetch_json(target)
-    if status != 200 and status < 500 and isinstance(answer, dict) \
-            and all(isinstance(answer.get(f), str) for f in ("message", "code", "type")):
-        raise ApiError(status, answer["code"], answer["message"], answer["type"])
-    if status != 200:
-        raise upstream_unreachable(upstream, "%s answered %s" % (what, status))
-    return answer
-
-
-def _task_documents_query(context):
-    """A task's documents, only once the backend showed the task, on an
-    index the principal covers; its refusal (a bad uid...) is relayed."""
-    task_id = context.params["task_id"]
-    task = fetch_or_refuse(context.upstream, "/tasks/" + urllib.parse.quote(task_id, safe=""),
-                           "asking for task %s" % _uid_shown(task_id))
-    check_task_answer(context.principal, task_id, task)
-    return context.query
-
-
-SEARCH_BODY_RULE = Rule(TOKEN_FILTER, body=scope_search_body)
-SEARCH_QUERY_RULE = Rule(TOKEN_FILTER, query=lambda c: scope_search_query(
-    c.principal, c.index, c.query))
-TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query)
-# The chat's search tool and the document a template renders are scoped by
-# handlers the guard does not reproduce: refused instead.
-NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
-
-
-def scope_not_enforceable(route, where):
-    return refused("index", invalid_api_key(
-        "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
-        "cannot enforce that scope on `%s %s`%s; the request is refused."
-        % (route.method, route.pattern, " " + where if where else "")))
-
-
-# =============================================================================
-# Routes: one record per route, and what a principal's request becomes
-# =============================================================================
-
-# Who answers a route when the backend does not: the /keys API, and this
-# server's own endpoints (not Meilisearch routes: /authorize refuses them).
-KEYS, HEALTH, AUTHORIZE, RESTRICTIONS = "keys", "health", "authorize", "restrictions"
-ROTATE = "rotate"
-USAGE, METRICS = "usage", "metrics"
-QUERY_HITS = "query string"  # `hits` of a route asking for hits in its query string
-
-
-def count_queries(body):
-    """The searches a multi-search body runs (federated or not): one a query."""
-    queries = body.get("queries") if isinstance(body, dict) else None
-    return len(queries) if isinstance(queries, list) else 1
-
-
-class Route(collections.namedtuple(
-        "Route", "method pattern actions local rule hits searches repeatable creates_index "
-                 "forced")):
-    """One route: the `actions` it needs; who answers it (`local`, None for
-    the backend); the handler `rule` for a scoped principal; where it asks
-    for hits (`hits`: None, QUERY_HITS, or the function capping its JSON
-    body); how many searches its body runs (`searches`, for rate limits;
-    None: one); whether it is safe to send twice (`repeatable`: GETs and
-    read-only POSTs); whether it creates its index when missing and the
-    caller may create indexes (`creates_index`: upstream's handlers passing
-    allow_index_creation; the settings deletions pass it too, and the guard
-    does not rely on Meilisearch's scheduler dropping it for them); how a
-    key's forcedParameters apply (`forced`: None, not at all;
-    REFUSED_WHEN_FORCED; or a function (restrictions, index, JSON body, or
-    query string on a GET) -> what is forwarded)."""
-
-    def __new__(cls, method, pattern, actions, local=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None):
-        repeatable = method == "GET" if repeatable is None else repeatable
-        return super().__new__(cls, method, pattern, tuple(actions), local, rule, hits,
-                               searches, repeatable, creates_index, forced)
-
-    @property
-    def is_meilisearch(self):
-        return self.local not in (AUTHORIZE, RESTRICTIONS, ROTATE, USAGE)
-
-    def scope_rule(self, principal, index):
-        """The rule that holds `principal` to its indexes and filters on
-        this route (None: the index check was enough)."""
-        rule = self.rule
-        return rule if rule is not None and rule.applies(principal, index) else None
-
-
-def _settings_routes():
-    """The per-setting sub-routes: most are updated with PUT, five with PATCH."""
-    put_names = (
-        "filterable-attributes", "sortable-attributes", "displayed-attributes",
-        "searchable-attributes", "stop-words", "non-separator-tokens", "separator-tokens",
-        "dictionary", "synonyms", "distinct-attribute", "proximity-precision",
-        "localized-attributes", "ranking-rules", "search-cutoff-ms", "facet-search",
-        "prefix-search", "foreign-keys",
-    )
-    patch_names = ("typo-tolerance", "faceting", "pagination", "embedders", "chat")
-    routes = []
-    for names, verb in ((put_names, "PUT"), (patch_names, "PATCH")):
-        for name in names:
-            pattern = "/indexes/{index_uid}/settings/" + name
-            routes += [Route("GET", pattern, ("settings.get",)),
-                       Route(verb, pattern, ("settings.update",), creates_index=True,
-                             forced=REFUSED_WHEN_FORCED if name == "embedders" else None),
-                       Route("DELETE", pattern, ("settings.update",), creates_index=True)]
-    return routes
-
-
-# The routes of Meilisearch 1.50 (spec §8) and this server's own, one record
-# each. Like actix, the first pattern matching a path wins (in table order);
-# a method it lacks is a 405. "{index_uid}" segments are checked against the
-# key's index patterns; other "{...}" segments match anything.
-ROUTES = tuple([
-    Route("GET", "/health", PUBLIC, local=HEALTH),
-    Route("GET", "/authorize", PUBLIC, local=AUTHORIZE),
-    Route("GET", "/", PUBLIC),
-    Route("GET", "/version", ("version",)),
-    Route("GET", "/stats", ("stats.get",), rule=Rule(SCOPED, answer=lambda c, a: filter_stats(
-        c.principal, a, c.covered_indexes()))),
-    Route("GET", "/keys", ("keys.get",), local=KEYS),
-    Route("POST", "/keys", ("keys.create",), local=KEYS),
-    Route("GET", "/keys/{key}", ("keys.get",), local=KEYS),
-    Route("PATCH", "/keys/{key}", ("keys.update",), local=KEYS),
-    Route("DELETE", "/keys/{key}", ("keys.delete",), local=KEYS),
-    Route("GET", "/keys/{key}/restrictions", ("keys.get",), local=RESTRICTIONS),
-    Route("PUT", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("DELETE", "/keys/{key}/restrictions", ("keys.update",), local=RESTRICTIONS),
-    Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"), local=ROTATE),
-    Route("GET", "/keys/{key}/usage", ("keys.get",), local=USAGE),
-    Route("GET", "/indexes", ("indexes.get",), rule=Rule(
-        SCOPED, query=_index_page_query, answer=_index_page_answer)),
-    Route("POST", "/indexes", ("indexes.create",), rule=Rule(SCOPED, body=check_index_creation)),
-    Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-    Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
-    Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
-    Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
-    Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
-    Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
-    Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS, forced=force_query_on(SEARCH_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True, forced=force_body_on(SEARCH_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_BODY_RULE,
-          repeatable=True, forced=force_facet_search),
-    Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_QUERY_RULE,
-          hits=QUERY_HITS, forced=force_query_on(SIMILAR_PARAMETERS)),
-    Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_BODY_RULE,
-          hits=cap_search_object, repeatable=True, forced=force_body_on(SIMILAR_PARAMETERS)),
-    Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
-          forced=REFUSED_WHEN_FORCED),
-    Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-    Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
-    Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/delete-batch", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
-    Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
-    Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
-          forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
-          forced=REFUSED_WHEN_FORCED),
-    Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
-    Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
-    Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
-          forced=refuse_embedders),
-    Route("DELETE", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True),
-] + _settings_routes() + [
-    Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, body=scope_multi_search),
-          hits=cap_multi_search, searches=count_queries, repeatable=True,
-          forced=force_multi_search),
-    Route("POST", "/swap-indexes", ("indexes.swap",), rule=Rule(SCOPED, body=check_index_swap),
-          forced=force_same_on_swap),
-    Route("POST", "/render-template", ("settings.get", "documents.get"),
-          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/tasks", ("tasks.get",), rule=TASK_LISTING_RULE),
-    Route("DELETE", "/tasks", ("tasks.delete",), rule=Rule(
-        SCOPED, query=_task_change_query("delete"))),
-    Route("POST", "/tasks/cancel", ("tasks.cancel",), rule=Rule(
-        SCOPED, query=_task_change_query("cancel"))),
-    Route("POST", "/tasks/compact", ("tasks.compact",)),
-    Route("GET", "/tasks/{task_id}", ("tasks.get",), rule=Rule(
-        SCOPED, answer=lambda c, a: check_task_answer(c.principal, c.params["task_id"], a))),
-    Route("GET", "/tasks/{task_id}/documents", ("tasks.get",), rule=Rule(
-        SCOPED, query=_task_documents_query), forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/batches", ("tasks.get",), rule=TASK_LISTING_RULE),
-    Route("GET", "/batches/{batch_id}", ("tasks.get",), rule=Rule(
-        SCOPED, answer=lambda c, a: check_batch_answer(c.principal, c.params["batch_id"], a))),
-    Route("POST", "/dumps", ("dumps.create",)),
-    Route("POST", "/snapshots", ("snapshots.create",)),
-    Route("GET", "/metrics", ("metrics.get",), local=METRICS),
-    Route("POST", "/logs/stream", ("metrics.get",), forced=REFUSED_WHEN_FORCED),
-    Route("DELETE", "/logs/stream", ("metrics.get",)),
-    Route("POST", "/logs/stderr", ("metrics.get",)),
-    Route("GET", "/experimental-features", ("experimental.get",)),
-    Route("PATCH", "/experimental-features", ("experimental.update",)),
-    Route("POST", "/export", ("export",), forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/network", ("network.get",), forced=REFUSED_WHEN_FORCED),
-    Route("PATCH", "/network", ("network.update",), forced=REFUSED_WHEN_FORCED),
-    Route("POST", "/network/control", ("network.update",), forced=REFUSED_WHEN_FORCED),
-    Route("GET", "/webhooks", ("webhooks.get",)),
-    Route("POST", "/webhooks", ("webhooks.create",)),
-    Route("GET", "/webhooks/{webhook_uuid}", ("webhooks.get",)),
-    Route("PATCH", "/webhooks/{webhook_uuid}", ("webhooks.update",)),
-    Route("DELETE", "/webhooks/{webhook_uuid}", ("webhooks.delete",)),
-    Route("POST", "/dynamic-search-rules", ("dynamicSearchRules.get",)),
-    Route("DELETE", "/dynamic-search-rules", ("dynamicSearchRules.delete",)),
-    Route("GET", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.get",)),
-    Route("PATCH", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.update",)),
-    Route("DELETE", "/dynamic-search-rules/{rule_uid}", ("dynamicSearchRules.delete",)),
-    Route("GET", "/chats", ("chats.get",)),
-    Route("GET", "/chats/{workspace}", ("chats.get",)),
-    Route("DELETE", "/chats/{workspace}", ("chats.delete",)),
-    Route("GET", "/chats/{workspace}/settings", ("chatsSettings.get",)),
-    Route("PATCH", "/chats/{workspace}/settings", ("chatsSettings.update",),
-          forced=REFUSED_WHEN_FORCED),
-    Route("DELETE", "/chats/{workspace}/settings", ("chatsSettings.update",)),
-    Route("POST", "/chats/{workspace}/chat/completions", ("chatCompletions",),
-          rule=NOT_ENFORCEABLE_RULE, forced=REFUSED_WHEN_FORCED),
-])
-ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
-_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
-
-
-def route_family(route):
-    """The family /metrics counts a route's requests under, one of a small
-    fixed set: search, multi-search, documents, settings, indexes, tasks,
-    keys, authorize, health, metrics, other."""
-    if route.local in (KEYS, RESTRICTIONS, USAGE):
-        return "keys"
-    if route.local is not None:
-        return route.local
-    parts = route.pattern.split("/")
-    if parts[1] == "indexes" and len(parts) > 3:
-        return {"search": "search", "similar": "search", "facet-search": "search",
-                "documents": "documents", "settings": "settings"}.get(parts[3], "indexes")
-    return {"multi-search": "multi-search", "indexes": "indexes", "swap-indexes": "indexes",
-            "stats": "indexes", "tasks": "tasks", "batches": "tasks"}.get(parts[1], "other")
-
-
-ROUTE_FAMILIES = {(route.method, route.pattern): route_family(route) for route in ROUTES}
-
-
-def is_repeatable(method, pattern):
-    """Is the request safe to send the backend a second time (a read)?"""
-    route = ROUTE_INDEX.get((method, pattern))
-    return route is not None and route.repeatable
-
-
-NOT_READ = object()  # a body left for the caller's stream to send on
-
-
-class Forward(collections.namedtuple("Forward", "target body answer_filter searches")):
-    """What the backend is sent for one request: `target`; `body` as bytes,
-    or None for the caller's body as it comes; `answer_filter` rewriting a
-    200 JSON answer, or None; the `searches` it runs, for rate limits."""
-
-
-def plan_forward(route, request, principal, params, upstream):
-    """What `principal`'s authorized `request` on `route` becomes: the one
-    place that says what a credential gets from the backend. A scoped
-    principal's rule checks the indexes its body names, fuses tenant-token
-    filters, filters listings; a key's restrictions force search parameters,
-    cap hits and count each query. Without an `upstream` the answer is 501, once the body checks
-    (upstream's 403) have had their say."""
-    index = params.get("index_uid")
-    rule = route.scope_rule(principal, index)
-    restrictions = principal.restrictions
-    cap = restrictions.max_hits if restrictions is not None else None
-    forcing = route.forced is not None and restrictions is not None and \
-        restrictions.forced is not None
-    body_capped = cap is not None and callable(route.hits)
-    counted = route.searches is not None and restrictions is not None and restrictions.rated
-    value = NOT_READ
-    if rule is not None and rule.body is not None:
-        value = rule.body(principal, index, parse_json_body(request.body.read(MAX_HANDLER_BODY)))
-    if upstream is None:
-        raise no_upstream()
-    check_no_implicit_creation(route, principal, index, upstream)
-    if rule is not None and rule.when == UNENFORCEABLE:
-        raise scope_not_enforceable(route, "")
-    target, answer_filter = request.target, None
-    if rule is not None:
-        context = RuleContext(principal, params, request.query, upstream)
-        if rule.query is not None:
-            query = rule.query(context)
-            target = request.path + ("?" + query if query else "")
-        if rule.answer is not None:
-            answer_filter = functools.partial(rule.answer, context)
-    if forcing:
-        target, value = force_parameters(route, request, restrictions, index, target, value)
-    if cap is not None and route.hits == QUERY_HITS:
-        path, _, query = target.partition("?")
-        capped = cap_search_query(query, cap)
-        target = target if capped == query else path + "?" + capped
-    if (body_capped or counted) and value is NOT_READ:
-        value = parse_json_body(request.body.read(MAX_HANDLER_BODY))
-    if body_capped:
-        value = route.hits(value, cap)
-    body = None if value is NOT_READ else compact_json(value).encode()
-    return Forward(target, body, answer_filter, route.searches(value) if counted else 1)
-
-
-def check_no_implicit_creation(route, principal, index, upstream, missing_status=404):
-    """A documents or settings write on a missing index creates it when the
-    caller may create indexes (upstream's allow_index_creation). The backend
-    gets our --upstream-key, which may: for a caller who may not, the index
-    must exist already. Upstream would enqueue a task failing with
-    `index_not_found`; the guard cannot enqueue, so it answers that error
-    now (`missing_status`: 403 for /authorize, as nginx takes any other
-    refusal for its own error). Without a backend to ask (/authorize in
-    nginx mode) it refuses.
-    An index deleted between this check and the forward is still created:
-    the backend offers no "write only if the index exists"."""
-    if not route.creates_index or principal.may_create_index(index):
-        return
-    if upstream is None:
-        raise refused("action", invalid_api_key(
-            "This API key may not create indexes, and searchkeys runs without --upstream, "
-            "so it cannot check that the index `%s` exists; the request is refused." % index))
-    try:
-        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
-                        "asking for index %s" % index)
-    except ApiError as error:
-        if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
-        raise
-
-
-def check_unseen(principal, route, uri, index):
-    """/authorize cannot rewrite what nginx forwards, nor read its body: a
-    query asking for more hits than the key's cap, a capped body, a
-    multi-search whose queries a rate limit must count, or a route where
-    the key has forced parameters, is refused."""
-    restrictions = principal.restrictions
-    if restrictions is None:
-        return
-    if route.forced is not None and restrictions.forced is not None and (
-            index is None or forced_parameters(restrictions, index) is not None):
-        raise restriction_refused("forcedParameters", "through `GET /authorize`, which cannot "
-                                  "apply its forced search parameters")
-    if restrictions.rated and route.searches is not None:
-        raise restriction_refused("rateLimit", "through `GET /authorize` on a route whose body "
-                                  "it never sees")
-    cap = restrictions.max_hits
-    if cap is None or route.hits is None:
-        return
-    if route.hits != QUERY_HITS:
-        raise restriction_refused("maxHitsPerQuery", "through `GET /authorize` on a route "
-                                  "whose body it never sees")
-    asked = search_query_hits(uri.partition("?")[2])[1]
-    if asked is None or asked > cap:
-        raise restriction_refused("maxHitsPerQuery", "to ask for this many hits")
-
-
-# =============================================================================
-# Restrictions: enforced by the Gate (client address -> brute-force throttle
-# -> Guard -> the key's IPs, referrers, rates), hit caps on what is forwarded,
-# and GET/PUT/DELETE /keys/{key}/restrictions
+# Gate: client address -> brute-force throttle -> Guard -> the key's
+# restrictions (IPs, rates, referrers)
 # =============================================================================
 
 
@@ -2659,26 +1763,1151 @@ class Gate:
                 "%d seconds." % max(1, -(-wait // 1)), wait, rate))
 
 
-class RestrictionsApi:
-    """GET/PUT/DELETE /keys/{key_or_uid}/restrictions, master key only."""
+# =============================================================================
+# Authentication: Authorization header -> master key, API key or tenant token
+# =============================================================================
 
-    def __init__(self, store, write):
-        self.store, self.write = store, write
 
-    def handle(self, request, principal, segment):
-        require_master(principal, "read or change the restrictions of a key")
-        if request.method == "GET":
-            restrictions = self.store.find(segment).restrictions
-            return Response.json(200, restrictions.to_json() if restrictions
-                                 else dict.fromkeys(RESTRICTION_FIELDS))
-        if request.method == "DELETE":
-            self.write(self.store.restrict, segment, None)
-            return Response(204)
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
-        restrictions = Restrictions.from_json(request.read_json_body())
-        key = self.write(self.store.restrict, segment, restrictions)
-        return Response.json(200, key.restrictions.to_json() if key.restrictions
-                             else dict.fromkeys(RESTRICTION_FIELDS))
+def _visible_ascii(value):
+    """The header as actix's `to_str()` sees it: empty unless visible ASCII."""
+    if value is None:
+        return None
+    if value.isascii() and value.replace("\t", " ").isprintable():
+        return value
+    return ""
+
+
+class Guard:
+    """Decides whether a bearer credential may perform a route's actions."""
+
+    def __init__(self, store, master_key):
+        self.store = store
+        self.master_key = master_key
+        self._master_bytes = master_key.encode() if master_key is not None else None
+
+    def check(self, authorization, actions, index):
+        """The Principal allowed to perform `actions` on `index` (None on
+        index-less routes); raises upstream's 401/403 ApiError otherwise."""
+        if not actions:
+            return OPEN  # public route: no header check at all
+        header = _visible_ascii(authorization)
+        if header is None:
+            if self.master_key is not None:
+                raise missing_authorization_header()
+            return self._authenticate("", actions, index)  # open instance: all but /keys
+        scheme, space, token = header.partition(" ")
+        if scheme != "Bearer":
+            raise missing_authorization_header()
+        if not space:
+            raise invalid_api_key()
+        return self._authenticate(token, actions, index)
+
+    def _authenticate(self, token, actions, index):
+        principal = OPEN
+        for action in actions:
+            principal = self.policy(token, action, index)
+        return principal
+
+    def policy(self, token, action, index):
+        """Upstream's ActionPolicy for one action: a Principal, or raises."""
+        if self.master_key is None:  # no master key: everything but /keys is open
+            if action in KEYS_ACTIONS:
+                raise missing_master_key()
+            return OPEN
+        if hmac.compare_digest(self._master_bytes, token.encode()):
+            return OPEN
+        rules = None
+        key = None
+        if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
+            try:
+                claims = verify_tenant_token(token, self.store.derive)
+            except NotATenantToken:
+                pass
+            except TenantTokenError as exc:
+                raise invalid_api_key(str(exc))
+            else:
+                rules = claims["searchRules"]
+                key = self.store.by_uid(claims["apiKeyUid"])
+                if key is None:
+                    raise invalid_api_key()
+        if rules is None:
+            key = self.store.by_value(token)
+            if key is None:
+                raise invalid_api_key()
+        refusal = authorize(key, action, index, tenant_rules=rules)
+        if refusal is not None:
+            refusal.key = key
+            raise refusal
+        return Principal(key, rules)
+
+
+# =============================================================================
+# Permission model (pure): expansion, index patterns, Principal, authorize
+# =============================================================================
+
+
+def expand(action):
+    """The set of actions that holding `action` grants."""
+    return frozenset(EXPANSIONS.get(action, (action,)))
+
+
+@functools.lru_cache(maxsize=4096)
+def grants(actions):
+    """Everything a key with the tuple `actions` may do (cached: keys share shapes)."""
+    granted = set()
+    for action in actions:
+        granted |= expand(action)
+    return frozenset(granted)
+
+
+_PATTERN_RE = re.compile(r"[A-Za-z0-9_-]{1,400}\*?\Z|\*\Z")
+
+
+def is_valid_index_pattern(pattern):
+    """`*`, or 1..400 ASCII alphanumerics/`-`/`_` with an optional trailing star."""
+    return isinstance(pattern, str) and _PATTERN_RE.match(pattern) is not None
+
+
+def pattern_matches(pattern, index):
+    """Does index pattern `pattern` cover index uid `index`?"""
+    if pattern.endswith("*"):
+        return index.startswith(pattern[:-1])
+    return pattern == index
+
+
+_RUST_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\",
+                 '"': '\\"'}
+# What Rust's char::escape_debug writes as \u{...}: the categories its
+# is_printable leaves out (but the space), and grapheme extenders.
+_RUST_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs", "Mn", "Me"))
+
+
+def rust_debug_str(text):
+    """A string the way Rust's `{:?}` prints it: quoted, with \\n, \\" and
+    \\u{7f}-style escapes."""
+    out = []
+    for char in text:
+        if char in _RUST_ESCAPES:
+            out.append(_RUST_ESCAPES[char])
+        elif char != " " and unicodedata.category(char) in _RUST_UNPRINTABLE:
+            out.append("\\u{%x}" % ord(char))
+        else:
+            out.append(char)
+    return '"%s"' % "".join(out)
+
+
+def rust_debug_list(strings):
+    """A list of strings the way Rust's `{:?}` prints a Vec<String>: ["a", "b"]."""
+    return "[" + ", ".join(rust_debug_str(s) for s in strings) + "]"
+
+
+def authorize(key, action, index=None, now_ns=None, tenant_rules=None):
+    """May `key` perform `action` on `index` (None on index-less routes)?
+
+    Returns None when allowed, else the ApiError upstream answers. Mirrors
+    upstream's order: index checks (tenant token rules, then the key's
+    patterns) come before the action and expiry checks. `tenant_rules` are
+    the `searchRules` of a tenant token signed by `key`, if any.
+    """
+    if index is not None:
+        refusal = Principal(key, tenant_rules).index_refusal(index)
+        if refusal is not None:
+            return refused("index", refusal)
+    if action not in key.grants:
+        return refused("action", invalid_api_key())
+    if key.is_expired(now_ns):
+        return refused("expiry", invalid_api_key())
+    if key.is_global or index is not None:
+        return None
+    # An index-less route with an index-scoped key: only handler-checked
+    # actions let it in (the route restricts what it sees).
+    if action in HANDLER_CHECKED_ACTIONS and key.indexes:
+        return None
+    return refused("index", invalid_api_key())
+
+
+class Principal:
+    """Who an authorized request acts for: a key (None for the master key or
+    an instance without one) and the searchRules of a tenant token, if any.
+    The one owner of "may this credential touch this index" (upstream's
+    AuthFilter::is_index_authorized): `authorize`, the handler rules and the
+    listing filters all ask it."""
+
+    __slots__ = ("key", "rules")
+
+    def __init__(self, key=None, rules=None):
+        self.key = key
+        self.rules = rules
+
+    @property
+    def unscoped(self):
+        return self.key is None or (self.key.is_global and self.rules is None)
+
+    def index_refusal(self, index):
+        """None when the credential covers `index`, else upstream's refusal
+        (the token's rules are checked before its parent key's patterns)."""
+        key, rules = self.key, self.rules
+        if key is None:
+            return None
+        if rules is not None and not search_rules_allow(rules, index):
+            return invalid_api_key(
+                "The provided tenant token cannot acces the index `%s`, allowed indexes "
+                "are %s." % (index, rust_debug_list(sorted(set(search_rule_patterns(rules))))))
+        if any(pattern_matches(p, index) for p in key.indexes):
+            return None
+        if rules is not None:
+            return invalid_api_key("The API key used to generate this tenant token cannot "
+                                   "acces the index `%s`." % index)
+        return invalid_api_key("The API key cannot acces the index `%s`, authorized indexes "
+                               "are %s." % (index, rust_debug_list(sorted(set(key.indexes)))))
+
+    def may_use_index(self, index):
+        return self.index_refusal(index) is None
+
+    def may_create_index(self, index):
+        """Upstream's allow_index_creation: may a write that finds no index
+        `index` create it? Only when the key grants indexes.create and
+        covers `index` (the master key always may)."""
+        return self.key is None or authorize(self.key, "indexes.create", index,
+                                             tenant_rules=self.rules) is None
+
+    @property
+    def restrictions(self):
+        """The key's (or the token's parent key's) Restrictions, or None."""
+        return self.key.restrictions if self.key is not None else None
+
+
+OPEN = Principal()
+
+
+def search_rule_patterns(rules):
+    """The index patterns a tenant token's `searchRules` name."""
+    return list(rules)  # a list of patterns, or the keys of an object
+
+
+def search_rules_allow(rules, index):
+    return any(pattern_matches(p, index) for p in search_rule_patterns(rules))
+
+
+def index_scoped_global_action(actions, indexes):
+    """The first global action of a key scoped to some indexes, or None."""
+    if not indexes or "*" in indexes:
+        return None
+    for action in actions:
+        if action in GLOBAL_ACTIONS:
+            return action
+    return None
+
+
+# =============================================================================
+# Decision: what a principal's request on a route gets (pure), and the
+# backend's facts it needs, fetched at the edge
+# =============================================================================
+
+# Why a Step is taken: the index scope of a key or tenant token (its
+# handler rule), or the restriction field that asks for it.
+SCOPE = "scope"
+
+
+class Step(collections.namedtuple("Step", "why apply")):
+    """One check or rewrite of what a request asks the backend: `why` is
+    SCOPE or a restriction field. A value step's `apply(value)` returns the
+    search value to forward; a query step's `apply(query, context)` the query
+    string of a listing. Either raises its refusal."""
+
+
+class Decision(collections.namedtuple(
+        "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
+                    "answer_filter searches checks_joins")):
+    """What a principal's request on a route and index gets, before anything
+    of the request but its route is read:
+    - `refusal`: an ApiError, or None;
+    - `needs_existing_index`: the index must already exist (the caller may
+      not create it, the backend's key may);
+    - `facts`: the backend's facts its query steps and answer filter need
+      (names, see fetch_facts);
+    - `value_steps`: Steps on its search value, which lives in its `carrier`
+      (BODY: the JSON body; QUERY: a GET's query string, parsed once);
+    - `query_steps`: Steps on a listing's query string;
+    - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
+    - `searches(body)`: the searches a body runs, for the key's rate
+      limits, or None (one);
+    - `checks_joins`: the indexes searched must not join (Meilisearch's
+      foreignKeys) documents the principal may not see whole (check_joins)."""
+
+    @property
+    def needs_body(self):
+        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
+
+    def check_unchanged(self, route, principal, params, query):
+        """For `GET /authorize`, which lets nginx forward the request as sent,
+        without its body or answer: raise unless the decision allows it with
+        nothing to read, fetch or rewrite (the steps on its query string may
+        run: they must leave it as it is)."""
+        if self.refusal is not None:
+            raise self.refusal
+        unseen = None
+        if self.value_steps and self.carrier == BODY:
+            unseen = self.value_steps[0].why
+        elif self.searches is not None:
+            unseen = "rateLimit"
+        elif self.facts or self.answer_filter is not None:
+            unseen = SCOPE
+        elif self.value_steps:
+            value = parse_search_query(query)[0]
+            for step in self.value_steps:
+                if step.apply(value) != value:
+                    unseen = step.why
+                    break
+        context = RuleContext(principal, params, query, {})
+        for step in () if unseen else self.query_steps:
+            if step.apply(query, context) != query:
+                unseen = step.why
+                break
+        if unseen is None:
+            return
+        if unseen == SCOPE:
+            raise scope_not_enforceable(
+                route, "through `GET /authorize`, which never sees the body nor the answer "
+                "(use `searchkeys.py serve --upstream` for such keys)")
+        raise restriction_refused(unseen, "through `GET /authorize` on this request, which "
+                                  "it would have to read or rewrite (send it through "
+                                  "`searchkeys.py serve --upstream`)")
+
+
+def decide(route, principal, index):
+    """The one decision of what `principal` (already allowed the route's
+    actions on `index` by `authorize`) gets on `route`: pure, no I/O. Both
+    the forwarding path and `GET /authorize` act on it."""
+    rule = route.scope_rule(principal, index)
+    restrictions = principal.restrictions
+    refusal, facts, answer_filter, searches = None, (), None, None
+    value_steps, query_steps = [], []
+    if rule is not None:
+        if rule.when == UNENFORCEABLE:
+            refusal = scope_not_enforceable(route, "")
+        facts, answer_filter = rule.facts, rule.answer
+        if rule.value is not None:
+            value_steps.append(Step(SCOPE, lambda value: rule.value(principal, index, value)))
+        if rule.query is not None:
+            query_steps.append(Step(SCOPE, lambda query, context: rule.query(
+                context._replace(query=query))))
+    forcing = route.forced
+    if forcing is not None and restrictions is not None and restrictions.forced is not None:
+        if forcing != REFUSED_WHEN_FORCED:
+            value_steps.append(Step("forcedParameters", lambda value: forcing(
+                restrictions, index, value)))
+        elif index is None or forced_parameters(restrictions, index) is not None:
+            refusal = refusal or restriction_refused(
+                "forcedParameters", "on `%s %s`, which cannot apply its forced search "
+                "parameters" % (route.method, route.pattern))
+    cap = restrictions.max_hits if restrictions is not None else None
+    if cap is not None and route.hits is not None:
+        value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
+    if route.searches is not None and restrictions is not None and restrictions.rated:
+        searches = route.searches
+    checks_joins = route.family in ("search", "multi-search") and not (
+        principal.unscoped and (restrictions is None or restrictions.forced is None))
+    return Decision(refusal, route.creates_index and not principal.may_create_index(index),
+                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
+                    answer_filter, searches, checks_joins)
+
+
+def check_joins(principal, joins):
+    """Meilisearch's experimental foreignKeys put the whole document of a
+    joined index into each hit (and `_foreign(...)` filters on it): `joins`
+    ({index searched: its foreignKeys setting}) must name only indexes the
+    principal covers with nothing to hold it to there (no forced parameters,
+    no tenant-token filter): the guard applies neither to joined documents."""
+    restrictions = principal.restrictions
+    for index, foreign_keys in joins.items():
+        for foreign in foreign_keys:
+            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
+            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
+                    tenant_filter(principal.rules, uid) is not None or \
+                    forced_parameters(restrictions, uid) is not None:
+                raise refused("index", invalid_api_key(
+                    "The index `%s` joins documents of another index (its `foreignKeys`) "
+                    "that this API key may not see whole; the search is refused." % index))
+
+
+def searched_indexes(call):
+    """The indexes a search request searches: its path's, or its queries'."""
+    if call.index is not None:
+        return [call.index]
+    queries = call.json.get("queries") if isinstance(call.json, dict) else None
+    return sorted({q["indexUid"] for q in queries if isinstance(q, dict)
+                   and isinstance(q.get("indexUid"), str)} if isinstance(queries, list) else ())
+
+
+MAX_JOIN_LOOKUPS = 20  # distinct indexes whose foreignKeys one search request may need
+
+
+def fetch_joins(upstream, indexes):
+    """{index: its foreignKeys setting} from the backend. Its index_not_found
+    is relayed; a backend without the route (another 404: an older
+    Meilisearch) joins nothing; anything else but the setting (a list) fails
+    closed (a --upstream-key without settings.get gets 403 here)."""
+    if len(indexes) > MAX_JOIN_LOOKUPS:  # one request must not make hundreds of the backend
+        raise refused("index", invalid_api_key(
+            "This API key may search at most %d indexes in one request (searchkeys looks at "
+            "each one's `foreignKeys`); the request is refused." % MAX_JOIN_LOOKUPS))
+    joins = {}
+    for index in indexes:
+        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
+        status, answer = upstream.fetch_json(target)
+        code = answer.get("code") if isinstance(answer, dict) else None
+        if status == 404 and code == "index_not_found":
+            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+        if status == 404:
+            joins[index] = []
+        elif status == 200 and isinstance(answer, list):
+            joins[index] = answer
+        else:
+            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
+                                       "answered %s" % (index, status))
+    return joins
+
+
+def cap_hits(route, cap, value):
+    """A search value asking for at most `cap` hits a query; a multi-search
+    of more than MAX_CAPPED_QUERIES queries is refused."""
+    if route.searches is not None and route.searches(value) > MAX_CAPPED_QUERIES:
+        raise restriction_refused("maxHitsPerQuery", "for more than %d queries in one "
+                                  "request" % MAX_CAPPED_QUERIES)
+    return route.hits(value, cap)
+
+
+def check_index_exists(upstream, index, missing_status):
+    """A documents or settings write on a missing index creates it when the
+    caller may create indexes (upstream's allow_index_creation). The backend
+    gets our --upstream-key, which may: for a caller who may not, the index
+    must exist already. Upstream would enqueue a task failing with
+    `index_not_found`; the guard cannot enqueue, so it answers that error
+    now (`missing_status`: 403 for /authorize, as nginx takes any other
+    refusal for its own error).
+    An index deleted between this check and the forward is still created:
+    the backend offers no "write only if the index exists"."""
+    try:
+        fetch_or_refuse(upstream, "/indexes/" + urllib.parse.quote(index, safe=""),
+                        "asking for index %s" % index)
+    except ApiError as error:
+        if error.status == 404:
+            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+        raise
+
+
+def fetch_facts(upstream, call, names):
+    """The backend's facts a decision's steps need ({name: value}), fetched
+    once for the request: `covered_indexes`, the index objects the principal
+    covers; `task`, the task of the path's task_id (its refusal relayed)."""
+    facts = {}
+    if "covered_indexes" in names:
+        status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
+        if status != 200 or not isinstance(answer, dict):
+            raise upstream_unreachable(upstream, "listing its indexes answered %s" % status)
+        facts["covered_indexes"] = [
+            i for i in answer.get("results", ()) if isinstance(i, dict)
+            and isinstance(i.get("uid"), str) and call.principal.may_use_index(i["uid"])]
+    if "task" in names:
+        task_id = call.params["task_id"]
+        facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
+            task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
+    return facts
+
+
+def _check_route_table(routes):
+    """Index-scoped keys pass `authorize` on index-less routes of
+    HANDLER_CHECKED_ACTIONS on the promise that the route's handler rule
+    holds them to their indexes: every such route forwarded must have one."""
+    for route in routes:
+        if route.handler is Service.forward and "{index_uid}" not in route.pattern \
+                and set(route.actions) & HANDLER_CHECKED_ACTIONS and route.rule is None:
+            raise AssertionError("%s %s lets index-scoped keys in without a rule"
+                                 % (route.method, route.pattern))
+
+
+# =============================================================================
+# Handler rules: what upstream's handlers check and filter for a scoped
+# principal (an index-scoped key or a tenant token), and the hit caps of a
+# key's maxHitsPerQuery. The backend gets our --upstream-key, not the
+# caller's credential, so the guard applies them.
+# =============================================================================
+
+DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
+
+
+# The queries one multi-search of a key with maxHitsPerQuery may run (as Typesense's
+# limit_multi_searches): one request asks for at most this many times the cap.
+MAX_CAPPED_QUERIES = 20
+
+
+def _capped(value, cap):
+    """A requested count, capped; values that are not counts are left for
+    the backend to refuse."""
+    if type(value) is int and value > cap:
+        return cap
+    return value
+
+
+def cap_search_object(query, cap):
+    """A search query object (POST search/similar body, one multi-search
+    query, a federation) asking for at most `cap` hits. Meilisearch pages by
+    `hitsPerPage` when `page` or `hitsPerPage` is set (null is unset), else
+    by `limit`: that count is capped (its default 20 made explicit when the
+    cap is lower), and the other one too when it is given."""
+    if not isinstance(query, dict):
+        return query
+    paged = query.get("page") is not None or query.get("hitsPerPage") is not None
+    field, other = ("hitsPerPage", "limit") if paged else ("limit", "hitsPerPage")
+    wanted = query.get(field)
+    capped = {field: _capped(DEFAULT_SEARCH_LIMIT if wanted is None else wanted, cap)}
+    if query.get(other) is not None:
+        capped[other] = _capped(query[other], cap)
+    if all(query.get(name, DEFAULT_SEARCH_LIMIT) == count for name, count in capped.items()):
+        return query
+    return dict(query, **capped)
+
+
+def cap_multi_search(body, cap):
+    """Every query of a multi-search, and its federation's window, capped."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if isinstance(body.get("queries"), list):
+        federated = isinstance(body.get("federation"), dict)
+        # federated queries may not carry `limit` (Meilisearch refuses it)
+        body["queries"] = body["queries"] if federated else \
+            [cap_search_object(q, cap) for q in body["queries"]]
+    if isinstance(body.get("federation"), dict):
+        body["federation"] = cap_search_object(body["federation"], cap)
+    return body
+
+
+def _parameter_name(part):
+    name = part.partition("=")[0]
+    return urllib.parse.unquote_plus(name) if "%" in name or "+" in name else name
+
+
+def parse_search_query(query):
+    """A GET search or similar's query string, read once: (its search
+    value, the shape of a POST body, as Meilisearch reads each parameter; the
+    parts as sent; their names). The last of a repeated parameter counts."""
+    parts = query.split("&") if query else []
+    names = [_parameter_name(part) for part in parts]
+    value = {}
+    for part, name in zip(parts, names):
+        value[name] = query_parameter(name, urllib.parse.unquote_plus(part.partition("=")[2]))
+    return value, parts, names
+
+
+def query_parameter(name, text):
+    """One GET search parameter as its POST body spells it: the filter as
+    query_filter reads it, lists comma-separated, booleans, page counts as
+    Rust's usize reads them; anything else (or what does not parse: the
+    backend refuses it) as the text."""
+    if name == "filter":
+        return query_filter(text)
+    if name in ("limit", "hitsPerPage", "page"):
+        count = parse_rust_uint(text)
+        return text if count is None else count
+    spec = FORCED_PARAMETERS.get(name)
+    if spec is _STRINGS:
+        return text.split(",")
+    if spec is _BOOLEAN and text in ("true", "false"):
+        return text == "true"
+    return text
+
+
+def encode_search_query(query, read, value):
+    """The query string of the search value `value` that `read`
+    (parse_search_query's answer for `query`) became: `query` itself when
+    nothing changed, else its parts as sent but those of the changed
+    parameters, each of which is written once at the end (forced lists that
+    are empty, the parameter's default, left out)."""
+    before, parts, names = read
+    changed = [name for name in value if name not in before or before[name] != value[name]]
+    if not changed:
+        return query
+    kept = [part for part, name in zip(parts, names) if name not in changed]
+    for name in changed:
+        if value[name] != [] or name not in EMPTY_IS_DEFAULT:
+            kept.append(urllib.parse.urlencode([(name, query_value(name, value[name]))]))
+    return "&".join(kept)
+
+
+def most_specific_rule(rules, index):
+    """The value in `rules` (index pattern -> value) of the most specific
+    pattern covering `index` (exact beats prefix, longer beats shorter), or
+    None: how tenant tokens' searchRules and forcedParameters are matched."""
+    matching = [p for p in rules if pattern_matches(p, index)]
+    if not matching:
+        return None
+    return rules[max(matching, key=lambda p: (not p.endswith("*"), len(p)))]
+
+
+def tenant_filter(rules, index):
+    """The filter a tenant token adds to searches on `index`: that of the
+    most specific matching rule, or None."""
+    if not isinstance(rules, dict):
+        return None
+    rule = most_specific_rule(rules, index)
+    return rule.get("filter") if isinstance(rule, dict) else None
+
+
+def fuse_filters(left, right):
+    """Upstream's fuse_filters (None: no filter): both sides as one AND-list,
+    an array side spliced in, so an inner array keeps meaning OR."""
+    if left is None:
+        return right
+    if right is None:
+        return left
+    return (left if isinstance(left, list) else [left]) + \
+        (right if isinstance(right, list) else [right])
+
+
+def with_tenant_filter(query, rules, index):
+    """A search query (JSON object) with the token's filter fused in, the
+    way upstream's add_search_rules does it."""
+    rule = tenant_filter(rules, index)
+    if rule is None or not isinstance(query, dict):
+        return query
+    return dict(query, filter=fuse_filters(query.get("filter"), rule))
+
+
+def check_index_creation(principal, index, body):
+    """POST /indexes: the new index's uid must be one the key covers."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not principal.may_use_index(uid):
+        raise refused("index", invalid_api_key())
+    return body
+
+
+def scope_multi_search(principal, index, body):
+    """POST /multi-search (federated or not): every query's indexUid, and
+    every index the federation's facetsByIndex names (the backend's errors
+    about it would show that index and its filterable attributes), must be
+    covered; a tenant token's filters are fused into each query."""
+    federation = body.get("federation") if isinstance(body, dict) else None
+    by_index = federation.get("facetsByIndex") if isinstance(federation, dict) else None
+    for uid in by_index if isinstance(by_index, dict) else ():
+        if not principal.may_use_index(uid):
+            raise refused("index", invalid_api_key(
+                "Inside `.federation.facetsByIndex`: The provided API key is invalid."))
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    scoped, grown, rule_sizes = [], 0, {}
+    for position, query in enumerate(queries):
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        if isinstance(uid, str):
+            if not principal.may_use_index(uid):
+                raise refused("index", invalid_api_key(
+                    "Inside `.queries[%d]`: The provided API key is invalid." % position))
+            rule = tenant_filter(principal.rules, uid)
+            if rule is not None:
+                # a token's filter is copied into each query: many small queries and a
+                # long filter must not grow the forwarded body past what one may send
+                if uid not in rule_sizes:
+                    rule_sizes[uid] = len(compact_json(rule))
+                grown += rule_sizes[uid]
+                if grown > MAX_HANDLER_BODY:
+                    raise payload_too_large(MAX_HANDLER_BODY)
+                query = dict(query, filter=fuse_filters(query.get("filter"), rule))
+        scoped.append(query)
+    return dict(body, queries=scoped)
+
+
+def check_index_swap(principal, index, body):
+    """POST /swap-indexes: both indexes of every swap must be covered."""
+    for swap in body if isinstance(body, list) else ():
+        indexes = swap.get("indexes") if isinstance(swap, dict) else None
+        for uid in indexes if isinstance(indexes, list) else ():
+            if isinstance(uid, str) and not principal.may_use_index(uid):
+                raise refused("index", invalid_api_key())
+    return body
+
+
+def scope_search_value(principal, index, value):
+    """Search, facet-search, similar on one index: fuse the token's filter."""
+    return with_tenant_filter(value, principal.rules, index)
+
+
+def query_filter(value):
+    """A GET search's `filter` parameter as upstream reads it: JSON when it
+    parses as JSON, else a string; a JSON null is upstream's Some(Null),
+    which fuse_filters keeps as one element."""
+    try:
+        current = strict_json(value)
+    except (ValueError, RecursionError):
+        current = value
+    return [None] if current is None else current
+
+
+def _is_string_list(value):
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_filter(value):
+    """Meilisearch's filter shape: a string, or an AND-array of strings and
+    OR-arrays of strings (or null: no filter)."""
+    return value is None or isinstance(value, str) or isinstance(value, list) and all(
+        isinstance(item, str) or _is_string_list(item) for item in value)
+
+
+def _filters_nothing(value):
+    """Whether a filter of _is_filter's shape holds no condition: null, a
+    blank string, or arrays of those, which Meilisearch reads as no filter."""
+    if isinstance(value, list):
+        return all(_filters_nothing(item) for item in value)
+    return value is None or not value.strip()
+
+
+_STRINGS = ("an array of strings", _is_string_list)
+_BOOLEAN = ("a boolean", lambda value: type(value) is bool)
+_STRING = ("a string", lambda value: isinstance(value, str))
+# The search parameters a key may force, with what Meilisearch accepts for
+# each. Page sizes are not among them: `maxHitsPerQuery` caps those.
+FORCED_PARAMETERS = {
+    "filter": ("a string, an array of strings and arrays of strings, or null", _is_filter),
+    "attributesToRetrieve": _STRINGS, "attributesToHighlight": _STRINGS,
+    "attributesToCrop": _STRINGS, "facets": _STRINGS, "attributesToSearchOn": _STRINGS,
+    "locales": _STRINGS,
+    "cropLength": ("a positive integer", lambda value: type(value) is int and value >= 0),
+    "cropMarker": _STRING, "highlightPreTag": _STRING, "highlightPostTag": _STRING,
+    "distinct": _STRING,
+    "showMatchesPosition": _BOOLEAN, "showRankingScore": _BOOLEAN,
+    "showRankingScoreDetails": _BOOLEAN, "retrieveVectors": _BOOLEAN,
+    "matchingStrategy": ("one of `last`, `all`, `frequency`",
+                         lambda value: value in ("last", "all", "frequency")),
+    "rankingScoreThreshold": ("a number from 0.0 to 1.0", lambda value: type(value) in (
+        int, float) and 0 <= value <= 1),
+}
+
+
+# Which forced parameters exist where: every one on a search (but `facets`
+# in a federated query, which the federation's facetsByIndex takes); some
+# on similar and facet search, whose bodies refuse unknown fields.
+SEARCH_PARAMETERS = frozenset(FORCED_PARAMETERS)
+FEDERATED_PARAMETERS = SEARCH_PARAMETERS - {"facets"}
+SIMILAR_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors",
+                                "showRankingScore", "showRankingScoreDetails",
+                                "rankingScoreThreshold"))
+FACET_SEARCH_PARAMETERS = frozenset(("filter", "matchingStrategy", "attributesToSearchOn",
+                                     "rankingScoreThreshold", "locales"))
+FORMATTED_PARAMETERS = ("attributesToHighlight", "attributesToCrop")
+# A forced list that is empty means the parameter's default on a GET, so the
+# parameter is left out; for the others an empty list has no GET spelling.
+EMPTY_IS_DEFAULT = frozenset(FORMATTED_PARAMETERS + ("facets", "locales"))
+
+
+MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
+
+
+def _validate_forced_parameters(value):
+    """forcedParameters: 1 to 100 index patterns, each with at least one
+    search parameter Meilisearch would accept, at most 16 KiB in all."""
+    code = "invalid_restrictions_forced_parameters"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(code, ".forcedParameters", "an object", value)
+    if not value or len(value) > MAX_RESTRICTION_ITEMS:
+        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
+                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
+    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
+        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
+                            % MAX_FORCED_PARAMETERS)
+    for pattern, parameters in value.items():
+        where = ".forcedParameters.%s" % printable(pattern)
+        if not is_valid_index_pattern(pattern):
+            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
+                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
+                                % printable(pattern))
+        if not isinstance(parameters, dict):
+            raise wrong_type(code, where, "an object", parameters)
+        if not parameters:
+            raise invalid_value(code, where, "give at least one search parameter.")
+        for name, forced in parameters.items():
+            if name not in FORCED_PARAMETERS:
+                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
+                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
+                                  backticked(FORCED_PARAMETERS)))
+            expected, accepts = FORCED_PARAMETERS[name]
+            if not accepts(forced):
+                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
+            if name == "filter" and _filters_nothing(forced):
+                # A forced filter is a promise that the key sees only what it lets
+                # through: one that lets everything through must not look like one.
+                raise invalid_value(code, "%s.filter" % where, "`%s` holds no condition, so it "
+                                    "would restrict nothing: give a filter such as "
+                                    "`published = true`, or leave `filter` out."
+                                    % compact_json(forced))
+    return value
+
+
+def forced_parameters(restrictions, index):
+    """The search parameters a key's forcedParameters force on `index` (those
+    of its most specific pattern, as for a tenant token's searchRules), or None."""
+    if restrictions is None or restrictions.forced is None:
+        return None
+    return most_specific_rule(restrictions.forced, index)
+
+
+def force_object(query, forced, names):
+    """A search query object with the `forced` parameters (those in `names`,
+    the route's): `filter` fused in as a tenant token's is, the others
+    replacing the caller's. Under a forced attributesToRetrieve, the
+    attributes the caller highlights or crops (which `_formatted` shows) are
+    cut to the forced ones, unless those are forced too, and the ranking score
+    details are turned off (unless forced): those of a sort, or of the index's
+    custom ranking rules (`price:desc`), show each hit's value of the ranked
+    attribute, shown or not (Meilisearch hides only those outside
+    displayedAttributes), and the guard does not know the index's rules."""
+    if forced is None or not isinstance(query, dict):
+        return query
+    query = dict(query)
+    for name, value in forced.items():
+        if name not in names:
+            continue
+        if name != "filter":
+            query[name] = value
+        elif value is not None:
+            query["filter"] = fuse_filters(query.get("filter"), value)
+    shown = forced.get("attributesToRetrieve") if "attributesToRetrieve" in names else None
+    if shown is not None and "*" not in shown:
+        for name in FORMATTED_PARAMETERS:
+            if name not in forced and isinstance(query.get(name), list):
+                query[name] = within_attributes(query[name], shown)
+        if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
+                and query.get("showRankingScoreDetails") is True:
+            query["showRankingScoreDetails"] = False
+    return query
+
+
+def within_attributes(asked, shown):
+    """Highlighted or cropped attributes (`title`, `title:10`, `*`) kept to
+    the `shown` ones: `*` stands for all of those; anything else is dropped."""
+    kept = []
+    for item in asked:
+        if not isinstance(item, str):
+            kept.append(item)  # the backend refuses it
+            continue
+        name, colon, length = item.rpartition(":")
+        name, suffix = (name, colon + length) if colon and is_decimal(length) else (item, "")
+        if name == "*":
+            kept.extend(attribute + suffix for attribute in shown)
+        elif name in shown:
+            kept.append(item)
+    return kept
+
+
+def force_search_on(names):
+    """Search or similar on one index: the key's forced parameters (those in `names`)."""
+    return lambda restrictions, index, value: force_object(
+        value, forced_parameters(restrictions, index), names)
+
+
+def query_value(name, value):
+    """A forced parameter's value as a GET search spells it; 403 when it
+    has no spelling there (a comma inside a list item, an empty list)."""
+    if name == "filter":
+        return compact_json(value)
+    if isinstance(value, list):
+        if not value or any("," in item for item in value):
+            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
+                                      "spell its forced `%s`: use POST" % name)
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else compact_json(value)
+
+
+def force_facet_search(restrictions, index, body):
+    """POST facet-search: the forced parameters that exist there; under a
+    forced `facets`, only those facets' values may be searched."""
+    forced = forced_parameters(restrictions, index)
+    if forced is None or not isinstance(body, dict):
+        return body
+    facets, name = forced.get("facets"), body.get("facetName")
+    if facets is not None and "*" not in facets and isinstance(name, str) \
+            and name not in facets:
+        raise restriction_refused("forcedParameters", "to search the values of this facet")
+    return force_object(body, forced, FACET_SEARCH_PARAMETERS)
+
+
+def force_multi_search(restrictions, index, body):
+    """POST /multi-search: each query gets its index's forced parameters; in
+    a federated one, a forced `facets` becomes the federation's facetsByIndex
+    entry for that index, whatever the caller asked there."""
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list):
+        return body
+    federation = body.get("federation")
+    names = FEDERATED_PARAMETERS if isinstance(federation, dict) else SEARCH_PARAMETERS
+    if len(queries) * len(compact_json(restrictions.forced)) > MAX_HANDLER_BODY:
+        raise payload_too_large(MAX_HANDLER_BODY)  # what this key's queries would grow to
+    facets, forced_queries = {}, []
+    for query in queries:
+        uid = query.get("indexUid") if isinstance(query, dict) else None
+        forced = forced_parameters(restrictions, uid) if isinstance(uid, str) else None
+        forced_queries.append(force_object(query, forced, names))
+        if forced is not None and "facets" in forced:
+            facets[uid] = forced["facets"]
+    body = dict(body, queries=forced_queries)
+    if isinstance(federation, dict):
+        body["federation"] = force_facets_by_index(restrictions, federation, facets)
+    return body
+
+
+def force_facets_by_index(restrictions, federation, facets):
+    """A federation whose facetsByIndex holds the forced `facets` (index uid
+    -> list) of the queried indexes, and of every covered index it names."""
+    by_index = federation.get("facetsByIndex")
+    if (by_index is None and not facets) or not isinstance(by_index, (dict, type(None))):
+        return federation  # nothing to force, or a value the backend refuses
+    by_index = dict(by_index or {}, **facets)
+    for uid in by_index:
+        forced = forced_parameters(restrictions, uid)
+        if forced is not None and "facets" in forced:
+            by_index[uid] = forced["facets"]
+    return dict(federation, facetsByIndex=by_index)
+
+
+def _same_forced(restrictions, uid, other):
+    return forced_parameters(restrictions, uid) == forced_parameters(restrictions, other)
+
+
+def force_same_on_swap(restrictions, index, body):
+    """POST /swap-indexes: a swap (or a rename) moves each index's documents
+    under the other's name, so both names must have the same forced
+    parameters: else a covered index's documents would be searched
+    without them."""
+    for swap in body if isinstance(body, list) else ():
+        uids = swap.get("indexes") if isinstance(swap, dict) else None
+        uids = [uid for uid in uids if isinstance(uid, str)] if isinstance(uids, list) else []
+        if any(not _same_forced(restrictions, uids[0], uid) for uid in uids[1:]):
+            raise restriction_refused("forcedParameters", "to swap or rename indexes whose "
+                                      "forced search parameters differ")
+    return body
+
+
+def force_same_on_rename(restrictions, index, body):
+    """PATCH /indexes/{uid} with a new `uid` renames the index: the new name
+    must have the same forced parameters as the old (see force_same_on_swap)."""
+    uid = body.get("uid") if isinstance(body, dict) else None
+    if isinstance(uid, str) and not _same_forced(restrictions, index, uid):
+        raise restriction_refused("forcedParameters", "to rename an index to a name whose "
+                                  "forced search parameters differ")
+    return body
+
+
+REFUSED_WHEN_FORCED = "refused when forced"  # a route that would bypass forced parameters
+
+
+def refuse_embedders(restrictions, index, body):
+    """PATCH /indexes/{uid}/settings on a covered index: not its `embedders`,
+    as the embedders route is refused (REFUSED_WHEN_FORCED): a REST
+    embedder's documentTemplate sends every document, whole, to its URL."""
+    if isinstance(body, dict) and body.get("embedders") is not None \
+            and forced_parameters(restrictions, index) is not None:
+        raise restriction_refused("forcedParameters", "to change the embedders of an index "
+                                  "it searches with forced parameters")
+    return body
+
+
+ALL_INDEXES_LIMIT = 1000000  # GET /indexes asks the backend for every index, then filters
+
+
+def all_indexes_query(query):
+    """GET /indexes for a scoped key: (the query that asks the backend
+    for every index, offset, limit to apply after filtering); upstream's 400
+    ApiError for parameters it refuses, so none goes unfiltered."""
+    offset, limit = validate_list_query(query, "index")
+    return "offset=0&limit=%d" % ALL_INDEXES_LIMIT, offset, limit
+
+
+def filter_index_list(principal, answer, offset, limit):
+    """GET /indexes for a scoped key: only its indexes, paginated after
+    filtering as upstream does."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
+        return answer
+    allowed = [i for i in answer["results"]
+               if isinstance(i, dict) and principal.may_use_index(str(i.get("uid")))]
+    return dict(answer, results=allowed[offset:offset + limit], offset=offset, limit=limit,
+                total=len(allowed))
+
+
+def filter_stats(principal, answer, covered):
+    """GET /stats for a scoped key: only its indexes, and upstream's
+    `lastUpdate` over them: the latest `updatedAt` of `covered` (the
+    backend's index objects the key covers), null for none."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("indexes"), dict):
+        return answer
+    updates = [(instant.ns, text) for instant, text in (
+        (parse_expires_at(i.get("updatedAt")) if isinstance(i.get("updatedAt"), str) else None,
+         i.get("updatedAt")) for i in covered) if instant is not None]
+    return dict(answer, lastUpdate=max(updates)[1] if updates else None,
+                indexes={uid: stats for uid, stats in answer["indexes"].items()
+                         if principal.may_use_index(uid)})
+
+
+def scope_task_query(query, allowed_uids):
+    """GET /tasks, /batches, DELETE /tasks, POST /tasks/cancel: limit the
+    `indexUids` parameter to the indexes the key covers. With none left,
+    name an index that cannot exist, so the backend matches nothing."""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    asked = [v for n, v in pairs if n == "indexUids"]
+    uids = set(allowed_uids)
+    if asked:
+        wanted = {u.strip() for u in ",".join(asked).split(",")}
+        if "*" not in wanted:
+            uids &= wanted
+    if not uids:
+        uids = {"searchkeys-no-index-" + secrets.token_hex(8)}
+    pairs = [(n, v) for n, v in pairs if n != "indexUids"]
+    return urllib.parse.urlencode(pairs + [("indexUids", ",".join(sorted(uids)))])
+
+
+def check_task_answer(principal, task_id, answer):
+    """GET /tasks/{id} for a scoped key: a task on another index (or on
+    none) does not exist for it."""
+    uid = answer.get("indexUid") if isinstance(answer, dict) else None
+    if not isinstance(uid, str) or not principal.may_use_index(uid):
+        raise ApiError(404, "task_not_found", "Task `%s` not found." % _uid_shown(task_id))
+    return answer
+
+
+# Task kinds of one index (upstream's Kind::related_to_one_index); a batch
+# of other kinds (a swap, a dump...) is never shown to a scoped key.
+ONE_INDEX_TASK_KINDS = frozenset((
+    "documentAdditionOrUpdate", "documentEdition", "documentDeletion", "settingsUpdate",
+    "indexCreation", "indexDeletion", "indexUpdate", "indexCompaction", "dsrUpdate", "dsrClear"))
+
+
+def check_batch_answer(principal, batch_id, answer):
+    """GET /batches/{id} for a scoped key: as upstream's
+    get_batch_ids_from_authorized_indexes means it (and as GET /batches
+    lists it), a batch of one-index tasks with at least one covered index.
+    (Upstream subtracts the task uids of the other kinds from the batch
+    uids, a slip: it would show a dump batch to every scoped key.)"""
+    stats = answer.get("stats") if isinstance(answer, dict) else None
+    uids = stats.get("indexUids") if isinstance(stats, dict) else None
+    kinds = stats.get("types") if isinstance(stats, dict) else None
+    if not isinstance(uids, dict) or not any(principal.may_use_index(uid) for uid in uids) \
+            or not isinstance(kinds, dict) or not ONE_INDEX_TASK_KINDS.issuperset(kinds):
+        raise ApiError(404, "batch_not_found", "Batch `%s` not found." % _uid_shown(batch_id))
+    return answer
+
+
+def check_task_filters(query, verb):
+    """DELETE /tasks, POST /tasks/cancel: upstream's 400 without a filter
+    (the guard would otherwise add one: "every task of my indexes"). Every
+    parameter upstream accepts there is a filter; with another, it refuses
+    the request itself."""
+    if not urllib.parse.parse_qsl(query, keep_blank_values=True):
+        raise ApiError(400, "missing_task_filters", "Query parameters to filter the tasks to %s "
+                       "are missing. Available query parameters are: `uids`, `indexUids`, "
+                       "`statuses`, `types`, `canceledBy`, `beforeEnqueuedAt`, "
+                       "`afterEnqueuedAt`, `beforeStartedAt`, `afterStartedAt`, "
+                       "`beforeFinishedAt`, `afterFinishedAt`." % verb)
+
+
+def _uid_shown(text):
+    """A task or batch uid as upstream's message shows it: the parsed u32."""
+    number = parse_rust_uint(text, U32_MAX)
+    return text if number is None else number
+
+
+class RuleContext(collections.namedtuple("RuleContext", "principal params query facts")):
+    """What a handler rule sees of one request: the principal, the route's
+    parameters, the query string, and the backend's `facts` its rule asked
+    for (see fetch_facts), fetched at the edge."""
+
+    @property
+    def index(self):
+        return self.params.get("index_uid")
+
+    def allowed_indexes(self):
+        """The uids of the backend's indexes the principal covers."""
+        return [i["uid"] for i in self.facts["covered_indexes"]]
+
+
+# When a rule applies: to any scoped principal, only to a tenant token whose
+# rules filter the route's index, or never forwarded for such principals.
+SCOPED, TOKEN_FILTER, UNENFORCEABLE = "scoped", "token filter", "unenforceable"
+
+
+class Rule(collections.namedtuple("Rule", "when value query answer facts")):
+    """A handler rule: `value(principal, index, value)` checks or rewrites the
+    search value (the JSON body; a GET search's parsed query string);
+    `query(context)` returns the query string of a listing to forward;
+    `answer(context, json)` checks or filters a 200 answer; `facts`: the
+    backend's facts (see fetch_facts) `query` and `answer` read."""
+
+    def __new__(cls, when, value=None, query=None, answer=None, facts=()):
+        return super().__new__(cls, when, value, query, answer, tuple(facts))
+
+    def applies(self, principal, index):
+        if principal.unscoped:
+            return False
+        if self.when == TOKEN_FILTER:
+            return index is not None and tenant_filter(principal.rules, index) is not None
+        return True
+
+
+def _index_page_query(context):
+    return all_indexes_query(context.query)[0]
+
+
+def _index_page_answer(context, answer):
+    _, offset, limit = all_indexes_query(context.query)
+    return filter_index_list(context.principal, answer, offset, limit)
+
+
+def _task_listing_query(context):
+    return scope_task_query(context.query, context.allowed_indexes())
+
+
+def _task_change_query(verb):
+    def query(context):
+        check_task_filters(context.query, verb)
+        return _task_listing_query(context)
+    return query
+
+
+def fetch_or_refuse(upstream, target, what):
+    """GET `target` from the backend for the guard's own check: its 200
+    JSON answer; its refusal (a Meilisearch error: a bad uid, not found...)
+    relayed as the caller's; anything else a 502, so the check fails closed."""
+    status, answer = upstream.fetch_json(target)
+    if status != 200 and status < 500 and isinstance(answer, dict) \
+            and all(isinstance(answer.get(f), str) for f in ("message", "code", "type")):
+        raise ApiError(status, answer["code"], answer["message"], answer["type"])
+    if status != 200:
+        raise upstream_unreachable(upstream, "%s answered %s" % (what, status))
+    return answer
+
+
+def _task_documents_query(context):
+    """A task's documents, only once the backend showed the task, on an
+    index the principal covers."""
+    check_task_answer(context.principal, context.params["task_id"], context.facts["task"])
+    return context.query
+
+
+SEARCH_RULE = Rule(TOKEN_FILTER, value=scope_search_value)
+TASK_LISTING_RULE = Rule(SCOPED, query=_task_listing_query, facts=("covered_indexes",))
+# The chat's search tool and the document a template renders are scoped by
+# handlers the guard does not reproduce: refused instead.
+NOT_ENFORCEABLE_RULE = Rule(UNENFORCEABLE)
+
+
+def scope_not_enforceable(route, where):
+    return refused("index", invalid_api_key(
+        "This API key is scoped to some indexes (or is a tenant token), and searchkeys "
+        "cannot enforce that scope on `%s %s`%s; the request is refused."
+        % (route.method, route.pattern, " " + where if where else "")))
 
 
 # =============================================================================
@@ -2698,14 +2927,24 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 class Usage:
     """Per key (by uid): requests allowed, refused by reason, last used.
-    A request costs a few increments under one lock; the KeyStore saves the
-    counts with each change of keys and, when they changed, every
-    USAGE_FLUSH_SECONDS, so a kill -9 loses at most those last seconds."""
+
+    A request costs a few increments under one lock, in this process's
+    memory. The KeyStore saves them with each change of keys and, when there
+    are some, every USAGE_FLUSH_SECONDS (a kill -9 loses at most those last
+    seconds): saving adds them to the totals the store file holds, to which
+    every process sharing the store adds its own. A key's usage reads as
+    those saved totals plus this process's counts not saved yet."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._counts = {}  # uid -> [allowed, one per USAGE_REASONS..., last used ns]
-        self.changed = False
+        self._saved = {}   # uid -> counts: the store file's totals, as last read or written
+        self._counts = {}  # uid -> counts of this process, not saved yet
+        # counts: [allowed, one per USAGE_REASONS..., last used ns]
+
+    @property
+    def changed(self):
+        """Whether there are counts to save."""
+        return bool(self._counts)
 
     def count(self, uid, reason, now_ns):
         slot = _USAGE_SLOT.get(reason)
@@ -2717,47 +2956,82 @@ class Usage:
                 counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
             counts[slot] += 1
             counts[-1] = now_ns
-            self.changed = True
 
     def forget(self, uid):
         with self._lock:
+            self._saved.pop(uid, None)
             self._counts.pop(uid, None)
 
     def to_json(self, uid):
-        """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never) of key `uid`."""
+        """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never)
+        of key `uid`: the saved totals plus this process's unsaved counts."""
         with self._lock:
-            counts = list(self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1))
+            counts = _added(self._saved.get(uid), self._counts.get(uid))
         return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
                 "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
 
-    def section(self, keep):
-        """The counts as the store saves them, for the uids `keep(uid)` holds
-        (a deleted key's are left out); they count as saved from now on."""
+    def unsaved(self, uid):
+        """The part of key `uid`'s usage only this process has counted yet:
+        `allowed` and `refused` (all reasons)."""
         with self._lock:
-            self.changed = False
-            return {uid: {"allowed": counts[0],
-                          "refused": {reason: n for reason, n in
-                                      zip(USAGE_REASONS, counts[1:-1]) if n},
-                          "lastUsedAt": counts[-1]}
-                    for uid, counts in self._counts.items() if keep(uid)}
+            counts = self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1)
+        return {"allowed": counts[0], "refused": sum(counts[1:-1])}
+
+    def take(self, keep):
+        """(the totals to save, for the uids `keep(uid)` holds (a deleted
+        key's are left out), the unsaved counts they include): the counts
+        are no longer unsaved. After the write, saved(totals), or
+        give_back(taken) if it failed."""
+        with self._lock:
+            taken, self._counts = self._counts, {}
+            totals = {uid: _added(self._saved.get(uid), taken.get(uid))
+                      for uid in itertools.chain(self._saved, taken.keys() - self._saved.keys())
+                      if keep(uid)}
+        return totals, taken
+
+    def saved(self, totals):
+        with self._lock:
+            self._saved = totals
+
+    def give_back(self, taken):
+        with self._lock:
+            for uid, counts in taken.items():
+                self._counts[uid] = _added(counts, self._counts.get(uid))
 
     def load(self, section, keys):
-        """Take the store's usage section; returns what was wrong with it
-        (counts of unknown keys are dropped, bad entries skipped)."""
-        if section is None:
-            return []
-        if not isinstance(section, dict):
-            return ["the usage section is not an object"]
-        problems = []
-        for uid, record in section.items():
-            try:
-                counts = _usage_counts(record)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                problems.append("bad usage counts for key %s" % printable(uid))
-                continue
-            if uid in keys:
-                self._counts[uid] = counts
+        """Take the store file's usage section as the saved totals; returns
+        what was wrong with it (counts of unknown keys are dropped, bad
+        entries skipped)."""
+        saved, problems = {}, []
+        if section is not None and not isinstance(section, dict):
+            problems.append("the usage section is not an object")
+        elif section is not None:
+            for uid, record in section.items():
+                try:
+                    counts = _usage_counts(record)
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    problems.append("bad usage counts for key %s" % printable(uid))
+                    continue
+                if uid in keys:
+                    saved[uid] = counts
+        with self._lock:
+            self._saved = saved
         return problems
+
+
+def usage_section(totals):
+    """Usage totals as the store file holds them (reasons with no refusal left out)."""
+    return {uid: {"allowed": counts[0],
+                  "refused": {reason: n for reason, n in zip(USAGE_REASONS, counts[1:-1]) if n},
+                  "lastUsedAt": counts[-1]}
+            for uid, counts in totals.items()}
+
+
+def _added(counts, more):
+    """Two usage counts of a key added up (the later last use kept); either may be None."""
+    if counts is None or more is None:
+        return list(counts or more or [0] * (len(_USAGE_SLOT) + 1))
+    return [a + b for a, b in zip(counts[:-1], more[:-1])] + [max(counts[-1], more[-1])]
 
 
 def _usage_counts(record):
@@ -2844,16 +3118,16 @@ class Metrics:
         return "".join(out)
 
 
+# =============================================================================
+# The /keys API: validate -> store -> respond
+# =============================================================================
+
+
 def require_master(principal, what):
     """Only the master key may `what`: any API key gets 403."""
     if principal.key is not None:
         raise refused("action", ApiError(403, "invalid_api_key", "Only the master key can %s."
                                          % what, "auth"))
-
-
-# =============================================================================
-# The /keys API: validate -> store -> respond
-# =============================================================================
 
 
 def usage_asked(query):
@@ -2872,50 +3146,84 @@ def usage_asked(query):
 
 
 class KeysApi:
-    """The five /keys endpoints, once the request is authorized."""
+    """The /keys API, once the request is authorized: one method a route,
+    each taking the Call and answering its Response."""
 
     def __init__(self, store):
         self.store = store
 
-    def handle(self, request, principal, method, params, query):
-        """(status, JSON value or None) for a /keys request `principal` may make."""
-        segment = params.get("key")
-        if method == "GET" and segment is None:
-            query, with_usage = usage_asked(query)
-            if with_usage:
-                require_master(principal, "read the usage of keys")
-            offset, limit = validate_list_query(query)
-            keys, total = self.store.page(offset, limit)
-            results = [k.to_json() for k in keys]
-            for key, shown in zip(keys, results) if with_usage else ():
-                shown["usage"] = self.store.usage.to_json(key.uid)
-            return 200, {"results": results, "offset": offset, "limit": limit, "total": total}
-        if method == "GET":
-            return 200, self.store.find(segment).to_json()
-        if method == "DELETE":
-            self._write(self.store.delete, segment, principal.key is None)
-            return 204, None
-        body = request.read_json_body()
-        if method == "POST":
-            fields = validate_create(body, time.time_ns())
-            return 201, self._write(self.store.create, fields).to_json()
-        changes = validate_patch(body)
-        return 200, self._write(self.store.update, segment, changes).to_json()
+    def list_keys(self, call):
+        query, with_usage = usage_asked(call.request.query)
+        if with_usage:
+            require_master(call.principal, "read the usage of keys")
+        offset, limit = validate_list_query(query)
+        keys, total = self.store.page(offset, limit)
+        results = [k.to_json() for k in keys]
+        for key, shown in zip(keys, results) if with_usage else ():
+            shown["usage"] = self.store.usage.to_json(key.uid)
+        return Response.json(200, {"results": results, "offset": offset, "limit": limit,
+                                   "total": total})
 
-    def rotate(self, request, principal, segment):
+    def get_key(self, call):
+        return Response.json(200, self.store.find(call.params["key"]).to_json())
+
+    def create_key(self, call):
+        fields = validate_create(call.request.read_json_body(), time.time_ns())
+        return Response.json(201, self._write(self.store.create, fields).to_json())
+
+    def update_key(self, call):
+        segment = call.params["key"]
+        changes = validate_patch(call.request.read_json_body())
+        return Response.json(200, self._write(self.store.update, segment, changes).to_json())
+
+    def delete_key(self, call):
+        segment = call.params["key"]
+        if self.store.find(segment).restrictions is not None:  # else an admin key could
+            # delete it and create it again (same uid, same value) without them
+            require_master(call.principal, "delete a key that has restrictions")
+        self._write(self.store.delete, segment)
+        return Response(204)
+
+    def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
-        self.store.find(segment)  # 404 before 400, as PATCH /keys/{key}
+        request, segment = call.request, call.params["key"]
+        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
+            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return self._write(self.store.rotate, segment, grace, principal.key is None).to_json()
+        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
 
-    def usage(self, principal, segment):
-        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`, `lastUsedAt`."""
-        require_master(principal, "read the usage of a key")
-        key = self.store.find(segment)
-        return dict({"uid": key.uid}, **self.store.usage.to_json(key.uid))
+    def key_usage(self, call):
+        """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
+        `lastUsedAt` and `unsaved`, the part only this process has counted."""
+        require_master(call.principal, "read the usage of a key")
+        key = self.store.find(call.params["key"])
+        return Response.json(200, dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
+                                       unsaved=self.store.usage.unsaved(key.uid)))
+
+    def get_restrictions(self, call):
+        """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
+        require_master(call.principal, "read or change the restrictions of a key")
+        return self._restrictions(200, self.store.find(call.params["key"]))
+
+    def put_restrictions(self, call):
+        require_master(call.principal, "read or change the restrictions of a key")
+        self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
+        restrictions = Restrictions.from_json(call.request.read_json_body())
+        return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
+                                                   restrictions))
+
+    def delete_restrictions(self, call):
+        require_master(call.principal, "read or change the restrictions of a key")
+        self._write(self.store.restrict, call.params["key"], None)
+        return Response(204)
+
+    @staticmethod
+    def _restrictions(status, key):
+        return Response.json(status, key.restrictions.to_json() if key.restrictions
+                             else dict.fromkeys(RESTRICTION_FIELDS))
 
     def _write(self, operation, *args):
         """Run a store change; one that could not be made durable was not
@@ -2925,6 +3233,14 @@ class KeysApi:
         except StoreWriteError as exc:
             self.store.log("searchkeys: %s" % exc)
             raise internal_error("The change could not be saved: %s" % exc)
+
+
+def on_keys_api(method):
+    """The route handler (service, call) answering with `method` of the
+    service's KeysApi."""
+    def handler(service, call):
+        return method(service.keys_api, call)
+    return handler
 
 
 # =============================================================================
@@ -2948,7 +3264,7 @@ class ApiKey:
                  "restrictions", "retirement")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, stored=None, restrictions=None, retirement=None):
+                 updated_ns, value, restrictions=None, retirement=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -2960,7 +3276,7 @@ class ApiKey:
         self.value = value  # derived hex value; None without a master key
         self.grants = grants(self.actions)
         self.is_global = "*" in self.indexes
-        self._stored = stored  # the record's JSON text, once known
+        self._stored = None  # stored_json(), once computed
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
         self.retirement = retirement  # Retirement of a rotated key, or None
 
@@ -3019,7 +3335,9 @@ class ApiKey:
 
     def stored_json(self):
         """to_record() as compact JSON text, computed once: every write of
-        the store includes every key, and re-encoding them each time is slow."""
+        the store includes every key, and re-encoding them each time is slow.
+        (Always from the record, never from the file's text: a file edited
+        by hand is written back whole.)"""
         if self._stored is None:
             self._stored = compact_json(self.to_record())
         return self._stored
@@ -3040,11 +3358,11 @@ class ApiKey:
         return record
 
     @classmethod
-    def from_record(cls, record, derive, stored=None):
+    def from_record(cls, record, derive):
         """A stored record -> ApiKey; ValueError says what is wrong with it.
 
         `derive` computes the value from the uid (see key_deriver), or is
-        None without a master key; `stored` is the record's JSON text.
+        None without a master key.
         """
         if not isinstance(record, dict) or record.keys() - _OPTIONAL_RECORD_FIELDS \
                 != _RECORD_FIELDS:
@@ -3071,7 +3389,7 @@ class ApiKey:
         if type(created) is not int or type(updated) is not int or created < 0 or updated < 0:
             raise ValueError("bad createdAt or updatedAt in key %s" % uid)
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
-                   derive(uid) if derive is not None else None, stored,
+                   derive(uid) if derive is not None else None,
                    stored_restrictions(record.get("restrictions"), uid),
                    Retirement.from_record(record, uid))
 
@@ -3110,68 +3428,177 @@ _OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
 
 class KeyStore:
     """All keys in memory, indexed by uid and by derived value, optionally
-    made durable in a StoreFile. Writers serialize on one lock and write the
-    file before the change goes live; readers (the per-request key lookup)
-    never wait: keys are immutable and dict reads are atomic.
+    made durable in a StoreFile that any number of processes may share.
+
+    A change holds this store's lock (against this process's threads) and
+    the file's lock (against other processes) for the change alone, starts
+    from the file's current content, and is written before it goes live.
+    refresh(), called every STORE_POLL_SECONDS, takes in what other
+    processes wrote. Readers (the per-request key lookup) never wait: keys
+    are immutable and dict reads are atomic.
     """
 
     def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
         self.derive = key_deriver(master_key) if master_key is not None else None
+        # what the file records of the master key (--open: whatever it holds)
+        self.fingerprint = master_key_fingerprint(master_key) if master_key else None
         self.log = log or (lambda message: None)
         self.clock = Clock()
         self._keys = {}       # uid -> ApiKey, oldest first
         self._by_value = {}   # derived value -> ApiKey
         self._retiring = {}   # uid -> when that rotated key stops working (ns)
         self._next_retirement = float("inf")  # the earliest of those
-        # reentrant: a write looks keys up, and a lookup may sweep out retired keys
+        # reentrant: a change looks keys up, and a lookup may sweep out retired keys
         self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
+        self._file_locked = False  # whether this process holds the file's lock
+        self._unloadable = None  # (signature of a file that failed to load, whether logged)
         self.usage = Usage()
-        try:
-            self._load(master_key, master_key_changed)
-            self.sweep()
-            if not self._keys:  # all four in one write: a crash leaves none or all
-                defaults = [self._new_key(new_uid(), name, description, actions, ["*"], None)
-                            for name, description, actions in DEFAULT_KEYS]
-                if self._file:
-                    self._file.write([key.stored_json() for key in defaults])
-                for key in defaults:
-                    self._put(key)
-        except BaseException:
-            self.close()
-            raise
+        with self._lock:
+            if self._file is None:
+                self._commit_all(self._defaults(), ())
+                return
+            self._file.refuse_journal()
+            self._file.lock()
+            try:
+                record = self._open(master_key_changed)
+                self._file.remove_stale_temp_files()
+                if not self._keys:
+                    self._commit_all(self._defaults(), ())  # all four in one write
+                elif record or self._next_retirement <= time.time_ns():
+                    self._tidy()
+            finally:
+                self._file.unlock()
 
-    def _load(self, master_key, master_key_changed):
-        """Read the store file (and fold in a journal an older version left)."""
-        if not self._file:
-            return
-        collecting = gc.isenabled()
-        gc.disable()  # loading makes ~6 objects a key, none of them garbage
+    def _tidy(self):
+        """At start, record the master key's fingerprint and drop retired
+        keys now; if that write fails, the next change makes it."""
         try:
-            keys, changes = self._file.open(
-                lambda record, text: ApiKey.from_record(record, self.derive, text))
-            self._file.check_master_key(master_key, master_key_changed, keys)
-            for key in keys:
-                self._put(key)
-            for change in changes or ():
-                self._replay(change)
-            for problem in self.usage.load(self._file.usage, self._keys):
-                self.log("searchkeys: warning: store %s: %s; counting afresh"
-                         % (self._file.path, problem))
-        except ValueError as exc:
-            raise StoreError("store %s holds a bad key: %s" % (self._file.path, exc))
-        finally:
-            if collecting:
-                gc.enable()
-        # Newest-first listing relies on dict order == createdAt order.
-        ordered = list(self._keys.values())
-        if any(a.created_ns > b.created_ns for a, b in zip(ordered, ordered[1:])):
-            self._keys = dict(sorted(self._keys.items(), key=lambda item: item[1].created_ns))
-        if ordered:
-            self.clock.advance_past(max(key.created_ns for key in ordered))
-        if changes is not None:
-            self._file.write(self._records(), self.usage.section(self._keys.__contains__))
-            self._file.retire_journal()
+            self._commit_all((), ())
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: %s; the next change will save it" % exc)
+
+    def _defaults(self):
+        """The four keys a store without keys starts with, or none."""
+        if self._keys:
+            return []
+        return [self._new_key(new_uid(), name, description, actions, ["*"], None)
+                for name, description, actions in DEFAULT_KEYS]
+
+    def _open(self, master_key_changed):
+        """Load the file at start; whether its master key fingerprint is to be
+        recorded now. Refuses another master key than the one the store's keys
+        were made with (every key value would change), unless that is intended."""
+        keys, stored = self._reload()
+        if self.derive is None:  # --open: no key values at all; keep what is recorded
+            return False
+        if stored is None or not keys or hmac.compare_digest(stored, self.fingerprint):
+            # a store without one (made with --open) records this one now: else a store that
+            # never changes would take another master key silently at every start
+            return stored != self.fingerprint
+        if not master_key_changed:
+            raise StoreError(
+                "store %s was made with another master key, so every one of its %d keys would "
+                "get a new value and every key handed out would stop working: start with the "
+                "master key the store was made with, or add --master-key-changed if the change "
+                "is intended" % (self._file.shown, len(keys)))
+        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
+                 "master key; its %d keys now have new values (the uids stay), and the store "
+                 "records the new master key" % (self._file.shown, len(keys)))
+        return True
+
+    def _reload(self):
+        """Load the file's current content if it is not the one in memory:
+        (its keys, its master key fingerprint); StoreError if it cannot be
+        used (memory then stays as it was). A missing file keeps memory too:
+        the next change writes it anew."""
+        data, signature, fd = self._file.read()
+        if data is None or signature == self._file.loaded:
+            if fd is not None:
+                os.close(fd)
+            return list(self._keys.values()), self.fingerprint
+        usage = self._file.new_usage_only(data)
+        if usage is not None:  # another process saved its usage counts
+            try:
+                section = json.loads(usage) if usage else None
+            except (UnicodeDecodeError, ValueError) as exc:
+                os.close(fd)
+                raise StoreError("store %s is corrupt (not JSON: %s); the file is left "
+                                 "untouched" % (self._file.shown, exc))
+            self._load_usage(section)
+            self._file.hold(fd, signature, data)
+            return list(self._keys.values()), self.fingerprint
+        try:
+            records, stored, section = self._file.parse(data)
+            if self.derive is not None and stored is not None and self._keys \
+                    and not hmac.compare_digest(stored, self.fingerprint):
+                raise StoreError("store %s now records another master key (a process was "
+                                 "started with --master-key-changed): this process keeps the "
+                                 "keys it holds; restart it with that master key"
+                                 % self._file.shown)
+            try:
+                keys = self._build(records)
+            except ValueError as exc:
+                raise StoreError("store %s holds a bad key: %s" % (self._file.shown, exc))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._install(keys, section)
+        if self.derive is None:
+            self.fingerprint = stored
+        self._file.hold(fd, signature, data)
+        return keys, stored
+
+    def _build(self, records):
+        """The keys of `records`; a key unchanged since the last load is kept
+        as it is (its value is not derived again)."""
+        keys = []
+        for position, record in enumerate(records):
+            uid = record.get("uid") if isinstance(record, dict) else None
+            old = self._keys.get(uid) if isinstance(uid, str) else None
+            if old is None or old.stored_json() != compact_json(record):
+                old = ApiKey.from_record(record, self.derive)
+            keys.append(old)
+            records[position] = None  # free the parsed record early
+        return keys
+
+    def _install(self, keys, section):
+        """Make `keys` (and the usage totals of `section`) what memory holds."""
+        if any(a.created_ns > b.created_ns for a, b in zip(keys, keys[1:])):
+            keys = sorted(keys, key=lambda key: key.created_ns)  # newest-first listing needs it
+        by_uid = {key.uid: key for key in keys}
+        retiring = {key.uid: key.retirement.at_ns for key in keys if key.retirement is not None}
+        self._by_value = {key.value: key for key in by_uid.values() if key.value is not None}
+        self._keys, self._retiring = by_uid, retiring
+        self._next_retirement = min(retiring.values(), default=float("inf"))
+        if keys:
+            self.clock.advance_past(max(key.created_ns for key in keys))
+        self._load_usage(section)
+
+    def _load_usage(self, section):
+        for problem in self.usage.load(section, self._keys):
+            self.log("searchkeys: warning: store %s: %s; counting afresh"
+                     % (self._file.shown, problem))
+
+    def refresh(self):
+        """Take in a change another process made to the file. A file that
+        cannot be loaded (one being written in place, half-written, is not a
+        whole document) leaves memory as it is; it is logged once it stays
+        so for a poll."""
+        if self._file is None:
+            return
+        signature = self._file.signature()
+        if signature in (None, self._file.loaded) or self._unloadable == (signature, True):
+            return
+        with self._lock:
+            try:
+                self._reload()
+            except StoreError as exc:
+                logged = self._unloadable == (signature, False)  # the second poll that failed
+                self._unloadable = (signature, logged)
+                if logged:
+                    self.log("searchkeys: warning: %s; the keys loaded before stay in use"
+                             % exc)
 
     # -- reads ---------------------------------------------------------------
 
@@ -3224,7 +3651,7 @@ class KeyStore:
 
     def create(self, fields):
         """Create a key from validated POST fields; 409 ApiError on a used uid."""
-        with self._lock:
+        with self._changing():
             uid = fields.get("uid")
             if uid is None:
                 uid = self._unused_uid()
@@ -3237,35 +3664,29 @@ class KeyStore:
             return key
 
     def update(self, key_or_uid, changes):
-        with self._lock:
+        with self._changing():
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid, by_master=True):
-        """Delete a key. One with restrictions only by the master key: else
-        an admin key could delete it and create it again (same uid, same
-        value) without them."""
-        with self._lock:
+    def delete(self, key_or_uid):
+        """Delete a key."""
+        with self._changing():
             key = self.find(key_or_uid)
-            if key.restrictions is not None and not by_master:
-                raise ApiError(403, "invalid_api_key", "Only the master key can delete a key "
-                               "that has restrictions.", "auth")
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
         """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
-        with self._lock:
+        with self._changing():
             key = self.find(key_or_uid)
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds, by_master=True):
+    def rotate(self, key_or_uid, grace_seconds):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated; one with
-        restrictions only by the master key (see delete)."""
-        with self._lock:
+        changes are one write. 409 for a key already rotated."""
+        with self._changing():
             old = self.find(key_or_uid)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
@@ -3273,14 +3694,12 @@ class KeyStore:
                                "replacement, or delete this key to stop it now." % (
                                    old.uid, old.retirement.replaced_by,
                                    format_timestamp(old.retirement.at_ns)))
-            if old.restrictions is not None and not by_master:
-                raise ApiError(403, "invalid_api_key", "Only the master key can rotate a key "
-                               "that has restrictions.", "auth")
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
-            if grace_seconds:
-                self._commit_all([old.retiring(now + grace_seconds * 10 ** 9, uid), new], ())
+            if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
+                retires = time.time_ns() + grace_seconds * 10 ** 9
+                self._commit_all([old.retiring(retires, uid), new], ())
             else:
                 self._commit_all([new], (old.uid,))
             return new
@@ -3290,14 +3709,13 @@ class KeyStore:
         refused already: see ApiKey.is_expired). Cheap when none is due."""
         if self._next_retirement > time.time_ns():
             return
-        with self._lock:
-            if self._next_retirement > time.time_ns():
-                return  # another thread swept them meanwhile
-            try:
-                self._commit_all((), ())  # a write drops them
-            except StoreWriteError as exc:  # they stay refused; try again in a minute
-                self._next_retirement = time.time_ns() + 60 * 10 ** 9
-                self.log("searchkeys: cannot remove retired keys: %s" % exc)
+        try:
+            with self._changing():
+                if self._next_retirement <= time.time_ns():  # not swept meanwhile
+                    self._commit_all((), ())  # a write drops them
+        except StoreWriteError as exc:  # they stay refused; try again in a minute
+            self._next_retirement = time.time_ns() + 60 * 10 ** 9
+            self.log("searchkeys: cannot remove retired keys: %s" % exc)
 
     def _unused_uid(self):
         uid = new_uid()
@@ -3310,6 +3728,30 @@ class KeyStore:
         value = self.derive(uid) if self.derive is not None else None
         return ApiKey(uid, name, description, actions, indexes, expires_at, now, now, value)
 
+    @contextlib.contextmanager
+    def _changing(self):
+        """Hold the store for one change: this process's other writers wait,
+        and with a file every other process's too, and memory holds the
+        file's current content (StoreWriteError if it cannot be read)."""
+        with self._lock:
+            if self._file is None or self._file_locked:
+                yield
+                return
+            try:
+                self._file.lock()
+            except StoreError as exc:
+                raise StoreWriteError(str(exc))
+            self._file_locked = True
+            try:
+                try:
+                    self._reload()
+                except StoreError as exc:
+                    raise StoreWriteError("%s; the change was not made" % exc)
+                yield
+            finally:
+                self._file_locked = False
+                self._file.unlock()
+
     def _commit(self, key, removed=None):
         """Write the store with `key` put (or uid `removed` deleted), then
         make the change live."""
@@ -3319,7 +3761,7 @@ class KeyStore:
         """Write the store with `keys` put, the uids `removed` deleted and the
         rotated keys past their grace period dropped, in one write, then make
         it live; StoreWriteError leaves everything as it was. The caller
-        holds the lock or is the constructor."""
+        holds the store (_changing) or is the constructor."""
         now = time.time_ns()
         removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
         changed = {key.uid: key for key in keys}
@@ -3336,32 +3778,25 @@ class KeyStore:
             self._remove(uid)
 
     def _write(self, records, keep):
-        """Write `records` with the usage counts of the uids `keep(uid)` holds."""
+        """Write `records` with the usage totals of the uids `keep(uid)` holds."""
+        totals, taken = self.usage.take(keep)
         try:
-            self._file.write(records, self.usage.section(keep))
+            self._file.write(records, usage_section(totals), self.fingerprint)
         except StoreWriteError:
-            self.usage.changed = True  # still to be saved
+            self.usage.give_back(taken)  # still to be saved
             raise
+        self.usage.saved(totals)
 
     def flush_usage(self):
-        """Save the usage counts if they changed since the last write; a
-        failure is logged and tried again at the next flush."""
+        """Save the usage counts if there are some; a failure is logged and
+        tried again at the next flush."""
         if not self._file or not self.usage.changed:
             return
-        with self._lock:
-            try:
+        try:
+            with self._changing():
                 self._write(self._records(), self._keys.__contains__)
-            except StoreWriteError as exc:
-                self.log("searchkeys: warning: usage counts not saved: %s" % exc)
-
-    def _replay(self, change):
-        """Apply one line of an older version's journal."""
-        if change.get("op") == "put":
-            self._put(ApiKey.from_record(change.get("key"), self.derive))
-        elif change.get("op") == "delete" and isinstance(change.get("uid"), str):
-            self._remove(change["uid"])
-        else:
-            raise ValueError("unknown change %r" % (change,))
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
     def _put(self, key):
         old = self._keys.get(key.uid)
@@ -3392,16 +3827,16 @@ class KeyStore:
         return [key.stored_json() for key in self._keys.values()]
 
     def close(self):
-        """Save the usage counts, then release the store file (its lock) so
-        another KeyStore may open it."""
-        if self._file:
-            self.flush_usage()
-            self._file.close()
+        """Save the usage counts (the file is locked only for a change)."""
+        self.flush_usage()
 
 
 def new_uid():
-    import uuid  # local: only key creation needs it
+    import uuid  # here: ~0.2 MiB and ~3 ms of start-up that only key creation needs
     return str(uuid.uuid4())
+
+
+STORE_POLL_SECONDS = 0.25  # a change made by another process is taken in at most this late
 
 
 class StoreFile:
@@ -3411,11 +3846,13 @@ class StoreFile:
     the store and the folder fsync'd, so the store is always either the old
     or the new document, and an acknowledged change survives kill -9 and
     power loss. A symlinked store is written through to its target (the
-    link stays). FILE.lock, held with flock, keeps a second server away.
-    Files are 0600 and hold uids and metadata, never key values, and a
-    fingerprint of the master key (another one would change every value).
-    Older versions kept changes in FILE.journal (one JSON line each): such
-    a journal is folded into the document at the first start, then removed.
+    link stays). Any number of processes share it: FILE.lock is held with
+    flock for one change at a time, never for a process's life, and a
+    process tells a new version by its signature (inode, size, mtime). The
+    version a process holds in memory stays open, so its inode cannot be
+    handed to a later version. Files are 0600 and hold uids and metadata,
+    never key values, and a fingerprint of the master key (another one would
+    change every value).
     """
 
     FORMAT = "searchkeys-store"
@@ -3428,184 +3865,134 @@ class StoreFile:
         self.shown = path
         self.path = os.path.realpath(path)  # write through a symlink to its target
         self.folder = os.path.dirname(self.path)
-        self.journal_path = os.path.abspath(path) + ".journal"
+        self.lock_path = self.path + ".lock"
         self.log = log
+        self.loaded = None  # the signature of the version held in memory
+        self._held = None  # that version, open
+        self._keys_digest = None  # of that version's bytes up to its keys' end (_keys_end)
         self._lock_fd = None
-        self.usage = None  # the document's usage section, once read
-        # master_key_fingerprint() of the master key the keys were made with
-        # (None in files of older versions); KeyStore checks and sets it
-        self.fingerprint = None
 
-    def check_master_key(self, master_key, master_key_changed, keys):
-        """Refuse a master key other than the one the store's keys were made
-        with (every key value would change), unless that is intended; a
-        store without a fingerprint (older, or new) records this one."""
-        if master_key is None:  # --open: no key values at all; keep what is recorded
-            return
-        stored, wanted = self.fingerprint, master_key_fingerprint(master_key)
-        self.fingerprint = wanted  # written with the next change
-        if stored is None and keys:
-            self._record_fingerprint(keys)
-        if stored is None or not keys or hmac.compare_digest(stored, wanted):
-            return
-        if not master_key_changed:
-            raise StoreError(
-                "store %s was made with another master key, so every one of its %d keys would "
-                "get a new value and every key handed out would stop working: start with the "
-                "master key the store was made with, or add --master-key-changed if the change "
-                "is intended" % (self.shown, len(keys)))
-        self.log("searchkeys: warning: --master-key-changed: store %s was made with another "
-                 "master key; its %d keys now have new values (the uids stay), and the store "
-                 "records the new master key" % (self.shown, len(keys)))
-        self.write([key.stored_json() for key in keys], self.usage)
+    def refuse_journal(self):
+        """Development builds (never a release) kept changes in FILE.journal:
+        one there is refused in one sentence, and left alone."""
+        journal = os.path.abspath(self.shown) + ".journal"
+        if os.path.islink(journal):
+            raise StoreError("%s is a symbolic link; refusing to follow it (a store keeps no "
+                             "journal: remove it)" % journal)
+        if os.path.lexists(journal):
+            raise StoreError("store %s has a journal %s, which only development builds of "
+                             "searchkeys wrote and this version does not read: remove it, or "
+                             "start the build that wrote it once to fold it in"
+                             % (self.shown, journal))
 
-    def _record_fingerprint(self, keys):
-        """An older store's keys get the fingerprint now, not at their next
-        change: a store that never changes would take another master key
-        silently at every start (every key handed out refused)."""
-        try:
-            self.write([key.stored_json() for key in keys], self.usage)
-        except StoreWriteError as exc:  # as before: recorded with the next change
-            self.log("searchkeys: warning: cannot record the master key's fingerprint: %s"
-                     % exc)
-
-    def _header(self):
-        if self.fingerprint is None:
-            return self._HEADER
-        return self._FINGERPRINTED_HEADER % self.fingerprint.encode()
-
-    def open(self, build):
-        """(keys, journal changes or None); StoreError if unusable.
-
-        `build(record, text)` turns a record (and its JSON text, when
-        known) into a key."""
-        self._lock()
-        data = self._read(self.path)
-        keys = [] if data is None else self._parse(data, build)
-        journal = self._read(self.journal_path, follow=False)  # a planted link is refused
-        changes = None if journal is None else self._parse_journal(journal)
-        self._remove_stale_temp_files()
-        return keys, changes
-
-    def _lock(self):
-        lock_path = self.path + ".lock"
-        try:
-            self._lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o600)
+    def lock(self):
+        """Wait for FILE.lock: one change at a time, across processes."""
+        try:  # never through a link someone planted, 0600 from its creation
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
+            if os.path.islink(self.lock_path):
+                raise StoreError("the lock file %s of store %s is a symbolic link; refusing to "
+                                 "follow it (remove it)" % (self.lock_path, self.shown))
             raise StoreError("cannot open the lock file %s of store %s: %s"
-                             % (lock_path, self.shown, exc.strerror or exc))
+                             % (self.lock_path, self.shown, exc.strerror or exc))
         try:
-            os.fchmod(self._lock_fd, 0o600)  # one left by a looser umask or hand
-        except OSError:
-            pass  # not ours to change; it holds nothing
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.close()
-            raise StoreError("store %s is in use by another searchkeys process (it holds %s)"
-                             % (self.shown, lock_path))
-
-    def _read(self, path, follow=True):
-        """The file's bytes, or None if there is none. Unless `follow`, a
-        symbolic link is refused, not read (nor its target made 0600)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
-        except FileNotFoundError:
-            return None
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:
-            if not follow and os.path.islink(path):
-                raise StoreError("%s is a symbolic link; refusing to follow it (put the file "
-                                 "itself there)" % path)
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise StoreError("store %s is a folder, not a file" % path)
-            if mode & 0o077:
-                self._tighten(fd, path, mode)
-            with open(fd, "rb", closefd=False) as file:
-                return file.read()
-        except OSError as exc:
-            raise StoreError("cannot read store %s: %s" % (path, exc.strerror or exc))
-        finally:
             os.close(fd)
+            raise StoreError("cannot lock %s of store %s: %s"
+                             % (self.lock_path, self.shown, exc.strerror or exc))
+        self._lock_fd = fd
 
-    def _tighten(self, fd, path, mode):
+    def unlock(self):
+        os.close(self._lock_fd)  # also drops the flock
+        self._lock_fd = None
+
+    def signature(self):
+        """The store's (inode, device, size, mtime), or None if there is none."""
+        try:
+            return _signature(os.stat(self.path))
+        except OSError:
+            return None
+
+    def read(self):
+        """(the file's bytes, its signature, an open descriptor of it for
+        hold()), or (None, None, None) if there is none."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None, None, None
+        except OSError as exc:
+            raise StoreError("cannot read store %s: %s" % (self.shown, exc.strerror or exc))
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise StoreError("store %s is a folder, not a file" % self.shown)
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                self._tighten(fd, stat.S_IMODE(info.st_mode))
+            with open(fd, "rb", closefd=False) as file:
+                return file.read(), _signature(info), fd
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError("cannot read store %s: %s" % (self.shown, exc.strerror or exc))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def hold(self, fd, signature, data):
+        """Note the version of `signature` (its bytes: `data`) as the one in
+        memory and keep it open (`fd`), letting the last one go."""
+        if self._held is not None:
+            os.close(self._held)
+        self._held, self.loaded = fd, signature
+        end = _keys_end(data)
+        self._keys_digest = None if end is None else hashlib.sha256(data[:end]).digest()
+
+    def new_usage_only(self, data):
+        """The usage section's text (b"" for none) if `data` differs from
+        the version in memory in that section alone, else None.
+
+        An optimization, measured: a process saves its usage counts every
+        USAGE_FLUSH_SECONDS, and every other process sharing the store would
+        otherwise load all its keys again each time (10,000 keys: ~60 ms on
+        a quiet machine, 150-800 ms on a busy one; this check: a few ms).
+        Safe: the bytes up to the keys' end are the same (by their SHA-256),
+        and after them comes only write()'s tail."""
+        end = _keys_end(data)
+        if end is None or self._keys_digest is None \
+                or hashlib.sha256(data[:end]).digest() != self._keys_digest:
+            return None
+        return data[end + len(_USAGE_TAIL):-2]
+
+    def _tighten(self, fd, mode):
         try:
             os.fchmod(fd, 0o600)
-            self.log("searchkeys: store file %s had mode %04o; now 0600" % (path, mode))
+            self.log("searchkeys: store file %s had mode %04o; now 0600" % (self.shown, mode))
         except OSError as exc:
             self.log("searchkeys: warning: store file %s has mode %04o and cannot be made "
-                     "0600: %s" % (path, mode, exc.strerror or exc))
+                     "0600: %s" % (self.shown, mode, exc.strerror or exc))
 
-    def _parse(self, data, build):
+    def parse(self, data):
+        """(the key records, the master key fingerprint or None, the usage
+        section or None) of a store document; StoreError if it is not one."""
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise StoreError("store %s is corrupt (not JSON: %s); refusing to start, the file "
-                             "is left untouched" % (self.path, exc))
+            raise StoreError("store %s is corrupt (not JSON: %s); the file is left untouched"
+                             % (self.shown, exc))
         if not isinstance(document, dict) or document.get("format") != self.FORMAT \
                 or document.get("version") != self.VERSION \
                 or not isinstance(document.get("keys"), list):
-            raise StoreError("store %s is not a searchkeys store (format %s, version %d); "
-                             "refusing to start" % (self.path, self.FORMAT, self.VERSION))
+            raise StoreError("store %s is not a searchkeys store (format %s, version %d); the "
+                             "file is left untouched" % (self.shown, self.FORMAT, self.VERSION))
         fingerprint = document.get("masterKeyFingerprint")
         if fingerprint is not None and not (isinstance(fingerprint, str)
                                             and _FINGERPRINT_RE.match(fingerprint)):
-            raise StoreError("store %s has a bad masterKeyFingerprint; refusing to start, the "
-                             "file is left untouched" % self.path)
-        self.fingerprint = fingerprint
-        records = document.pop("keys")
-        self.usage = document.get("usage")
-        # In the layout write() makes (one record a line, then the usage line
-        # if any) each record's text is kept for the next write, which then
-        # need not re-encode it.
-        lines = data.split(b"\n")
-        del data
-        texts = itertools.repeat(None)
-        tail = 2 if lines[-2:] == [b"]}", b""] else 3 if lines[-3:-2] == [b"],"] \
-            and lines[-2].startswith(b'"usage": ') and lines[-1] == b"" else 0
-        if tail and len(lines) == len(records) + 1 + tail and lines[0] == self._header()[:-1]:
-            texts = (line.rstrip(b",").decode("utf-8") for line in lines[1:-tail])
-        keys = []
-        for position, text in zip(range(len(records)), texts):
-            keys.append(build(records[position], text))
-            records[position] = None  # free the parsed record early
-        return keys
+            raise StoreError("store %s has a bad masterKeyFingerprint; the file is left "
+                             "untouched" % self.shown)
+        return document["keys"], fingerprint, document.get("usage")
 
-    def _parse_journal(self, data):
-        """The changes of an older version's journal. Its torn last line (no
-        newline: a crash mid-append) was never acknowledged and is dropped."""
-        lines = data.split(b"\n")
-        torn = lines.pop()
-        changes = []
-        for number, line in enumerate(lines, 1):
-            try:
-                change = json.loads(line.decode("utf-8"))
-                if not isinstance(change, dict) or change.get("op") not in ("put", "delete"):
-                    raise ValueError("not a change")
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise StoreError("store journal %s is corrupt at line %d (%s); refusing to "
-                                 "start, the file is left untouched"
-                                 % (self.journal_path, number, exc))
-            changes.append(change)
-        if torn:
-            self.log("searchkeys: dropping a torn last line of %s (%d bytes): a change that "
-                     "was never acknowledged" % (self.journal_path, len(torn)))
-        return changes
-
-    def retire_journal(self):
-        """Remove an older version's journal once write() holds its changes."""
-        try:
-            os.unlink(self.journal_path)
-        except OSError as exc:
-            raise StoreError("cannot remove the old journal %s (its changes are now in %s): %s"
-                             % (self.journal_path, self.path, exc.strerror or exc))
-        self._sync_folder(os.path.dirname(self.journal_path))
-        self.log("searchkeys: folded %s into %s and removed it" % (self.journal_path, self.path))
-
-    def _remove_stale_temp_files(self):
-        # temp files of a process killed mid-write; ours, as we hold the lock
+    def remove_stale_temp_files(self):
+        # temp files of a process killed mid-write: the lock is held, so no one writes one now
         prefix = os.path.basename(self.path) + ".tmp-"
         try:
             names = [name for name in os.listdir(self.folder) if name.startswith(prefix)]
@@ -3614,13 +4001,15 @@ class StoreFile:
         except OSError:
             pass  # harmless leftovers; the next start tries again
 
-    def write(self, records, usage=None):
-        """Replace the document with `records` (JSON texts) and the `usage`
-        section (left out when empty) atomically, or raise StoreWriteError
-        leaving it as it was."""
+    def write(self, records, usage=None, fingerprint=None):
+        """Replace the document with `records` (JSON texts, one a line), the
+        `usage` section (left out when empty) and the master key's
+        `fingerprint` atomically, or raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
+        header = self._HEADER if fingerprint is None \
+            else self._FINGERPRINTED_HEADER % fingerprint.encode()
         body = ",\n".join(records).encode("utf-8")
-        data = self._header() + body + (b"\n]" if records else b"]")
+        data = header + body + (b"\n]" if records else b"]")
         if usage:
             data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
         data += b"}\n"
@@ -3629,21 +4018,24 @@ class StoreFile:
             try:
                 _write_all(fd, data)
                 os.fsync(fd)
-            finally:
+                info = os.fstat(fd)
+                os.replace(temp, self.path)
+            except OSError:
                 os.close(fd)
-            os.replace(temp, self.path)
+                raise
         except OSError as exc:
             try:
                 os.unlink(temp)
             except OSError:
                 pass
             raise StoreWriteError("cannot write store %s: %s" % (self.path, exc.strerror or exc))
+        self.hold(fd, _signature(info), data)
         self._sync_folder(self.folder)
 
     def _sync_folder(self, folder):
-        """fsync a folder after a rename or unlink. The change is made once
-        that succeeded (the file holds it, and so must memory); a failed
-        sync only leaves it less durable, so it is logged, not raised."""
+        """fsync a folder after a rename. The change is made once that
+        succeeded (the file holds it, and so must memory); a failed sync only
+        leaves it less durable, so it is logged, not raised."""
         try:
             _fsync_folder(folder)
         except OSError as exc:
@@ -3651,17 +4043,31 @@ class StoreFile:
                      "may not survive a power loss): %s"
                      % (folder, self.shown, exc.strerror or exc))
 
-    def close(self):
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # also drops the flock
-            self._lock_fd = None
-
 
 def _write_all(fd, data):
     """os.write until all of `data` is written (a write may be partial)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+_USAGE_TAIL = b'\n],\n"usage": '
+
+
+def _keys_end(data):
+    """Where the keys of a document in write()'s layout end (its last
+    "\n]", then "}\n" or the usage section: compact JSON has no newline),
+    or None if `data` is not in that layout."""
+    end = data.rfind(b"\n]")
+    tail = data[end:]
+    if end < 0 or not (tail == b"\n]}\n"
+                       or tail.startswith(_USAGE_TAIL) and tail.endswith(b"}\n")):
+        return None
+    return end
+
+
+def _signature(info):
+    return (info.st_ino, info.st_dev, info.st_size, info.st_mtime_ns)
 
 
 def _fsync_folder(folder):
@@ -3769,7 +4175,7 @@ class Upstream:
                     connection = self._idle.pop() if self._idle else None
             if connection is None:
                 if self.tls:
-                    import ssl  # only for https backends
+                    import ssl  # here: a Python built without ssl still serves http backends
                     return http.client.HTTPSConnection(
                         *self.address, timeout=self.timeout,
                         context=ssl.create_default_context()), False
@@ -3931,14 +4337,10 @@ _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
 MAX_RESTRICTION_ITEMS = 100  # referrer patterns or IP ranges on one key
 MAX_REFERRER_PATTERN = 512
 MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at most 4096)
-DEFAULT_SEARCH_LIMIT = 20  # Meilisearch's default `limit` and `hitsPerPage`
 # What `keys restrict --preset search` sets on a public search key: a visitor
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
-MAX_FORCED_PARAMETERS = 16 * 1024  # bytes of forcedParameters JSON: added to every query
-
-
 class Rate(collections.namedtuple("Rate", "count window text")):
     """`count` requests per `window` seconds, written `text` (`60/minute`)."""
 
@@ -4028,7 +4430,6 @@ def referrer_allowed(patterns, origin, referer):
 
 def ip_range(text):
     """`10.0.0.0/8`, `2001:db8::/32` or one address -> ip_network; ValueError otherwise."""
-    import ipaddress
     try:
         if not isinstance(text, str):
             raise ValueError("not a string")
@@ -4041,7 +4442,6 @@ def ip_range(text):
 @functools.lru_cache(maxsize=4096)
 def parse_address(text):
     """An IP address (IPv4-mapped IPv6 as IPv4), or None for anything else."""
-    import ipaddress
     try:
         address = ipaddress.ip_address(text.strip().strip("[]"))
     except ValueError:
@@ -4088,7 +4488,6 @@ def counter_client(address):
     if address.version == 6:
         number = int(address)
         if number >> 32 in _IPV4_IN_IPV6:
-            import ipaddress
             return str(ipaddress.IPv4Address(number & 0xFFFFFFFF))
         return "%x/64" % (number >> 64)
     return str(address)
@@ -4202,56 +4601,6 @@ def _validate_restriction_list(field, value, parse):
         except ValueError as exc:
             raise invalid_value(code, ".%s[%d]" % (field, i), "%s." % exc)
     return value
-
-
-def _validate_forced_parameters(value):
-    """forcedParameters: 1 to 100 index patterns, each with at least one
-    search parameter Meilisearch would accept, at most 16 KiB in all."""
-    code = "invalid_restrictions_forced_parameters"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise wrong_type(code, ".forcedParameters", "an object", value)
-    if not value or len(value) > MAX_RESTRICTION_ITEMS:
-        raise invalid_value(code, ".forcedParameters", "give 1 to %d index patterns (or null "
-                            "for no restriction)." % MAX_RESTRICTION_ITEMS)
-    if len(compact_json(value).encode()) > MAX_FORCED_PARAMETERS:
-        raise invalid_value(code, ".forcedParameters", "give at most %d bytes of JSON."
-                            % MAX_FORCED_PARAMETERS)
-    for pattern, parameters in value.items():
-        where = ".forcedParameters.%s" % printable(pattern)
-        if not is_valid_index_pattern(pattern):
-            raise invalid_value(code, where, "`%s` is not an index pattern: give an index uid "
-                                "(A-Z a-z 0-9 - _), with `*` at its end for any text."
-                                % printable(pattern))
-        if not isinstance(parameters, dict):
-            raise wrong_type(code, where, "an object", parameters)
-        if not parameters:
-            raise invalid_value(code, where, "give at least one search parameter.")
-        for name, forced in parameters.items():
-            if name not in FORCED_PARAMETERS:
-                raise ApiError(400, code, "Unknown field `%s` inside `%s`: %sexpected one of %s"
-                               % (printable(name), where, did_you_mean(name, FORCED_PARAMETERS),
-                                  backticked(FORCED_PARAMETERS)))
-            expected, accepts = FORCED_PARAMETERS[name]
-            if not accepts(forced):
-                raise wrong_type(code, "%s.%s" % (where, name), expected, forced)
-            if name == "filter" and _filters_nothing(forced):
-                # A forced filter is a promise that the key sees only what it lets
-                # through: one that lets everything through must not look like one.
-                raise invalid_value(code, "%s.filter" % where, "`%s` holds no condition, so it "
-                                    "would restrict nothing: give a filter such as "
-                                    "`published = true`, or leave `filter` out."
-                                    % compact_json(forced))
-    return value
-
-
-def forced_parameters(restrictions, index):
-    """The search parameters a key's forcedParameters force on `index` (those
-    of its most specific pattern, as for a tenant token's searchRules), or None."""
-    if restrictions is None or restrictions.forced is None:
-        return None
-    return most_specific_rule(restrictions.forced, index)
 
 
 class Counters:
@@ -4481,17 +4830,30 @@ def strict_json(text):
     surrogates, at most 128 levels of nesting (deeper values would also
     overflow Python's stack wherever they are printed later)."""
     value = _STRICT_JSON.decode(text)
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise RecursionError("recursion limit exceeded")
-            stack.extend((child, depth + 1)
-                         for child in (item.values() if isinstance(item, dict) else item))
+    if _nesting_over(value, MAX_JSON_DEPTH):
+        raise RecursionError("recursion limit exceeded")
     if _SURROGATE_ESCAPE_RE.search(text):  # the only way a lone surrogate gets in
         compact_json(value).encode("utf-8")  # UnicodeEncodeError on a lone one
     return value
+
+
+def _nesting_over(value, limit):
+    """Does `value` nest lists and objects more than `limit` deep? Walked
+    with one iterator per open level, so the walk holds memory for the depth,
+    not for each value (a tuple per value made an 8 MB body cost ~340 MiB)."""
+    if not isinstance(value, (list, dict)):
+        return False
+    levels = [iter(value.values() if isinstance(value, dict) else value)]
+    while levels:
+        for item in levels[-1]:
+            if isinstance(item, (list, dict)):
+                if len(levels) >= limit:
+                    return True
+                levels.append(iter(item.values() if isinstance(item, dict) else item))
+                break
+        else:
+            levels.pop()
+    return False
 
 
 def parse_json_body(body):
@@ -4886,7 +5248,7 @@ class Clock:
 
 def derive_key(master_key, uid):
     """A key's value: lowercase hex HMAC-SHA256(master key, uid)."""
-    return hmac.digest(master_key.encode(), uid.encode(), "sha256").hex()
+    return key_deriver(master_key)(uid)
 
 
 FINGERPRINT_MESSAGE = b"searchkeys master key fingerprint v1"
@@ -4900,24 +5262,15 @@ def master_key_fingerprint(master_key):
 
 
 def key_deriver(master_key):
-    """derive_key with the master key fixed: a function uid -> value.
-
-    The HMAC's inner and outer hash states are keyed once and copied per
-    uid, which makes deriving 100,000 keys at startup several times faster.
-    """
-    secret = master_key.encode()
-    if len(secret) > 64:  # HMAC hashes keys longer than the block size
-        secret = hashlib.sha256(secret).digest()
-    secret = secret.ljust(64, b"\0")
-    inner = hashlib.sha256(bytes(b ^ 0x36 for b in secret))
-    outer = hashlib.sha256(bytes(b ^ 0x5C for b in secret))
+    """derive_key with the master key fixed: a function uid -> value. The
+    keyed HMAC state is made once and copied for each uid (a start derives
+    every stored key's value)."""
+    keyed = hmac.new(master_key.encode(), digestmod=hashlib.sha256)
 
     def derive(uid):
-        state = inner.copy()
+        state = keyed.copy()
         state.update(uid.encode())
-        result = outer.copy()
-        result.update(state.digest())
-        return result.hexdigest()
+        return state.hexdigest()
     return derive
 
 
@@ -5092,7 +5445,7 @@ def serde_unexpected(value):
     if isinstance(value, int):
         return "integer `%d`" % value
     if isinstance(value, float):
-        import decimal  # local: only this rare message needs it
+        import decimal  # here: ~0.3 MiB and ~4 ms of start-up for this rare message
         text = format(decimal.Decimal(repr(value)), "f")  # Rust prints no exponent
         return "floating point `%s`" % (text if "." in text else text + ".0")
     if isinstance(value, str):
@@ -5546,7 +5899,6 @@ def _condition_without_operator(expression):
     return None
 
 
-
 def forced_parameters_from_args(args):
     """forcedParameters from --filter, --force and --fields (validated as
     the server does), or None; ValueError for a bad option."""
@@ -5678,6 +6030,17 @@ def positive_int(text):
     return number
 
 
+def worker_count(text):
+    """--workers value -> int: a count of 1 or more, or `auto`: one per core
+    this process may run on."""
+    if text != "auto":
+        return positive_int(text)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on macOS or FreeBSD
+        return os.cpu_count() or 1
+
+
 def http_url(text):
     """An http:// or https:// URL with a host and a valid port; ValueError otherwise."""
     try:
@@ -5750,6 +6113,14 @@ def add_serve_command(commands):
                             "be empty")
     serve.add_argument("--max-connections", type=_argument_type(positive_int, "count"),
                        default=512, help="requests served at once, a thread each (512)")
+    serve.add_argument("--workers", type=_argument_type(worker_count, "count"), default=1,
+                       metavar="N",
+                       help="processes serving the port and --store, restarted if one ends, "
+                            "all stopped by SIGTERM; `auto`: one per core (1). A key created, "
+                            "changed or deleted through one is honoured or refused by all "
+                            "within 1 s. Each keeps its own rate counters, failure throttle, "
+                            "metrics and usage counts not saved yet (usage is added into the "
+                            "store every 5 s)")
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics, besides "
                             "the master key")
@@ -5858,6 +6229,10 @@ def check_serve_args(parser, args):
     if args.store == "":
         parser.error("--store is empty: name a file, or leave the option out to keep keys in "
                      "memory")
+    if args.workers > 1 and args.store is None:
+        parser.error("--workers %d needs --store: keys kept in memory are one process's, so "
+                     "a key made through one worker would be unknown to the others"
+                     % args.workers)
     if args.upstream_key is None:
         args.upstream_key = os.environ.get("SEARCHKEYS_UPSTREAM_KEY")
         if args.upstream_key == "":
@@ -5892,62 +6267,29 @@ def read_token_file(path):
     return token
 
 
-def flush_usage_every(store, seconds, stop):
-    """serve's usage saver: store.flush_usage every `seconds` until the Event `stop` is set."""
-    while not stop.wait(seconds):
-        store.flush_usage()
+def keep_store(store, stop):
+    """serve's store keeper, until the Event `stop` is set: takes in what
+    other processes wrote every STORE_POLL_SECONDS and saves the usage
+    counts every USAGE_FLUSH_SECONDS."""
+    flushed = time.monotonic()
+    while not stop.wait(STORE_POLL_SECONDS):
+        store.refresh()
+        if time.monotonic() - flushed >= USAGE_FLUSH_SECONDS:
+            store.flush_usage()
+            flushed = time.monotonic()
 
 
-# What serve_from_bytecode runs: this file as the module `searchkeys`, without
-# the working directory that `-c` puts first on the import path.
-_SERVE_FROM_CACHE = (
-    "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
-    "s = u.spec_from_file_location('searchkeys', sys.argv[1]); m = u.module_from_spec(s)\n"
-    "try: s.loader.exec_module(m)\n"  # a damaged cache (cut short: EOFError) is compiled anew
-    "except (EOFError, ValueError, TypeError, ImportError): m = u.module_from_spec(s); "
-    "exec(compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec'), vars(m))\n"
-    "sys.exit(m.main(sys.argv[2:]))")
-
-
-def bytecode_cache_is_trusted(source):
-    """Whether the bytecode cache of `source` exists and only root or this
-    process's user could have written it: the .pyc, its __pycache__ folder and
-    the script's folder owned by one of them and not writable by group or
-    others. A script run as __main__ never read a cache, so one planted where
-    others can write (a folder like /tmp) must not run as the service's user."""
-    import importlib.util
-    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
-        return False
-    cache = importlib.util.cache_from_source(source)
-    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
-        try:
-            info = os.stat(path)
-        except OSError:
-            return False
-        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
-
-
-def serve_from_bytecode(argv):
-    """Start `serve` again in a fresh interpreter that imports this file from
-    its bytecode cache (`python3 -m py_compile searchkeys.py` makes one): a
-    process started as `python3 searchkeys.py` keeps the ~13 MiB the compiler
-    took for the whole file, while the cached module costs ~1.5 MiB. Returns
-    when there is no cache (or this is already the module): serve goes on here."""
-    source = os.path.abspath(__file__)
-    if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
-        return
-    if not bytecode_cache_is_trusted(source):
-        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
-    flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
-                                   ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
+def release_startup_memory():
+    """An optimization, measured: hand the C heap's free pages back to the
+    system once serve has started. Compiling this file (run as a script, not
+    imported from its bytecode) leaves ~13 MiB freed but kept by glibc's
+    malloc; malloc_trim(0) returns it (idle RSS ~36 -> ~25 MiB on Debian's
+    Python 3.11). Best effort: nothing happens without ctypes or glibc."""
     try:
-        os.execv(sys.executable, [sys.executable] + flags + [
-            "-c", _SERVE_FROM_CACHE, source] + list(argv))
-    except OSError:
-        return  # no interpreter to start: serve goes on here
+        import ctypes  # here: optional (absent on some systems), and ~0.3 MiB
+        ctypes.CDLL(None).malloc_trim(0)
+    except (ImportError, OSError, AttributeError):  # no ctypes, no libc, not glibc
+        pass
 
 
 def run_serve(args):
@@ -5958,38 +6300,72 @@ def run_serve(args):
     elif len(master_key.encode()) < 16:
         _log_to_stderr("searchkeys: warning: the master key is shorter than 16 bytes "
                        "(Meilisearch refuses such a key in production)")
+    # one file each: a connection, a worker's backend connection, the pool and the store
+    max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
+    # the port first: a start that fails on a busy port leaves no store behind; callers are
+    # taken (listen) once the store is loaded
+    try:
+        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
+                              bind_and_activate=False)
+        listener.server_bind()
+    except OSError as exc:  # a busy port, an unknown host
+        return cannot_listen(args, exc)
     try:
         store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
-        gc.freeze()  # the loaded keys live forever: keep collections from rescanning them
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
         limits = Limits(args.trusted_proxy, args.throttle_failures, args.max_clients)
-        # one file each: a connection, a worker's backend connection, the pool and the store
-        max_open = max(64, raise_open_files_limit() - args.max_connections - 128)
-        server = KeysServer((args.host, args.port), Service(
-            store, master_key, upstream, _log_to_stderr, limits, metrics, args.metrics_token),
-            args.max_connections, max_open)
+        service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
+                          args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
+        listener.server_close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
-    except OSError as exc:  # the listening socket: a busy port, an unknown host
-        _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
-                       % (args.host, args.port, exc.strerror or exc))
-        return 1
+    try:
+        listener.server_activate()
+    except OSError as exc:
+        listener.server_close()
+        return cannot_listen(args, exc)
+    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
+        len(store), " in " + args.store if args.store else " in memory",
+        "[%s]" % args.host if ":" in args.host else args.host,
+        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        "; %d workers" % args.workers if args.workers > 1 else ""))
+    if args.workers == 1:
+        listener.service = service
+        return serve_until_stopped(listener, store)
 
+    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
+        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
+                            bind_and_activate=False)
+        server.socket.close()
+        server.socket = listener.socket
+        return serve_until_stopped(server, store)
+    try:
+        return run_workers(args.workers, serve_as_worker)
+    finally:
+        listener.server_close()
+
+
+def cannot_listen(args, exc):
+    _log_to_stderr("searchkeys: cannot listen on %s port %d: %s"
+                   % (args.host, args.port, exc.strerror or exc))
+    return 1
+
+
+def serve_until_stopped(server, store):
+    """Serve until SIGTERM (or ^C), keeping the store fresh; the exit status."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    store.refresh()  # a worker started later than the store was opened
     stopping = threading.Event()
-    flusher = threading.Thread(target=flush_usage_every, name="usage-flush",
-                               args=(store, USAGE_FLUSH_SECONDS, stopping), daemon=True)
-    flusher.start()
-    _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s" % (
-        len(store), " in " + args.store if args.store else " in memory",
-        "[%s]" % args.host if ":" in args.host else args.host,
-        server.server_address[1], " -> " + upstream.display_url if upstream else ""))
+    keeper = threading.Thread(target=keep_store, name="store-keeper", args=(store, stopping),
+                              daemon=True)
+    keeper.start()
+    release_startup_memory()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -5997,9 +6373,81 @@ def run_serve(args):
     finally:
         server.server_close()
         stopping.set()
-        flusher.join(10)  # never a flush after the store's lock is released
+        keeper.join(10)  # its last flush ends before close's
         store.close()  # saves the usage counts
     return 0
+
+
+class _Stop(Exception):
+    """SIGTERM (or ^C) reached the process running the workers."""
+
+
+WORKER_DEATHS = (5, 10.0)  # this many workers ending within so many seconds stop them all
+
+
+def run_workers(count, serve):
+    """serve --workers: `serve()` in `count` processes forked from this one
+    (they share its listening socket and the store as it loaded it); one that
+    ends is started again, SIGTERM stops them all. Returns the exit status."""
+    workers = set()
+    deaths = collections.deque(maxlen=WORKER_DEATHS[0])
+
+    def start():
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until it sets its own
+            status = 1
+            try:
+                status = serve()
+            except BaseException as exc:
+                _log_to_stderr("searchkeys: worker %d failed: %s"
+                               % (os.getpid(), printable(repr(exc))))
+            finally:
+                os._exit(status)
+        workers.add(pid)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop
+        raise _Stop
+    signal.signal(signal.SIGTERM, stop)
+    status = 0
+    try:
+        for _ in range(count):
+            start()
+        while True:
+            pid, code = os.wait()
+            if pid not in workers:
+                continue
+            workers.discard(pid)
+            code = os.waitstatus_to_exitcode(code)
+            ended = "worker %d ended (%s)" % (
+                pid, "signal %d" % -code if code < 0 else "status %d" % code)
+            deaths.append(time.monotonic())
+            if len(deaths) == deaths.maxlen and deaths[-1] - deaths[0] < WORKER_DEATHS[1]:
+                _log_to_stderr("searchkeys: %s, the %dth within %g s; stopping"
+                               % ((ended,) + WORKER_DEATHS))
+                status = 1
+                break
+            _log_to_stderr("searchkeys: %s; starting another" % ended)
+            start()
+    except (_Stop, KeyboardInterrupt):
+        pass
+    except OSError as exc:  # fork: no process to be had
+        _log_to_stderr("searchkeys: cannot start a worker: %s; stopping"
+                       % (exc.strerror or exc))
+        status = 1
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for pid in workers:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    return status
 
 
 def run_keys(args):
@@ -6214,8 +6662,6 @@ def main(argv=None):
     if args.command is None:  # checked here, after unknown options: those are said first
         parser.error("the following arguments are required: COMMAND")
     if args.command == "serve":
-        # restarted before the options' files are read: one given as a pipe reads once
-        serve_from_bytecode(sys.argv[1:] if argv is None else argv)
         check_serve_args(args.command_parser, args)
         return run_serve(args)
     check_client_args(args.command_parser, args)
@@ -6228,6 +6674,12 @@ def main(argv=None):
     except ConnectionFailed as exc:
         _log_to_stderr("error: %s" % exc)
     return 1
+
+
+ROUTES = build_routes()
+ROUTE_INDEX = {(route.method, route.pattern): route for route in ROUTES}
+_ROUTES_BY_SHAPE = _routes_by_shape(ROUTES)
+_check_route_table(ROUTES)
 
 
 if __name__ == "__main__":

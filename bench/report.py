@@ -126,7 +126,8 @@ def guard_lines(result):
         for row, label in zip(rows, table):
             lines.append(f"| {shape} {row} {fmt(table[label]['added_p50_vs_floor_ms'], 3)} |")
     if "nginx" in result:
-        lines += ["", "nginx (the README's recipe: auth_request to searchkeys, decisions cached "
+        lines += ["", "nginx (the README's recipe: searches through searchkeys serve --upstream; "
+                  "other routes auth_request, decisions cached "
                   "5 s) vs nginx alone, both proxying to the stub:", "",
                   "| client | nginx direct rps / p50 / p99 ms | nginx+searchkeys rps / p50 / p99 ms"
                   " | rps ratio | server CPU µs/req |", "|---|---|---|---|---|"]

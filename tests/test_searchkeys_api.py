@@ -289,6 +289,13 @@ class Stub:
             def handle_any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
+                if self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
+                    self.send_response(200)  # the guard's look at an index's joins: none
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"[]")
+                    return
                 stub.seen.append({"method": self.command, "path": self.path,
                                   "headers": {k.lower(): v for k, v in self.headers.items()},
                                   "body": body})
@@ -1445,7 +1452,11 @@ def test_authorize_endpoint(srv, parent):
     check_204(authorize(srv, "DELETE", "/indexes/movies", MASTER))
     check_204(authorize(srv, "GET", "/indexes/movies/search?q=a", parent["key"]))
     check_204(authorize(srv, "POST", "/indexes/movies/search", parent["key"]))
-    check_204(authorize(srv, "GET", "/health"))
+    # searchkeys' own routes: nginx must send them to searchkeys, never to the backend
+    status, hdrs, body = authorize(srv, "GET", "/health")
+    assert status == 403 and json.loads(body)["code"] == "unknown_route", body
+    status, hdrs, body = authorize(srv, "GET", "/keys", MASTER)
+    assert status == 403 and json.loads(body)["code"] == "unknown_route", body
     status, hdrs, body = authorize(srv, "GET", "/indexes/movies/search")
     check_error((status, json.loads(body)), 401, "missing_authorization_header", MISSING_AUTH,
                 "auth")
@@ -1453,13 +1464,17 @@ def test_authorize_endpoint(srv, parent):
     status, hdrs, body = authorize(srv, "DELETE", "/indexes/movies", parent["key"])
     check_error((status, json.loads(body)), 403, "invalid_api_key", INVALID_KEY, "auth")
     scoped = srv.create(actions=["search"], indexes=["b", "a"])
-    check_204(authorize(srv, "GET", "/indexes/a/search?q=x", scoped["key"]))
+    # without --upstream, /authorize cannot see whether the index joins others (foreignKeys)
+    status, hdrs, body = authorize(srv, "GET", "/indexes/a/search?q=x", scoped["key"])
+    assert status == 403 and "--upstream" in json.loads(body)["message"], body
+    check_204(authorize(srv, "GET", "/indexes/a/stats", srv.create(
+        actions=["stats.get"], indexes=["a"])["key"]))
     status, hdrs, body = authorize(srv, "GET", "/indexes/c/search?q=x", scoped["key"])
     check_error((status, json.loads(body)), 403, "invalid_api_key",
                 'The API key cannot acces the index `c`, authorized indexes are ["a", "b"].',
                 "auth")
     tok = mint(parent["key"], {"searchRules": ["movies"], "apiKeyUid": parent["uid"]})
-    check_204(authorize(srv, "POST", "/indexes/movies/search", tok))
+    assert authorize(srv, "POST", "/indexes/movies/search", tok)[0] == 403  # (as above)
     status, hdrs, body = authorize(srv, "GET", "/indexes/movies/documents", tok)
     check_error((status, json.loads(body)), 403, "invalid_api_key", INVALID_KEY, "auth")
     status, hdrs, body = authorize(srv, "GET", "/keys", parent["key"])

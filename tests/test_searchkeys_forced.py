@@ -449,13 +449,32 @@ def test_ranking_details_of_a_sort_on_hidden_attributes_are_turned_off(guard, ba
     target = send(guard, backend, key["key"], "GET", "/indexes/movies/search?sort=url%3Aasc"
                   "%2Csecret%3Adesc&showRankingScoreDetails=true")[2][1]
     assert query_of(target)["showRankingScoreDetails"] == "false"
-    # a sort on shown attributes keeps them
+    # a sort on shown attributes too: the details also show the index's custom ranking rules
     body = dict(body, sort=["title:asc", "url:desc"])
     sent = send(guard, backend, key["key"], "POST", "/indexes/movies/search", body)[2][2]
-    assert sent["showRankingScoreDetails"] is True
+    assert sent["showRankingScoreDetails"] is False
     target = send(guard, backend, key["key"], "GET",
                   "/indexes/movies/search?sort=title:asc&showRankingScoreDetails=true")[2][1]
-    assert query_of(target)["showRankingScoreDetails"] == "true"
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+
+
+def test_ranking_details_without_a_sort_are_turned_off(guard, backend, key):
+    """Without a sort, the details still show each hit's value of the attributes of the
+    index's custom ranking rules (`price:desc`), hidden ones included (S2)."""
+    body = {"q": "x", "showRankingScoreDetails": True}
+    for route in ("search", "similar"):
+        sent = send(guard, backend, key["key"], "POST", "/indexes/movies/" + route,
+                    dict(body, id=1) if route == "similar" else body)[2][2]
+        assert sent["showRankingScoreDetails"] is False, route
+    target = send(guard, backend, key["key"], "GET",
+                  "/indexes/movies/search?q=x&showRankingScoreDetails=true")[2][1]
+    assert query_of(target)["showRankingScoreDetails"] == "false"
+    sent = send(guard, backend, key["key"], "POST", "/multi-search", {
+        "queries": [dict(body, indexUid="movies")]})[2][2]
+    assert sent["queries"][0]["showRankingScoreDetails"] is False
+    # an index without forced parameters keeps them
+    sent = send(guard, backend, key["key"], "POST", "/indexes/books/search", body)[2][2]
+    assert sent["showRankingScoreDetails"] is True
 
 
 def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
@@ -509,3 +528,53 @@ def test_the_log_stream_is_refused(guard, backend):
     assert status == 403 and seen is None and "forcedParameters" in error["message"]
     plain = new_key(guard, None, actions=("metrics.get",))
     assert send(guard, backend, plain["key"], "POST", "/logs/stream", stream)[0] == 200
+
+
+def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guard, backend):
+    """S3: with Meilisearch's experimental foreignKeys, each hit carries the whole document of
+    the joined index (and `_foreign(...)` filters on it), outside that index's forced
+    parameters and outside an index-scoped key's indexes."""
+    backend.joins["movies"] = [{"foreignIndexUid": "owners", "fieldName": "owner"}]
+    try:
+        scoped = new_key(guard, None, indexes=("movies",))
+        forced = new_key(guard, {"forcedParameters": {
+            "movies": {"filter": "public = true"}, "owners": {"attributesToRetrieve": ["name"]}}})
+        both = new_key(guard, None, indexes=("movies", "owners"))
+        for credential in (scoped["key"], forced["key"], token(both, {"movies": None}),
+                           token(both, {"*": {"filter": "tenant = 1"}})):
+            for method, target, body in (
+                    ("POST", "/indexes/movies/search", {"q": "x"}),
+                    ("GET", "/indexes/movies/search?q=x", None),
+                    ("POST", "/indexes/movies/similar", {"id": 1}),
+                    ("POST", "/multi-search", {"queries": [{"indexUid": "movies"}]}),
+                    ("POST", "/multi-search", {"federation": {}, "queries": [
+                        {"indexUid": "movies", "filter": "_foreign(owner, secret = 1)"}]})):
+                status, answer, sent = send(guard, backend, credential, method, target, body)
+                assert status == 403 and answer["code"] == "invalid_api_key", (target, answer)
+                assert "foreignKeys" in answer["message"] and sent is None
+        # /authorize (with --upstream) looks too
+        status = guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + scoped["key"], "X-Original-Method": "GET",
+            "X-Original-URI": "/indexes/movies/search?q=x"})[0]
+        assert status == 403
+        # joined documents the key may see whole: searched as usual
+        assert send(guard, backend, both["key"], "POST", "/indexes/movies/search",
+                    {"q": "x"})[0] == 200
+        assert send(guard, backend, token(both, {"movies": {"filter": "a = 1"}, "owners": None}),
+                    "POST", "/indexes/movies/search", {"q": "x"})[0] == 200
+        # an index without joins
+        assert send(guard, backend, scoped["key"], "POST", "/indexes/movies2/search",
+                    {"q": "x"})[0] == 403  # not covered: the index check, not the joins
+        assert send(guard, backend, forced["key"], "POST", "/indexes/books/search",
+                    {"q": "x"})[0] == 200
+        # one lookup an index: a multi-search may not make hundreds of them
+        backend.lookups.clear()
+        many = {"queries": [{"indexUid": "i%d" % n} for n in range(21)]}
+        status, answer, sent = send(guard, backend, forced["key"], "POST", "/multi-search", many)
+        assert status == 403 and "at most 20 indexes" in answer["message"] and sent is None
+        assert backend.lookups == []
+        many["queries"].pop()
+        assert send(guard, backend, forced["key"], "POST", "/multi-search", many)[0] == 200
+        assert sorted(backend.lookups) == sorted("i%d" % n for n in range(20))
+    finally:
+        backend.joins.clear()

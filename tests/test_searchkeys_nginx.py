@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from support import ROOT, SEARCHKEYS, Daemon, free_port, python_cmd, request, scratch_dir, \
-    wait_for_port
+    stop_session, wait_for_port
 
 NGINX = shutil.which("nginx") or next(
     (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
@@ -39,7 +39,9 @@ def nginx_config(listen, searchkeys, backend):
 
 
 class Backend:
-    """A stand-in search backend that records what reaches it."""
+    """A stand-in search backend that records what reaches it. Of indexes it has only
+    `movies`, joining none: searchkeys' own lookups of an index (`GET /indexes/{uid}`, to
+    check that a write cannot create one) and of its foreignKeys are answered, not recorded."""
 
     def __init__(self):
         self.seen = []
@@ -55,10 +57,24 @@ class Backend:
             def do_GET(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                seen.append({"method": self.command, "path": self.path, "body": body,
-                             "authorization": self.headers.get("Authorization")})
-                payload = json.dumps({"hits": [], "path": self.path}).encode()
-                self.send_response(200)
+                status = 200
+                if self.command == "GET" and self.path.startswith("/indexes/") and \
+                        self.path.count("/") == 2:
+                    status = 200 if self.path == "/indexes/movies" else 404
+                elif self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
+                    self.send_response(200)  # an index's joins (foreignKeys): none
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"[]")
+                    return
+                else:
+                    seen.append({"method": self.command, "path": self.path, "body": body,
+                                 "authorization": self.headers.get("Authorization")})
+                payload = json.dumps({"hits": [], "path": self.path} if status == 200 else {
+                    "message": "Index not found.", "code": "index_not_found",
+                    "type": "invalid_request", "link": ""}).encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -88,7 +104,8 @@ def stack(nginx_prefix):
     backend = Backend()
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
-                              "--master-key", MASTER, *GUARD_FLAGS), port, timeout=30.0)
+                              "--master-key", MASTER, "--upstream", "http://" + backend.address,
+                              "--upstream-key", BACKEND_KEY, *GUARD_FLAGS), port, timeout=30.0)
     prefix = nginx_prefix
     listen = free_port()
     (prefix / "nginx.conf").write_text(nginx_config(
@@ -101,12 +118,7 @@ def stack(nginx_prefix):
         wait_for_port(listen, nginx, timeout=15)
         yield guard, listen, backend
     finally:
-        nginx.send_signal(signal.SIGQUIT)
-        try:
-            nginx.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(nginx.pid, signal.SIGKILL)
-            nginx.wait()
+        stop_session(nginx, signal.SIGQUIT)
         guard.__exit__(None, None, None)
         backend.close()
 
@@ -154,21 +166,96 @@ def test_nginx_passes_what_searchkeys_allows_and_nothing_else(stack):
     assert request(listen, "GET", "/health")[0] == 200  # public: allowed without a key
 
 
-def test_a_write_that_may_create_an_index_needs_indexes_create_without_upstream(stack):
+def test_a_write_that_may_create_an_index_needs_indexes_create(stack):
     """Meilisearch creates a missing index on a documents write only for a key with
-    `indexes.create`; nginx forwards with the backend key, which has it, and searchkeys
-    without --upstream cannot ask whether the index exists: it refuses."""
+    `indexes.create`; nginx forwards with the backend key, which has it, so searchkeys asks
+    the backend whether the index exists and refuses the write on a missing one."""
     guard, listen, backend = stack
-    writer = create_key(guard.port, ["documents.add"], ["movies"])
-    creator = create_key(guard.port, ["documents.add", "indexes.create"], ["movies"])
+    writer = create_key(guard.port, ["documents.add"], ["movies", "films"])
+    creator = create_key(guard.port, ["documents.add", "indexes.create"], ["films"])
     backend.seen.clear()
-    assert_meilisearch_error(request(listen, "POST", "/indexes/movies/documents", b"[]", {
-        "Authorization": "Bearer " + writer, "Content-Type": "application/json"}),
-        403, "invalid_api_key")
+    for _ in range(2):  # the second answer may come from nginx's decision cache
+        answer = request(listen, "POST", "/indexes/films/documents", b"[]", {
+            "Authorization": "Bearer " + writer, "Content-Type": "application/json"})
+        assert answer[0] == 403 and json.loads(answer[2])["code"] == "index_not_found", answer
     assert backend.seen == []
-    status, _, data = request(listen, "POST", "/indexes/movies/documents", b"[]", {
-        "Authorization": "Bearer " + creator, "Content-Type": "application/json"})
-    assert status == 200 and json.loads(data)["path"] == "/indexes/movies/documents"
+    for uid, key in (("movies", writer), ("films", creator)):
+        status, _, data = request(listen, "POST", "/indexes/%s/documents" % uid, b"[]", {
+            "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        assert status == 200 and json.loads(data)["path"] == "/indexes/%s/documents" % uid
+
+
+def test_searchkeys_own_routes_never_reach_the_backend(stack):
+    """/keys, /metrics and /health are searchkeys' own: nginx must never hand them to the
+    backend with the backend's key (an admin key would list, then create, backend keys)."""
+    guard, listen, backend = stack
+    admin = create_key(guard.port, ["*"], ["*"])
+    auth = {"Authorization": "Bearer " + admin, "Content-Type": "application/json"}
+    backend.seen.clear()
+    status, _, data = request(listen, "GET", "/keys", headers=auth)
+    assert status == 200, data
+    assert admin in [k["key"] for k in json.loads(data)["results"]]
+    status, _, data = request(listen, "POST", "/keys", json.dumps(
+        {"actions": ["search"], "indexes": ["movies"], "expiresAt": None}), auth)
+    assert status == 201, data
+    made = json.loads(data)["uid"]
+    assert request(guard.port, "GET", "/keys/" + made, headers={
+        "Authorization": "Bearer " + MASTER})[0] == 200  # made in searchkeys' store
+    status, headers, data = request(listen, "GET", "/metrics", headers=auth)
+    assert status == 200 and b"searchkeys_" in data, data
+    assert json.loads(request(listen, "GET", "/health")[2]) == {"status": "available"}
+    assert backend.seen == []
+    # and /authorize itself refuses them, whatever path spelling reaches it
+    for method, uri in (("GET", "/keys"), ("POST", "/keys"), ("GET", "/metrics"),
+                        ("GET", "/health"), ("GET", "/keys/" + made), ("GET", "/authorize")):
+        status, headers, data = request(guard.port, "GET", "/authorize", headers={
+            "Authorization": "Bearer " + MASTER, "X-Original-URI": uri,
+            "X-Original-Method": method})
+        assert status == 403 and json.loads(data)["code"] == "unknown_route", (uri, data)
+        assert json.loads(headers["x-searchkeys-error"]) == json.loads(data)
+
+
+def test_the_recommended_search_keys_work_behind_nginx(stack):
+    """`keys create --preset search` (a per-IP rate and a hit cap): POST search and
+    /multi-search, the official clients' routes, pass nginx, capped and counted."""
+    guard, listen, backend = stack
+    key = create_key(guard.port, ["search"], ["movies"])
+    status, _, data = request(guard.port, "PUT", "/keys/%s/restrictions" % key, json.dumps(
+        {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 200, data
+    auth = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+    backend.seen.clear()
+    status, _, data = request(listen, "POST", "/indexes/movies/search",
+                              b'{"q":"a","limit":1000}', auth)
+    assert status == 200, data
+    status, _, data = request(listen, "POST", "/multi-search", json.dumps(
+        {"queries": [{"indexUid": "movies", "q": "a"}, {"indexUid": "movies", "limit": 500}]}),
+        auth)
+    assert status == 200, data
+    sent = [json.loads(s["body"]) for s in backend.seen]
+    assert sent[0]["limit"] == 100 and [q.get("limit") for q in sent[1]["queries"]] == [None, 100]
+    assert {s["authorization"] for s in backend.seen} == {"Bearer " + BACKEND_KEY}
+
+
+def test_refusals_through_nginx_carry_their_reason(stack):
+    """nginx relays no body of an auth_request refusal: the recipe answers searchkeys' own
+    error (its X-Searchkeys-Error header), not a generic invalid_api_key."""
+    guard, listen, backend = stack
+    key = create_key(guard.port, ["search", "documents.get"], ["movies"])
+    status, _, data = request(guard.port, "PUT", "/keys/%s/restrictions" % key, json.dumps(
+        {"forcedParameters": {"movies": {"filter": "public = true"}}}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 200, data
+    backend.seen.clear()
+    for _ in range(2):
+        assert_meilisearch_error(request(listen, "GET", "/indexes/movies/documents", headers={
+            "Authorization": "Bearer " + key}), 403, "forbidden_by_restriction")
+    assert_meilisearch_error(request(listen, "GET", "/indexes/books/documents", headers={
+        "Authorization": "Bearer " + key}), 403, "invalid_api_key")
+    assert b"cannot acces the index `books`" in request(
+        listen, "GET", "/indexes/books/documents", headers={"Authorization": "Bearer " + key})[2]
+    assert backend.seen == []
 
 
 def request_from(address, port, method, path, headers):

@@ -21,7 +21,9 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
       token's, and each other forced parameter as forced (on the routes that take it; a
       federated query's `facets` in the federation's facetsByIndex); documents of a covered
       index, and routes whose indexes the guard cannot see, never reach the backend.
-A `GET /authorize` answered 204 is checked as if nginx forwarded the request unchanged.
+A `GET /authorize` answered 204 is checked as if nginx forwarded the request unchanged, and the
+same request is then forwarded through the guard: it must reach the backend exactly as sent
+(`/authorize` never allows what forwarding refuses or would rewrite).
 
 Seeded: FUZZ_SEED (default fixed), FUZZ_COUNT (cases), FUZZ_CASE (run one case only).
 FUZZ_STRICT=1 also fails on requests the guard refused that Meilisearch would have allowed
@@ -547,6 +549,8 @@ class Backend:
             return 404, {"message": "Index `%s` not found." % params["index_uid"],
                          "code": "index_not_found", "type": "invalid_request",
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
+        if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
+            return 200, []  # no index joins another (foreignKeys)
         if (method, template) == ("GET", "/stats"):
             return 200, {"databaseSize": 1, "indexes": {u: {"numberOfDocuments": 1}
                                                         for u in EXISTING}}
@@ -985,7 +989,7 @@ class Generator:
         path = encode_path(rng, template, params)
         query = self.query(rng, method, template)
         case.target = path + ("?" + query if query or rng.random() < 0.05 else "")
-        if not case.authorize:
+        if True:  # an /authorize case's body is sent when its request is forwarded too
             value = self.body(rng, method, template, covered)
             if value is not None:
                 case.body_value = value
@@ -1414,6 +1418,8 @@ def run_case(client, backend, case, stats):
             found = request_problems(case, case.method, case.target, None, unseen_body=True)
             if not any(name == "X-Original-Method" for name, _ in headers):
                 found = ["judged as GET: " + p for p in found]
+            else:
+                found += forwarding_problems(client, backend, case, stats)
             problems += found
         return problems, records, status
     if len(records) > 1 and not client.retried:
@@ -1435,15 +1441,33 @@ def run_case(client, backend, case, stats):
     return problems, records, status
 
 
+def forwarding_problems(client, backend, case, stats):
+    """An /authorize 204 lets nginx forward the request as sent: forwarding the same request
+    through the guard must neither refuse it nor change it (target and body as sent)."""
+    status, data = client.send(case.method, case.target, case.headers, case.body, case.chunked)
+    records = backend.take(case.tag)
+    if status == 429:  # the /authorize call took the rate's last request
+        stats.bump("authorized, forward over its rate")
+        return []
+    if not records:
+        return ["/authorize allowed what forwarding refuses (%d %r)" % (status, data[:300])]
+    stats.bump("authorized, forwarded as sent")
+    # http.server (the stand-in backend) reads a target starting `//` as starting `/`
+    sent = "/" + case.target.lstrip("/") if case.target.startswith("//") else case.target
+    return ["/authorize allowed what forwarding rewrites: %s %r" % (r["target"], r["body"][:300])
+            for r in records if r["target"] != sent or r["body"] != case.body]
+
+
 def check_internal(backend):
-    """The guard's own reads (index lists and lookups, task lookups): GETs with the upstream
-    key."""
+    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys):
+    GETs with the upstream key."""
     problems = []
     for record in backend.untagged:
         route = route_of(record["method"], record["target"])
         auth = [v for n, v in record["headers"] if n == "authorization"]
         if record["method"] != "GET" or not isinstance(route, tuple) or route[0] not in (
-                "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}") or \
+                "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}",
+                "/indexes/{index_uid}/settings/foreign-keys") or \
                 auth != ["Bearer " + UPSTREAM_KEY]:
             problems.append("untagged backend request %s %s (auth %r)" % (
                 record["method"], record["target"], auth))

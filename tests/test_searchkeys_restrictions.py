@@ -157,7 +157,9 @@ def test_multi_search_caps_each_query_and_the_federation():
     ("limit=abc", {"limit": ["abc"]}),           # refused by the backend
 ])
 def test_search_queries_are_capped(query, expected):
-    assert urllib.parse.parse_qs(sk.cap_search_query(query, 5)) == expected
+    read = sk.parse_search_query(query)
+    capped = sk.encode_search_query(query, read, sk.cap_search_object(dict(read[0]), 5))
+    assert urllib.parse.parse_qs(capped) == expected
 
 
 def test_restrictions_validate_like_meilisearch():
@@ -288,10 +290,13 @@ ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
 
 class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
-    answers 200 with an empty hit list."""
+    answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
+    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`."""
 
     def __init__(self):
         seen = self.seen = []
+        lookups = self.lookups = []
+        joins = self.joins = {}
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -299,6 +304,11 @@ class Backend:
             def answer(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                parts = self.path.split("/")
+                if self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
+                    lookups.append(parts[2])
+                    answer_json(self, json.dumps(joins.get(parts[2], [])).encode())
+                    return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
                 answer_json(self, b'{"hits":[]}')
 
@@ -624,6 +634,7 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
     from support import ROOT, stop_session, wait_for_port
     port = free_port()
     guard = Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
+                              "--upstream", backend.url, "--upstream-key", "K",
                               "--trusted-proxy", "127.0.0.1/32"), port, timeout=30.0)
     with guard, scratch_dir("restrict-nginx-") as prefix:
         os.chmod(prefix, 0o755)
@@ -640,16 +651,18 @@ def test_through_nginx_rates_and_addresses_hold_despite_the_decision_cache(backe
                                  stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_for_port(listen, nginx, timeout=15)
-            limited = new_key(guard, {"rateLimit": {"perIp": "2/minute"}})
-            target = "/indexes/movies/search?q=a"
-            auth = {"Authorization": "Bearer " + limited["key"]}
-            statuses = [request(listen, "GET", target, None, auth) for _ in range(3)]
-            assert [s for s, _, _ in statuses] == [200, 200, 429]
-            assert int(statuses[2][1]["retry-after"]) >= 1
-            assert json.loads(statuses[2][2])["code"] == "too_many_requests"
-            elsewhere = new_key(guard, {"allowedIps": ["192.0.2.0/24"]})
-            assert request(listen, "GET", target, None,
-                           {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
+            # searches go through searchkeys; the documents through /authorize and its cache
+            for target in ("/indexes/movies/search?q=a", "/indexes/movies/documents"):
+                actions = ("search", "documents.get")
+                limited = new_key(guard, {"rateLimit": {"perIp": "2/minute"}}, actions)
+                auth = {"Authorization": "Bearer " + limited["key"]}
+                statuses = [request(listen, "GET", target, None, auth) for _ in range(3)]
+                assert [s for s, _, _ in statuses] == [200, 200, 429], target
+                assert int(statuses[2][1]["retry-after"]) >= 1
+                assert json.loads(statuses[2][2])["code"] == "too_many_requests"
+                elsewhere = new_key(guard, {"allowedIps": ["192.0.2.0/24"]}, actions)
+                assert request(listen, "GET", target, None,
+                               {"Authorization": "Bearer " + elsewhere["key"]})[0] == 403
         finally:
             stop_session(nginx, signal.SIGQUIT)
 
@@ -732,3 +745,44 @@ def test_clients_cycling_addresses_cannot_lift_a_throttle(backend):
             assert [attempt(client) for _ in range(2)] == [403, 403]
         assert attempt("2001:db8:4::1") == 429  # no room: refused, nobody forgotten
         assert attempt("2001:db8:4::1", MASTER) == 200
+
+
+def test_a_capped_key_runs_a_bounded_number_of_queries_per_multi_search(guard, backend):
+    """Without a rate limit, maxHitsPerQuery alone must still bound one request: 200
+    queries of 50 hits would ask the backend for 10,000 (as Typesense's limit_multi_searches,
+    at most MAX_CAPPED_QUERIES = 20 queries)."""
+    key = new_key(guard, {"maxHitsPerQuery": 50})
+    auth = dict(JSON, Authorization="Bearer " + key["key"])
+    for federated in (False, True):
+        extra = {"federation": {}} if federated else {}
+        backend.seen.clear()
+        status, _, data = guard.request("POST", "/multi-search", json.dumps(dict(
+            extra, queries=[{"indexUid": "movies", "q": str(n)} for n in range(200)])), auth)
+        assert status == 403 and json.loads(data)["code"] == "forbidden_by_restriction", data
+        assert "maxHitsPerQuery" in json.loads(data)["message"] and backend.seen == []
+        status, _, data = guard.request("POST", "/multi-search", json.dumps(dict(
+            extra, queries=[{"indexUid": "movies", "q": str(n)} for n in range(20)])), auth)
+        assert status == 200, data
+    # a key without a cap is not bounded here (its rate limit, if any, is)
+    plain = new_key(guard, None)
+    status, _, data = guard.request("POST", "/multi-search", json.dumps({"queries": [
+        {"indexUid": "movies"}] * 200}), dict(JSON, Authorization="Bearer " + plain["key"]))
+    assert status == 200, data
+
+
+def test_facets_by_index_may_name_only_covered_indexes(guard, backend):
+    """S8: a federation's facetsByIndex naming an index the key does not cover would get
+    the backend's errors about that index (its name, its filterable attributes)."""
+    for restrictions in (None, {"maxHitsPerQuery": 50}):
+        key = new_key(guard, restrictions, indexes=("movies",))
+        auth = dict(JSON, Authorization="Bearer " + key["key"])
+        backend.seen.clear()
+        status, _, data = guard.request("POST", "/multi-search", json.dumps({
+            "federation": {"facetsByIndex": {"secret": ["owner"]}},
+            "queries": [{"indexUid": "movies", "q": "x"}]}), auth)
+        assert status == 403 and json.loads(data)["code"] == "invalid_api_key", data
+        assert backend.seen == []
+        status, _, data = guard.request("POST", "/multi-search", json.dumps({
+            "federation": {"facetsByIndex": {"movies": ["genre"]}},
+            "queries": [{"indexUid": "movies", "q": "x"}]}), auth)
+        assert status == 200, data

@@ -487,8 +487,9 @@ def _answer_all(socks, deadline):
 
 def test_thousands_of_idle_and_trickling_connections_lock_nobody_out():
     """5,000 idle keep-alive connections and 500 clients trickling their heads a byte at a
-    time, from several addresses: a new client is still answered at once, and the guard's
-    threads and memory stay bounded (520 idle connections used to stop it: a thread each)."""
+    time, half of them after 9 KiB of it, from several addresses: a new client is still answered
+    at once, and the guard's threads and memory stay bounded (520 idle connections used to stop
+    it: a thread each; later ~513 heads over 8 KiB did: a worker each)."""
     idle_count, trickle_count = 5000, 500
     _open_files(idle_count + trickle_count + 500)
     with start_guard(extra=("--max-connections", "32")) as guard:
@@ -503,7 +504,7 @@ def test_thousands_of_idle_and_trickling_connections_lock_nobody_out():
             assert _answer_all(idle, deadline) == idle_count  # now idle, kept alive
             for n in range(trickle_count):
                 sock = _connect(guard.port, sources[n % len(sources)])
-                sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+                sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * (9000 * (n % 2)))
                 trickling.append(sock)
 
             def trickle():
@@ -528,6 +529,65 @@ def test_thousands_of_idle_and_trickling_connections_lock_nobody_out():
         finally:
             stop.set()
             for sock in idle + trickling:
+                sock.close()
+
+
+def test_long_unfinished_heads_hold_no_thread():
+    """--max-connections 4: twelve clients each send 9 KiB of a head and stop there (a waiting
+    connection used to hold 8 KiB, then a worker read on: 30 s each, and ~513 such clients locked
+    everyone out). A newcomer is answered at once; each of the twelve once it ends its head."""
+    with start_guard(extra=("--max-connections", "4")) as guard:
+        unfinished = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                      for _ in range(12)]
+        try:
+            for sock in unfinished:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 9000)
+            time.sleep(0.5)
+            for _ in range(3):  # a hang detector: the old guard answered after 30 s
+                status, _, body = request(guard.port, "GET", "/health", timeout=10)
+                assert (status, body) == (200, b'{"status":"available"}')
+            for sock in unfinished:
+                sock.sendall(b"\r\n\r\n")
+                assert AnswerReader(sock).next()[0] == 200
+        finally:
+            for sock in unfinished:
+                sock.close()
+
+
+def test_connections_being_closed_hold_no_thread():
+    """--max-connections 2: twenty clients each send a request line the guard refuses, then go
+    on sending: each is seen out for up to 2 s, its bytes read and dropped, before the close (so
+    its answer is not lost to a reset), and meanwhile a newcomer is answered (each used to hold a
+    worker for those 2 s: twenty of them made a newcomer wait ~20 s)."""
+    with start_guard(extra=("--max-connections", "2")) as guard:
+        refused = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                   for _ in range(20)]
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.2):
+                for sock in refused:
+                    try:
+                        sock.send(b"x")
+                    except OSError:
+                        pass
+
+        for sock in refused:
+            sock.sendall(b"GARBAGE\r\n\r\n")
+        trickler = threading.Thread(target=trickle)
+        trickler.start()
+        try:
+            time.sleep(0.5)
+            status, _, body = request(guard.port, "GET", "/health", timeout=10)  # hang detector
+            assert (status, body) == (200, b'{"status":"available"}')
+        finally:
+            stop.set()
+            trickler.join()
+        try:
+            for sock in refused:
+                assert AnswerReader(sock).next()[0] == 400
+        finally:
+            for sock in refused:
                 sock.close()
 
 

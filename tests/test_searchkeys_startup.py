@@ -1,6 +1,6 @@
 """Black-box tests of `searchkeys.py serve` at startup: it fails closed, a bad flag or file gets
 one sentence and a non-zero exit (never a traceback), and the store file is guarded (lock, mode,
-symlink, an older version's journal). Each test runs the real script as a subprocess.
+symlink, a development build's journal). Each test runs the real script as a subprocess.
 """
 import json
 import os
@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from support import (SEARCHKEYS, Daemon, free_port, ipv6_loopback, plant_bytecode_cache,
-                     python_cmd, request, status_with_piped_token, untrusted_cache_cases)
+from support import (SEARCHKEYS, Daemon, free_port, ipv6_loopback, python_cmd, request,
+                     status_with_piped_token)
 
 MASTER = "startup-master-key-0123456789"
 
@@ -137,14 +137,6 @@ def test_bad_store_paths_are_one_sentence(tmp_path, case):
 # The store file (issue 12 "Key store", hole 5)
 # ---------------------------------------------------------------------------------------------
 
-def test_second_server_on_the_same_store_is_refused(tmp_path):
-    store = seeded_store(tmp_path)
-    port = free_port()
-    with start(port, "--master-key", MASTER, "--store", str(store)):
-        code, message = refused("--master-key", MASTER, "--store", str(store))
-        assert code == 1 and "in use" in message and str(store) in message, message
-
-
 def test_loose_store_mode_is_tightened_with_a_log_line(tmp_path):
     store = seeded_store(tmp_path)
     store.chmod(0o644)
@@ -171,23 +163,17 @@ def test_symlinked_store_is_written_through(tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
 
 
-def test_journal_of_searchkeys_1_0_is_folded_in(tmp_path):
+def test_a_journal_of_a_development_build_is_refused_in_one_sentence(tmp_path):
+    """Only development builds, never a release, kept `keys.json.journal` beside the store;
+    this version does not read one: the start stops with one sentence, both files untouched."""
     store = seeded_store(tmp_path, extra_keys=0)
-    record = json.loads(store.read_text())["keys"][0]
-    added = dict(record, uid="0b5ed1a3-7c4e-4f1d-9a2b-3c4d5e6f7a8b", name="from the journal",
-                 createdAt=record["createdAt"] + 10 ** 12, updatedAt=record["createdAt"] + 10 ** 12)
     journal = tmp_path / "keys.json.journal"
-    journal.write_text(json.dumps({"op": "put", "key": added}) + "\n"
-                       + json.dumps({"op": "delete", "uid": record["uid"]}) + "\n")
-    port = free_port()
-    with start(port, "--master-key", MASTER, "--store", str(store)) as server:
-        status, _, body = request(port, "GET", "/keys", headers={"Authorization": "Bearer " + MASTER})
-        names = [k["name"] for k in json.loads(body)["results"]]
-        assert status == 200 and names[0] == "from the journal" and len(names) == 4, names
-        assert "journal" in server.log()
-    assert not journal.exists()
-    uids = stored_uids(store)
-    assert added["uid"] in uids and record["uid"] not in uids
+    journal.write_text(json.dumps({"op": "delete", "uid": stored_uids(store)[0]}) + "\n")
+    before = (store.read_bytes(), journal.read_bytes())
+    code, message = refused("--master-key", MASTER, "--store", str(store))
+    assert code == 1 and "keys.json.journal" in message and "development" in message, message
+    assert message.count(". ") == 0, message  # one sentence
+    assert (store.read_bytes(), journal.read_bytes()) == before
 
 
 def test_a_journal_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
@@ -250,101 +236,10 @@ def test_serve_listens_on_ipv6_and_dual_stack(host, families):
     pytest.fail("no free port for --host %s" % host)
 
 
-def _rss_kib(pid):
-    with open("/proc/%d/status" % pid) as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
-                    reason="needs /proc (Linux) to read the RSS")
-def test_serve_runs_from_the_bytecode_cache_in_less_memory(tmp_path):
-    """With a bytecode cache beside it (`python3 -m py_compile`), serve runs as the cached module
-    and not as the script compiled at start: same answers, far less memory, and the working
-    directory (here holding a `json.py` that would fail) is not on its import path."""
-    plain, cached = tmp_path / "plain" / "searchkeys.py", tmp_path / "cached" / "searchkeys.py"
-    for copy in (plain, cached):
-        copy.parent.mkdir()
-        copy.write_bytes(SEARCHKEYS.read_bytes())
-    subprocess.run([python_cmd(cached)[0], "-m", "py_compile", str(cached)], check=True)
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    (workdir / "json.py").write_text("raise SystemExit('json.py from the working directory')\n")
-    rss = {}
-    for copy in (plain, cached):
-        port = free_port()
-        store = copy.parent / "keys.json"
-        argv = python_cmd(copy, "serve", "--host", "127.0.0.1", "--port", str(port),
-                          "--master-key", MASTER, "--store", str(store))
-        with Daemon(argv, port, env=clean_env(), cwd=workdir, timeout=20.0) as server:
-            status, _, body = server.request("POST", "/keys", json.dumps(
-                {"actions": ["search"], "indexes": ["*"], "expiresAt": None}),
-                {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
-            assert status == 201, server.log()
-            assert json.loads(body)["uid"] in stored_uids(store)
-            rss[copy] = _rss_kib(server.proc.pid)
-    assert rss[cached] < rss[plain] - 5 * 1024, rss
-
-
-def test_a_bytecode_cache_in_a_trusted_folder_is_what_serve_runs(tmp_path):
-    """The control for the test below: a cache that only this user or root could have written
-    is run instead of the file (so the planted cache there would have run)."""
-    script = tmp_path / "app" / "searchkeys.py"
-    script.parent.mkdir()
-    script.write_bytes(SEARCHKEYS.read_bytes())
-    plant_bytecode_cache(script, 0o755, 0o755)
-    proc = subprocess.run(python_cmd(script, "serve", "--host", "127.0.0.1", "--port",
-                                     str(free_port()), "--master-key", MASTER),
-                          capture_output=True, text=True, timeout=20, env=clean_env(),
-                          stdin=subprocess.DEVNULL)
-    assert (proc.returncode, proc.stdout.strip()) == (7, "PLANTED"), proc.stderr
-
-
-@pytest.mark.parametrize("folder_mode, cache_mode, owner", untrusted_cache_cases())
-def test_serve_ignores_a_bytecode_cache_others_could_have_planted(tmp_path, folder_mode,
-                                                                  cache_mode, owner):
-    """A script run as __main__ never read a .pyc; serve now does, so a cache in a folder another
-    user can write (or own) would run as the service's user, often root: serve runs the file."""
-    script = tmp_path / "app" / "searchkeys.py"
-    script.parent.mkdir()
-    script.write_bytes(SEARCHKEYS.read_bytes())
-    plant_bytecode_cache(script, folder_mode, cache_mode, owner)
-    port = free_port()
-    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port),
-                      "--master-key", MASTER, "--store", str(tmp_path / "keys.json"))
-    with Daemon(argv, port, env=clean_env(), timeout=20.0) as server:
-        status, _, _ = server.request("GET", "/health")
-        assert status == 200, server.log()
-        assert "PLANTED" not in server.log()
-
-
-def test_serve_from_the_bytecode_cache_reads_a_piped_metrics_token_once(tmp_path):
-    """`--metrics-token-file /dev/stdin` (or a shell's `<(...)`) can be read once only: the
-    restart from the bytecode cache must come before the options' files are read, or the
-    cached module finds the pipe drained and refuses to start."""
-    script = tmp_path / "app" / "searchkeys.py"
-    script.parent.mkdir()
-    script.write_bytes(SEARCHKEYS.read_bytes())
-    subprocess.run([python_cmd(script)[0], "-m", "py_compile", str(script)], check=True)
+def test_a_piped_metrics_token_is_read_once(tmp_path):
+    """`--metrics-token-file /dev/stdin` (or a shell's `<(...)`) can be read once only: serve
+    reads it once, and the token then opens /metrics."""
     port, token = free_port(), "piped-metrics-token-0123456789"
-    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port), "--master-key",
-                      MASTER, "--metrics-token-file", "/dev/stdin")
+    argv = python_cmd(SEARCHKEYS, "serve", "--host", "127.0.0.1", "--port", str(port),
+                      "--master-key", MASTER, "--metrics-token-file", "/dev/stdin")
     assert status_with_piped_token(argv, port, "/metrics", token, clean_env()) == 200
-
-
-def test_serve_starts_beside_a_bytecode_cache_cut_short(tmp_path):
-    """A trusted cache whose header is whole but whose code was cut short (a copy or a disk that
-    failed half-way) makes the import fail: serve compiles the file instead, as the script
-    always could, rather than stopping with a traceback."""
-    import importlib.util
-    script = tmp_path / "app" / "searchkeys.py"
-    script.parent.mkdir()
-    script.write_bytes(SEARCHKEYS.read_bytes())
-    subprocess.run([python_cmd(script)[0], "-m", "py_compile", str(script)], check=True)
-    cache = importlib.util.cache_from_source(str(script))
-    with open(cache, "r+b") as handle:
-        handle.truncate(os.path.getsize(cache) // 2)
-    port = free_port()
-    argv = python_cmd(script, "serve", "--host", "127.0.0.1", "--port", str(port),
-                      "--master-key", MASTER)
-    with Daemon(argv, port, env=clean_env(), timeout=20.0) as server:
-        assert server.request("GET", "/health")[0] == 200, server.log()

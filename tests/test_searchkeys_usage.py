@@ -74,7 +74,8 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         idle = new_key(daemon, None)
         assert usage(daemon, key["uid"]) == {"uid": key["uid"], "allowed": 0,
                                              "refused": dict.fromkeys(REASONS, 0),
-                                             "lastUsedAt": None}
+                                             "lastUsedAt": None,
+                                             "unsaved": {"allowed": 0, "refused": 0}}
         before = datetime.datetime.now(datetime.timezone.utc)
         statuses = {
             "allowed": search(daemon, key),                                      # rate 1

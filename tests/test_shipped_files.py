@@ -368,16 +368,19 @@ def test_searchkeys_unit_keeps_keys_out_of_argv_and_the_store_in_its_state_direc
 
 def test_searchkeys_unit_command_line_serves_with_keys_from_the_environment(tmp_path):
     """The unit's ExecStart, with this clone's file, a scratch store and a free port."""
-    (execstart,) = unit("searchkeys.service")["Service"]["ExecStart"]
+    service = unit("searchkeys.service")["Service"]
+    (execstart,) = service["ExecStart"]
     argv = execstart.split()
-    assert argv[:2] == ["/usr/bin/python3", "/usr/local/bin/searchkeys.py"]
-    argv = [sys.executable, str(SEARCHKEYS)] + [
-        str(tmp_path / "keys.json") if a.startswith("/var/lib/") else a for a in argv[2:]]
+    assert argv[:3] == ["/usr/bin/python3", "-m", "searchkeys"]  # the module, from its bytecode
+    assert service["WorkingDirectory"] == ["/usr/local/lib/searchkeys"]  # where -m finds it
+    argv = [sys.executable, "-m", "searchkeys"] + [
+        str(tmp_path / "keys.json") if a.startswith("/var/lib/") else a for a in argv[3:]]
     port = free_port()
     backend_port = free_port()
     argv = [a.replace("127.0.0.1:7701", "127.0.0.1:%d" % backend_port) for a in argv]
-    env = {"MEILI_MASTER_KEY": "unit-test-master-key-0123456789", "SEARCHKEYS_UPSTREAM_KEY": "backend-key"}
-    with Daemon(argv + ["--port", str(port)], port, env=env) as daemon:
+    env = {"MEILI_MASTER_KEY": "unit-test-master-key-0123456789", "SEARCHKEYS_UPSTREAM_KEY": "backend-key",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # no cache written into the clone
+    with Daemon(argv + ["--port", str(port)], port, env=env, cwd=SEARCHKEYS.parent) as daemon:
         assert daemon.request("GET", "/health")[0] == 200
         assert daemon.request("GET", "/keys")[0] == 401
         status, _, body = daemon.request("GET", "/keys", headers={
