@@ -38,8 +38,10 @@ import bisect
 import calendar
 import contextlib
 import errno
+import fcntl
 import functools
 import hmac
+import html
 import ipaddress
 import itertools
 import json
@@ -56,6 +58,7 @@ import selectors
 import signal
 import socket
 import socketserver
+import ssl
 import stat
 import struct
 import subprocess
@@ -2197,7 +2200,6 @@ class HookServer(ThreadingHTTPServer):
         self.ssl, self.would_block = None, BlockingIOError
         self.accept_delay = 0.0  # seconds get_request waits after running out of files
         if tls_context is not None:
-            import ssl
             self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
                                                ssl.SSLWantWriteError)
 
@@ -4430,7 +4432,6 @@ def open_runs_dir(path, uid, gid):
     descriptor, and its entries without following links.  The folder stays open and locked
     while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
     the first one's running runs interrupted and delete its records; it is refused."""
-    import fcntl  # only with -runs-dir
     os.makedirs(path, 0o700, exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -4638,7 +4639,6 @@ def prefers_html(head):
 
 def html_text(value):
     """Text (or a number) made safe inside HTML elements and quoted attributes."""
-    import html  # only when a browser asks: the daemon's idle memory stays as it was
     return html.escape(str(value), quote=True)
 
 
@@ -5305,7 +5305,6 @@ def remove_stale_socket(path):
 
 
 def make_tls_context(opts):
-    import ssl  # only needed with -secure
     versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
                 "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
     if opts.tls_min_version not in versions:
@@ -5526,58 +5525,6 @@ def fail(message):
     return 1
 
 
-# What serve_from_bytecode runs: this file as the module `webhookd`, without the working
-# directory that `-c` puts first on the import path.  argv: the source, then main's argv.
-_SERVE_FROM_CACHE = (
-    "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
-    "s = u.spec_from_file_location('webhookd', sys.argv[1]); m = u.module_from_spec(s)\n"
-    "try: s.loader.exec_module(m)\n"  # a damaged cache (cut short: EOFError) is compiled anew
-    "except (EOFError, ValueError, TypeError, ImportError): m = u.module_from_spec(s); "
-    "exec(compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec'), vars(m))\n"
-    "sys.exit(m.main(sys.argv[2:]))")
-
-
-def bytecode_cache_is_trusted(source):
-    """Whether the bytecode cache of `source` exists and only root or this process's user could
-    have written it: the .pyc, its __pycache__ folder and the script's folder owned by one of
-    them and not writable by group or others.  A script run as __main__ never read a cache, so
-    one planted where others can write (a folder like /tmp) must not run as the daemon's user."""
-    import importlib.util
-    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
-        return False
-    cache = importlib.util.cache_from_source(source)
-    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
-        try:
-            info = os.stat(path)
-        except OSError:
-            return False
-        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
-
-
-def serve_from_bytecode(argv):
-    """Start again, as the same process, in a fresh interpreter that imports this file from its
-    bytecode cache (`python3 -m py_compile webhookd.py` makes one): started as `python3
-    webhookd.py`, the daemon keeps the ~12 MiB the compiler took for the whole file.  Called
-    before anything is opened, bound or dropped: the pid (LISTEN_PID), the environment
-    (NOTIFY_SOCKET, LISTEN_FDS) and systemd's sockets (inheritable) pass through the exec.
-    Returns when there is no trusted cache (or this is already the module)."""
-    source = os.path.abspath(__file__)
-    if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
-        return
-    if not bytecode_cache_is_trusted(source):
-        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
-    flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
-                                   ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
-    try:
-        os.execv(sys.executable, [sys.executable] + flags + [
-            "-c", _SERVE_FROM_CACHE, source] + list(argv))
-    except OSError:
-        return  # no interpreter to start: the daemon goes on here
-
-
 def main(argv=None):
     """Parse the command line, then validate, print something, or serve.  Exit status."""
     argv = sys.argv if argv is None else argv
@@ -5599,8 +5546,6 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
-    if not (opts.runs or opts.runs_follow):  # before the flags' files are read: a pipe reads once
-        serve_from_bytecode(argv)
     problem = runs_options_problem(opts)
     if problem:
         print("error: " + problem)

@@ -719,10 +719,8 @@ def concurrent_gets(port, paths, timeout=60):
 def started_with(code, flags, tmp_path):
     """The daemon run by `python -c`: `code` first (to change os before webhookd is loaded)."""
     port = free_port()
-    # not as __main__: a daemon run so never restarts from a bytecode cache, dropping `code`
     runner = ("import runpy, sys\n%s\nsys.argv = [%r] + sys.argv[1:]\n"
-              "sys.exit(runpy.run_path(%r, run_name='webhookd_under_test')['main']())\n"
-              % (code, str(WEBHOOKD), str(WEBHOOKD)))
+              "runpy.run_path(%r, run_name='__main__')\n" % (code, str(WEBHOOKD), str(WEBHOOKD)))
     return Daemon([sys.executable, "-c", runner, "-ip", "127.0.0.1", "-port", str(port),
                    "-verbose"] + list(flags), port, cwd=tmp_path)
 
