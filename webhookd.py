@@ -21,7 +21,7 @@ request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connection
 ``<status-path>/runs`` or with ``-runs``/``-runs-follow``.
 
 Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
-(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
+(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> App -> Runner)::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
 
@@ -1372,9 +1372,10 @@ class BadRequest(Exception):
         self.body = body
 
     def response(self):
-        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
-                                                         "Connection: close"])
-        return head + (self.body if self.body is not None else self.public.encode())
+        """Go's bare answer: its status line, Content-Type and `Connection: close`, no Date."""
+        return Response(self.status, self.body if self.body is not None else self.public.encode(),
+                        {"Content-Type": TEXT_PLAIN}, close=True,
+                        reason=self.public.partition(" ")[2], bare=True)
 
 
 class BodyError(Exception):
@@ -1385,13 +1386,21 @@ class BodyError(Exception):
         self.partial = partial
 
 
-class RequestHead:
-    """Request line and headers: `headers` maps canonical names to all their values."""
+class Request:
+    """One request, from its head to its answer: what the client sent (`method`, `target`,
+    `version`, `headers`: canonical names to all their values), where from (`peer`; `client`,
+    the address after -trusted-proxy), `id` (X-Request-Id or ours), the target's `path` and
+    `raw_query`, and `read_body()`, which reads the body when the App wants it (else the
+    handler reads past it or closes)."""
 
-    __slots__ = ("method", "target", "version", "headers")
+    __slots__ = ("method", "target", "version", "headers", "peer", "client", "id", "path",
+                 "raw_query", "read_body", "body_read", "body_broken", "secret_params")
 
     def __init__(self, method, target, version, headers):
         self.method, self.target, self.version, self.headers = method, target, version, headers
+        self.peer = self.client = self.id = self.path = self.raw_query = self.read_body = None
+        self.body_read = self.body_broken = False
+        self.secret_params = ()  # query parameters whose values the access log hides
 
     def get(self, name, default=""):
         values = self.headers.get(name)
@@ -1402,6 +1411,28 @@ class RequestHead:
         if self.version == "HTTP/1.1":
             return "close" not in connection
         return "keep-alive" in connection
+
+
+def body_length(request, max_body):
+    """The declared body size (None: chunked); a bad or too large one is refused."""
+    if "Transfer-Encoding" in request.headers:
+        encoding = ",".join(request.headers["Transfer-Encoding"]).strip().lower()
+        if encoding != "chunked":
+            raise BadRequest(501, "unsupported transfer encoding",
+                             body=b"Unsupported transfer encoding")
+        return None
+    lengths = request.headers.get("Content-Length")
+    if not lengths:
+        return 0
+    digits = lengths[0].lstrip("0") or "0"  # as Go: any number of leading zeros
+    if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]) or len(digits) > 19:
+        raise BadRequest(400, "bad Content-Length")  # (int() refuses over 4,300 digits)
+    size = int(digits)
+    if size >= 1 << 63:
+        raise BadRequest(400, "bad Content-Length")
+    if size > max_body:
+        raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+    return size
 
 
 HTTP_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
@@ -1452,7 +1483,7 @@ def parse_head(data):
         raise BadRequest(400, "too many Host headers")
     if not hosts and version == "HTTP/1.1":
         raise BadRequest(400, "missing required Host header", public=True)
-    return RequestHead(method, target, version, headers)
+    return Request(method, target, version, headers)
 
 
 def unfold(values, folded):
@@ -1497,59 +1528,35 @@ def sniff_content_type(body):
 
 
 class Response:
-    """A complete answer; headers as an ordered dict of canonical name -> value."""
+    """An answer: status, headers (an ordered dict of canonical name -> value) and body, bytes
+    or a StreamedBody.  `close`: the connection ends after it.  `reason`: the status line's
+    text where it is not Go's (a malformed request's detail); `bare`: Go's answer to a
+    malformed request, without Date or Content-Length."""
 
-    __slots__ = ("status", "headers", "body", "close", "sent", "secret_params")
+    __slots__ = ("status", "headers", "body", "close", "reason", "bare")
 
-    def __init__(self, status, body=b"", headers=None, close=False, sent=False):
-        self.status, self.body, self.close, self.sent = status, body, close, sent
-        self.secret_params = ()  # query parameters whose values the access log hides
+    def __init__(self, status, body=b"", headers=None, close=False, reason=None, bare=False):
+        self.status, self.body, self.close, self.reason, self.bare = (status, body, close,
+                                                                       reason, bare)
         self.headers = headers if headers is not None else {}
+
+
+class StreamedBody:
+    """A body made while it is sent, as WSGI and bottle stream: `chunks` yields it piece by
+    piece (a running command's output), and the writer sends each as it comes.  `complete`,
+    read once it has ended: whether the answer ended as it should (else the closing chunk is
+    left out, so the client sees it cut short).  `drain`: go on reading it once the client has
+    gone (what makes it, a deploy, must not be held up by nobody reading)."""
+
+    def __init__(self, chunks=None, drain=True):
+        self.chunks, self.drain, self.complete = chunks, drain, True
 
 
 HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
 
 
-def header_lines(headers):
-    """`Name: value` lines as Go writes them: names that are not tokens are dropped, CR and LF
-    in values become spaces, framing headers are ours to set."""
-    return ["%s: %s" % (name, value.replace("\r", " ").replace("\n", " "))
-            for name, value in headers.items()
-            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
-
-
-def response_head(version, status, lines):
-    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
-    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
-            ).encode("utf-8", "surrogateescape")
-
-
 def status_line(status):
     return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
-
-
-def serialize_response(response, head, keep_alive):
-    """The whole response as one bytes object (status line, headers, body): one send."""
-    status = response.status
-    version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
-    lines = []
-    body = response.body
-    headers = response.headers
-    if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
-        lines.append("Content-Type: " + sniff_content_type(body))
-    lines += header_lines(headers)
-    lines.append("Date: " + http_date())
-    if status in NO_BODY_STATUSES:
-        body = b""
-    else:
-        lines.append("Content-Length: %d" % len(body))
-    if not keep_alive:
-        lines.append("Connection: close")
-    elif version == "HTTP/1.0":
-        lines.append("Connection: keep-alive")
-    if head is not None and head.method == "HEAD":
-        body = b""
-    return response_head(version, status_line(status), lines) + body
 
 
 def clean_path(path):
@@ -1581,7 +1588,8 @@ def go_escape_path(path):
 
 
 # ---------------------------------------------------------------------------
-# HTTP: http.server glue (one handler, a bounded threading server)
+# HTTP transport: http.server's documented hooks over a waiting room (one handler, a bounded
+# pool of workers); the application is reached only through App.handle and App.answered
 # ---------------------------------------------------------------------------
 
 def format_peer(address):
@@ -1638,7 +1646,8 @@ def read_chunked(conn, limit):
 
 
 RECV_BYTES = 1 << 16
-PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
+PARKED_HEAD_BYTES = 16384  # a head read in the WaitingRoom beyond this size counts against:
+PARKED_LARGE_BYTES = 64 << 20  # what all such heads may hold together; beyond, one is closed
 BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
 # a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
@@ -1649,22 +1658,39 @@ LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long
 LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 
-class Connection:
-    """One client connection and the bytes read ahead of the request being served: kept while
-    the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
-    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
-    from the first byte of a later head), else -read-header-timeout per read, and for a body
-    also `body_due` for all of it; -write-timeout per write."""
+class Limits:
+    """What the transport is told by the daemon: -read-header-timeout (`header_timeout`, also
+    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, set at a graceful
+    stop (connections waiting for a request are closed, none is kept alive)."""
 
-    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "body_due",
-                 "skim_due", "handshaking")
+    def __init__(self, opts):
+        self.header_timeout = float(opts.read_header_timeout) \
+            if opts.read_header_timeout > 0 else NO_TIMEOUT
+        self.write_timeout = float(opts.write_timeout) if opts.write_timeout > 0 else NO_TIMEOUT
+        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
+        self.stopping = threading.Event()
+
+
+class Connection:
+    """One client connection: the handler's rfile and wfile.  Holds the bytes read ahead of the
+    request being served (kept while the connection waits in the WaitingRoom, with no thread,
+    and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
+    not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
+    deadline (`due`: from accept, or from the first byte of a later head), else after
+    -read-header-timeout, and for a body also at `body_due` for all of it; its writes after
+    -write-timeout."""
+
+    __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
+                 "body_due", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
-        self.body_due, self.skim_due = math.inf, None
-        self.buffer = bytearray()
+        self.limits, self.tls = server.limits, server.tls_context is not None
+        self.body_due = math.inf
+        self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
-        self.handshaking = server.tls_context is not None
+        self.handshaking = self.tls
+        self.closing = False  # closed once the outbox is sent
 
     def head_end(self):
         end = head_end(self.buffer, self.scanned)
@@ -1673,25 +1699,23 @@ class Connection:
         return end
 
     def head_ready(self):
-        """Whether a worker should take over: a whole head is here, or a large part of one."""
-        return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
+        """Whether a worker should take over: a whole head is here, or more than any head may
+        be (answered 431)."""
+        return self.head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
 
     def wait_for_bytes(self, seconds):
         """A worker's short wait for the client's next request before parking the connection
-        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
-        if not self.pending():
-            poller = select.poll()  # no syscall but the wait: the socket stays blocking
-            poller.register(self.sock, select.POLLIN)
-            if not poller.poll(seconds * 1000):
-                return True
+        (cheaper than the round trip through the WaitingRoom): False if the client closed.  A
+        TLS record begun but not whole by then waits in the WaitingRoom, not here."""
         try:
-            return self.fill()
+            self.sock.settimeout(seconds)
+            data = self.sock.recv(RECV_BYTES)
+        except socket.timeout:
+            return True
         except OSError:
             return False
-
-    def pending(self):
-        """Decrypted bytes a TLS socket holds that no readiness event will announce."""
-        return self.sock.pending() if self.server.ssl else 0
+        self.buffer += data
+        return bool(data)
 
     def take(self, size):
         data = bytes(self.buffer[:size])
@@ -1699,31 +1723,30 @@ class Connection:
         self.scanned = 0
         return data
 
-    def fill(self):
-        """One blocking recv into the buffer, under the deadline; False at end of stream."""
+    def fill(self, until=None):
+        """One recv into the buffer, before the read deadline (or `until`, if sooner): False at
+        end of stream; socket.timeout once the deadline has passed."""
         now = time.monotonic()
-        if self.skim_due is not None:  # the socket's own timeout, which (unlike a deadline's
-            # shutdown) leaves the connection able to answer: raises socket.timeout
-            self.sock.settimeout(max(self.skim_due - now, 0.001))
-            data = self.sock.recv(RECV_BYTES)
-        else:
-            due = self.due if self.due is not None else now + self.server.app.header_timeout
-            data = self.server.deadlines.during(self.sock, min(due, self.body_due),
-                                                self.sock.recv, RECV_BYTES)
+        due = min(self.due if self.due is not None else now + self.limits.header_timeout,
+                  self.body_due, until or math.inf)
+        if due <= now:
+            raise socket.timeout("timed out")
+        self.sock.settimeout(due - now)
+        data = self.sock.recv(RECV_BYTES)
         self.buffer += data
         return bool(data)
 
     def skim(self, read, seconds):
         """read() (a body no one needs) for at most `seconds` in all: what it returns, or False
         if that was not enough time; the connection can answer either way."""
-        self.skim_due = time.monotonic() + seconds
+        until = time.monotonic() + seconds
+        due, self.body_due = self.body_due, until
         try:
             return read()
         except socket.timeout:
             return False
         finally:
-            self.skim_due = None
-            self.sock.settimeout(None)
+            self.body_due = due
 
     def read(self, size):
         while len(self.buffer) < size and self.fill():
@@ -1744,52 +1767,38 @@ class Connection:
             if len(self.buffer) >= limit or not self.fill():
                 return self.take(limit)
 
-    def send(self, data):
-        """Write it all, within -write-timeout: a client that does not read is cut off."""
-        due = time.monotonic() + self.server.write_timeout
-        self.server.deadlines.during(self.sock, due, self.sock.sendall, data)
+    def write(self, data):
+        self.outbox += data
 
-
-class Deadlines:
-    """Ends a blocked read or write that overstays its deadline by shutting its socket down, so
-    that sockets stay blocking (a socket timeout costs a poll() before every recv and send).
-    A deadline lives exactly as long as the call it guards; the WaitingRoom's thread expires
-    them on its tick."""
-
-    def __init__(self):
-        self.due = {}  # socket -> monotonic time
-        self.lock = threading.Lock()
-
-    def during(self, sock, due, call, *args):
-        with self.lock:
-            self.due[sock] = due
+    def flush(self, wait=True):
+        """Send the outbox: all of it within -write-timeout (a client that does not read is cut
+        off), or with `wait` False what the socket takes now, the rest left in the outbox."""
+        if not self.outbox:
+            return
+        if wait:
+            self.sock.settimeout(self.limits.write_timeout)
+            self.sock.sendall(self.outbox)
+            self.outbox.clear()
+            return
+        self.sock.settimeout(0.0)
         try:
-            return call(*args)
-        finally:
-            with self.lock:
-                self.due.pop(sock, None)
-
-    def expire(self, now):
-        with self.lock:  # held while shutting down: never a deadline set again meanwhile
-            for sock in [sock for sock, due in self.due.items() if due <= now]:
-                del self.due[sock]
-                try:  # the plain socket's shutdown: a TLS one is woken up the same way
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            while self.outbox:
+                del self.outbox[:self.sock.send(self.outbox)]
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            pass
 
 
 class WaitingRoom:
-    """Connections with no request to serve: new ones, kept-alive ones between requests, and
-    slow ones still sending a head.  One thread watches them all with a selector (no thread
-    each) and hands a connection to the Workers once a whole head has come.  It closes those
-    past their deadline, and when more wait than descriptors allow, the oldest idle ones."""
+    """Connections with no request to serve: new ones, kept-alive ones between requests, slow
+    ones still sending a head, and those whose client has not read its last answer yet.  One
+    thread watches them all with a selector (no thread each) and hands a connection to the
+    Workers once a whole head has come.  It closes those past their deadline, and when more
+    wait than descriptors allow, the oldest idle ones."""
 
     TICK_SECONDS = 0.25
 
-    def __init__(self, workers, capacity):
-        self.workers, self.capacity = workers, capacity
-        self.deadlines = Deadlines()
+    def __init__(self, workers, capacity, limits):
+        self.workers, self.capacity, self.limits = workers, capacity, limits
         self.selector = selectors.DefaultSelector()
         self.inbox = deque()  # connections parked by other threads, for the watcher to take
         self.wake_r, self.wake_w = socket.socketpair()
@@ -1798,6 +1807,8 @@ class WaitingRoom:
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.idle = {}  # socket -> kept-alive Connection awaiting its next request, oldest first
         self.arriving = {}  # socket -> Connection whose request head is on its way
+        self.sending = {}  # socket -> Connection whose client has not taken its answer yet
+        self.large = 0  # bytes of the heads here beyond PARKED_HEAD_BYTES each
         threading.Thread(target=self._watch, name="waiting-room", daemon=True).start()
 
     def park(self, conn):
@@ -1819,10 +1830,10 @@ class WaitingRoom:
             now = time.monotonic()
             if now - swept >= self.TICK_SECONDS:
                 swept = now
-                self.deadlines.expire(now)
-                for waiting in (self.idle, self.arriving):
+                stopping = self.limits.stopping.is_set()
+                for waiting in (self.idle, self.arriving, self.sending):
                     for conn in [c for c in waiting.values()
-                                 if c.due <= now or c.server.app.stopping]:
+                                 if c.due <= now or stopping and waiting is not self.sending]:
                         self._drop(conn)
 
     def _take_inbox(self):
@@ -1834,35 +1845,66 @@ class WaitingRoom:
         while self.inbox:
             self._attend(self.inbox.popleft(), admit=True)
             # those waiting for a thread count too: they hold a descriptor each
-            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
-                                                    + len(self.workers.ready) > self.capacity):
+            while (self.idle or self.arriving) and (
+                    len(self.idle) + len(self.arriving) + len(self.sending)
+                    + len(self.workers.ready) > self.capacity):
                 self._drop(next(iter((self.idle or self.arriving).values())))
 
     def _admit(self, conn):
         conn.sock.setblocking(False)
+        if conn.outbox:
+            conn.due = time.monotonic() + self.limits.write_timeout
+            self.sending[conn.sock] = conn
+            self.selector.register(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        self._wait_for_head(conn, register=True)
+
+    def _wait_for_head(self, conn, register=False):
         kept_alive = conn.due is None  # a new connection's head deadline runs from accept
         if kept_alive:
-            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
+            conn.due = time.monotonic() + (self.limits.header_timeout if conn.buffer
                                            else KEEPALIVE_IDLE_SECONDS)
         waiting = self.idle if kept_alive and not conn.buffer else self.arriving
         waiting[conn.sock] = conn
-        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
+        if register:
+            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        else:
+            self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
 
     def _attend(self, conn, admit=False):
         try:
             if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
                 self._admit(conn)
-            if conn.handshaking:
+            if conn.sock in self.sending:
+                self._send(conn)
+            elif conn.handshaking:
                 self._handshake(conn)
             else:
                 self._read(conn)
-        except Exception:  # a bug must cost one connection, never the watcher
+        except Exception:  # a bug (or no thread to be had) costs one connection, never the watcher
             log.exception("unexpected error with the connection from %s",
                           format_peer(conn.address))
             self._drop(conn)
 
+    def _send(self, conn):
+        """The rest of an answer, as the client takes it; then its next request, or the end."""
+        try:
+            conn.flush(wait=False)
+        except OSError:
+            self._drop(conn)
+            return
+        if conn.outbox:
+            return
+        del self.sending[conn.sock]
+        if conn.closing:
+            self._drop(conn)
+            return
+        conn.due = None
+        self._wait_for_head(conn)
+        self._read(conn)
+
     def _handshake(self, conn):
-        ssl = conn.server.ssl
         try:
             conn.sock.do_handshake()
         except ssl.SSLWantReadError:
@@ -1882,32 +1924,45 @@ class WaitingRoom:
         """Take what the client sent; hand the connection over once its head is here."""
         try:
             while True:
-                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
-                if not data:  # the client closed it (mid-head too: as Go, no answer)
-                    self._drop(conn)
-                    return
-                conn.buffer += data
                 if conn.head_ready():
                     self._forget(conn)
                     conn.sock.setblocking(True)
                     self.workers.hand_over(conn)
                     return
-                if not conn.pending():
+                before = max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
+                data = conn.sock.recv(min(RECV_BYTES, MAX_HEADER_BYTES + 1 - len(conn.buffer))
+                                      if len(conn.buffer) >= PARKED_HEAD_BYTES
+                                      else PARKED_HEAD_BYTES - len(conn.buffer))
+                if not data:  # the client closed it (mid-head too: as Go, no answer)
+                    self._drop(conn)
+                    return
+                conn.buffer += data
+                self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES) - before
+                if self.large > PARKED_LARGE_BYTES and conn.head_end() < 0:
+                    log.info("connection from %s closed: too many large request heads on their "
+                             "way", format_peer(conn.address))
+                    self._drop(conn)
+                    return
+                if not (conn.tls and conn.sock.pending()):
+                    if conn.head_ready():
+                        continue
                     break
-        except conn.server.would_block:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except OSError:
             self._drop(conn)
             return
         if conn.buffer and self.idle.pop(conn.sock, None) is not None:
-            conn.due = time.monotonic() + conn.server.app.header_timeout  # a head is coming
+            conn.due = time.monotonic() + self.limits.header_timeout  # a head is coming
             self.arriving[conn.sock] = conn
 
     def _forget(self, conn):
         with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
             self.selector.unregister(conn.sock)
-        self.idle.pop(conn.sock, None)
-        self.arriving.pop(conn.sock, None)
+        self.sending.pop(conn.sock, None)
+        idle = self.idle.pop(conn.sock, None)
+        if self.arriving.pop(conn.sock, None) is not None or idle is not None:
+            self.large -= max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
 
     def _drop(self, conn):
         self._forget(conn)
@@ -1929,11 +1984,20 @@ class Workers:
         self.waiting = 0  # threads waiting for a connection
 
     def hand_over(self, conn):
+        """Queue the connection for a thread, starting one if none is free.  When no thread
+        can be started (a pids limit), the ones running take it; with none running, it is
+        refused here (RuntimeError), never left queued for a thread that will not come."""
         with self.cond:
             self.ready.append(conn)
             if len(self.ready) > self.waiting and self.threads < self.limit:
+                try:
+                    threading.Thread(target=self._work, name="request", daemon=True).start()
+                except RuntimeError:
+                    if self.threads == 0:
+                        self.ready.remove(conn)
+                        raise
+                    return
                 self.threads += 1
-                threading.Thread(target=self._work, name="request", daemon=True).start()
             else:
                 self.cond.notify()
 
@@ -1953,55 +2017,58 @@ class Workers:
                     self.cond.wait(until - time.monotonic())
                     self.waiting -= 1
                 conn = self.ready.popleft()
-            conn.server.serve(conn)
-
-
-INTERNAL_ERROR = BadRequest(500, "")
+            conn.server.finish_request(conn, conn.address)
 
 
 class HookHandler(BaseHTTPRequestHandler):
-    """One turn of a worker with a connection: thin glue between its bytes and the Pipeline.
-    Overrides the documented hooks where Go's server behaves differently: the head is checked
-    as Go checks it (parse_request), malformed requests get Go's answers (send_error),
-    `100 Continue` is sent only when the body is wanted (handle_expect_100), any method is
-    served, and each answer is one write with no Server header.  Serves the requests whose
-    heads have come, then leaves the connection kept alive (`kept_alive`) or to be closed."""
+    """BaseHTTPRequestHandler's cycle on a Connection a worker took from the WaitingRoom:
+    handle() serves the requests whose heads have come; handle_one_request() reads the head
+    and checks it as Go does (parse_request), makes it the one Request, asks the App for the
+    Response (serve) and sends it with the one writer (send_answer: send_response,
+    send_header, end_headers and wfile, with Go's header set).  Any method is served, as Go's
+    mux does: there is no do_GET/do_POST dispatch."""
 
     protocol_version = "HTTP/1.1"
 
     def setup(self):
-        self.conn = self.request  # a Connection
-        self.connection, self.rfile = self.conn.sock, self.conn
+        self.conn = self.request  # a Connection: the socket and what was read ahead
+        self.connection, self.rfile, self.wfile = self.conn.sock, self.conn, self.conn
         self.remote_addr = format_peer(self.client_address)
-        self.head = None
-        self.kept_alive = False
+        self.request_version = "HTTP/1.1"
+        self.kept_alive = False  # the connection is parked again, not closed, when we end
         self.answering = False  # some of the answer is written: too late for another
-        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
         self.body_unread = False  # the client may still be sending a body: close gently
 
     def handle(self):
+        conn = self.conn
         while True:
             self.handle_one_request()
-            if self.close_connection or self.server.app.stopping:
+            if self.close_connection or self.server.limits.stopping.is_set():
+                conn.closing = True
+                self.kept_alive = bool(conn.outbox)  # sent from the WaitingRoom, then closed
                 return
-            if self.conn.head_ready():
+            if conn.outbox:  # the client reads slowly, or not at all: no thread waits for it
+                self.kept_alive = True
+                return
+            if conn.head_ready():
                 continue
             if not self.server.room.workers.saturated():
-                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                if not conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
                     return  # the client closed it
-                if self.conn.head_ready():
+                if conn.head_ready():
                     continue
             self.kept_alive = True  # the next request has not (fully) come: park it
             return
 
     def finish(self):
-        pass  # nothing to flush: each answer is written as it is made
+        pass  # each answer is flushed as it is made (or left to the WaitingRoom to send)
 
     def handle_one_request(self):
         self.close_connection, self.answering = True, False
+        self.started = time.monotonic()
         try:
             if self.parse_request():
-                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
+                self.serve(self.head)
         except BadRequest as exc:
             self.send_error(exc.status, exc)
         except OSError:  # the client went away or stalled: nothing to answer
@@ -2009,16 +2076,15 @@ class HookHandler(BaseHTTPRequestHandler):
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
-                self.server.app.metrics.answered(INTERNAL_ERROR.status)
                 with contextlib.suppress(OSError):
-                    self.write(INTERNAL_ERROR.response())
+                    self.send_answer(BadRequest(500, "").response(), None)
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
-        (-read-header-timeout for all of it), and check it as Go does."""
+        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request."""
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
-            conn.due = time.monotonic() + self.server.app.header_timeout
+            conn.due = time.monotonic() + self.server.limits.header_timeout
         end = conn.head_end()
         while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
             if not conn.fill():
@@ -2032,90 +2098,60 @@ class HookHandler(BaseHTTPRequestHandler):
         self.request_version = self.head.version
         return True
 
-    def send_error(self, code, message=None, explain=None):
-        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
-        client is still sending is read for a moment so it gets the answer, not a reset."""
-        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
-        log.info("bad request from %s: %s", self.remote_addr, exc)
-        self.server.app.metrics.answered(exc.status)
-        self.close_connection = True
-        try:
-            self.write(exc.response())
+    def serve(self, request):
+        """The request made whole (who sent it, how to read its body), answered by the App."""
+        app = self.server.app
+        request.peer, request.read_body = self.remote_addr, self.read_body
+        with app.in_flight():
+            response = app.handle(request)
+            if request.body_broken:
+                response.close = True
+            elif not request.body_read:
+                self.skip_body(request, response)
+            self.send_answer(response, request)
+        if self.body_unread:
             self.linger()
-        except OSError:
-            pass
-
-    def linger(self):
-        """Before closing a connection the client may still be writing to: end our side and
-        read what it sends for a moment, since closing with unread bytes sends a reset, which
-        can destroy the answer before the client reads it."""
-        self.connection.shutdown(socket.SHUT_WR)
-        self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
-        while drained < LINGER_BYTES and self.conn.fill():
-            drained += len(self.conn.buffer)
-            self.conn.buffer.clear()
-
-    def handle_expect_100(self):
-        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
-        return True
-
-    def log_message(self, format, *args):
-        log.info("%s: " + format, self.remote_addr, *args)
-
-    def write(self, data):
-        self.answering = True
-        self.conn.send(data)
 
     def read_body(self):
-        """The body by Content-Length or chunked, capped at -max-body-bytes, all of it within
+        """The body, when the App wants it: by Content-Length or chunked, capped at
+        -max-body-bytes, after `100 Continue` if the client waits for it, all of it within
         -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-        trickling it holds a worker for a bounded time."""
-        app = self.server.app
-        size = app.body_length(self.head)
-        self.conn.body_due = time.monotonic() + app.header_timeout + (
-            app.max_body if size is None else size) / BODY_MIN_RATE
+        trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
+        mid-way is logged and what came returned (as upstream: the hook runs with it)."""
+        request, conn, limits = self.head, self.conn, self.server.limits
+        size = body_length(request, limits.max_body)  # refused before the client sends it
+        request.body_read = True
+        if request.get("Expect").lower() == "100-continue":
+            self.handle_expect_100()
+        conn.body_due = time.monotonic() + limits.header_timeout + (
+            limits.max_body if size is None else size) / BODY_MIN_RATE
         try:
             if size is None:
-                return read_chunked(self.conn, app.max_body)
+                return read_chunked(conn, limits.max_body)
             body = bytearray()
             while len(body) < size:
-                chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
+                chunk = conn.read1(min(size - len(body), RECV_BYTES))
                 if not chunk:
                     raise ConnectionResetError("client closed the connection")
                 body += chunk
             return bytes(body)
+        except BodyError as exc:
+            log.info("error reading the request body: %s", exc)
+            request.body_broken = True
+            return exc.partial
         finally:
-            self.conn.body_due = math.inf
+            conn.body_due = math.inf
 
-    def serve(self):
-        """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
-        app, head = self.server.app, self.head
-        started = time.monotonic()
-        with app.in_flight():
-            rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
-            if response is None:
-                response = self.answer_hook(rid, hook, raw_query)
-            else:
-                self.skip_body(response)
-            keep_alive = head.keep_alive() and not response.close and not app.stopping
-            if not response.sent:
-                self.write(serialize_response(response, head, keep_alive))
-        self.close_connection = not keep_alive
-        app.log_access(rid, head, response, started)
-        app.metrics.answered(response.status)
-        if self.body_unread:
-            self.linger()
-
-    def skip_body(self, response):
+    def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as
         Go, under 256 KiB), else close after the answer (so a body trickled in is no way to
         hold a worker), as when the client waits for `100 Continue`."""
-        size, conn = self.server.app.body_length(self.head), self.conn
+        conn = self.conn
+        size = body_length(request, self.server.limits.max_body)
         if size == 0:
             return
         skipped = False
-        if self.head.get("Expect").lower() != "100-continue":  # else nothing comes
+        if request.get("Expect").lower() != "100-continue":  # else nothing comes
             try:
                 if size is None:
                     skipped = conn.skim(lambda: read_chunked(conn, SKIP_BODY_BYTES) is not None,
@@ -2127,81 +2163,138 @@ class HookHandler(BaseHTTPRequestHandler):
         if not skipped:
             response.close = self.body_unread = True
 
-    def answer_hook(self, rid, hook, raw_query):
-        app, head = self.server.app, self.head
-        if head.get("Expect").lower() == "100-continue":
-            app.body_length(head)  # a body we would refuse is refused before it is sent
-            self.handle_expect_100()
-        broken = False
+    def handle_expect_100(self):
+        self.send_response_only(100)
+        self.end_headers()
+        self.wfile.flush()
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
+        client is still sending is read for a moment so it gets the answer, not a reset."""
+        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+        log.info("bad request from %s: %s", self.remote_addr, exc)
         try:
-            body = self.read_body()
-        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
-            log.info("error reading the request body: %s", exc)
-            body, broken = exc.partial, True
-        request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
+            self.send_answer(exc.response(), None)
+            self.linger()
+        except OSError:
+            pass
+
+    def send_response(self, code, message=None):
+        """The status line, with Go's reason phrase, and Date: no Server header (Go sends
+        none)."""
+        self.send_response_only(code, message or GO_STATUS_TEXT.get(code, "status code %d"
+                                                                     % code))
+
+    def send_header(self, keyword, value):
+        """A header line as Go writes it: the bytes as they are (UTF-8), CR and LF in a value
+        turned into spaces."""
+        self._headers_buffer.append(("%s: %s\r\n" % (keyword, value.replace(
+            "\r", " ").replace("\n", " "))).encode("utf-8", "surrogateescape"))
+
+    def send_answer(self, response, request):
+        """The one writer of answers.  The head: Go's header set (Content-Type sniffed when the
+        answer names none, Date, framing; names that are not tokens dropped).  The body: bytes
+        in one write with the head, or a StreamedBody chunked as it comes (HTTP/1.0: ended by
+        closing), without its closing chunk if it did not end complete.  HEAD gets the head.
+        A bytes answer goes out as far as the client takes it now; the rest is sent from the
+        WaitingRoom.  Counted (and logged) by the App once sent."""
+        self.answering = True
+        status, body, headers = response.status, response.body, response.headers
+        version = request.version if request is not None else "HTTP/1.1"
+        streamed = isinstance(body, StreamedBody)
+        chunked = streamed and version == "HTTP/1.1"
+        keep_alive = (request is not None and request.keep_alive() and not response.close
+                      and not self.server.limits.stopping.is_set())
+        self.protocol_version = self.request_version = version  # Go answers 1.0 in 1.0
+        self._headers_buffer = []
+        self.send_response(status, response.reason)
+        if not streamed and body and "Content-Type" not in headers \
+                and status not in NO_BODY_STATUSES:
+            self.send_header("Content-Type", sniff_content_type(body))
+        for name, value in headers.items():
+            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS:
+                self.send_header(name, value)
+        if not response.bare:
+            self.send_header("Date", http_date())
+        if streamed:
+            keep_alive = keep_alive and chunked
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+        elif status in NO_BODY_STATUSES:
+            body = b""
+        elif not response.bare:
+            self.send_header("Content-Length", str(len(body)))
+        if not keep_alive:
+            self.send_header("Connection", "close")
+        elif version == "HTTP/1.0":
+            self.send_header("Connection", "keep-alive")
+        self.end_headers()
+        with_body = request is None or request.method != "HEAD"
+        if streamed:
+            keep_alive = self.send_streamed(body, chunked, with_body) and keep_alive
+        else:
+            if with_body:
+                self.wfile.write(body)
+            self.wfile.flush(wait=not keep_alive or response.bare)
+        self.close_connection = not keep_alive
+        self.server.app.answered(request, response, self.started)
+
+    def send_streamed(self, body, chunked, with_body):
+        """Send a StreamedBody's chunks as they come; whether the client got all of it, ended.
+        Once the client has gone, the chunks are still read if the body says so."""
+        wfile, alive = self.wfile, True
         try:
-            response = app.trigger(head, hook, request, self)
-        except Exception:  # a bug must cost one 500, not a hung connection
-            log.exception("unexpected error handling %s %s", head.method, head.target)
-            response = Response(500, b"500 Internal Server Error", close=True)
-        response.close = response.close or broken
-        response.secret_params = hook.secret_params
-        return response
-
-    # The one writer of answers sent while they are made (stream-command-output, a running
-    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
-    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
-
-    def start_chunked(self, status, headers):
-        """Send the head; False if the client has gone."""
-        head = self.head
-        self.chunked, self.client_here = head.version == "HTTP/1.1", True
-        self.streamed_body = head.method != "HEAD"
-        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
-                                         if self.chunked else "Connection: close"]
-        return self.write_streamed(response_head(head.version, status_line(status), lines))
-
-    def write_chunk(self, data):
-        """Send a piece of the body (the connection's -write-timeout for each); False if the
-        client has gone."""
-        if data and self.streamed_body:
-            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
-                                       else data)
-        return self.client_here
-
-    def end_chunks(self, complete=True):
-        """End the answer, with its closing chunk if `complete` (else the client sees it cut
-        short); whether the connection may serve another request."""
-        if complete and self.chunked and self.streamed_body:
-            self.write_streamed(b"0\r\n\r\n")
-        return complete and self.chunked and self.client_here
-
-    def write_streamed(self, data):
-        if self.client_here:
+            wfile.flush()
+        except OSError:
+            alive = False
+        for chunk in body.chunks:
+            if alive and chunk and with_body:
+                try:
+                    wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    wfile.flush()
+                except OSError:
+                    alive = False
+            if not alive and not body.drain:
+                body.chunks.close()
+                break
+        if alive and body.complete and chunked and with_body:
             try:
-                self.write(data)
+                wfile.write(b"0\r\n\r\n")
+                wfile.flush()
             except OSError:
-                self.client_here = False
-        return self.client_here
+                alive = False
+        return alive and body.complete
+
+    def linger(self):
+        """Before closing a connection the client may still be writing to: end our side and
+        read what it sends for a moment, since closing with unread bytes sends a reset, which
+        can destroy the answer before the client reads it."""
+        self.conn.flush()
+        self.connection.shutdown(socket.SHUT_WR)
+        self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
+        while drained < LINGER_BYTES and self.conn.fill():
+            drained += len(self.conn.buffer)
+            self.conn.buffer.clear()
+
+    def log_message(self, format, *args):
+        log.info("%s: " + format, self.remote_addr, *args)
 
 
 class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's).  An
-    accepted connection holds no thread: it waits in the WaitingRoom until a whole request
-    head has come, a worker serves it, and it waits there again between requests."""
+    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made
+    the documented way (bind_and_activate=False, then `socket`).  Overrides process_request:
+    an accepted connection holds no thread, but waits in the WaitingRoom until a whole request
+    head has come; a worker then serves it (serve: the handler's cycle), and it waits there
+    again between requests."""
 
-    daemon_threads = True
-
-    def __init__(self, listener, app, room, tls_context):
-        socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
-        self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
-        self.deadlines = room.deadlines
-        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
-        self.ssl, self.would_block = None, BlockingIOError
+    def __init__(self, listener, app, room, limits, tls_context):
+        ThreadingHTTPServer.__init__(self, listener.getsockname(), HookHandler,
+                                     bind_and_activate=False)
+        self.socket.close()  # the one TCPServer made: ours was opened before
+        self.socket, self.address_family = listener, listener.family
+        self.app, self.room, self.limits, self.tls_context = app, room, limits, tls_context
         self.accept_delay = 0.0  # seconds get_request waits after running out of files
-        if tls_context is not None:
-            self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
-                                               ssl.SSLWantWriteError)
 
     def get_request(self):
         """accept(), backing off while open files run out (as Go's server does: 5 ms, doubled
@@ -2221,7 +2314,7 @@ class HookServer(ThreadingHTTPServer):
         return request
 
     def process_request(self, request, client_address):
-        if self.app.stopping:
+        if self.limits.stopping.is_set():
             self.shutdown_request(request)
             return
         if request.family != socket.AF_UNIX:
@@ -2229,16 +2322,17 @@ class HookServer(ThreadingHTTPServer):
         if self.tls_context is not None:  # the handshake is the WaitingRoom's, unblocked
             request = self.tls_context.wrap_socket(request, server_side=True,
                                                    do_handshake_on_connect=False)
-        due = time.monotonic() + self.app.header_timeout  # the first head's, from accept
+        due = time.monotonic() + self.limits.header_timeout  # the first head's, from accept
         self.room.park(Connection(request, client_address, self, due))
 
-    def serve(self, conn):
-        """A worker's turn with a connection: its requests, then parked again or closed."""
+    def finish_request(self, conn, client_address):
+        """A worker's turn with a connection: its requests (the handler's cycle), then the
+        connection parked again or closed."""
         handler = None
         try:
-            handler = self.RequestHandlerClass(conn, conn.address, self)
+            handler = self.RequestHandlerClass(conn, client_address, self)
         except Exception:
-            self.handle_error(conn.sock, conn.address)
+            self.handle_error(conn.sock, client_address)
         if handler is not None and handler.kept_alive:
             self.room.park(conn)
         else:
@@ -2268,10 +2362,12 @@ class HookRun:
         self.has_turn = False
 
 
-class Pipeline:
-    """What a request does, with no socket in sight: route() finds the hook (or the plain
-    answer), trigger() parses the payload, checks the rules, builds argv/env and runs the
-    command in the hook's mode.  Also counts what is in flight for the graceful stop."""
+class App:
+    """What a request does, with no socket in sight: handle() routes it as upstream's
+    hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
+    site) and returns the Response; trigger() parses the payload, checks the rules, builds
+    argv/env and runs the command in the hook's mode.  Also counts what is in flight for the
+    graceful stop."""
 
     def __init__(self, opts, registry):
         self.opts = opts
@@ -2280,12 +2376,10 @@ class Pipeline:
         self.response_headers = {canonical_header(n): v for n, v in opts.header}
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
-        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
         self.trusted_proxies = opts.trusted_proxy
-        self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
-            else NO_TIMEOUT
         self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs, self.max_body)
+        self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
+                                         if opts.max_body_bytes > 0 else sys.maxsize)
         self.stopping = False
         self.busy = 0  # requests and background runs not finished: the graceful stop waits
         self.busy_lock = threading.Lock()
@@ -2306,109 +2400,98 @@ class Pipeline:
             with self.busy_lock:
                 self.busy -= 1
 
-    def request_id(self, head):
+    def request_id(self, request):
         if self.opts.x_request_id:
-            given = head.get("X-Request-Id")
+            given = request.get("X-Request-Id")
             if given:
                 limit = self.opts.x_request_id_limit
                 return given[:limit] if limit > 0 else given
         return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
 
-    def body_length(self, head):
-        """The declared body size (None: chunked); a bad or too large one is refused."""
-        if "Transfer-Encoding" in head.headers:
-            encoding = ",".join(head.headers["Transfer-Encoding"]).strip().lower()
-            if encoding != "chunked":
-                raise BadRequest(501, "unsupported transfer encoding",
-                                 body=b"Unsupported transfer encoding")
-            return None
-        lengths = head.headers.get("Content-Length")
-        if not lengths:
-            return 0
-        if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]):
-            raise BadRequest(400, "bad Content-Length")
-        size = int(lengths[0])
-        if size > self.max_body:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
-        return size
+    def answered(self, request, response, started):
+        """An answer has been sent (request None: to a malformed one): counted, and logged."""
+        self.metrics.answered(response.status)
+        if request is not None and request.id is not None and log.isEnabledFor(logging.INFO):
+            body = response.body
+            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", request.id, response.status,
+                     len(body) if isinstance(body, bytes) else 0,
+                     (time.monotonic() - started) * 1000.0, request.get("Host"),
+                     request.method, redact_target(request.target, request.secret_params))
 
-    def log_access(self, rid, head, response, started):
-        if log.isEnabledFor(logging.INFO):
-            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
-                     len(response.body), (time.monotonic() - started) * 1000.0,
-                     head.get("Host"), head.method,
-                     redact_target(head.target, response.secret_params))
-
-    def route(self, head, rid, remote_addr, stream=None):
-        """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
-        target = head.target
+    def handle(self, request):
+        """The Response to a request: routed as upstream's hookHandler (through gorilla/mux)."""
+        request.id = self.request_id(request)
+        target = request.target
         if target.startswith(("http://", "https://")):
             target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
-        if target == "*" and head.method == "OPTIONS":
-            return None, None, Response(200)
-        raw_path, _, raw_query = target.partition("?")
-        path = go_unescape(raw_path, False)
+        if target == "*" and request.method == "OPTIONS":
+            return Response(200)
+        raw_path, _, request.raw_query = target.partition("?")
+        path = request.path = go_unescape(raw_path, False)
         if path is None or not raw_path.startswith("/"):
             raise BadRequest(400, "invalid request target")
         cleaned = clean_path(path)
         if cleaned != path:
-            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
-            return None, None, Response(301, b"", {"Location": location})
+            location = go_escape_path(cleaned) + ("?" + request.raw_query
+                                                  if request.raw_query else "")
+            return Response(301, b"", {"Location": location})
         if path == "/":
-            return None, None, Response(200, b"OK")
-        if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head, raw_query, remote_addr)
-        if path == self.metrics_path:
-            return None, None, self.metrics.answer(
-                head, self.runs_page.trusted(head, remote_addr),
-                lambda: self.metrics.render(self.registry, self.runner, self.background))
-        if self.opts.status_path and self.runs_page.wants(path):
-            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
-                                                     lambda: self.stopping)
+            return Response(200, b"OK")
+        if self.opts.status_path and (path == self.opts.status_path or path == self.metrics_path
+                                      or self.runs_page.wants(path)):
+            return self.status_site(request)
         if not path.startswith(self.prefix) or "\n" in path:
-            return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
+            return Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
-        log.info("[%s] incoming HTTP %s request from %s", rid, head.method,
-                 self.client(head, remote_addr))
+        request.client = self.client(request)
+        log.info("[%s] incoming HTTP %s request from %s", request.id, request.method,
+                 request.client)
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
-            return None, None, Response(404, MSG_HOOK_NOT_FOUND)
+            return Response(404, MSG_HOOK_NOT_FOUND)
         allowed = hook.allowed_methods or self.default_methods
-        if allowed and head.method not in allowed:
-            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
+        if allowed and request.method not in allowed:
+            log.info("[%s] HTTP %s method not allowed for hook %s", request.id, request.method,
                      json.dumps(hook_id))
-            return None, None, Response(405)
-        return hook, raw_query, None
+            return Response(405)
+        request.secret_params = hook.secret_params
+        body = request.read_body()
+        try:
+            return self.trigger(request, hook, self.hook_request(request, hook, body))
+        except Exception:  # a bug must cost one 500, not a hung connection
+            log.exception("unexpected error handling %s %s", request.method, request.target)
+            return Response(500, b"500 Internal Server Error", close=True)
 
-    def client(self, head, remote_addr):
+    def client(self, request):
         """Who sent a hook's request (see forwarded_client); the status page and run history
         never ask this (RunsPage.trusted: any relay header means relayed)."""
-        if not self.trusted_proxies or "X-Forwarded-For" not in head.headers:
-            return remote_addr
-        return forwarded_client(remote_addr, ",".join(head.headers["X-Forwarded-For"]),
+        if not self.trusted_proxies or "X-Forwarded-For" not in request.headers:
+            return request.peer
+        return forwarded_client(request.peer, ",".join(request.headers["X-Forwarded-For"]),
                                 self.trusted_proxies)
 
-    def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
+    def hook_request(self, request, hook, body):
         """The plain HookRequest the hook model sees; logs the match."""
+        rid = request.id
         log.info("[%s] %s got matched", rid, hook.id)
         if self.opts.debug:
             shown = {name: ["<redacted>"] if name in hook.secret_headers else values
-                     for name, values in head.headers.items()}
-            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
-                      redact_target(head.target, hook.secret_params), head.version, shown,
-                      len(body))
-        return HookRequest(rid, head.method, self.client(head, remote_addr),
-                           {k: v[0] for k, v in head.headers.items()
+                     for name, values in request.headers.items()}
+            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, request.method,
+                      redact_target(request.target, hook.secret_params), request.version,
+                      shown, len(body))
+        return HookRequest(rid, request.method, request.client,
+                           {k: v[0] for k, v in request.headers.items()
                             if k not in ("Host", "Transfer-Encoding")},
-                           parse_query(raw_query)[0], body,
-                           hook.incoming_content_type or head.get("Content-Type"))
+                           parse_query(request.raw_query)[0], body,
+                           hook.incoming_content_type or request.get("Content-Type"))
 
-    def trigger(self, head, hook, request, stream):
+    def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
         rid, headers = request.id, dict(self.response_headers)
         try:
-            messages = parse_payload(request, hook, head.get("Content-Type"))
+            messages = parse_payload(request, hook, http_request.get("Content-Type"))
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
             return Response(500, MSG_MULTIPART_ERROR, headers)
@@ -2442,9 +2525,9 @@ class Pipeline:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
         if run.mode == "streamed":
-            return self.run_streamed(run, stream, headers, success)
+            return self.run_streamed(run, headers, success)
         if run.mode == "captured":
-            return captured_response(hook, self.execute(run), headers, success)
+            return captured_response(hook, self.run_captured(run), headers, success)
         self.run_in_background(run, held)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
@@ -2470,38 +2553,58 @@ class Pipeline:
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
 
-    def execute(self, run, on_output=None, keep_output=True):
-        """Wait for the hook's max-concurrency turn (unless the run holds it) -> run -> log,
-        giving the turn back: a CommandResult.  The record ends whatever happens."""
+    def start(self, run, keep, streamed=False):
+        """Wait for the hook's max-concurrency turn (unless the run holds it), then start the
+        command: the Running (not started: `failure`, or Runner.start's), and the generator of
+        its output, which keeps each chunk in the record and, at its end, logs and records how
+        the run ended and gives the turn back."""
         if not run.has_turn:
             run.gate.wait_turn()
+        began, record = time.monotonic(), run.record
         try:
-            return self.run_command(run, on_output, keep_output)
-        finally:
+            if run.failure is not None:  # as Go: nothing more is logged
+                running = Running(self.runner, run.request_id, None)
+                running.result = CommandResult(False, error=run.failure)
+            else:
+                if record is not None:
+                    self.runs.started(record)
+                running = self.runner.start(run.invocation, run.request_id,
+                                            run.hook.command_timeout,
+                                            keep or streamed or record is not None)
+        except BaseException:
             run.gate.leave()
+            raise
+        return running, self.run_output(run, running, began, keep)
 
-    def run_command(self, run, on_output, keep_output):
-        hook, record = run.hook, run.record
-        result = CommandResult(False, error=run.failure or "unexpected error")
-        began = time.monotonic()
+    def run_output(self, run, running, began, keep):
+        kept = [] if keep else None
         try:
-            if run.failure is not None:
-                return result  # as Go: nothing more is logged
-            sink, collected = on_output, None
-            if record is not None:
-                self.runs.started(record)
-                sink, collected = self.runs.output_sink(record, on_output, keep_output)
-            result = self.runner.run(run.invocation, run.request_id, hook.command_timeout,
-                                     sink, keep_output)
-            if collected is not None:
-                result.output = b"".join(collected)
-            log_result(hook, run.request_id, result, on_output is None and keep_output)
-            return result
+            for chunk in running.output():
+                if run.record is not None:
+                    self.runs.output(run.record, chunk)
+                if kept is not None:
+                    kept.append(chunk)
+                yield chunk
         finally:
-            self.metrics.run_ended(hook.id, run_outcome(result, self.stopping)[0],
-                                   time.monotonic() - began if result.started else None)
-            if record is not None:
-                self.runs.ended(record, result, self.stopping)
+            result = running.result or CommandResult(False, error="unexpected error")
+            if kept is not None:
+                result.output = b"".join(kept)
+            try:
+                if run.failure is None:
+                    log_result(run.hook, run.request_id, result, kept is not None)
+                self.metrics.run_ended(run.hook.id, run_outcome(result, self.stopping)[0],
+                                       time.monotonic() - began if result.started else None)
+                if run.record is not None:
+                    self.runs.ended(run.record, result, self.stopping)
+            finally:
+                run.gate.leave()
+
+    def run_captured(self, run, keep_output=True):
+        """Run to the end in this thread: the CommandResult, its output kept if asked."""
+        running, output = self.start(run, keep_output)
+        for _ in output:
+            pass
+        return running.result
 
     def run_in_background(self, run, held):
         """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
@@ -2516,7 +2619,7 @@ class Pipeline:
                              run.hook.id)
                     run.gate.leave()
                 else:
-                    self.execute(run, keep_output=log.isEnabledFor(logging.INFO))
+                    self.run_captured(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
                 with self.busy_lock:
                     self.busy -= 1
@@ -2526,41 +2629,52 @@ class Pipeline:
             self.background.submit(job, held)
         run.gate.enter(granted)
 
-    def run_streamed(self, run, stream, headers, success):
-        """stream-command-output: chunked output while the command runs.  A failed or timed
-        out run ends without the closing chunk, so the client sees an incomplete response."""
+    def run_streamed(self, run, headers, success):
+        """stream-command-output: the answer's body is the output, sent (chunked) while the
+        command runs.  A failed or timed out run ends without the closing chunk, so the client
+        sees an incomplete response; one that could not start is a 500, before any head."""
         headers.setdefault("Content-Type", TEXT_PLAIN)
-        head_sent = []
-
-        def on_output(chunk):
-            if not head_sent:
-                head_sent.append(stream.start_chunked(success, headers))
-            stream.write_chunk(chunk)
-
-        result = self.execute(run, on_output)
-        if not result.started:
+        running, output = self.start(run, False, streamed=True)
+        if running.result is not None and not running.result.started:
+            for _ in output:  # ends at once: logged and recorded
+                pass
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
-        if not head_sent:
-            stream.start_chunked(success, headers)
-        keep_alive = stream.end_chunks(complete=result.ok)
-        return Response(success, b"", headers, close=not keep_alive, sent=True)
+        body = StreamedBody()
 
-    def status_response(self, head, raw_query, remote_addr):
-        """The status page (as HTML to a browser, with the runs the query asks for); an
-        untrusted client (see RunsPage.trusted) sees only whether the daemon is healthy, never
+        def chunks():
+            for chunk in output:
+                yield chunk
+            body.complete = running.result.ok
+        body.chunks = chunks()
+        return Response(success, body, headers)
+
+    def status_site(self, request):
+        """The status site: <status-path> (its health to anyone, the details to trusted
+        clients), its /metrics and its /runs pages, behind one 405 check and one access check
+        (RunsPage.trusted), as JSON or, to a browser, HTML.  An untrusted client never sees
         hook ids (some hooks rely on theirs being secret), paths, load errors or runs."""
-        if head.method not in ("GET", "HEAD"):
+        if request.method not in ("GET", "HEAD"):
             return Response(405)
-        health = {"status": "degraded" if self.registry.count() == 0
-                  or self.registry.last_reload_failed else "ok", "version": VERSION}
-        as_html = prefers_html(head)
-        if not self.runs_page.trusted(head, remote_addr):
-            return self.runs_page.refused(health) if as_html else json_response(200, health)
-        details = dict(health, **status_details(self.registry, self.runs, self.started))
-        if as_html:
-            return self.runs_page.listing(raw_query, True, details)
-        return json_response(200, details)
+        path, as_html = request.path, prefers_html(request)
+        trusted = self.runs_page.trusted(request)
+        if path == self.opts.status_path:
+            health = {"status": "degraded" if self.registry.count() == 0
+                      or self.registry.last_reload_failed else "ok", "version": VERSION}
+            if not trusted:
+                return self.runs_page.refused(health) if as_html else json_response(200, health)
+            details = dict(health, **status_details(self.registry, self.runs, self.started))
+            if as_html:
+                return self.runs_page.listing(request.raw_query, True, details)
+            return json_response(200, details)
+        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
+            if not trusted:
+                return forbidden("metrics are")
+            return Response(200, self.metrics.render(self.registry, self.runner, self.background),
+                            {"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"})
+        if not trusted:
+            return self.runs_page.refused() if as_html else forbidden("run history is")
+        return self.runs_page.answer(request, as_html, lambda: self.stopping)
 
 
 def status_details(registry, runs, started):
@@ -3708,30 +3822,31 @@ class Runner:
         self.processes = set()
         self.active = 0  # runs not yet cleaned up (temp files removed)
 
-    def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
-        """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives when
-        given, else it is collected into the result (or discarded unless keep_output)."""
+    def start(self, invocation, request_id, timeout=None, capture=True):
+        """Start the command: a Running, whose output() yields what it prints (nothing unless
+        `capture`) until it ends.  A command that could not start is known here, before anyone
+        answers: its Running yields nothing and its result says `started` False."""
         with self.lock:
             self.active += 1
+        running = Running(self, request_id, timeout)
         try:
-            files = write_temp_files(invocation)
-        except OSError as exc:
-            self._done()
-            return CommandResult(False, error=exc)
-        try:
-            return self._run(invocation, files, request_id, timeout, on_output,
-                             keep_output or on_output is not None)
-        finally:
-            for _, path in files:
-                log.info("[%s] removing file %s", request_id, path)
-            remove_files(files)
-            self._done()
+            running.files = write_temp_files(invocation)
+            running.proc = self._spawn(invocation, running.files, request_id, capture)
+            if running.proc.stdin is not None:
+                threading.Thread(target=feed_stdin, args=(running.proc.stdin, invocation.stdin,
+                                                          running.fed),
+                                 name="stdin", daemon=True).start()
+        except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
+            # ValueError: a NUL; RuntimeError: no thread to feed stdin (never run without it)
+            if running.proc is not None:
+                self.stop(running.proc)
+                running.proc.wait()
+                running.proc.stdin.close()
+            running.result = CommandResult(False, error=exc)
+            running.clean_up()
+        return running
 
-    def _done(self):
-        with self.lock:
-            self.active -= 1
-
-    def _run(self, invocation, files, request_id, timeout, on_output, capture):
+    def _spawn(self, invocation, files, request_id, capture):
         file_pairs = [env_entry(name, os.fsencode(path)) for name, path in files]
         env = None  # our environment as it is, unless the hook adds to it
         if invocation.env_pairs or files:
@@ -3744,71 +3859,14 @@ class Runner:
                      invocation.executable, go_quote_list(invocation.argv),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
-        try:
-            proc = subprocess.Popen(
-                invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
-                stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
-                stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
-                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL
-            return CommandResult(False, error=exc)
+        proc = subprocess.Popen(
+            invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
+            stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
         with self.lock:
             self.processes.add(proc)
-        fed = threading.Event()
-        try:
-            if proc.stdin is not None:
-                try:
-                    threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
-                                     name="stdin", daemon=True).start()
-                except RuntimeError as exc:  # no thread to be had: never run without its input
-                    self.stop(proc)
-                    proc.wait()
-                    proc.stdin.close()
-                    return CommandResult(False, error=exc)
-            return self._wait(proc, timeout, on_output, request_id)
-        finally:
-            fed.set()
-            with self.lock:
-                self.processes.discard(proc)
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-    def _wait(self, proc, timeout, on_output, request_id):
-        """Read the output until it ends, applying the timeout; then reap the process.  Once
-        the process has ended (or been stopped), its pipe gets PIPE_GRACE_SECONDS to reach its
-        end: a process it left behind that keeps the pipe open (`setsid daemon &`) holds up
-        neither the answer nor the hook's slot (Go's Cmd.WaitDelay)."""
-        chunks = []
-        sink = on_output or chunks.append
-        deadline = None if timeout is None else time.monotonic() + timeout
-        timed_out = False
-        if proc.stdout is None:
-            try:
-                return CommandResult(True, proc.wait(timeout))
-            except subprocess.TimeoutExpired:
-                self.stop(proc)
-                return CommandResult(True, proc.wait(), timed_out=True)
-        fd, pipe_deadline = proc.stdout.fileno(), None
-        while True:
-            now = time.monotonic()
-            if pipe_deadline is None and proc.poll() is not None:
-                pipe_deadline = now + PIPE_GRACE_SECONDS
-            wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
-                       if t is not None)
-            if not wait_ready(fd, max(0.0, wait - now)):
-                if deadline is not None and time.monotonic() >= deadline:
-                    timed_out, deadline = True, None
-                    self.stop(proc)
-                elif pipe_deadline is not None and time.monotonic() >= pipe_deadline:
-                    log.info("[%s] the command has ended but something it started keeps its "
-                             "output open: no longer read", request_id)
-                    break
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            sink(chunk)
-        return CommandResult(True, proc.wait(), b"".join(chunks), timed_out)
+        return proc
 
     @staticmethod
     def stop(proc):
@@ -3825,6 +3883,78 @@ class Runner:
             running = list(self.processes)
         for proc in running:
             signal_group(proc, signal.SIGKILL)
+
+
+class Running:
+    """A started command (Runner.start).  output() yields its output as it comes, applying the
+    timeout, and reaps it; then `result` says how it ended and its temp files are gone.  Once
+    the process has ended (or been stopped), its pipe gets PIPE_GRACE_SECONDS to reach its
+    end: a process it left behind that keeps the pipe open (`setsid daemon &`) holds up
+    neither the answer nor the hook's slot (Go's Cmd.WaitDelay)."""
+
+    def __init__(self, runner, request_id, timeout):
+        self.runner, self.request_id, self.timeout = runner, request_id, timeout
+        self.proc, self.files, self.result = None, [], None
+        self.fed = threading.Event()  # set when the run is over: stdin is fed no longer
+
+    def output(self):
+        if self.result is not None:  # it never started
+            return
+        proc, timed_out = self.proc, False
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            if proc.stdout is None:
+                try:
+                    self.result = CommandResult(True, proc.wait(self.timeout))
+                except subprocess.TimeoutExpired:
+                    self.runner.stop(proc)
+                    self.result = CommandResult(True, proc.wait(), timed_out=True)
+                return
+            fd, pipe_deadline = proc.stdout.fileno(), None
+            while True:
+                now = time.monotonic()
+                if pipe_deadline is None and proc.poll() is not None:
+                    pipe_deadline = now + PIPE_GRACE_SECONDS
+                wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
+                           if t is not None)
+                if not wait_ready(fd, max(0.0, wait - now)):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        timed_out, deadline = True, None
+                        self.runner.stop(proc)
+                    elif pipe_deadline is not None and time.monotonic() >= pipe_deadline:
+                        log.info("[%s] the command has ended but something it started keeps "
+                                 "its output open: no longer read", self.request_id)
+                        break
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                yield chunk
+            self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
+        finally:
+            if self.result is None:  # abandoned mid-way (the daemon stopping): stopped now
+                self.runner.stop(proc)
+                self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
+            self.clean_up()
+
+    def collect(self, keep=True):
+        """Run to the end: the result, with the whole output in it if `keep`."""
+        chunks = [chunk for chunk in self.output() if keep]
+        self.result.output = b"".join(chunks)
+        return self.result
+
+    def clean_up(self):
+        self.fed.set()
+        if self.proc is not None:
+            with self.runner.lock:
+                self.runner.processes.discard(self.proc)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        for _, path in self.files:
+            log.info("[%s] removing file %s", self.request_id, path)
+        remove_files(self.files)
+        with self.runner.lock:
+            self.runner.active -= 1
 
 
 # ---------------------------------------------------------------------------
@@ -4084,18 +4214,6 @@ class RunStore:
             self._save(record)
             self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
             self.changed.notify_all()
-
-    def output_sink(self, record, on_output, keep_output):
-        """(on_output for Runner.run, chunks collected for the caller or None): every chunk
-        also goes to the record, whatever the caller does with it."""
-        collected = [] if on_output is None and keep_output else None
-        forward = on_output or (collected.append if collected is not None else None)
-
-        def sink(chunk):
-            self.output(record, chunk)
-            if forward is not None:
-                forward(chunk)
-        return sink, collected
 
     # -- reading -------------------------------------------------------------
 
@@ -4514,39 +4632,33 @@ class RunsPage:
     def wants(self, path):
         return path == self.prefix or path.startswith(self.prefix + "/")
 
-    def trusted(self, head, remote_addr):
+    def trusted(self, request):
         """The one check for all that shows hooks or runs: with -status-token, the bearers of
         the token (or browsers giving it as their Basic password), whoever they are; without,
         loopback clients no proxy relays."""
         if self.token:
-            given = authorization_token(head.get("Authorization"))
+            given = authorization_token(request.get("Authorization"))
             return given is not None and hmac.compare_digest(given, self.token.encode())
-        relayed = any(name in head.headers for name in RELAY_HEADERS)
-        return (is_loopback_peer(remote_addr) and not relayed
-                and names_loopback(head.get("Host")))
+        relayed = any(name in request.headers for name in RELAY_HEADERS)
+        return (is_loopback_peer(request.peer) and not relayed
+                and names_loopback(request.get("Host")))
 
     def refused(self, health=None):
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def answer(self, head, path, raw_query, remote_addr, stream, stopped):
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        as_html = prefers_html(head)
-        if not self.trusted(head, remote_addr):
-            if as_html:
-                return self.refused()
-            return forbidden("run history is")
-        parts = path[len(self.prefix):].split("/")[1:]
+    def answer(self, request, as_html, stopped):
+        """A trusted client's GET of the run list, a run, or its output."""
+        parts = request.path[len(self.prefix):].split("/")[1:]
         if not parts:
-            return self.listing(raw_query, as_html)
+            return self.listing(request.raw_query, as_html)
         record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
         if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
             if as_html:
                 return self.html.problem(404, "Run not found", "No run has this id (any more).")
             return json_response(404, {"error": "run not found"})
         if len(parts) == 2:
-            return self.output(head, record, stream, stopped)
+            return self.output(request, record, stopped)
         if as_html:
             return self.html.run(record.as_dict(), self.store.read_output(record)[0])
         return json_response(200, record.as_dict())
@@ -4563,23 +4675,23 @@ class RunsPage:
             return self.html.overview(details, runs, chosen)
         return json_response(200, runs)
 
-    def output(self, head, record, stream, stopped):
-        """The kept output; while the run goes on, streamed (chunked) until it ends."""
+    def output(self, request, record, stopped):
+        """The kept output; while the run goes on, its body follows the run until it ends."""
         headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
                    "X-Content-Type-Options": "nosniff"}
         data, position, ended = self.store.read_output(record)
-        if ended or head.method == "HEAD" or stream is None:
+        if ended or request.method == "HEAD":
             return Response(200, data, headers)
-        alive = stream.start_chunked(200, headers)
-        while alive:
-            if data:
-                alive = stream.write_chunk(data)
-            if ended or stopped():
-                break
-            self.store.follow(record, position, stopped)
-            data, position, ended = self.store.read_output(record, position)
-        keep_alive = stream.end_chunks()
-        return Response(200, b"", headers, close=not keep_alive, sent=True)
+
+        def follow(data, position, ended):
+            while True:
+                if data:
+                    yield data
+                if ended or stopped():
+                    return
+                self.store.follow(record, position, stopped)
+                data, position, ended = self.store.read_output(record, position)
+        return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
 
 def runs_filter(raw_query):
@@ -4990,17 +5102,6 @@ class Metrics:
                     counts.append(0.0)
                 counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
                 counts[-1] += seconds
-
-    @staticmethod
-    def answer(head, trusted, render):
-        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
-        -status-token as its bearer token); `render()` makes the text."""
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        if not trusted:
-            return forbidden("metrics are")
-        return Response(200, render(), {"Content-Type": METRICS_CONTENT_TYPE,
-                                        "Cache-Control": "no-store"})
 
     def render(self, registry, runner, background):
         """The exposition text: bytes."""
@@ -5483,6 +5584,7 @@ class Daemon:
     def begin_stop(self, signum):
         self.app.stopping = True
         for server in self.servers:  # no new connections from here on
+            server.limits.stopping.set()
             server.shutdown()
             server.server_close()
         self.notifier.notify("STOPPING=1")
@@ -5609,7 +5711,7 @@ def serve(opts):
                     "or ssh -L), every client counts as loopback: set -status-token",
                     opts.status_path)
     cleanup = []
-    app = Pipeline(opts, registry)
+    app = App(opts, registry)
     tls_context = None
     try:  # a start that fails leaves no socket file or pidfile behind
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
@@ -5641,9 +5743,10 @@ def serve(opts):
         remove_paths(cleanup)
         raise
     app.runs.start()  # as the user we now are: the run files are theirs
+    limits = Limits(opts)
     workers = Workers(max(1, opts.max_connections))
-    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections))
-    servers = [HookServer(listener, app, room, tls_context) for listener in listeners]
+    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
+    servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
     for server in servers:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
     scheme = "https" if opts.secure else "http"
