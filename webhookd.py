@@ -2634,6 +2634,7 @@ class App:
         command runs.  A failed or timed out run ends without the closing chunk, so the client
         sees an incomplete response; one that could not start is a 500, before any head."""
         headers.setdefault("Content-Type", TEXT_PLAIN)
+        headers.update(SANDBOXED)
         running, output = self.start(run, False, streamed=True)
         if running.result is not None and not running.result.started:
             for _ in output:  # ends at once: logged and recorded
@@ -2728,8 +2729,14 @@ def log_result(hook, rid, result, output_collected):
     log.info("[%s] finished handling %s", rid, hook.id)
 
 
+# A command's output, which a client's input can shape, served from the status page's origin:
+# as HTML (Go's sniffing may say so) it runs no script and reads nothing of that origin.
+SANDBOXED = {"Content-Security-Policy": "sandbox"}
+
+
 def captured_response(hook, result, headers, success):
     """The answer of include-command-output-in-response, once the command has ended."""
+    headers.update(SANDBOXED)
     if result.ok:
         return Response(success, result.output, headers)
     headers["Content-Type"] = TEXT_PLAIN
