@@ -2810,7 +2810,11 @@ def replace_parameter(path, params, value):
             return False
 
 
+# Header names are client text: the cache holds at most 4096 names of at most 64 characters
+# (well under 1 MiB); longer or later names are canonicalised each time, never kept.
 _CANONICAL_CACHE = {}
+CANONICAL_CACHE_ENTRIES = 4096
+CANONICAL_CACHE_NAME_MAX = 64
 TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
                         "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
@@ -2824,7 +2828,7 @@ def canonical_header(name):
         result = name
     else:
         result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
-    if len(_CANONICAL_CACHE) < 4096:
+    if len(name) <= CANONICAL_CACHE_NAME_MAX and len(_CANONICAL_CACHE) < CANONICAL_CACHE_ENTRIES:
         _CANONICAL_CACHE[name] = result
     return result
 
