@@ -2904,6 +2904,7 @@ def parse_form_payload(body):
 XML_TRIM = "\t\r\b\n "
 XML_MAX_DEPTH = 500  # deeper documents are refused: rendering them would exhaust the stack
 XML_DECLARED_ENCODING = re.compile(rb"""\s*<\?xml[^>]*?encoding\s*=\s*["']([^"']*)["']""")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class XMLNode:
@@ -2934,11 +2935,16 @@ def parse_xml_payload(body):
     prefixes dropped), repeated children as lists, the last non-blank text run as a string or
     `#text`.  Only the first root element is read; a DOCTYPE is ignored and nothing is ever
     fetched, but entities it declares are an error (as in Go: no entity expansion attacks)."""
-    declared = XML_DECLARED_ENCODING.match(body)
+    # Go reads UTF-8 only, skipping a byte order mark.  expat would also read UTF-16 and ask
+    # Python's codec registry for any declared name (it remembers every name it is asked for,
+    # and an unknown one raises LookupError): both are refused here, and expat is told UTF-8.
+    if body[:2] in (b"\xfe\xff", b"\xff\xfe") or b"\x00" in body[:2]:
+        raise PayloadError("error parsing XML payload: invalid UTF-8")
+    declared = XML_DECLARED_ENCODING.match(body, len(UTF8_BOM) if body.startswith(UTF8_BOM) else 0)
     if declared and declared.group(1).lower() not in (b"utf-8", b"utf8"):
         raise PayloadError("error parsing XML payload: unsupported encoding %s"
-                           % declared.group(1).decode("ascii", "replace"))
-    parser = expat.ParserCreate()
+                           % declared.group(1)[:64].decode("ascii", "replace"))
+    parser = expat.ParserCreate("utf-8")
     parser.buffer_text = True
     stack, done = [], []
 
