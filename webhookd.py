@@ -2258,11 +2258,13 @@ class HookRun:
     """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
     the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
     run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
-    (`has_turn` once granted) and the run's record (None without run history)."""
+    (`has_turn` once granted), the run's record (None without run history) and, in the
+    background, the bytes its invocation holds in the backlog (`held`)."""
 
     def __init__(self, hook, request_id, mode, gate, record):
         self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
         self.record, self.invocation, self.failure = record, None, None
+        self.held = 0
         self.has_turn = False
 
 
@@ -2430,12 +2432,12 @@ class Pipeline:
             headers[canonical_header(name)] = value
         mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
             else "background"
-        held = len(request.raw_body) if hook.payload_to_stdin else 0
-        if mode == "background" and not self.background.reserve(held):
-            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies for "
-                     "stdin): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
-            return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
+        if run is None:
+            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
+                     "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
+                     hook.id)
+            return Response(503, MSG_BACKLOG_FULL, headers)
         if run.record is not None:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
@@ -2443,26 +2445,33 @@ class Pipeline:
             return self.run_streamed(run, stream, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.execute(run), headers, success)
-        self.run_in_background(run, held)
+        self.run_in_background(run)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
     def prepare(self, hook, request, mode):
-        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
-        and its argv/env, built now so that no request or body waits in a queue."""
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
+        """The HookRun of a triggered hook: its argv/env, built now so that no request or body
+        waits in a queue, and its record (on disk before its id is handed out).  None when a
+        background run would hold more than the backlog has room for (its bytes are counted
+        before any record exists)."""
+        invocation = failure = None
         try:
-            run.invocation = build_invocation(hook, request)
+            invocation = build_invocation(hook, request)
         except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
             log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            run.failure = exc
-            return run
-        for message in run.invocation.messages:
-            log.info("[%s] %s", request.id, message)
+            failure = exc
+        else:
+            for message in invocation.messages:
+                log.info("[%s] %s", request.id, message)
+        held = invocation.size() if invocation and mode == "background" else 0
+        if mode == "background" and not self.background.reserve(held):
+            return None
+        run = HookRun(hook, request.id, mode, self.gate(hook),
+                      self.runs.open(hook.id, request))
+        run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
     def gate(self, hook):
@@ -2501,8 +2510,8 @@ class Pipeline:
             if record is not None:
                 self.runs.ended(record, result, self.stopping)
 
-    def run_in_background(self, run, held):
-        """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
+    def run_in_background(self, run):
+        """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
         with self.busy_lock:
             self.busy += 1
@@ -2521,7 +2530,7 @@ class Pipeline:
 
         def granted():
             run.has_turn = True
-            self.background.submit(job, held)
+            self.background.submit(job, run.held)
         run.gate.enter(granted)
 
     def run_streamed(self, run, stream, headers, success):
@@ -3511,6 +3520,11 @@ class Invocation:
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
 
+    def size(self):
+        """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
+        return (sum(map(len, self.argv)) + sum(len(k) + len(v) for k, v in self.env_pairs)
+                + sum(len(data) for _, data in self.file_pairs) + len(self.stdin or b""))
+
 
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
@@ -3840,27 +3854,29 @@ class Runner:
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
-ASYNC_BACKLOG_BODIES = 8  # request bodies of -max-body-bytes those runs may hold for their stdin
+ASYNC_BACKLOG_BODIES = 8  # bodies of -max-body-bytes those runs' commands may hold (stdin, argv,
+                          # environment, pass-file-to-command files) while they wait
 
 
 class BackgroundRuns:
     """The one bounded queue of background runs: at most `size` threads, started on demand;
     further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused, as are
-    those whose bodies (pass-payload-to-stdin) would grow what the backlog holds beyond
-    ASYNC_BACKLOG_BODIES of `max_body` (a hook with max-concurrency 1 queues them all)."""
+    those whose prepared commands (a body for stdin, arguments, variables or files from the
+    request) would grow what the backlog holds beyond ASYNC_BACKLOG_BODIES of `max_body` (a hook
+    with max-concurrency 1 queues them all)."""
 
     def __init__(self, size, max_body):
         self.size = max(1, size)
         self.max_held = ASYNC_BACKLOG_BODIES * max_body
-        self.held = 0  # bytes of request bodies the runs in the backlog hold
+        self.held = 0  # bytes of prepared commands the runs in the backlog hold
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
         self.threads = self.backlog = 0
 
     def reserve(self, held=0):
-        """Count one more run in the backlog, holding `held` bytes of body until its job ends;
-        False when it is full."""
+        """Count one more run in the backlog, holding `held` bytes of command until its job
+        ends; False when it is full."""
         with self.lock:
             if self.backlog >= ASYNC_BACKLOG_LIMIT or (
                     held and self.held and self.held + held > self.max_held):

@@ -102,3 +102,31 @@ def test_declared_xml_encoding_names_are_not_kept(tmp_path):
             assert answer[0] == 200
         grown = rss_mib(daemon.proc.pid) - before
     assert grown < 12, "%.1f MiB kept" % grown
+
+
+@needs_proc
+def test_queued_runs_hold_a_bounded_amount_of_request_in_their_commands(tmp_path):
+    """A background run waiting for its max-concurrency turn keeps its prepared command: a
+    pass-file-to-command file, arguments or variables of the whole body.  What those waiting
+    runs hold is bounded in bytes (eight bodies of -max-body-bytes, as for stdin): beyond, 503."""
+    gate = tmp_path / "gate"
+    held = script(tmp_path / "held.sh", "while [ ! -e %s ]; do sleep 0.05; done\n" % gate)
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("held", held, **{"max-concurrency": 1, "working-directory": str(tmp_path),
+                              "pass-file-to-command": [{"source": "raw-request-body",
+                                                        "name": "body"}]})])
+    body = b"x" * (1 << 20)
+    with start(hooks, "-max-body-bytes", str(1 << 20)) as daemon:
+        assert daemon.request("GET", "/hooks/held")[0] == 200  # holds the one slot
+        before = rss_mib(daemon.proc.pid)
+        answers = [daemon.request("POST", "/hooks/held", body,
+                                  {"Content-Type": "application/octet-stream"})[::2]
+                   for _ in range(40)]
+        grown = rss_mib(daemon.proc.pid) - before
+        gate.touch()
+        accepted = answers.count((200, b""))
+        assert 0 < accepted <= 8, answers
+        assert answers[accepted:] == [
+            (503, b"Too many hook runs waiting; try again later.")] * (40 - accepted)
+        assert "Traceback" not in daemon.log()
+    assert grown < 20, "%.1f MiB kept" % grown
