@@ -381,6 +381,7 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
+    opts.runs_dir_fd = None  # the -runs-dir folder, held open once runs_options_problem checked it
     return opts
 
 
@@ -3639,11 +3640,11 @@ def remove_files(written):
     remove_paths(path for _, path in written)
 
 
-def remove_paths(paths):
+def remove_paths(paths, dir_fd=None):
     """Unlink each path; one that is already gone is fine."""
     for path in paths:
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:
             pass
 
@@ -4038,13 +4039,13 @@ class RunRecord:
 class RunStore:
     """The run records, oldest first, bounded; saved to -runs-dir by RunFiles when given."""
 
-    def __init__(self, keep, max_bytes, max_output, directory=None):
+    def __init__(self, keep, max_bytes, max_output, directory=None, dir_fd=None):
         self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
         self.size = 0
-        self.files = None if directory is None else RunFiles(directory, self)
+        self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
     def start(self):
         """Load the records of earlier runs and start the disk writer: once the daemon runs as
@@ -4238,10 +4239,13 @@ class RunFiles:
     """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
     0600, written by one thread of its own from a queue of (kind, record).  A record's file is
     created once, holding the queued record; each later state is appended as a line and the
-    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms."""
+    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms.  Every
+    file is named relative to the folder held open (`dir_fd`, checked by open_runs_dir), never
+    by its path: a link swapped in for the folder or a folder above it is never followed."""
 
-    def __init__(self, directory, store):
+    def __init__(self, directory, dir_fd, store):
         self.directory, self.store, self.changed = directory, store, store.changed
+        self.dir_fd = dir_fd
         self.writes = queue.SimpleQueue()
 
     def start(self):
@@ -4250,12 +4254,9 @@ class RunFiles:
     def put(self, kind, record):
         self.writes.put((kind, record))
 
-    def path(self, record, suffix):
-        return os.path.join(self.directory, record.id + suffix)
-
     def read_log(self, record):
         try:
-            with open_no_link(self.path(record, ".log")) as handle:
+            with open_no_link(record.id + ".log", self.dir_fd) as handle:
                 return handle.read()[-record.cap:]
         except OSError:
             return b""
@@ -4265,7 +4266,7 @@ class RunFiles:
         survives the daemon being killed, not the machine losing power); False if it could
         not (the record says so)."""
         try:
-            write_new_file(self.path(record, ".json"), record_json(record.as_dict()))
+            write_new_file(record.id + ".json", record_json(record.as_dict()), self.dir_fd)
             return True
         except OSError as exc:
             self.failed(record, exc)
@@ -4284,14 +4285,15 @@ class RunFiles:
         """The records of earlier runs, oldest first; those that were going when we died are
         `interrupted`.  An unreadable record is skipped, never fatal."""
         loaded = []
-        for fields in read_run_files(self.directory):
+        for fields in read_run_files(self.dir_fd):
             record = RunRecord(fields)
             record.cap = cap
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
                 record.version = 1  # saved again by the writer
                 with contextlib.suppress(OSError):  # output saved after the record was
-                    logged = os.stat(self.path(record, ".log")).st_size
+                    logged = os.stat(record.id + ".log", dir_fd=self.dir_fd,
+                                     follow_symlinks=False).st_size
                     record.output_bytes = max(record.output_bytes, logged)
             loaded.append(record)
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
@@ -4324,8 +4326,8 @@ class RunFiles:
             elif kind == "output":
                 self._write_output(record)
             else:
-                remove_paths([self.path(record, suffix) for suffix in (
-                    (".json", ".log") if record.output_bytes else (".json",))])
+                remove_paths([record.id + suffix for suffix in (
+                    (".json", ".log") if record.output_bytes else (".json",))], self.dir_fd)
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
             self.failed(record, exc)
 
@@ -4339,8 +4341,8 @@ class RunFiles:
             on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
-            write_private_file(self.path(record, ".log"), final_tail)
-        append_record(self.path(record, ".json"), record_json(document))
+            write_private_file(record.id + ".log", final_tail, self.dir_fd)
+        append_record(record.id + ".json", record_json(document), self.dir_fd)
         with self.changed:
             record.saved_version = version
             if final_tail is not None:
@@ -4358,11 +4360,11 @@ class RunFiles:
             data = bytes(record.tail if rewrite else record.tail[len(record.tail) - fresh:])
             record.disk_total = record.output_bytes
         if rewrite:
-            write_private_file(self.path(record, ".log"), data)
+            write_private_file(record.id + ".log", data, self.dir_fd)
             record.disk_size = len(data)
         else:
-            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                         | NO_LINK, 0o600)
+            fd = os.open(record.id + ".log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK,
+                         0o600, dir_fd=self.dir_fd)
             try:
                 os.write(fd, data)
             finally:
@@ -4378,10 +4380,10 @@ def record_json(document):
     return (json.dumps(document, sort_keys=True) + "\n").encode()
 
 
-def append_record(path, line):
+def append_record(path, line, dir_fd=None):
     """Append a record's line to its file.  It starts with a newline of its own, so a line an
     earlier append left unfinished (a full disk) ends there and never joins this one."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, b"\n" + line)
     finally:
@@ -4406,35 +4408,36 @@ def write_all(fd, data):
         view = view[os.write(fd, view):]
 
 
-def write_new_file(path, data):
+def write_new_file(path, data, dir_fd=None):
     """Create path (0600; refused if anything, a link included, is there) holding data."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, data)
     finally:
         os.close(fd)
 
 
-def write_private_file(path, data):
+def write_private_file(path, data, dir_fd=None):
     """Replace path with data atomically (a new temp file 0600, then rename)."""
     temp = path + ".tmp"
-    remove_paths([temp])  # left by a daemon killed while writing
-    write_new_file(temp, data)
-    os.replace(temp, path)
+    remove_paths([temp], dir_fd)  # left by a daemon killed while writing
+    write_new_file(temp, data, dir_fd)
+    os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def open_no_link(path):
-    return open(os.open(path, os.O_RDONLY | NO_LINK), "rb")
+def open_no_link(path, dir_fd=None):
+    return open(os.open(path, os.O_RDONLY | NO_LINK, dir_fd=dir_fd), "rb")
 
 
-def read_run_files(directory):
-    """The fields of each record in a -runs-dir; one that is unreadable, malformed or whose id
-    is not its file name (retention deletes by id) is logged and skipped, never fatal."""
-    for name in os.listdir(directory):
+def read_run_files(dir_fd):
+    """The fields of each record in a -runs-dir held open as dir_fd; one that is unreadable,
+    malformed or whose id is not its file name (retention deletes by id) is logged and
+    skipped, never fatal."""
+    for name in os.listdir(dir_fd):
         if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
             continue
         try:
-            with open_no_link(os.path.join(directory, name)) as handle:
+            with open_no_link(name, dir_fd) as handle:
                 fields = last_record(handle.read())
             if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
                     and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
@@ -4447,42 +4450,65 @@ def read_run_files(directory):
         yield fields
 
 
+RUNS_LOCK = "webhookd.lock"  # in -runs-dir, 0600: held locked while a daemon uses the folder
+
+
 def open_runs_dir(path, uid, gid):
     """The -runs-dir folder of the user the daemon runs as (uid, gid: after -setuid), created
-    0700 (and made 0700 if it was not).  Refused if another user owns it (they could plant
-    records and links in it) or if it is a symbolic link (whoever owns the folder above could
-    point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
-    or by an earlier daemon running as root) is handed over to that user, through its open
-    descriptor, and its entries without following links.  The folder stays open and locked
-    while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
+    0700 (and made 0700 if it was not), as a descriptor: the daemon names its files relative to
+    it, so a link swapped in later for the folder (or one above it) is never followed.  Refused
+    if another user owns it (they could plant records and links in it) or if it is a symbolic
+    link (whoever owns the folder above could point it anywhere, /etc included, for root to
+    hand over).  A folder root owns (made now, or by an earlier daemon running as root) is
+    handed over to that user, through its open descriptor, and its entries without following
+    links.  While the daemon runs it holds a lock on RUNS_LOCK, a 0600 file inside (opened
+    without following links; not the folder itself, which anyone who opened it while it was
+    readable could lock): a second daemon on it (the same -runs-dir in two units) would mark
     the first one's running runs interrupted and delete its records; it is refused."""
     import fcntl  # only with -runs-dir
     os.makedirs(path, 0o700, exist_ok=True)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NO_LINK)
     except OSError as exc:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
         raise
+    lock = None
     try:
+        st = os.fstat(fd)
+        handing_over = st.st_uid != uid
+        if handing_over and (st.st_uid != 0 or os.geteuid() != 0):
+            raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
+                                               "webhookd runs as" % (st.st_uid, uid))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock = os.open(RUNS_LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | NO_LINK, 0o600,
+                           dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, "%s in it is a symbolic link" % RUNS_LOCK) from None
+            raise
+        lock_st = os.fstat(lock)
+        if not stat.S_ISREG(lock_st.st_mode) or lock_st.st_uid != st.st_uid:
+            raise PermissionError(errno.EPERM, "%s in it is not a file of the folder's owner"
+                                  % RUNS_LOCK)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, "in use by another webhookd") from None
-        st = os.fstat(fd)
-        if st.st_uid != uid:
-            if st.st_uid != 0 or os.geteuid() != 0:
-                raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
-                                                   "webhookd runs as" % (st.st_uid, uid))
+        if handing_over:
             os.fchown(fd, uid, gid)
             for name in os.listdir(fd):
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
+        if stat.S_IMODE(lock_st.st_mode) != 0o600:
+            os.fchmod(lock, 0o600)
     except BaseException:
         os.close(fd)
+        if lock is not None:
+            os.close(lock)
         raise
-    return path  # fd stays open, holding the lock, until the daemon exits
+    return fd  # the lock's descriptor stays open, holding the lock, until the daemon exits
 
 
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
@@ -5106,8 +5132,9 @@ def runs_options_problem(opts):
     elif opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
-            open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
-                          opts.setgid if dropping else os.getegid())
+            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
+                                             else os.geteuid(), opts.setgid if dropping
+                                             else os.getegid())
         except OSError as exc:
             return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
     return None
@@ -5115,7 +5142,7 @@ def runs_options_problem(opts):
 
 def make_run_store(opts):
     return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None)
+                    opts.runs_dir or None, opts.runs_dir_fd)
 
 
 # The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
@@ -5127,7 +5154,15 @@ def runs_command(opts, out=None):
     directory = opts.runs_dir
     if opts.runs_follow:
         return follow_run_file(directory, opts.runs_follow, out)
-    records = list(read_run_files(directory))
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        sys.stderr.write("cannot read -runs-dir %s: %s\n" % (directory, go_errno_text(exc)))
+        return 1
+    try:
+        records = list(read_run_files(dir_fd))
+    finally:
+        os.close(dir_fd)
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
                                                    "MS", "HOOK"))

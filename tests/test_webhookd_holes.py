@@ -7,6 +7,7 @@ detectors only.
 """
 import os
 import socket
+import subprocess
 
 import pytest
 
@@ -130,3 +131,59 @@ def test_queued_runs_hold_a_bounded_amount_of_request_in_their_commands(tmp_path
             (503, b"Too many hook runs waiting; try again later.")] * (40 - accepted)
         assert "Traceback" not in daemon.log()
     assert grown < 20, "%.1f MiB kept" % grown
+
+
+# ---------------------------------------------------------------------------------------------
+# -runs-dir: the folder checked at start is the one written to, and its lock is the daemon's
+# ---------------------------------------------------------------------------------------------
+
+def test_a_link_swapped_in_for_the_runs_dir_after_start_is_not_followed(tmp_path):
+    """Whoever owns the folder above -runs-dir can rename it away and put a link to anywhere
+    (/etc/logrotate.d) in its place once the daemon has checked it: the run files still go to
+    the folder the daemon checked and holds open."""
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/echo")])
+    parent, elsewhere = tmp_path / "parent", tmp_path / "elsewhere"
+    parent.mkdir()
+    elsewhere.mkdir()
+    with start(hooks, "-runs-dir", parent / "runs") as daemon:
+        (parent / "runs").rename(parent / "checked")
+        (parent / "runs").symlink_to(elsewhere)
+        status, headers, _ = daemon.request("GET", "/hooks/h")
+        assert status == 200
+        run_id = headers["x-webhookd-run"]
+        wait_until(lambda: (parent / "checked" / (run_id + ".json")).exists(),
+                   what="the run's record in the folder checked at start")
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_whoever_locked_a_readable_runs_dir_cannot_keep_the_daemon_out(tmp_path):
+    """A folder made beforehand 0755: any user could open it and flock it.  The daemon's lock is
+    a 0600 file inside, so that lock is no one else's to hold."""
+    import fcntl
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/true")])
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir(mode=0o755)
+    squatter = os.open(runs_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(squatter, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with start(hooks, "-runs-dir", runs_dir) as daemon:
+            assert daemon.request("GET", "/hooks/h")[0] == 200
+            lock = runs_dir / "webhookd.lock"
+            assert (lock.stat().st_mode & 0o777, runs_dir.stat().st_mode & 0o777) == (0o600, 0o700)
+    finally:
+        os.close(squatter)
+
+
+def test_a_link_planted_as_the_runs_dir_lock_is_refused(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/true")])
+    runs_dir, target = tmp_path / "runs", tmp_path / "target"
+    runs_dir.mkdir(mode=0o700)
+    (runs_dir / "webhookd.lock").symlink_to(target)
+    port = free_port()
+    result = subprocess.run(
+        python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                   "-runs-dir", runs_dir), capture_output=True, text=True, timeout=20)
+    assert result.returncode == 1, result
+    assert "cannot use -runs-dir %s:" % runs_dir in result.stdout and "symbolic link" in \
+        result.stdout and "Traceback" not in result.stdout + result.stderr, result
+    assert not target.exists()
