@@ -4361,16 +4361,15 @@ class RunFiles:
             record.disk_total = record.output_bytes
         if rewrite:
             write_private_file(record.id + ".log", data, self.dir_fd)
-            record.disk_size = len(data)
-        else:
+        else:  # a short write (a full disk, a file size limit) is finished or raises
             fd = os.open(record.id + ".log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK,
                          0o600, dir_fd=self.dir_fd)
             try:
-                os.write(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
-            record.disk_size += len(data)
-
+        with self.changed:  # read under it by _write_record
+            record.disk_size = len(data) if rewrite else record.disk_size + len(data)
 
 
 NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC  # a link planted in -runs-dir is never followed

@@ -187,3 +187,39 @@ def test_a_link_planted_as_the_runs_dir_lock_is_refused(tmp_path):
     assert "cannot use -runs-dir %s:" % runs_dir in result.stdout and "symbolic link" in \
         result.stdout and "Traceback" not in result.stdout + result.stderr, result
     assert not target.exists()
+
+
+STORE_UNDER_A_FILE_SIZE_LIMIT = """
+import os, resource, sys, time, types
+sys.path.insert(0, sys.argv[1])
+import webhookd
+directory = sys.argv[2]
+store = webhookd.RunStore(5, 1 << 30, 1 << 20, directory,
+                          webhookd.open_runs_dir(directory, os.geteuid(), os.getegid()))
+store.start()
+resource.setrlimit(resource.RLIMIT_FSIZE, (300000, 300000))  # a write beyond it is cut short
+record = store.open("h", types.SimpleNamespace(remote_addr="127.0.0.1:1", id="r"))
+store.started(record)
+store.output(record, b"x" * 500000)  # one append of 500,000 bytes: 300,000 are written
+deadline = time.monotonic() + 30
+while not (record.disk_size or record.storage_error) and time.monotonic() < deadline:
+    time.sleep(0.01)  # the writer's append, before the run ends (a later batch of writes)
+store.ended(record, webhookd.CommandResult(True, 0), False)
+store.flush()
+print(len(store.read_output(record)[0]), record.storage_error)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"), reason="no RLIMIT_FSIZE")
+def test_output_cut_short_on_disk_is_never_taken_as_saved(tmp_path):
+    """A short write of a run's output (a full disk, a file size limit) was counted as whole:
+    the record said the log held all of it, dropped the tail it kept in memory and served the
+    cut log.  Now the write is finished or fails: the run keeps its output in memory, served
+    whole, and its record says what was not saved.  (The store under its own process: a file
+    size limit set on the daemon would cut its log file too.)"""
+    result = subprocess.run([support.sys.executable, "-c", STORE_UNDER_A_FILE_SIZE_LIMIT,
+                             str(support.ROOT), str(tmp_path / "runs")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    served, _, error = result.stdout.strip().partition(" ")
+    assert served == "500000" and "not saved to" in error, result.stdout
