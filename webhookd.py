@@ -1290,13 +1290,17 @@ class Registry:
         for hf in self.files:
             for hook in hf.hooks:
                 table.setdefault(hook.id, hook)  # first definition wins, as upstream
+        # the gate of a hook no file serves any more goes, unless runs still hold or wait for
+        # it (a later load drops it): reloads that rename hooks never pile up gates
+        gates = {hook_id: gate for hook_id, gate in self.gates.items()
+                 if hook_id in table or gate.running or gate.waiting}
         for hook_id, hook in table.items():
-            gate = self.gates.get(hook_id)
+            gate = gates.get(hook_id)
             if gate is None:
-                self.gates[hook_id] = HookGate(hook.max_concurrency)
+                gates[hook_id] = HookGate(hook.max_concurrency)
             elif gate.limit != hook.max_concurrency:
                 gate.set_limit(hook.max_concurrency)
-        self.by_id = table
+        self.gates, self.by_id = gates, table
 
     def poll(self):
         """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
