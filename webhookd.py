@@ -37,6 +37,7 @@ import binascii
 import bisect
 import calendar
 import contextlib
+import difflib
 import errno
 import functools
 import hmac
@@ -641,7 +642,6 @@ def where_line(data, where):
 
 
 def did_you_mean(name, known):
-    import difflib  # only needed when a typo is found
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     return " (did you mean %r?)" % close[0] if close else ""
 
@@ -1239,6 +1239,10 @@ class Registry:
                     hooks, problems = parse_hooks_file(raw, hf.path, self.template)
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
+                    continue
+                except Exception as exc:  # a bug must not stop the daemon, nor drop the hooks
+                    message = "%s: unexpected error: %s: %s" % (hf.path, type(exc).__name__, exc)
+                    ok = self._keep_old(hf, "couldn't load hooks from file! " + message, message)
                     continue
                 for severity, message in problems.items:  # errors are shown without -verbose
                     (log.error if severity == "error" else log.warning)("%s: %s", severity,

@@ -249,3 +249,37 @@ def test_reloads_that_rename_hooks_do_not_pile_up_their_gates(tmp_path):
                        timeout=30, what="reload %d" % n)
         grown = rss_mib(daemon.proc.pid) - before
     assert grown < 30, "%.1f MiB kept" % grown  # the gates alone took ~60
+
+
+NOBODY = 65534
+
+
+def nobody_can_read_module(module):
+    import importlib.util
+    return subprocess.run(["cat", importlib.util.find_spec(module).origin], user=NOBODY,
+                          group=NOBODY, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="-setuid needs root")
+def test_a_reload_that_fails_unexpectedly_keeps_the_daemon_and_the_old_hooks(tmp_path):
+    """With -setuid, a user who cannot read the standard library (Python under a 0700 home
+    folder): a typo in the hooks file needed a module loaded only then (difflib, for `did you
+    mean`), the reload raised through the main loop and the daemon exited."""
+    if nobody_can_read_module("difflib"):
+        pytest.skip("nobody can read the standard library here: the late import would not fail")
+    with support.scratch_dir("webhookd-holes-") as folder:  # tmp_path's parents are 0700
+        folder.chmod(0o755)
+        reload_with_a_typo_as_nobody(folder / "hooks.json")
+
+
+def reload_with_a_typo_as_nobody(hooks_file):
+    write_hooks(hooks_file, [hook("h", "/bin/true")]).chmod(0o644)
+    with start(hooks_file, "-hotreload", "-setuid", str(NOBODY), "-setgid", str(NOBODY)) as d:
+        assert d.request("GET", "/hooks/h")[0] == 200
+        write_hooks(hooks_file, [{"id": "h", "execute-comand": "/bin/true"},
+                                 hook("new", "/bin/true")])
+        wait_until(lambda: "did you mean 'execute-command'" in d.log() or d.proc.poll() is not
+                   None, what="the reload")
+        assert d.proc.poll() is None, d.log()
+        assert d.request("GET", "/hooks/h")[0] == 200
+        assert "Traceback" not in d.log()
