@@ -283,3 +283,19 @@ def reload_with_a_typo_as_nobody(hooks_file):
         assert d.proc.poll() is None, d.log()
         assert d.request("GET", "/hooks/h")[0] == 200
         assert "Traceback" not in d.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# The run list's query
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limit", ["9" * 4301, "0" * 5000 + "5", "1" + "0" * 5000])
+def test_a_run_list_limit_of_thousands_of_digits_is_a_400(tmp_path, limit):
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("h", "/bin/true")])
+    with start(hooks) as daemon:
+        status, _, body = daemon.request("GET", "/status/runs?limit=" + limit)
+        if limit.lstrip("0") == "5":
+            assert status == 200  # leading zeros are still a number from 1 to 10000
+        else:
+            assert (status, b"limit must be" in body) == (400, True), (status, body[:200])
+        assert "Traceback" not in daemon.log()
