@@ -415,6 +415,7 @@ class HooksFileError(Exception):
 
 
 TEMPLATE_ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.S)
+TEMPLATE_FUNCTION_USE = re.compile(r"\{\{-?\s*(?:getenv|cat|credential)\b")  # without -template
 TEMPLATE_CALL = re.compile(
     r'^\s*(getenv|cat|credential)\s+("(?:[^"\\]|\\.)*"|`[^`]*`)\s*(\|\s*js\s*)?$', re.S)
 
@@ -494,9 +495,11 @@ def read_template_file(name, path):
                                                     TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
-def expand_template(text, filename, environ=None):
+def expand_template(text, filename, environ=None, empty=None):
     """Expand `{{ getenv "X" }}`, `{{ cat "PATH" }}`, `{{ credential "NAME" }}` (each optionally
-    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error."""
+    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error.  Each
+    action that gave "" (an unset variable, a missing file) is added to the list `empty` as
+    `line:column: action`, if one is given."""
     environ = os.environ if environ is None else environ
     out, pos = [], 0
     for match in TEMPLATE_ACTION.finditer(text):
@@ -516,6 +519,8 @@ def expand_template(text, filename, environ=None):
             value = template_function(call.group(1), arg, environ)
         except ValueError as exc:
             raise HooksFileError("%s:%d:%d: template: %s" % (filename, line, col, exc)) from None
+        if not value and empty is not None:
+            empty.append("%d:%d: %s" % (line, col, match.group(0)))
         out.append(js_escape(value) if call.group(3) else value)
         pos = match.end()
         if match.group(3):
@@ -579,8 +584,9 @@ class Problems:
     """Warnings and errors found while loading a hooks file, each with where it was found (and
     on which line, when the file was read by the YAML reader)."""
 
-    def __init__(self, filename, data=None, text=""):
+    def __init__(self, filename, data=None, text="", empty_actions=()):
         self.filename, self.data, self.text = filename, data, text
+        self.empty_actions = empty_actions  # template actions that gave "" (expand_template)
         self.items = []  # (severity, message)
         self.refused = set()  # indexes of the hooks that must not be served
         self.fatal = []  # errors upstream refuses the whole file for
@@ -826,7 +832,14 @@ def parse_match(raw, where, problems):
         problems.error(where, rule.regex_error)
     if kind.startswith("payload-hash-"):
         problems.warn(where, "deprecated type %r, use %r" % (kind, kind.replace("hash", "hmac")))
-    if (kind in HMAC_TYPES or kind == "scalr-signature") and not rule.secret:
+    checked = "secret" if kind in HMAC_TYPES or kind == "scalr-signature" else \
+        "value" if kind == "value" else None
+    if checked and not fields[checked] and problems.empty_actions:
+        # most likely an unset variable or a missing file: an empty value matches any request
+        # that sends the parameter empty, so the hook is not served
+        problems.refuse("%s.%s" % (where, checked), "empty after template expansion (in "
+                        "this file %s gave \"\")" % ", ".join(problems.empty_actions[:3]))
+    elif checked == "secret" and not rule.secret:
         problems.error(where, "empty secret (every request would get 500)")
     for field in ("secret", "value"):
         if is_shipped_placeholder(obj.get(field)):
@@ -1002,14 +1015,15 @@ def hooks_data(text, filename):
             from None
 
 
-def parse_hooks(text, filename):
+def parse_hooks(text, filename, empty_actions=()):
     """Parse the text of a hooks file (JSON or YAML): (list of Hook, Problems).  Raises
-    HooksFileError.  Problems in a JSON file are located by reading it again as YAML."""
+    HooksFileError.  Problems in a JSON file are located by reading it again as YAML.
+    `empty_actions`: the template actions that gave "" (see expand_template)."""
     if not text.strip():
         raise HooksFileError("%s: file is empty" % filename)
     data, read_as_json = hooks_data(text, filename)
     try:
-        hooks, problems = build_hooks(data, filename, text)
+        hooks, problems = build_hooks(data, filename, text, empty_actions)
         if not problems.items or not read_as_json:
             return hooks, problems
     except HooksFileError:
@@ -1019,13 +1033,14 @@ def parse_hooks(text, filename):
         data = load_yaml(text)  # the same values, now with the line of each
     except YamlError:
         pass
-    return build_hooks(data, filename, text)
+    return build_hooks(data, filename, text, empty_actions)
 
 
-def build_hooks(data, filename, text=""):
+def build_hooks(data, filename, text="", empty_actions=()):
     """The hooks to serve and the Problems; HooksFileError (with every problem found) for a
-    file upstream refuses.  A hook with a shipped placeholder secret is left out."""
-    problems = Problems(filename, data, text)
+    file upstream refuses.  A hook with a shipped placeholder secret, or a secret or value
+    match emptied by the template, is left out."""
+    problems = Problems(filename, data, text, empty_actions)
     if not isinstance(data, list):
         raise HooksFileError("%s: expected an array (a YAML sequence) of hooks, got %s"
                              % (filename, type_name(data)))
@@ -1060,13 +1075,21 @@ def read_bytes(path):
 def parse_hooks_file(raw, path, template=False):
     """Template-expand and parse the bytes of one hooks file: (hooks, Problems)."""
     text = raw.decode("utf-8", "surrogateescape")
-    if template:
-        text = expand_template(text, path)
+    empty_actions = []
     warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
                             "any command as webhookd (chmod go-w)" % (path, writable))
                 for writable in writable_by_others(path)]
+    if template:
+        text = expand_template(text, path, empty=empty_actions)
+    else:
+        action = TEMPLATE_FUNCTION_USE.search(text)
+        if action:
+            warnings.append(("warning", "%s:%d:%d: %s... is kept as this literal text (a secret "
+                             "anyone can read here, not the one meant): start webhookd with "
+                             "-template to expand it" % ((path,) + line_col(text, action.start())
+                                                         + (action.group(0),))))
     try:
-        hooks, problems = parse_hooks(text, path)
+        hooks, problems = parse_hooks(text, path, empty_actions)
     except RecursionError:  # the readers and the model recurse once per level of nesting
         message = "%s: nested too deeply" % path
         raise HooksFileError(message, [("error", message)] + warnings) from None
