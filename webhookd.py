@@ -933,8 +933,8 @@ def parse_field(kind, value, where, problems):
 class Hook:
     """One hook definition.  Attributes are named after the fields (see HOOK_FIELDS)."""
 
-    def __init__(self, obj, where, problems):
-        obj = fold_keys(obj, HOOK_FIELDS, where, problems)
+    def __init__(self, raw, where, problems):
+        obj = fold_keys(raw, HOOK_FIELDS, where, problems)
         for field, (attr, kind) in HOOK_FIELDS.items():
             value = obj.get(field)
             setattr(self, attr, EMPTY[kind])
@@ -948,6 +948,11 @@ class Hook:
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
+        unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
+        if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
+            problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
+                            "trigger-rule, anyone could run the hook (add the trigger-rule, or "
+                            "remove the field)" % ", ".join(repr(key) for key in unknown))
 
 
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",

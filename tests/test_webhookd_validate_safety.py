@@ -106,3 +106,22 @@ def test_an_empty_value_written_as_such_is_served_as_upstream_serves_it(tmp_path
     with start(hooks, "-template", env={"DEPLOY_TOKEN": "t0ken"}) as daemon:
         assert daemon.request("GET", "/hooks/empty", headers={"X-Token": ""})[2] == b"deployed\n"
 
+
+def test_an_unknown_field_on_a_hook_without_trigger_rule_is_an_error(tmp_path):
+    typo = dict(token_hook("typo", "t0ken"))
+    typo["trigger-rules"] = typo.pop("trigger-rule")
+    other = dict(token_hook("other", "t0ken"), **{"execute-comand": "/bin/true"})  # a rule: warned
+    hooks = write_hooks(tmp_path / "hooks.json", [typo, other, token_hook("fine", "t0ken")])
+    hooks.chmod(0o644)
+    code, lines = validate(hooks)
+    assert code == 1, lines
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and '"typo"' in errors[0] and "'trigger-rules'" in errors[0] \
+        and "not served" in errors[0], lines
+    assert any("did you mean 'trigger-rule'" in line for line in lines), lines
+    with start(hooks, verbose=False) as daemon:  # the error is logged without -verbose
+        assert daemon.request("GET", "/hooks/typo")[::2] == (404, b"Hook not found.")
+        assert daemon.request("GET", "/hooks/other", headers={"X-Token": "t0ken"})[0] == 200
+        assert daemon.request("GET", "/hooks/fine", headers={"X-Token": "t0ken"})[2] == \
+            b"deployed\n"
+        assert "'trigger-rules' and no trigger-rule" in daemon.log()
