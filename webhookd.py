@@ -37,6 +37,7 @@ import binascii
 import bisect
 import calendar
 import contextlib
+import difflib
 import errno
 import fcntl
 import functools
@@ -384,6 +385,7 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
+    opts.runs_dir_fd = None  # the -runs-dir folder, held open once runs_options_problem checked it
     return opts
 
 
@@ -416,6 +418,7 @@ class HooksFileError(Exception):
 
 
 TEMPLATE_ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.S)
+TEMPLATE_FUNCTION_USE = re.compile(r"\{\{-?\s*(?:getenv|cat|credential)\b")  # without -template
 TEMPLATE_CALL = re.compile(
     r'^\s*(getenv|cat|credential)\s+("(?:[^"\\]|\\.)*"|`[^`]*`)\s*(\|\s*js\s*)?$', re.S)
 
@@ -495,9 +498,11 @@ def read_template_file(name, path):
                                                     TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
-def expand_template(text, filename, environ=None):
+def expand_template(text, filename, environ=None, empty=None):
     """Expand `{{ getenv "X" }}`, `{{ cat "PATH" }}`, `{{ credential "NAME" }}` (each optionally
-    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error."""
+    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error.  Each
+    action that gave "" (an unset variable, a missing file) is added to the list `empty` as
+    `line:column: action`, if one is given."""
     environ = os.environ if environ is None else environ
     out, pos = [], 0
     for match in TEMPLATE_ACTION.finditer(text):
@@ -517,6 +522,8 @@ def expand_template(text, filename, environ=None):
             value = template_function(call.group(1), arg, environ)
         except ValueError as exc:
             raise HooksFileError("%s:%d:%d: template: %s" % (filename, line, col, exc)) from None
+        if not value and empty is not None:
+            empty.append("%d:%d: %s" % (line, col, match.group(0)))
         out.append(js_escape(value) if call.group(3) else value)
         pos = match.end()
         if match.group(3):
@@ -580,8 +587,9 @@ class Problems:
     """Warnings and errors found while loading a hooks file, each with where it was found (and
     on which line, when the file was read by the YAML reader)."""
 
-    def __init__(self, filename, data=None, text=""):
+    def __init__(self, filename, data=None, text="", empty_actions=()):
         self.filename, self.data, self.text = filename, data, text
+        self.empty_actions = empty_actions  # template actions that gave "" (expand_template)
         self.items = []  # (severity, message)
         self.refused = set()  # indexes of the hooks that must not be served
         self.fatal = []  # errors upstream refuses the whole file for
@@ -643,7 +651,6 @@ def where_line(data, where):
 
 
 def did_you_mean(name, known):
-    import difflib  # only needed when a typo is found
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     return " (did you mean %r?)" % close[0] if close else ""
 
@@ -828,7 +835,14 @@ def parse_match(raw, where, problems):
         problems.error(where, rule.regex_error)
     if kind.startswith("payload-hash-"):
         problems.warn(where, "deprecated type %r, use %r" % (kind, kind.replace("hash", "hmac")))
-    if (kind in HMAC_TYPES or kind == "scalr-signature") and not rule.secret:
+    checked = "secret" if kind in HMAC_TYPES or kind == "scalr-signature" else \
+        "value" if kind == "value" else None
+    if checked and not fields[checked] and problems.empty_actions:
+        # most likely an unset variable or a missing file: an empty value matches any request
+        # that sends the parameter empty, so the hook is not served
+        problems.refuse("%s.%s" % (where, checked), "empty after template expansion (in "
+                        "this file %s gave \"\")" % ", ".join(problems.empty_actions[:3]))
+    elif checked == "secret" and not rule.secret:
         problems.error(where, "empty secret (every request would get 500)")
     for field in ("secret", "value"):
         if is_shipped_placeholder(obj.get(field)):
@@ -922,8 +936,8 @@ def parse_field(kind, value, where, problems):
 class Hook:
     """One hook definition.  Attributes are named after the fields (see HOOK_FIELDS)."""
 
-    def __init__(self, obj, where, problems):
-        obj = fold_keys(obj, HOOK_FIELDS, where, problems)
+    def __init__(self, raw, where, problems):
+        obj = fold_keys(raw, HOOK_FIELDS, where, problems)
         for field, (attr, kind) in HOOK_FIELDS.items():
             value = obj.get(field)
             setattr(self, attr, EMPTY[kind])
@@ -937,6 +951,11 @@ class Hook:
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
+        unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
+        if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
+            problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
+                            "trigger-rule, anyone could run the hook (add the trigger-rule, or "
+                            "remove the field)" % ", ".join(repr(key) for key in unknown))
 
 
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
@@ -1004,14 +1023,15 @@ def hooks_data(text, filename):
             from None
 
 
-def parse_hooks(text, filename):
+def parse_hooks(text, filename, empty_actions=()):
     """Parse the text of a hooks file (JSON or YAML): (list of Hook, Problems).  Raises
-    HooksFileError.  Problems in a JSON file are located by reading it again as YAML."""
+    HooksFileError.  Problems in a JSON file are located by reading it again as YAML.
+    `empty_actions`: the template actions that gave "" (see expand_template)."""
     if not text.strip():
         raise HooksFileError("%s: file is empty" % filename)
     data, read_as_json = hooks_data(text, filename)
     try:
-        hooks, problems = build_hooks(data, filename, text)
+        hooks, problems = build_hooks(data, filename, text, empty_actions)
         if not problems.items or not read_as_json:
             return hooks, problems
     except HooksFileError:
@@ -1021,13 +1041,14 @@ def parse_hooks(text, filename):
         data = load_yaml(text)  # the same values, now with the line of each
     except YamlError:
         pass
-    return build_hooks(data, filename, text)
+    return build_hooks(data, filename, text, empty_actions)
 
 
-def build_hooks(data, filename, text=""):
+def build_hooks(data, filename, text="", empty_actions=()):
     """The hooks to serve and the Problems; HooksFileError (with every problem found) for a
-    file upstream refuses.  A hook with a shipped placeholder secret is left out."""
-    problems = Problems(filename, data, text)
+    file upstream refuses.  A hook with a shipped placeholder secret, or a secret or value
+    match emptied by the template, is left out."""
+    problems = Problems(filename, data, text, empty_actions)
     if not isinstance(data, list):
         raise HooksFileError("%s: expected an array (a YAML sequence) of hooks, got %s"
                              % (filename, type_name(data)))
@@ -1062,13 +1083,21 @@ def read_bytes(path):
 def parse_hooks_file(raw, path, template=False):
     """Template-expand and parse the bytes of one hooks file: (hooks, Problems)."""
     text = raw.decode("utf-8", "surrogateescape")
-    if template:
-        text = expand_template(text, path)
+    empty_actions = []
     warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
                             "any command as webhookd (chmod go-w)" % (path, writable))
                 for writable in writable_by_others(path)]
+    if template:
+        text = expand_template(text, path, empty=empty_actions)
+    else:
+        action = TEMPLATE_FUNCTION_USE.search(text)
+        if action:
+            warnings.append(("warning", "%s:%d:%d: %s... is kept as this literal text (a secret "
+                             "anyone can read here, not the one meant): start webhookd with "
+                             "-template to expand it" % ((path,) + line_col(text, action.start())
+                                                         + (action.group(0),))))
     try:
-        hooks, problems = parse_hooks(text, path)
+        hooks, problems = parse_hooks(text, path, empty_actions)
     except RecursionError:  # the readers and the model recurse once per level of nesting
         message = "%s: nested too deeply" % path
         raise HooksFileError(message, [("error", message)] + warnings) from None
@@ -1242,6 +1271,10 @@ class Registry:
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
                     continue
+                except Exception as exc:  # a bug must not stop the daemon, nor drop the hooks
+                    message = "%s: unexpected error: %s: %s" % (hf.path, type(exc).__name__, exc)
+                    ok = self._keep_old(hf, "couldn't load hooks from file! " + message, message)
+                    continue
                 for severity, message in problems.items:  # errors are shown without -verbose
                     (log.error if severity == "error" else log.warning)("%s: %s", severity,
                                                                         message)
@@ -1292,13 +1325,17 @@ class Registry:
         for hf in self.files:
             for hook in hf.hooks:
                 table.setdefault(hook.id, hook)  # first definition wins, as upstream
+        # the gate of a hook no file serves any more goes, unless runs still hold or wait for
+        # it (a later load drops it): reloads that rename hooks never pile up gates
+        gates = {hook_id: gate for hook_id, gate in self.gates.items()
+                 if hook_id in table or gate.running or gate.waiting}
         for hook_id, hook in table.items():
-            gate = self.gates.get(hook_id)
+            gate = gates.get(hook_id)
             if gate is None:
-                self.gates[hook_id] = HookGate(hook.max_concurrency)
+                gates[hook_id] = HookGate(hook.max_concurrency)
             elif gate.limit != hook.max_concurrency:
                 gate.set_limit(hook.max_concurrency)
-        self.by_id = table
+        self.gates, self.by_id = gates, table
 
     def poll(self):
         """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
@@ -2354,11 +2391,13 @@ class HookRun:
     """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
     the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
     run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
-    (`has_turn` once granted) and the run's record (None without run history)."""
+    (`has_turn` once granted), the run's record (None without run history) and, in the
+    background, the bytes its invocation holds in the backlog (`held`)."""
 
     def __init__(self, hook, request_id, mode, gate, record):
         self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
         self.record, self.invocation, self.failure = record, None, None
+        self.held = 0
         self.has_turn = False
 
 
@@ -2515,12 +2554,12 @@ class App:
             headers[canonical_header(name)] = value
         mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
             else "background"
-        held = len(request.raw_body) if hook.payload_to_stdin else 0
-        if mode == "background" and not self.background.reserve(held):
-            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies for "
-                     "stdin): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
-            return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
+        if run is None:
+            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
+                     "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
+                     hook.id)
+            return Response(503, MSG_BACKLOG_FULL, headers)
         if run.record is not None:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
@@ -2528,26 +2567,33 @@ class App:
             return self.run_streamed(run, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.run_captured(run), headers, success)
-        self.run_in_background(run, held)
+        self.run_in_background(run)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
     def prepare(self, hook, request, mode):
-        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
-        and its argv/env, built now so that no request or body waits in a queue."""
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
+        """The HookRun of a triggered hook: its argv/env, built now so that no request or body
+        waits in a queue, and its record (on disk before its id is handed out).  None when a
+        background run would hold more than the backlog has room for (its bytes are counted
+        before any record exists)."""
+        invocation = failure = None
         try:
-            run.invocation = build_invocation(hook, request)
+            invocation = build_invocation(hook, request)
         except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
             log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            run.failure = exc
-            return run
-        for message in run.invocation.messages:
-            log.info("[%s] %s", request.id, message)
+            failure = exc
+        else:
+            for message in invocation.messages:
+                log.info("[%s] %s", request.id, message)
+        held = invocation.size() if invocation and mode == "background" else 0
+        if mode == "background" and not self.background.reserve(held):
+            return None
+        run = HookRun(hook, request.id, mode, self.gate(hook),
+                      self.runs.open(hook.id, request))
+        run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
     def gate(self, hook):
@@ -2606,8 +2652,8 @@ class App:
             pass
         return running.result
 
-    def run_in_background(self, run, held):
-        """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
+    def run_in_background(self, run):
+        """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
         with self.busy_lock:
             self.busy += 1
@@ -2626,7 +2672,7 @@ class App:
 
         def granted():
             run.has_turn = True
-            self.background.submit(job, held)
+            self.background.submit(job, run.held)
         run.gate.enter(granted)
 
     def run_streamed(self, run, headers, success):
@@ -2933,7 +2979,11 @@ def replace_parameter(path, params, value):
             return False
 
 
+# Header names are client text: the cache holds at most 4096 names of at most 64 characters
+# (well under 1 MiB); longer or later names are canonicalised each time, never kept.
 _CANONICAL_CACHE = {}
+CANONICAL_CACHE_ENTRIES = 4096
+CANONICAL_CACHE_NAME_MAX = 64
 TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
                         "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
@@ -2947,7 +2997,7 @@ def canonical_header(name):
         result = name
     else:
         result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
-    if len(_CANONICAL_CACHE) < 4096:
+    if len(name) <= CANONICAL_CACHE_NAME_MAX and len(_CANONICAL_CACHE) < CANONICAL_CACHE_ENTRIES:
         _CANONICAL_CACHE[name] = result
     return result
 
@@ -3023,6 +3073,7 @@ def parse_form_payload(body):
 XML_TRIM = "\t\r\b\n "
 XML_MAX_DEPTH = 500  # deeper documents are refused: rendering them would exhaust the stack
 XML_DECLARED_ENCODING = re.compile(rb"""\s*<\?xml[^>]*?encoding\s*=\s*["']([^"']*)["']""")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class XMLNode:
@@ -3053,11 +3104,16 @@ def parse_xml_payload(body):
     prefixes dropped), repeated children as lists, the last non-blank text run as a string or
     `#text`.  Only the first root element is read; a DOCTYPE is ignored and nothing is ever
     fetched, but entities it declares are an error (as in Go: no entity expansion attacks)."""
-    declared = XML_DECLARED_ENCODING.match(body)
+    # Go reads UTF-8 only, skipping a byte order mark.  expat would also read UTF-16 and ask
+    # Python's codec registry for any declared name (it remembers every name it is asked for,
+    # and an unknown one raises LookupError): both are refused here, and expat is told UTF-8.
+    if body[:2] in (b"\xfe\xff", b"\xff\xfe") or b"\x00" in body[:2]:
+        raise PayloadError("error parsing XML payload: invalid UTF-8")
+    declared = XML_DECLARED_ENCODING.match(body, len(UTF8_BOM) if body.startswith(UTF8_BOM) else 0)
     if declared and declared.group(1).lower() not in (b"utf-8", b"utf8"):
         raise PayloadError("error parsing XML payload: unsupported encoding %s"
-                           % declared.group(1).decode("ascii", "replace"))
-    parser = expat.ParserCreate()
+                           % declared.group(1)[:64].decode("ascii", "replace"))
+    parser = expat.ParserCreate("utf-8")
     parser.buffer_text = True
     stack, done = [], []
 
@@ -3624,6 +3680,11 @@ class Invocation:
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
 
+    def size(self):
+        """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
+        return (sum(map(len, self.argv)) + sum(len(k) + len(v) for k, v in self.env_pairs)
+                + sum(len(data) for _, data in self.file_pairs) + len(self.stdin or b""))
+
 
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
@@ -3738,11 +3799,11 @@ def remove_files(written):
     remove_paths(path for _, path in written)
 
 
-def remove_paths(paths):
+def remove_paths(paths, dir_fd=None):
     """Unlink each path; one that is already gone is fine."""
     for path in paths:
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:
             pass
 
@@ -3969,27 +4030,29 @@ class Running:
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
-ASYNC_BACKLOG_BODIES = 8  # request bodies of -max-body-bytes those runs may hold for their stdin
+ASYNC_BACKLOG_BODIES = 8  # bodies of -max-body-bytes those runs' commands may hold (stdin, argv,
+                          # environment, pass-file-to-command files) while they wait
 
 
 class BackgroundRuns:
     """The one bounded queue of background runs: at most `size` threads, started on demand;
     further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused, as are
-    those whose bodies (pass-payload-to-stdin) would grow what the backlog holds beyond
-    ASYNC_BACKLOG_BODIES of `max_body` (a hook with max-concurrency 1 queues them all)."""
+    those whose prepared commands (a body for stdin, arguments, variables or files from the
+    request) would grow what the backlog holds beyond ASYNC_BACKLOG_BODIES of `max_body` (a hook
+    with max-concurrency 1 queues them all)."""
 
     def __init__(self, size, max_body):
         self.size = max(1, size)
         self.max_held = ASYNC_BACKLOG_BODIES * max_body
-        self.held = 0  # bytes of request bodies the runs in the backlog hold
+        self.held = 0  # bytes of prepared commands the runs in the backlog hold
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
         self.threads = self.backlog = 0
 
     def reserve(self, held=0):
-        """Count one more run in the backlog, holding `held` bytes of body until its job ends;
-        False when it is full."""
+        """Count one more run in the backlog, holding `held` bytes of command until its job
+        ends; False when it is full."""
         with self.lock:
             if self.backlog >= ASYNC_BACKLOG_LIMIT or (
                     held and self.held and self.held + held > self.max_held):
@@ -4151,13 +4214,13 @@ class RunRecord:
 class RunStore:
     """The run records, oldest first, bounded; saved to -runs-dir by RunFiles when given."""
 
-    def __init__(self, keep, max_bytes, max_output, directory=None):
+    def __init__(self, keep, max_bytes, max_output, directory=None, dir_fd=None):
         self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
         self.size = 0
-        self.files = None if directory is None else RunFiles(directory, self)
+        self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
     def start(self):
         """Load the records of earlier runs and start the disk writer: once the daemon runs as
@@ -4339,10 +4402,13 @@ class RunFiles:
     """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
     0600, written by one thread of its own from a queue of (kind, record).  A record's file is
     created once, holding the queued record; each later state is appended as a line and the
-    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms."""
+    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms.  Every
+    file is named relative to the folder held open (`dir_fd`, checked by open_runs_dir), never
+    by its path: a link swapped in for the folder or a folder above it is never followed."""
 
-    def __init__(self, directory, store):
+    def __init__(self, directory, dir_fd, store):
         self.directory, self.store, self.changed = directory, store, store.changed
+        self.dir_fd = dir_fd
         self.writes = queue.SimpleQueue()
 
     def start(self):
@@ -4351,12 +4417,9 @@ class RunFiles:
     def put(self, kind, record):
         self.writes.put((kind, record))
 
-    def path(self, record, suffix):
-        return os.path.join(self.directory, record.id + suffix)
-
     def read_log(self, record):
         try:
-            with open_no_link(self.path(record, ".log")) as handle:
+            with open_no_link(record.id + ".log", self.dir_fd) as handle:
                 return handle.read()[-record.cap:]
         except OSError:
             return b""
@@ -4366,7 +4429,7 @@ class RunFiles:
         survives the daemon being killed, not the machine losing power); False if it could
         not (the record says so)."""
         try:
-            write_new_file(self.path(record, ".json"), record_json(record.as_dict()))
+            write_new_file(record.id + ".json", record_json(record.as_dict()), self.dir_fd)
             return True
         except OSError as exc:
             self.failed(record, exc)
@@ -4385,14 +4448,15 @@ class RunFiles:
         """The records of earlier runs, oldest first; those that were going when we died are
         `interrupted`.  An unreadable record is skipped, never fatal."""
         loaded = []
-        for fields in read_run_files(self.directory):
+        for fields in read_run_files(self.dir_fd):
             record = RunRecord(fields)
             record.cap = cap
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
                 record.version = 1  # saved again by the writer
                 with contextlib.suppress(OSError):  # output saved after the record was
-                    logged = os.stat(self.path(record, ".log")).st_size
+                    logged = os.stat(record.id + ".log", dir_fd=self.dir_fd,
+                                     follow_symlinks=False).st_size
                     record.output_bytes = max(record.output_bytes, logged)
             loaded.append(record)
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
@@ -4425,8 +4489,8 @@ class RunFiles:
             elif kind == "output":
                 self._write_output(record)
             else:
-                remove_paths([self.path(record, suffix) for suffix in (
-                    (".json", ".log") if record.output_bytes else (".json",))])
+                remove_paths([record.id + suffix for suffix in (
+                    (".json", ".log") if record.output_bytes else (".json",))], self.dir_fd)
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
             self.failed(record, exc)
 
@@ -4440,8 +4504,8 @@ class RunFiles:
             on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
-            write_private_file(self.path(record, ".log"), final_tail)
-        append_record(self.path(record, ".json"), record_json(document))
+            write_private_file(record.id + ".log", final_tail, self.dir_fd)
+        append_record(record.id + ".json", record_json(document), self.dir_fd)
         with self.changed:
             record.saved_version = version
             if final_tail is not None:
@@ -4459,17 +4523,16 @@ class RunFiles:
             data = bytes(record.tail if rewrite else record.tail[len(record.tail) - fresh:])
             record.disk_total = record.output_bytes
         if rewrite:
-            write_private_file(self.path(record, ".log"), data)
-            record.disk_size = len(data)
-        else:
-            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                         | NO_LINK, 0o600)
+            write_private_file(record.id + ".log", data, self.dir_fd)
+        else:  # a short write (a full disk, a file size limit) is finished or raises
+            fd = os.open(record.id + ".log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK,
+                         0o600, dir_fd=self.dir_fd)
             try:
-                os.write(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
-            record.disk_size += len(data)
-
+        with self.changed:  # read under it by _write_record
+            record.disk_size = len(data) if rewrite else record.disk_size + len(data)
 
 
 NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC  # a link planted in -runs-dir is never followed
@@ -4479,10 +4542,10 @@ def record_json(document):
     return (json.dumps(document, sort_keys=True) + "\n").encode()
 
 
-def append_record(path, line):
+def append_record(path, line, dir_fd=None):
     """Append a record's line to its file.  It starts with a newline of its own, so a line an
     earlier append left unfinished (a full disk) ends there and never joins this one."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, b"\n" + line)
     finally:
@@ -4507,35 +4570,36 @@ def write_all(fd, data):
         view = view[os.write(fd, view):]
 
 
-def write_new_file(path, data):
+def write_new_file(path, data, dir_fd=None):
     """Create path (0600; refused if anything, a link included, is there) holding data."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, data)
     finally:
         os.close(fd)
 
 
-def write_private_file(path, data):
+def write_private_file(path, data, dir_fd=None):
     """Replace path with data atomically (a new temp file 0600, then rename)."""
     temp = path + ".tmp"
-    remove_paths([temp])  # left by a daemon killed while writing
-    write_new_file(temp, data)
-    os.replace(temp, path)
+    remove_paths([temp], dir_fd)  # left by a daemon killed while writing
+    write_new_file(temp, data, dir_fd)
+    os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def open_no_link(path):
-    return open(os.open(path, os.O_RDONLY | NO_LINK), "rb")
+def open_no_link(path, dir_fd=None):
+    return open(os.open(path, os.O_RDONLY | NO_LINK, dir_fd=dir_fd), "rb")
 
 
-def read_run_files(directory):
-    """The fields of each record in a -runs-dir; one that is unreadable, malformed or whose id
-    is not its file name (retention deletes by id) is logged and skipped, never fatal."""
-    for name in os.listdir(directory):
+def read_run_files(dir_fd):
+    """The fields of each record in a -runs-dir held open as dir_fd; one that is unreadable,
+    malformed or whose id is not its file name (retention deletes by id) is logged and
+    skipped, never fatal."""
+    for name in os.listdir(dir_fd):
         if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
             continue
         try:
-            with open_no_link(os.path.join(directory, name)) as handle:
+            with open_no_link(name, dir_fd) as handle:
                 fields = last_record(handle.read())
             if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
                     and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
@@ -4548,41 +4612,64 @@ def read_run_files(directory):
         yield fields
 
 
+RUNS_LOCK = "webhookd.lock"  # in -runs-dir, 0600: held locked while a daemon uses the folder
+
+
 def open_runs_dir(path, uid, gid):
     """The -runs-dir folder of the user the daemon runs as (uid, gid: after -setuid), created
-    0700 (and made 0700 if it was not).  Refused if another user owns it (they could plant
-    records and links in it) or if it is a symbolic link (whoever owns the folder above could
-    point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
-    or by an earlier daemon running as root) is handed over to that user, through its open
-    descriptor, and its entries without following links.  The folder stays open and locked
-    while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
+    0700 (and made 0700 if it was not), as a descriptor: the daemon names its files relative to
+    it, so a link swapped in later for the folder (or one above it) is never followed.  Refused
+    if another user owns it (they could plant records and links in it) or if it is a symbolic
+    link (whoever owns the folder above could point it anywhere, /etc included, for root to
+    hand over).  A folder root owns (made now, or by an earlier daemon running as root) is
+    handed over to that user, through its open descriptor, and its entries without following
+    links.  While the daemon runs it holds a lock on RUNS_LOCK, a 0600 file inside (opened
+    without following links; not the folder itself, which anyone who opened it while it was
+    readable could lock): a second daemon on it (the same -runs-dir in two units) would mark
     the first one's running runs interrupted and delete its records; it is refused."""
     os.makedirs(path, 0o700, exist_ok=True)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NO_LINK)
     except OSError as exc:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
         raise
+    lock = None
     try:
+        st = os.fstat(fd)
+        handing_over = st.st_uid != uid
+        if handing_over and (st.st_uid != 0 or os.geteuid() != 0):
+            raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
+                                               "webhookd runs as" % (st.st_uid, uid))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock = os.open(RUNS_LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | NO_LINK, 0o600,
+                           dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, "%s in it is a symbolic link" % RUNS_LOCK) from None
+            raise
+        lock_st = os.fstat(lock)
+        if not stat.S_ISREG(lock_st.st_mode) or lock_st.st_uid != st.st_uid:
+            raise PermissionError(errno.EPERM, "%s in it is not a file of the folder's owner"
+                                  % RUNS_LOCK)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, "in use by another webhookd") from None
-        st = os.fstat(fd)
-        if st.st_uid != uid:
-            if st.st_uid != 0 or os.geteuid() != 0:
-                raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
-                                                   "webhookd runs as" % (st.st_uid, uid))
+        if handing_over:
             os.fchown(fd, uid, gid)
             for name in os.listdir(fd):
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
+        if stat.S_IMODE(lock_st.st_mode) != 0o600:
+            os.fchmod(lock, 0o600)
     except BaseException:
         os.close(fd)
+        if lock is not None:
+            os.close(lock)
         raise
-    return path  # fd stays open, holding the lock, until the daemon exits
+    return fd  # the lock's descriptor stays open, holding the lock, until the daemon exits
 
 
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
@@ -4704,14 +4791,13 @@ class RunsPage:
 def runs_filter(raw_query):
     """((hook, state, limit), None) for a run-list query, or (None, what is wrong with it)."""
     query = parse_query(raw_query)[0]
-    limit = query.get("limit", "100")
-    digits = limit.lstrip("0")  # int() refuses over 4,300 digits; no limit has more than 5
-    if not is_ascii_digits(limit) or len(digits) > 5 or not 0 < int(digits or "0") <= 10000:
+    limit = query.get("limit", "100").lstrip("0") or "0"  # int() refuses over 4,300 digits
+    if not is_ascii_digits(limit) or len(limit) > 5 or not 0 < int(limit) <= 10000:
         return None, "limit must be a whole number from 1 to 10000"
     state = query.get("state") or None
     if state is not None and state not in RUN_STATES:
         return None, "state must be one of " + ", ".join(RUN_STATES)
-    return (query.get("hook") or None, state, int(digits)), None
+    return (query.get("hook") or None, state, int(limit)), None
 
 
 def authorization_token(value):
@@ -5189,8 +5275,9 @@ def runs_options_problem(opts):
     elif opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
-            open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
-                          opts.setgid if dropping else os.getegid())
+            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
+                                             else os.geteuid(), opts.setgid if dropping
+                                             else os.getegid())
         except OSError as exc:
             return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
     return None
@@ -5198,7 +5285,7 @@ def runs_options_problem(opts):
 
 def make_run_store(opts):
     return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None)
+                    opts.runs_dir or None, opts.runs_dir_fd)
 
 
 # The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
@@ -5210,7 +5297,15 @@ def runs_command(opts, out=None):
     directory = opts.runs_dir
     if opts.runs_follow:
         return follow_run_file(directory, opts.runs_follow, out)
-    records = list(read_run_files(directory))
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        sys.stderr.write("cannot read -runs-dir %s: %s\n" % (directory, go_errno_text(exc)))
+        return 1
+    try:
+        records = list(read_run_files(dir_fd))
+    finally:
+        os.close(dir_fd)
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
                                                    "MS", "HOOK"))

@@ -203,7 +203,9 @@ def test_validate_lists_every_problem_and_exits_1(tmp_path):
         {"id": "ip", "execute-command": "/bin/true",
          "trigger-rule": {"match": {"type": "ip-whitelist", "ip-range": "10.0.0.0/33"}}},
         {"id": "cmd", "execute-command": str(tmp_path / "missing.sh"),
-         "command-working-directory": str(tmp_path / "nowhere"), "max-concurency": 1},
+         "command-working-directory": str(tmp_path / "nowhere"), "max-concurency": 1,
+         # a rule: an unknown field on a hook without one is refused before these checks
+         "trigger-rule": {"match": {"type": "ip-whitelist", "ip-range": "127.0.0.1"}}},
     ])
     result = subprocess.run(python_cmd(WEBHOOKD, "-validate", "-hooks", other, "-hooks", bad),
                             capture_output=True, text=True, timeout=30)
