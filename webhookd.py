@@ -1536,15 +1536,16 @@ def serialize_response(response, head, keep_alive):
         lines.append("Content-Type: " + sniff_content_type(body))
     lines += header_lines(headers)
     lines.append("Date: " + http_date())
+    is_head = head is not None and head.method == "HEAD"
     if status in NO_BODY_STATUSES:
         body = b""
-    else:
+    elif body or not is_head:  # Go: a HEAD answer with no body has no length at all
         lines.append("Content-Length: %d" % len(body))
     if not keep_alive:
         lines.append("Connection: close")
     elif version == "HTTP/1.0":
         lines.append("Connection: keep-alive")
-    if head is not None and head.method == "HEAD":
+    if is_head:
         body = b""
     return response_head(version, status_line(status), lines) + body
 

@@ -900,6 +900,14 @@ def test_capture_failure_is_generic_500(srv):
     assert hdrs["x-global"] == "g1=x"
 
 
+def test_head_answer_without_body_has_no_length(srv):
+    # Go's server counts a HEAD answer's length only when the handler wrote a body
+    status, hdrs, _ = call(srv, "HEAD", "/hooks/no-message")
+    assert status == 200 and "content-length" not in hdrs
+    status, hdrs, _ = call(srv, "HEAD", "/hooks/nope")
+    assert (status, hdrs.get("content-length")) == (404, "15")
+
+
 def test_capture_failure_with_output_on_error(srv):
     status, _, body = call(srv, "POST", "/hooks/cap-fail-onerr")
     assert (status, body) == (500, b"out1\nerr1\nout2\n")
