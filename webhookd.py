@@ -2617,7 +2617,8 @@ def captured_response(hook, result, headers, success):
     """The answer of include-command-output-in-response, once the command has ended."""
     if result.ok:
         return Response(success, result.output, headers)
-    headers["Content-Type"] = TEXT_PLAIN
+    # No Content-Type of ours: Go sets text/plain after writing the 500, which changes nothing,
+    # so a Content-Type of `response-headers` stays and otherwise the body is sniffed.
     if result.timed_out:
         return Response(504, MSG_TIMED_OUT, headers)
     body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR

@@ -242,6 +242,13 @@ def shared_hooks(e):
                          "include-command-output-in-response-on-error": True,
                          "command-working-directory": str(e.base / "no-such-dir")}),
         dict(capture, **{"id": "cap-space", "execute-command": "/bin/echo hi"}),
+        dict(capture, **{"id": "cap-fail-ctype", "execute-command": str(e.interleave),
+                         "pass-arguments-to-command": [arg("string", "3")],
+                         "response-headers": [{"name": "content-type", "value": "text/csv"}]}),
+        dict(capture, **{"id": "cap-fail-ctype-onerr", "execute-command": str(e.interleave),
+                         "include-command-output-in-response-on-error": True,
+                         "pass-arguments-to-command": [arg("string", "3")],
+                         "response-headers": [{"name": "Content-Type", "value": "text/csv"}]}),
         dict(capture, **{"id": "cap-ok999", "execute-command": str(e.interleave),
                          "success-http-response-code": 999}),
         dict(capture, **{"id": "cap-bytes", "execute-command": "/usr/bin/printf",
@@ -906,6 +913,14 @@ def test_head_answer_without_body_has_no_length(srv):
     assert status == 200 and "content-length" not in hdrs
     status, hdrs, _ = call(srv, "HEAD", "/hooks/nope")
     assert (status, hdrs.get("content-length")) == (404, "15")
+
+
+@pytest.mark.parametrize("hook_id,body", [("cap-fail-ctype", GENERIC_500),
+                                          ("cap-fail-ctype-onerr", b"out1\nerr1\nout2\n")])
+def test_capture_failure_keeps_the_hooks_content_type(srv, hook_id, body):
+    # Go sets text/plain only after writing the 500's head: the hook's own type stays
+    status, hdrs, data = call(srv, "POST", "/hooks/" + hook_id)
+    assert (status, data, hdrs["content-type"]) == (500, body, "text/csv")
 
 
 def test_capture_failure_with_output_on_error(srv):
