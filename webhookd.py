@@ -1474,12 +1474,51 @@ def http_date():
 HTML_SIGNATURES = (b"<!DOCTYPE HTML", b"<HTML", b"<HEAD", b"<SCRIPT", b"<IFRAME", b"<H1",
                    b"<DIV", b"<FONT", b"<TABLE", b"<A", b"<STYLE", b"<TITLE", b"<B", b"<BODY",
                    b"<BR", b"<P", b"<!--")
+# The rest of Go 1.19's table, in its order after the HTML signatures: (pattern, mask or None
+# for an exact prefix, Content-Type). Only `<?xml` is looked for after leading whitespace.
+RIFF_MASK = b"\xff\xff\xff\xff\x00\x00\x00\x00\xff\xff\xff\xff"  # any chunk size
+SNIFF_SIGNATURES = (
+    (b"%PDF-", None, "application/pdf"),
+    (b"%!PS-Adobe-", None, "application/postscript"),
+    (b"\xfe\xff\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16be"),
+    (b"\xff\xfe\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16le"),
+    (b"\xef\xbb\xbf\x00", b"\xff\xff\xff\x00", "text/plain; charset=utf-8"),
+    (b"\x00\x00\x01\x00", None, "image/x-icon"),
+    (b"\x00\x00\x02\x00", None, "image/x-icon"),
+    (b"BM", None, "image/bmp"),
+    (b"GIF87a", None, "image/gif"),
+    (b"GIF89a", None, "image/gif"),
+    (b"RIFF\x00\x00\x00\x00WEBPVP", RIFF_MASK + b"\xff\xff", "image/webp"),
+    (b"\x89PNG\r\n\x1a\n", None, "image/png"),
+    (b"\xff\xd8\xff", None, "image/jpeg"),
+    (b"FORM\x00\x00\x00\x00AIFF", RIFF_MASK, "audio/aiff"),
+    (b"ID3", None, "audio/mpeg"),
+    (b"OggS\x00", None, "application/ogg"),
+    (b"MThd\x00\x00\x00\x06", None, "audio/midi"),
+    (b"RIFF\x00\x00\x00\x00AVI ", RIFF_MASK, "video/avi"),
+    (b"RIFF\x00\x00\x00\x00WAVE", RIFF_MASK, "audio/wave"),
+    (None, None, "video/mp4"),  # no fixed pattern: is_mp4 reads the box
+    (b"\x1a\x45\xdf\xa3", None, "video/webm"),
+    (b"\x00" * 34 + b"LP", b"\x00" * 34 + b"\xff\xff", "application/vnd.ms-fontobject"),
+    (b"\x00\x01\x00\x00", None, "font/ttf"),
+    (b"OTTO", None, "font/otf"),
+    (b"ttcf", None, "font/collection"),
+    (b"wOFF", None, "font/woff"),
+    (b"wOF2", None, "font/woff2"),
+    (b"\x1f\x8b\x08", None, "application/x-gzip"),
+    (b"PK\x03\x04", None, "application/zip"),
+    (b"Rar!\x1a\x07\x00", None, "application/x-rar-compressed"),
+    (b"Rar!\x1a\x07\x01\x00", None, "application/x-rar-compressed"),
+    (b"\x00asm", None, "application/wasm"),
+)
 BINARY_BYTES = re.compile(b"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f]")
 
 
 def sniff_content_type(body):
-    """The common cases of Go's http.DetectContentType (HTML, XML, text, binary)."""
-    data = body[:512].lstrip(b"\t\n\x0c\r ")
+    """Go's http.DetectContentType (Go 1.19, as Debian's webhook 2.8 is built): HTML and XML
+    after leading whitespace, then the binary signatures at the very start, then text."""
+    head = body[:512]
+    data = head.lstrip(b"\t\n\x0c\r ")
     if data.startswith(b"<"):
         upper = data[:16].upper()
         for signature in HTML_SIGNATURES:
@@ -1488,9 +1527,29 @@ def sniff_content_type(body):
                 return "text/html; charset=utf-8"
         if data.startswith(b"<?xml"):
             return "text/xml; charset=utf-8"
-    if BINARY_BYTES.search(body, 0, 512):
+    for pattern, mask, content_type in SNIFF_SIGNATURES:
+        if pattern is None:
+            if is_mp4(head):
+                return content_type
+        elif mask is None:
+            if head.startswith(pattern):
+                return content_type
+        elif len(head) >= len(pattern) and all(
+                b & m == p for b, m, p in zip(head, mask, pattern)):
+            return content_type
+    if BINARY_BYTES.search(data):
         return "application/octet-stream"
     return TEXT_PLAIN
+
+
+def is_mp4(data):
+    """Go's mp4 signature: an `ftyp` box whose brands include `mp4` (the version skipped)."""
+    if len(data) < 12:
+        return False
+    size = int.from_bytes(data[:4], "big")
+    if len(data) < size or size % 4 or data[4:8] != b"ftyp":
+        return False
+    return any(data[at:at + 3] == b"mp4" for at in range(8, size, 4) if at != 12)
 
 
 class Response:

@@ -249,6 +249,8 @@ def shared_hooks(e):
                          "include-command-output-in-response-on-error": True,
                          "pass-arguments-to-command": [arg("string", "3")],
                          "response-headers": [{"name": "Content-Type", "value": "text/csv"}]}),
+        dict(capture, **{"id": "cap-printf", "execute-command": "/usr/bin/printf",
+                         "pass-arguments-to-command": [arg("url", "format")]}),
         dict(capture, **{"id": "cap-ok999", "execute-command": str(e.interleave),
                          "success-http-response-code": 999}),
         dict(capture, **{"id": "cap-bytes", "execute-command": "/usr/bin/printf",
@@ -921,6 +923,31 @@ def test_capture_failure_keeps_the_hooks_content_type(srv, hook_id, body):
     # Go sets text/plain only after writing the 500's head: the hook's own type stays
     status, hdrs, data = call(srv, "POST", "/hooks/" + hook_id)
     assert (status, data, hdrs["content-type"]) == (500, body, "text/csv")
+
+
+@pytest.mark.parametrize("output,content_type", [
+    ("%%PDF-1.4", "application/pdf"),
+    ("%%!PS-Adobe-3.0", "application/postscript"),
+    ("GIF89a..", "image/gif"),
+    ("\\211PNG\\r\\n\\032\\n....", "image/png"),
+    ("\\377\\330\\377\\340", "image/jpeg"),
+    ("PK\\003\\004....", "application/zip"),
+    ("\\037\\213\\010....", "application/x-gzip"),
+    ("RIFF\\001\\002\\003\\004WAVEfmt ", "audio/wave"),
+    ("\\000\\000\\000\\030ftypmp42\\000\\000\\000\\000mp41isom", "video/mp4"),
+    ("\\357\\273\\277text", "text/plain; charset=utf-8"),
+    ("\\376\\377\\000a", "text/plain; charset=utf-16be"),
+    ("\\000\\001\\000\\000", "font/ttf"),
+    ("wOF2....", "font/woff2"),
+    ("\\000asm\\001", "application/wasm"),
+    ("  %%PDF-1.4", "text/plain; charset=utf-8"),     # binary signatures only at the very start
+    ("  <?xml version='1.0'?>", "text/xml; charset=utf-8"),
+    ("\\001binary", "application/octet-stream"),
+])
+def test_command_output_content_type_is_sniffed_as_go_does(srv, output, content_type):
+    # (printf reads `output` as its format: `%%` is a `%`, `\NNN` an octal byte)
+    status, hdrs, _ = call(srv, "POST", hook_path("cap-printf", format=output))
+    assert (status, hdrs.get("content-type")) == (200, content_type)
 
 
 def test_capture_failure_with_output_on_error(srv):
