@@ -2456,11 +2456,13 @@ class Pipeline:
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
                       redact_target(head.target, hook.secret_params), head.version, shown,
                       len(body))
-        return HookRequest(rid, head.method, self.client(head, remote_addr),
-                           {k: v[0] for k, v in head.headers.items()
-                            if k not in ("Host", "Transfer-Encoding")},
-                           parse_query(raw_query)[0], body,
-                           hook.incoming_content_type or head.get("Content-Type"))
+        query, query_ok = parse_query(raw_query)
+        request = HookRequest(rid, head.method, self.client(head, remote_addr),
+                              {k: v[0] for k, v in head.headers.items()
+                               if k not in ("Host", "Transfer-Encoding")},
+                              query, body, hook.incoming_content_type or head.get("Content-Type"))
+        request.query_ok = query_ok
+        return request
 
     def trigger(self, head, hook, request, stream):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
@@ -3233,14 +3235,15 @@ def form_part_name(headers):
 class HookRequest:
     """What rules and arguments can see of one request."""
 
-    __slots__ = ("id", "method", "remote_addr", "headers", "query", "payload", "body",
-                 "raw_body", "content_type", "allow_signature_errors")
+    __slots__ = ("id", "method", "remote_addr", "headers", "query", "query_ok", "payload",
+                 "body", "raw_body", "content_type", "allow_signature_errors")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
         self.headers, self.query, self.body = headers, query, body
         self.raw_body = body  # as received, even where `body` is emptied (multipart)
         self.content_type, self.payload = content_type, None
+        self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
 
 
@@ -3257,6 +3260,8 @@ def parse_payload(request, hook, multipart_content_type):
     elif content_type.startswith("multipart/form-data;"):
         names = {a.name for a in hook.json_parameters if a.source == "payload"}
         request.payload = parse_multipart(request.body, multipart_content_type, names)
+        if not request.query_ok:  # Go's ParseMultipartForm returns ParseForm's query error
+            raise MultipartError("invalid URL escape or semicolon in the query string")
         request.body = b""  # upstream never reads a multipart body into the request body
         return []
     else:
