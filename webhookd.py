@@ -3331,6 +3331,8 @@ def apply_json_parameters(hook, request):
         except ValueError as exc:
             messages.append("error parsing JSON parameters: %s" % exc)
             continue
+        if decoded is None:  # `null` leaves Go's map nil, which renders as `null`
+            decoded = NilMap()
         lookup = parameter_map(arg, request)
         if lookup is None:
             messages.append("invalid source for argument %r" % arg)

@@ -328,6 +328,10 @@ def shared_hooks(e):
                                                       arg("payload", "payload")],
                          "pass-arguments-to-command": [arg("url", "p.x"), arg("header", "X-J.y.z"),
                                                        arg("payload", "payload.repo.name")]}),
+        dict(capture, **{"id": "ppj-null", "execute-command": dump,
+                         "parse-parameters-as-json": [arg("url", "p")],
+                         "pass-arguments-to-command": [arg("url", "p"), arg("url", "p.x")],
+                         "pass-environment-to-command": [arg("url", "p")]}),
         # --- environment and files ----------------------------------------------------
         dict(capture, **{"id": "env", "execute-command": dump,
                          "pass-environment-to-command": [
@@ -1367,6 +1371,12 @@ def test_parse_parameters_as_json_leaves_non_objects_as_strings(srv):
         assert rec["args"][0] == "", raw        # p.x does not exist
     rec = dumped(srv, "ppj", query=urllib.parse.urlencode({"p": '{"x": 1.50} trailing'}))
     assert rec["args"][0] == "1.50"             # first JSON value, numbers as written
+
+
+def test_parse_parameters_as_json_null_is_a_nil_map(srv):
+    # Go decodes `null` into a nil map, which it renders as JSON: `null`, never `<nil>`
+    rec = dumped(srv, "ppj-null", query="p=null")
+    assert (rec["args"], rec["env"]["HOOK_p"]) == (["null", ""], "null")
 
 
 def test_parse_parameters_as_json(srv):
