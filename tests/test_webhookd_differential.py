@@ -44,6 +44,7 @@ CASES = int(os.environ.get("DIFF_CASES", "1000"))
 ONLY_CASE = os.environ.get("DIFF_CASE")
 BATCH = 200          # cases per pair of daemons
 WORKERS = 4          # cases in flight at once
+SHOWN = 20           # failures printed in full (the others by number)
 IGNORED_HEADERS = {"date", "x-webhookd-run"}
 
 
@@ -852,4 +853,6 @@ def test_differential(work):
         SEED, len(numbers), len(failures), excused or "none", seen)
     print(summary)
     if failures:
-        pytest.fail(summary + "\n\n" + "\n\n".join(failures[:20]), pytrace=False)
+        listing = [f.partition("\n")[0] for f in failures]
+        pytest.fail(summary + "\n\n" + "\n\n".join(failures[:SHOWN]) + "\n\nall of them:\n"
+                    + "\n".join(listing), pytrace=False)
