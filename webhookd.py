@@ -2732,17 +2732,36 @@ JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_integer,
 JSON_SPACE = " \t\n\r"
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def decode_json_value(text):
-    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored)."""
+    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored).  Text
+    decoded with surrogateescape: Go reads each byte that is not UTF-8, and each `\\u` escape
+    of a lone surrogate, as U+FFFD."""
     start = len(text) - len(text.lstrip(JSON_SPACE))
     if start == len(text):
         raise ValueError("EOF")
     try:
         value, _ = JSON_DECODER.raw_decode(text, start)
+        if SURROGATE.search(text) or SURROGATE_ESCAPE.search(text):  # rare: scan only then
+            value = without_surrogates(value)
     except json.JSONDecodeError as exc:
         raise ValueError(str(exc)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    return value
+
+
+def without_surrogates(value):
+    """value with every surrogate in its strings and keys replaced by U+FFFD."""
+    if type(value) is str:  # not a GoNumber
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
     return value
 
 
@@ -2764,8 +2783,8 @@ GO_JSON_SPECIAL = re.compile('["\\\\\x00-\x1f<>&\u2028\u2029\ud800-\udfff]')
 def _go_escape_char(match):
     ch = match.group(0)
     escaped = GO_JSON_ESCAPES.get(ch)
-    if escaped is None:
-        escaped = "\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
+    if escaped is None:  # a surrogate: a byte that was not UTF-8, escaped as Go does
+        escaped = "\\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
     return escaped
 
 
@@ -2941,7 +2960,7 @@ class MultipartError(Exception):
 
 
 def parse_json_payload(body):
-    text = body.decode("utf-8", "replace")
+    text = body.decode("utf-8", "surrogateescape")
     if text.lstrip(JSON_SPACE)[:1] == "[":
         try:
             return {"root": decode_json_value(text)}
@@ -3212,7 +3231,7 @@ def parse_multipart(body, content_type, json_part_names):
             payload.setdefault(name, data.decode("utf-8", "surrogateescape"))
         else:
             try:
-                value = decode_json_object(data.decode("utf-8", "replace"))
+                value = decode_json_object(data.decode("utf-8", "surrogateescape"))
             except ValueError:
                 value = None
             payload[name] = NilMap() if value is None else value

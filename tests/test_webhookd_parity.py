@@ -1365,6 +1365,17 @@ def test_entire_payload_without_payload_is_null(srv):
     assert rec["args"][3] == ""
 
 
+def test_bytes_that_are_not_utf8_read_and_written_as_go_does(srv):
+    # Go's JSON decoder reads each byte that is not UTF-8, and a \u escape of a lone surrogate,
+    # as U+FFFD; its encoder writes each such byte of a query, form or header value as \ufffd
+    body = b'{"x": "a\\ud800b\\udc80c\xe6\x97d\xff"}'
+    rec = dumped(srv, "pl", body=body, headers={"Content-Type": "application/json"})
+    assert rec["args"][:2] == ["a\ufffdb\ufffdc\ufffd\ufffdd\ufffd",
+                               '{"x":"a\ufffdb\ufffdc\ufffd\ufffdd\ufffd"}']
+    rec = dumped(srv, "src-entire", method="GET", query="b=%E9x&c=%C3%A9")
+    assert rec["args"][1] == '{"b":"\\ufffdx","c":"\u00e9"}'
+
+
 def test_parse_parameters_as_json_leaves_non_objects_as_strings(srv):
     for raw in ("[1,2]", "notjson", '"str"'):
         rec = dumped(srv, "ppj", query=urllib.parse.urlencode({"p": raw}))
