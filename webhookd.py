@@ -3409,7 +3409,8 @@ def evaluate_match(rule, request):
     if kind == "regex":
         if rule.compiled is None:
             return False, RuleError(rule.regex_error)
-        return rule.compiled.search(value) is not None, None
+        # Go's regexp reads each byte that is not UTF-8 (a surrogate here) as U+FFFD
+        return rule.compiled.search(SURROGATE.sub("\ufffd", value)) is not None, None
     if kind in HMAC_TYPES:
         if kind.startswith("payload-hash-"):
             log.warning("warn: use of deprecated option %s; use %s instead",

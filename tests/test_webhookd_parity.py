@@ -395,6 +395,7 @@ def shared_hooks(e):
         rule_hook("r-regex-lookahead", match("regex", arg("url", "tag"), regex="v(?=1)")),
         rule_hook("r-regex-backref", match("regex", arg("url", "tag"), regex=r"(v)\1")),
         rule_hook("r-regex-flags", match("regex", arg("url", "tag"), regex="(?i)^V1$")),
+        rule_hook("r-regex-fffd", match("regex", arg("url", "tag"), regex="^v\ufffd.$")),
         rule_hook("r-sha1", hmac_rule("payload-hmac-sha1")),
         rule_hook("r-sha256", hmac_rule("payload-hmac-sha256")),
         rule_hook("r-sha512", hmac_rule("payload-hmac-sha512")),
@@ -1504,6 +1505,9 @@ def test_pass_file_goes_to_working_directory(srv):
     ("r-regex-lookahead", "tag=v1", {}, RULE_ERROR),
     ("r-regex-backref", "tag=vv", {}, RULE_ERROR),
     ("r-regex-flags", "tag=v1", {}, FIRED),
+    ("r-regex-fffd", "tag=v%FF%E6", {}, FIRED),      # each byte not UTF-8 read as U+FFFD
+    ("r-regex-fffd", "tag=v%FFx", {}, FIRED),
+    ("r-regex-fffd", "tag=v%E6%97%A5", {}, MISSED),
     ("r-ip-cidr", "", {}, FIRED),
     ("r-ip-bare", "", {}, FIRED),
     ("r-ip-list", "", {}, FIRED),
