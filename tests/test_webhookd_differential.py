@@ -92,14 +92,15 @@ KEYS = ["a", "b", "ref", "name", "repository", "commits", "id", "x.y", "0", "Ün
         "key-dash", "UPPER", "日本", "a.b", "head_commit", "payload", ""]
 STRINGS = ["plain", "with space", "ünïcödé", "日本語", "emoji 😀", 'quote"in', "back\\slash",
            "<b>&amp;</b>", "line\nbreak", "tab\tin", "", "refs/heads/main", "1.50", "true",
-           "null", "a,b;c", "%41+%2B", "sha1=x", "  padded  ", "\u00e9", "\u2028sep"]
+           "null", "a,b;c", "%41+%2B", "sha1=x", "  padded  ", "\u00e9", "\u2028sep",
+           "bad\udcffbyte", "cut\udce6\udc97"]   # (surrogates: bytes that are not UTF-8)
 NUMBERS = ["0", "-0", "1", "-1", "42", "1.0", "1.50", "-0.0", "1e5", "1E5", "1e+5", "1e-5",
            "1.5e300", "1e400", "123456789012345678901234567890", "9007199254740993", "0.1",
            "-12.340e-2", "3.14159", "100000000000000000000.0", "5e-324"]
 HEADERS = ["X-Event", "x-custom-header", "X-GITHUB-EVENT", "x-Request-ID", "X-Token", "Foo",
            "X-Dup", "x_under", "X-Hub-Signature", "X-Weird-CASE"]
 HEADER_VALUES = ["push", "Deploy Now", "ünï", "a, b", "  spaced  ", "token-123", "", "1",
-                 "sha1=abc", "日本"]
+                 "sha1=abc", "日本", "raw\udcff"]
 CONTENT_TYPES = {
     "json": ["application/json", "application/json; charset=utf-8", "Application/JSON",
              "application/vnd.api+json", "text/json"],
@@ -125,9 +126,13 @@ class Payload:
 def json_string(rng, s):
     """JSON text of s with random escaping (\\u escapes, surrogate pairs, \\/)."""
     out = ['"']
+    if rng.random() < 0.03:
+        out.append(rng.choice(["\\ud800", "\\udc80", "\\ud83dx"]))    # a lone surrogate
     for ch in s:
         cp = ord(ch)
-        if ch in '"\\':
+        if 0xdc80 <= cp <= 0xdcff:
+            out.append(ch)              # a raw byte that is not UTF-8
+        elif ch in '"\\':
             out.append("\\" + ch)
         elif ch == "/" and rng.random() < 0.5:
             out.append("\\/")
@@ -204,11 +209,17 @@ def gen_json_payload(rng):
         text = rng.choice(['{"a": 1', '{"a": 1}{"b": 2}', "not json", "", '{"a":1,}'])
     if rng.random() < 0.2:
         text = " \n" + text + "\n"
-    p.body = text.encode()
+    p.body = raw_bytes(text)
     return p
 
 
+def raw_bytes(text):
+    """Text to bytes, surrogates back to the bytes they stand for."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def encode_component(rng, s):
+    s = raw_bytes(s)
     r = rng.random()
     if r < 0.5:
         return urllib.parse.quote_plus(s, safe="")
@@ -216,7 +227,7 @@ def encode_component(rng, s):
         return urllib.parse.quote(s, safe="")
     if r < 0.95:
         return urllib.parse.quote(s, safe="/:@!$'()*,;")
-    return s.replace("&", "%26").replace("=", "%3D").replace("#", "%23").replace(" ", "+")
+    return urllib.parse.quote(s, safe=" ").replace(" ", "+")
 
 
 def gen_pairs(rng, count):
@@ -271,7 +282,7 @@ def gen_multipart_payload(rng, boundary):
         if r < 0.55:
             value = rng.choice(STRINGS)
             head = 'Content-Disposition: form-data; name="%s"' % name
-            parts.append(head.encode() + b"\r\n\r\n" + value.encode())
+            parts.append(head.encode() + b"\r\n\r\n" + raw_bytes(value))
             p.paths.setdefault(name, value)
         else:
             inner = {}
@@ -279,7 +290,7 @@ def gen_multipart_payload(rng, boundary):
             ctype = rng.choice(["application/json", "text/plain", "application/json; charset=utf-8"])
             head = 'Content-Disposition: form-data; name="%s"; filename="%s.json"\r\n' \
                    'Content-Type: %s' % (name, name, ctype)
-            parts.append(head.encode() + b"\r\n\r\n" + text.encode())
+            parts.append(head.encode() + b"\r\n\r\n" + raw_bytes(text))
             for k in inner:
                 p.paths.setdefault(name + ("." + k if k else ""), None)
     body = b"".join(b"--" + boundary + b"\r\n" + part + b"\r\n" for part in parts)
@@ -339,7 +350,7 @@ class Case:
         if self.body or self.method in ("POST", "PUT", "PATCH"):
             lines.append(("Content-Length", str(len(self.body))))
         data = head.encode() + b"".join(
-            n.encode() + b": " + v.encode() + b"\r\n" for n, v in lines) + b"\r\n"
+            n.encode() + b": " + raw_bytes(v) + b"\r\n" for n, v in lines) + b"\r\n"
         return data + self.body
 
 
@@ -573,6 +584,7 @@ def gen_case(number, batch_flags):
     signer.apply(rng, headers, body)
     if req.ctype is not None:
         headers.insert(rng.randint(0, len(headers)), (odd_case(rng, "Content-Type"), req.ctype))
+    hook = utf8_only(hook)
     prefix = batch_flags["prefix"]
     hook_id = hook["id"]
     if rng.random() < 0.05:
@@ -581,6 +593,17 @@ def gen_case(number, batch_flags):
         hook_id if rng.random() < 0.9 else urllib.parse.quote(hook_id, safe=""))
     target = path + ("?" + encode_pairs(rng, req.query) if req.query else "")
     return Case(number, hook, req.method, target, headers, body)
+
+
+def utf8_only(value):
+    """A hooks file is UTF-8: bytes that are not (surrogates here) become U+FFFD."""
+    if isinstance(value, str):
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, dict):
+        return {utf8_only(k): utf8_only(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [utf8_only(v) for v in value]
+    return value
 
 
 def gen_batch_flags(batch, bin_dir):
