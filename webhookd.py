@@ -1601,7 +1601,8 @@ def serialize_response(response, head, keep_alive):
     elif body or not is_head:  # Go: a HEAD answer with no body has no length at all
         lines.append("Content-Length: %d" % len(body))
     if not keep_alive:
-        lines.append("Connection: close")
+        if version != "HTTP/1.0":  # Go: an HTTP/1.0 answer closes without saying so
+            lines.append("Connection: close")
     elif version == "HTTP/1.0":
         lines.append("Connection: keep-alive")
     if is_head:

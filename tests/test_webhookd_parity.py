@@ -740,9 +740,11 @@ def test_oversized_request_headers_get_431(srv):
 
 
 def test_http_1_0_request(srv):
-    status, _, data = parse_response(raw_exchange(
-        srv.port, b"GET /hooks/group/deploy HTTP/1.0\r\n\r\n"))
+    response = raw_exchange(srv.port, b"GET /hooks/group/deploy HTTP/1.0\r\n\r\n")
+    status, headers, data = parse_response(response)
     assert (status, data) == (200, b"slash")
+    # the connection closes without a `Connection: close`, as Go answers HTTP/1.0
+    assert response.startswith(b"HTTP/1.0 200 OK\r\n") and "connection" not in headers
 
 
 def test_github_push_deploy(srv):
