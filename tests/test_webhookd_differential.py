@@ -6,7 +6,8 @@ same environment, each on a free loopback port. Compared, byte for byte, is ever
 or a command can observe:
 
   - the answer: status line, body, and the headers a sender sees, minus `Date` and webhookd's own
-    `X-Webhookd-Run`;
+    `X-Webhookd-Run`; the request goes with `Connection: close`, kept alive (then `GET /` on the
+    same connection, whose answer is compared too), as HTTP/1.0, or with a chunked body;
   - what the command got: the hook's command is tests/fixtures/webhook_record.py under a link
     named after the case, which records its argv, environment, stdin and the files the
     environment names (pass-file-to-command), and prints the same (for
@@ -64,7 +65,8 @@ FRAMING = {"content-length", "transfer-encoding"}
 
 def _framing(case, go, ours):
     if go["status"] != ours["status"] or go["body"] != ours["body"] \
-            or go["command"] != ours["command"]:
+            or go["command"] != ours["command"] \
+            or go["next on the connection"] != ours["next on the connection"]:
         return False
     rest = [[h for h in side["headers"] if h[0] not in FRAMING] for side in (go, ours)]
     chunked = ("transfer-encoding", "chunked")
@@ -336,22 +338,34 @@ def gen_xml_payload(rng):
 # ---------------------------------------------------------------------------------------------
 
 class Case:
-    def __init__(self, number, hook, method, target, headers, body):
+    def __init__(self, number, hook, method, target, headers, body, transport):
         self.number = number
         self.hook = hook
         self.method = method
         self.target = target
         self.headers = headers      # [(name, value)] in order, as sent
         self.body = body
+        # "close" (Connection: close), "keep-alive" (then `GET /` on the same connection),
+        # "http/1.0", or "chunked" (the body in chunks, Connection: close)
+        self.transport = transport
 
     def raw(self):
-        head = "%s %s HTTP/1.1\r\n" % (self.method, self.target)
-        lines = [("Host", "example.org")] + self.headers + [("Connection", "close")]
-        if self.body or self.method in ("POST", "PUT", "PATCH"):
+        version = "HTTP/1.0" if self.transport == "http/1.0" else "HTTP/1.1"
+        head = "%s %s %s\r\n" % (self.method, self.target, version)
+        lines = [("Host", "example.org")] + self.headers
+        if self.transport in ("close", "chunked"):
+            lines.append(("Connection", "close"))
+        body = self.body
+        if self.transport == "chunked":
+            lines.append(("Transfer-Encoding", "chunked"))
+            size = max(1, len(body) // 3)
+            body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                            for i in range(0, len(body), size)) + b"0\r\n\r\n"
+        elif self.body or self.method in ("POST", "PUT", "PATCH"):
             lines.append(("Content-Length", str(len(self.body))))
         data = head.encode() + b"".join(
             n.encode() + b": " + raw_bytes(v) + b"\r\n" for n, v in lines) + b"\r\n"
-        return data + self.body
+        return data + body
 
 
 class Request:
@@ -592,7 +606,8 @@ def gen_case(number, batch_flags):
     path = ("/" + prefix if prefix else "") + "/" + (
         hook_id if rng.random() < 0.9 else urllib.parse.quote(hook_id, safe=""))
     target = path + ("?" + encode_pairs(rng, req.query) if req.query else "")
-    return Case(number, hook, req.method, target, headers, body)
+    transport = rng.choice(["close"] * 12 + ["keep-alive"] * 5 + ["http/1.0", "chunked"])
+    return Case(number, hook, req.method, target, headers, body, transport)
 
 
 def utf8_only(value):
@@ -673,40 +688,55 @@ def hooks_text(hooks, yaml):
 # Running a batch against both programs
 # ---------------------------------------------------------------------------------------------
 
-def send(port, raw, timeout=20.0):
-    """Send raw bytes, read the whole answer (the request says Connection: close).
-    Returns (client port, status line, [(name, value)], body)."""
+NEXT_ON_CONNECTION = b"GET / HTTP/1.1\r\nHost: example.org\r\nConnection: close\r\n\r\n"
+
+
+def send(port, case, timeout=20.0):
+    """Send the case's request and read its answer as framed; a keep-alive case then sends
+    `GET /` on the same connection and reads that answer too.
+    Returns (client port, status line, [(name, value)], body, the next answer or None)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         client_port = sock.getsockname()[1]
-        sock.sendall(raw)
-        chunks = []
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    data = b"".join(chunks)
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
+        sock.sendall(case.raw())
+        stream = sock.makefile("rb")
+        status, headers, body = read_response(stream, case.method)
+        following = None
+        if case.transport == "keep-alive":
+            sock.sendall(NEXT_ON_CONNECTION)
+            following = read_response(stream, "GET")
+    return client_port, status, headers, body, following
+
+
+def read_response(stream, method):
+    """One answer: status line, headers, body (by Content-Length, chunked, or to the end)."""
+    status = stream.readline().rstrip(b"\r\n").decode("latin-1")
     headers = []
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
-    if any(n.lower() == "transfer-encoding" and "chunked" in v.lower() for n, v in headers):
-        body = dechunk(body)
-    return client_port, lines[0].decode("latin-1"), headers, body
-
-
-def dechunk(data):
-    out = []
-    while data:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
+    while True:
+        line = stream.readline()
+        if line in (b"\r\n", b"\n", b""):
             break
-        out.append(data[:size])
-        data = data[size + 2:]
-    return b"".join(out)
+        name, _, value = line.rstrip(b"\r\n").partition(b":")
+        headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
+    fields = {n.lower(): v for n, v in headers}
+    code = status.split(" ")[1] if status.count(" ") else ""
+    if method == "HEAD" or code in ("204", "304") or code.startswith("1"):
+        body = b""
+    elif "chunked" in fields.get("transfer-encoding", "").lower():
+        parts = []
+        while True:
+            size = int(stream.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while stream.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                break
+            parts.append(stream.read(size))
+            stream.readline()
+        body = b"".join(parts)
+    elif "content-length" in fields:
+        body = stream.read(int(fields["content-length"]))
+    else:
+        body = stream.read()
+    return status, headers, body
 
 
 class Side:
@@ -726,10 +756,14 @@ class Side:
         self.port = port
 
     def observe(self, case):
-        client_port, status, headers, body = send(self.port, case.raw())
+        try:
+            client_port, status, headers, body, following = send(self.port, case)
+        except (OSError, ValueError) as exc:    # a timeout, a reset, a broken frame
+            return {"client_port": 0, "status_line": "no answer: %r" % exc, "status": 0,
+                    "headers": [], "body": b"", "following": None}
         return {"client_port": client_port, "status_line": status,
                 "status": int(status.split()[1]) if len(status.split()) > 1 else 0,
-                "headers": headers, "body": body}
+                "headers": headers, "body": body, "following": following}
 
     def record(self, case):
         name = os.path.basename(case.hook["execute-command"])
@@ -753,13 +787,18 @@ def normalize(obs, record):
     rec = None
     if record is not None:
         rec = json.loads(fix(json.dumps(record, sort_keys=True).encode()).decode())
-    return {"code": obs["status"], "status": obs["status_line"], "headers": sorted(headers, key=lambda h: h[0]),
-            "body": fix(obs["body"]), "command": rec}
+    following = obs["following"]
+    if following is not None:   # `GET /` after the case on a kept-alive connection
+        following = (following[0], sorted((n.lower(), v) for n, v in following[1]
+                                          if n.lower() not in IGNORED_HEADERS), following[2])
+    return {"code": obs["status"], "status": obs["status_line"],
+            "headers": sorted(headers, key=lambda h: h[0]), "body": fix(obs["body"]),
+            "command": rec, "next on the connection": following}
 
 
 def differences(case, go, ours):
     out = []
-    for key in ("status", "headers", "body", "command"):
+    for key in ("status", "headers", "body", "command", "next on the connection"):
         if go[key] != ours[key]:
             out.append(key)
     return out
@@ -784,6 +823,8 @@ def report(case, flags, diffs, go, ours):
         "flags: %s" % " ".join(flags["args"]) if flags["args"] else "flags: (none)",
         "hooks file (%s):" % ("YAML" if flags["yaml"] else "JSON"), hooks,
         "raw request: %r" % case.raw()]
+    if case.transport == "keep-alive":
+        lines.append("then on the same connection: %r" % NEXT_ON_CONNECTION)
     for key in diffs:
         lines.append("  %s webhook : %s" % (key, clip(go[key])))
         lines.append("  %s webhookd: %s" % (key, clip(ours[key])))
