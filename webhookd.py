@@ -1545,12 +1545,51 @@ def http_date():
 HTML_SIGNATURES = (b"<!DOCTYPE HTML", b"<HTML", b"<HEAD", b"<SCRIPT", b"<IFRAME", b"<H1",
                    b"<DIV", b"<FONT", b"<TABLE", b"<A", b"<STYLE", b"<TITLE", b"<B", b"<BODY",
                    b"<BR", b"<P", b"<!--")
+# The rest of Go 1.19's table, in its order after the HTML signatures: (pattern, mask or None
+# for an exact prefix, Content-Type). Only `<?xml` is looked for after leading whitespace.
+RIFF_MASK = b"\xff\xff\xff\xff\x00\x00\x00\x00\xff\xff\xff\xff"  # any chunk size
+SNIFF_SIGNATURES = (
+    (b"%PDF-", None, "application/pdf"),
+    (b"%!PS-Adobe-", None, "application/postscript"),
+    (b"\xfe\xff\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16be"),
+    (b"\xff\xfe\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16le"),
+    (b"\xef\xbb\xbf\x00", b"\xff\xff\xff\x00", "text/plain; charset=utf-8"),
+    (b"\x00\x00\x01\x00", None, "image/x-icon"),
+    (b"\x00\x00\x02\x00", None, "image/x-icon"),
+    (b"BM", None, "image/bmp"),
+    (b"GIF87a", None, "image/gif"),
+    (b"GIF89a", None, "image/gif"),
+    (b"RIFF\x00\x00\x00\x00WEBPVP", RIFF_MASK + b"\xff\xff", "image/webp"),
+    (b"\x89PNG\r\n\x1a\n", None, "image/png"),
+    (b"\xff\xd8\xff", None, "image/jpeg"),
+    (b"FORM\x00\x00\x00\x00AIFF", RIFF_MASK, "audio/aiff"),
+    (b"ID3", None, "audio/mpeg"),
+    (b"OggS\x00", None, "application/ogg"),
+    (b"MThd\x00\x00\x00\x06", None, "audio/midi"),
+    (b"RIFF\x00\x00\x00\x00AVI ", RIFF_MASK, "video/avi"),
+    (b"RIFF\x00\x00\x00\x00WAVE", RIFF_MASK, "audio/wave"),
+    (None, None, "video/mp4"),  # no fixed pattern: is_mp4 reads the box
+    (b"\x1a\x45\xdf\xa3", None, "video/webm"),
+    (b"\x00" * 34 + b"LP", b"\x00" * 34 + b"\xff\xff", "application/vnd.ms-fontobject"),
+    (b"\x00\x01\x00\x00", None, "font/ttf"),
+    (b"OTTO", None, "font/otf"),
+    (b"ttcf", None, "font/collection"),
+    (b"wOFF", None, "font/woff"),
+    (b"wOF2", None, "font/woff2"),
+    (b"\x1f\x8b\x08", None, "application/x-gzip"),
+    (b"PK\x03\x04", None, "application/zip"),
+    (b"Rar!\x1a\x07\x00", None, "application/x-rar-compressed"),
+    (b"Rar!\x1a\x07\x01\x00", None, "application/x-rar-compressed"),
+    (b"\x00asm", None, "application/wasm"),
+)
 BINARY_BYTES = re.compile(b"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f]")
 
 
 def sniff_content_type(body):
-    """The common cases of Go's http.DetectContentType (HTML, XML, text, binary)."""
-    data = body[:512].lstrip(b"\t\n\x0c\r ")
+    """Go's http.DetectContentType (Go 1.19, as Debian's webhook 2.8 is built): HTML and XML
+    after leading whitespace, then the binary signatures at the very start, then text."""
+    head = body[:512]
+    data = head.lstrip(b"\t\n\x0c\r ")
     if data.startswith(b"<"):
         upper = data[:16].upper()
         for signature in HTML_SIGNATURES:
@@ -1559,9 +1598,29 @@ def sniff_content_type(body):
                 return "text/html; charset=utf-8"
         if data.startswith(b"<?xml"):
             return "text/xml; charset=utf-8"
-    if BINARY_BYTES.search(body, 0, 512):
+    for pattern, mask, content_type in SNIFF_SIGNATURES:
+        if pattern is None:
+            if is_mp4(head):
+                return content_type
+        elif mask is None:
+            if head.startswith(pattern):
+                return content_type
+        elif len(head) >= len(pattern) and all(
+                b & m == p for b, m, p in zip(head, mask, pattern)):
+            return content_type
+    if BINARY_BYTES.search(data):
         return "application/octet-stream"
     return TEXT_PLAIN
+
+
+def is_mp4(data):
+    """Go's mp4 signature: an `ftyp` box whose brands include `mp4` (the version skipped)."""
+    if len(data) < 12:
+        return False
+    size = int.from_bytes(data[:4], "big")
+    if len(data) < size or size % 4 or data[4:8] != b"ftyp":
+        return False
+    return any(data[at:at + 3] == b"mp4" for at in range(8, size, 4) if at != 12)
 
 
 class Response:
@@ -2241,6 +2300,7 @@ class HookHandler(BaseHTTPRequestHandler):
         version = request.version if request is not None else "HTTP/1.1"
         streamed = isinstance(body, StreamedBody)
         chunked = streamed and version == "HTTP/1.1"
+        with_body = request is None or request.method != "HEAD"
         keep_alive = (request is not None and request.keep_alive() and not response.close
                       and not self.server.limits.stopping.is_set())
         self.protocol_version = self.request_version = version  # Go answers 1.0 in 1.0
@@ -2260,14 +2320,14 @@ class HookHandler(BaseHTTPRequestHandler):
                 self.send_header("Transfer-Encoding", "chunked")
         elif status in NO_BODY_STATUSES:
             body = b""
-        elif not response.bare:
-            self.send_header("Content-Length", str(len(body)))
+        elif not response.bare and (body or with_body):  # Go: a HEAD answer with no body
+            self.send_header("Content-Length", str(len(body)))  # has no length at all
         if not keep_alive:
-            self.send_header("Connection", "close")
+            if version != "HTTP/1.0":  # Go: an HTTP/1.0 answer closes without saying so
+                self.send_header("Connection", "close")
         elif version == "HTTP/1.0":
             self.send_header("Connection", "keep-alive")
         self.end_headers()
-        with_body = request is None or request.method != "HEAD"
         if streamed:
             keep_alive = self.send_streamed(body, chunked, with_body) and keep_alive
         else:
@@ -2520,11 +2580,14 @@ class App:
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, request.method,
                       redact_target(request.target, hook.secret_params), request.version,
                       shown, len(body))
-        return HookRequest(rid, request.method, request.client,
-                           {k: v[0] for k, v in request.headers.items()
-                            if k not in ("Host", "Transfer-Encoding")},
-                           parse_query(request.raw_query)[0], body,
-                           hook.incoming_content_type or request.get("Content-Type"))
+        query, query_ok = parse_query(request.raw_query)
+        hook_request = HookRequest(rid, request.method, request.client,
+                                   {k: v[0] for k, v in request.headers.items()
+                                    if k not in ("Host", "Transfer-Encoding")},
+                                   query, body,
+                                   hook.incoming_content_type or request.get("Content-Type"))
+        hook_request.query_ok = query_ok
+        return hook_request
 
     def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
@@ -2785,7 +2848,8 @@ def captured_response(hook, result, headers, success):
     headers.update(SANDBOXED)
     if result.ok:
         return Response(success, result.output, headers)
-    headers["Content-Type"] = TEXT_PLAIN
+    # No Content-Type of ours: Go sets text/plain after writing the 500, which changes nothing,
+    # so a Content-Type of `response-headers` stays and otherwise the body is sniffed.
     if result.timed_out:
         return Response(504, MSG_TIMED_OUT, headers)
     body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
@@ -2838,17 +2902,36 @@ JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_integer,
 JSON_SPACE = " \t\n\r"
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def decode_json_value(text):
-    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored)."""
+    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored).  Text
+    decoded with surrogateescape: Go reads each byte that is not UTF-8, and each `\\u` escape
+    of a lone surrogate, as U+FFFD."""
     start = len(text) - len(text.lstrip(JSON_SPACE))
     if start == len(text):
         raise ValueError("EOF")
     try:
         value, _ = JSON_DECODER.raw_decode(text, start)
+        if SURROGATE.search(text) or SURROGATE_ESCAPE.search(text):  # rare: scan only then
+            value = without_surrogates(value)
     except json.JSONDecodeError as exc:
         raise ValueError(str(exc)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    return value
+
+
+def without_surrogates(value):
+    """value with every surrogate in its strings and keys replaced by U+FFFD."""
+    if type(value) is str:  # not a GoNumber
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
     return value
 
 
@@ -2870,8 +2953,8 @@ GO_JSON_SPECIAL = re.compile('["\\\\\x00-\x1f<>&\u2028\u2029\ud800-\udfff]')
 def _go_escape_char(match):
     ch = match.group(0)
     escaped = GO_JSON_ESCAPES.get(ch)
-    if escaped is None:
-        escaped = "\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
+    if escaped is None:  # a surrogate: a byte that was not UTF-8, escaped as Go does
+        escaped = "\\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
     return escaped
 
 
@@ -3051,7 +3134,7 @@ class MultipartError(Exception):
 
 
 def parse_json_payload(body):
-    text = body.decode("utf-8", "replace")
+    text = body.decode("utf-8", "surrogateescape")
     if text.lstrip(JSON_SPACE)[:1] == "[":
         try:
             return {"root": decode_json_value(text)}
@@ -3328,7 +3411,7 @@ def parse_multipart(body, content_type, json_part_names):
             payload.setdefault(name, data.decode("utf-8", "surrogateescape"))
         else:
             try:
-                value = decode_json_object(data.decode("utf-8", "replace"))
+                value = decode_json_object(data.decode("utf-8", "surrogateescape"))
             except ValueError:
                 value = None
             payload[name] = NilMap() if value is None else value
@@ -3351,14 +3434,15 @@ def form_part_name(headers):
 class HookRequest:
     """What rules and arguments can see of one request."""
 
-    __slots__ = ("id", "method", "remote_addr", "headers", "query", "payload", "body",
-                 "raw_body", "content_type", "allow_signature_errors")
+    __slots__ = ("id", "method", "remote_addr", "headers", "query", "query_ok", "payload",
+                 "body", "raw_body", "content_type", "allow_signature_errors")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
         self.headers, self.query, self.body = headers, query, body
         self.raw_body = body  # as received, even where `body` is emptied (multipart)
         self.content_type, self.payload = content_type, None
+        self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
 
 
@@ -3375,6 +3459,8 @@ def parse_payload(request, hook, multipart_content_type):
     elif content_type.startswith("multipart/form-data;"):
         names = {a.name for a in hook.json_parameters if a.source == "payload"}
         request.payload = parse_multipart(request.body, multipart_content_type, names)
+        if not request.query_ok:  # Go's ParseMultipartForm returns ParseForm's query error
+            raise MultipartError("invalid URL escape or semicolon in the query string")
         request.body = b""  # upstream never reads a multipart body into the request body
         return []
     else:
@@ -3444,6 +3530,8 @@ def apply_json_parameters(hook, request):
         except ValueError as exc:
             messages.append("error parsing JSON parameters: %s" % exc)
             continue
+        if decoded is None:  # `null` leaves Go's map nil, which renders as `null`
+            decoded = NilMap()
         lookup = parameter_map(arg, request)
         if lookup is None:
             messages.append("invalid source for argument %r" % arg)
@@ -3501,7 +3589,8 @@ def evaluate_match(rule, request):
     if kind == "regex":
         if rule.compiled is None:
             return False, RuleError(rule.regex_error)
-        return rule.compiled.search(value) is not None, None
+        # Go's regexp reads each byte that is not UTF-8 (a surrogate here) as U+FFFD
+        return rule.compiled.search(SURROGATE.sub("\ufffd", value)) is not None, None
     if kind in HMAC_TYPES:
         if kind.startswith("payload-hash-"):
             log.warning("warn: use of deprecated option %s; use %s instead",
