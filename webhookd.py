@@ -21,14 +21,17 @@ request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connection
 ``<status-path>/runs`` or with ``-runs``/``-runs-follow``.
 
 Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
-(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> App -> Runner)::
+(glibc or musl), macOS and FreeBSD.  A request goes HookHandler -> App -> Runner -> the one
+writer::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
 
-The file reads in that order: the command line, the hooks model (files, hooks, the registry
-with hot reload), HTTP (heads, the http.server glue), the pipeline with its payload parsers and
-rules, the runner, the run history, then the lifecycle (systemd, process setup, signals, main);
-the YAML reader is an appendix at the end.
+The file reads in that order: Go's primitives used everywhere, the command line, the hooks model
+(files, hooks, the registry with hot reload), HTTP (the Request and Response, then the transport:
+http.server's handler and server over a waiting room), the App with its payload parsers and
+rules, the runner, the run history, the status site, then the lifecycle (systemd, process
+setup, signals, main with -validate and -runs); the HTML pages and the YAML reader are
+appendices at the end.
 """
 
 import argparse
@@ -140,6 +143,111 @@ GO_CIPHER_SUITES = {
 }
 
 log = logging.getLogger("webhookd")
+
+
+# ---------------------------------------------------------------------------
+# Helpers used everywhere else: Go's primitives (header names, escapes, digits, addresses,
+# times, errors)
+# ---------------------------------------------------------------------------
+
+# Header names are client text: the cache holds at most 4096 names of at most 64 characters
+# (well under 1 MiB); longer or later names are canonicalised each time, never kept.
+_CANONICAL_CACHE = {}
+CANONICAL_CACHE_ENTRIES = 4096
+CANONICAL_CACHE_NAME_MAX = 64
+TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
+                        "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def canonical_header(name):
+    """textproto.CanonicalMIMEHeaderKey: `x-hub-signature` -> `X-Hub-Signature`."""
+    cached = _CANONICAL_CACHE.get(name)
+    if cached is not None:
+        return cached
+    if not name or not set(name) <= TOKEN_CHARS:
+        result = name
+    else:
+        result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+    if len(name) <= CANONICAL_CACHE_NAME_MAX and len(_CANONICAL_CACHE) < CANONICAL_CACHE_ENTRIES:
+        _CANONICAL_CACHE[name] = result
+    return result
+
+
+_HEX = "0123456789abcdefABCDEF"
+
+
+def go_unescape(text, plus_is_space):
+    """url.QueryUnescape / url.PathUnescape: None when an escape is malformed."""
+    if plus_is_space and "+" in text:
+        text = text.replace("+", " ")
+    if "%" not in text:
+        return text
+    parts = text.split("%")
+    out = bytearray(parts[0].encode("utf-8", "surrogateescape"))
+    for part in parts[1:]:
+        if len(part) < 2 or part[0] not in _HEX or part[1] not in _HEX:
+            return None
+        out.append(int(part[:2], 16))
+        out += part[2:].encode("utf-8", "surrogateescape")
+    return out.decode("utf-8", "surrogateescape")
+
+
+def is_ascii_digits(text):
+    """0-9 only: str.isdigit() also accepts `²` and other scripts' digits, which int() refuses
+    or reads, where Go's strconv refuses them all."""
+    return text.isascii() and text.isdigit()
+
+
+def parse_ip(text):
+    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+@functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
+def parse_cidr(text):
+    if "/" not in text:
+        text += "/32"
+    address, _, bits = text.partition("/")
+    try:
+        if not bits.isdigit():
+            return None
+        return ipaddress.ip_network("%s/%s" % (address, bits), strict=False)
+    except ValueError:
+        return None
+
+
+def peer_host(remote_addr):
+    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
+    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
+    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
+    return host.strip(" ").lstrip("[").rstrip("]")
+
+
+def format_peer(address):
+    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
+    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = address[0]
+        if host.lower().startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
+    return "@"  # Unix socket peers, as Go prints them
+
+
+def iso_time(timestamp):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
+
+
+def go_errno_text(exc, op=None):
+    """An OSError as Go words it: the reason in lower case (`permission denied`); with `op`,
+    `open /run/x.pid: permission denied` (Go's PathError) when the error names a file."""
+    text = exc.strerror or str(exc)
+    text = text[:1].lower() + text[1:]
+    return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
 
 
 # ---------------------------------------------------------------------------
@@ -1203,10 +1311,6 @@ def file_signature(path):
     return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
 
 
-def iso_time(timestamp):
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
-
-
 MTIME_TICK_SECONDS = 2.0  # coarser than any file system's timestamp granularity
 
 
@@ -1687,17 +1791,6 @@ def go_escape_path(path):
 # HTTP transport: http.server's documented hooks over a waiting room (one handler, a bounded
 # pool of workers); the application is reached only through App.handle and App.answered
 # ---------------------------------------------------------------------------
-
-def format_peer(address):
-    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
-    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
-    if isinstance(address, tuple) and len(address) >= 2:
-        host = address[0]
-        if host.lower().startswith("::ffff:") and "." in host:
-            host = host[7:]
-        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
-    return "@"  # Unix socket peers, as Go prints them
-
 
 def head_end(buf, start=0):
     """Index just past the blank line ending the request head, or -1.  The bytes before `start`
@@ -2444,7 +2537,7 @@ class HookServer(ThreadingHTTPServer):
 
 
 # ---------------------------------------------------------------------------
-# Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
+# App: request -> find hook -> payload -> rules -> argv/env -> run -> response
 # ---------------------------------------------------------------------------
 
 class HookRun:
@@ -2485,9 +2578,11 @@ class App:
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
         self.runs = make_run_store(opts)
-        self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
         self.metrics = Metrics(self.started)
-        self.metrics_path = opts.status_path + "/metrics" if opts.status_path else None
+        self.status_site = StatusSite(
+            opts, registry, self.runs,
+            lambda: self.metrics.render(self.registry, self.runner, self.background),
+            self.started, lambda: self.stopping)
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -2536,9 +2631,8 @@ class App:
             return Response(301, b"", {"Location": location})
         if path == "/":
             return Response(200, b"OK")
-        if self.opts.status_path and (path == self.opts.status_path or path == self.metrics_path
-                                      or self.runs_page.wants(path)):
-            return self.status_site(request)
+        if self.status_site.wants(path):
+            return self.status_site.answer(request)
         if not path.startswith(self.prefix) or "\n" in path:
             return Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
@@ -2564,7 +2658,7 @@ class App:
 
     def client(self, request):
         """Who sent a hook's request (see forwarded_client); the status page and run history
-        never ask this (RunsPage.trusted: any relay header means relayed)."""
+        never ask this (StatusSite.trusted: any relay header means relayed)."""
         if not self.trusted_proxies or "X-Forwarded-For" not in request.headers:
             return request.peer
         return forwarded_client(request.peer, ",".join(request.headers["X-Forwarded-For"]),
@@ -2758,34 +2852,6 @@ class App:
             body.complete = running.result.ok
         body.chunks = chunks()
         return Response(success, body, headers)
-
-    def status_site(self, request):
-        """The status site: <status-path> (its health to anyone, the details to trusted
-        clients), its /metrics and its /runs pages, behind one 405 check and one access check
-        (RunsPage.trusted), as JSON or, to a browser, HTML.  An untrusted client never sees
-        hook ids (some hooks rely on theirs being secret), paths, load errors or runs."""
-        if request.method not in ("GET", "HEAD"):
-            return Response(405)
-        path, as_html = request.path, prefers_html(request)
-        trusted = self.runs_page.trusted(request)
-        if path == self.opts.status_path:
-            health = {"status": "degraded" if self.registry.count() == 0
-                      or self.registry.last_reload_failed else "ok", "version": VERSION}
-            if not trusted:
-                return self.runs_page.refused(health) if as_html else json_response(200, health)
-            details = dict(health, **status_details(self.registry, self.runs, self.started))
-            if as_html:
-                return self.runs_page.listing(request.raw_query, True, details)
-            return json_response(200, details)
-        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
-            if not trusted:
-                return forbidden("metrics are")
-            return Response(200, self.metrics.render(self.registry, self.runner, self.background),
-                            {"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"})
-        if not trusted:
-            return self.runs_page.refused() if as_html else forbidden("run history is")
-        return self.runs_page.answer(request, as_html, lambda: self.stopping)
-
 
 def status_details(registry, runs, started):
     """What the status page shows trusted clients besides its health."""
@@ -3009,12 +3075,6 @@ class RuleError(Exception):
     """Any other evaluation error: answered with 500."""
 
 
-def is_ascii_digits(text):
-    """0-9 only: str.isdigit() also accepts `²` and other scripts' digits, which int() refuses
-    or reads, where Go's strconv refuses them all."""
-    return text.isascii() and text.isdigit()
-
-
 def get_parameter(path, params):
     """Upstream's GetParameter: a literal key (even with dots) wins, else a dot-path with array
     indexes.  Returns (value, error)."""
@@ -3060,48 +3120,6 @@ def replace_parameter(path, params, value):
             return False
         else:
             return False
-
-
-# Header names are client text: the cache holds at most 4096 names of at most 64 characters
-# (well under 1 MiB); longer or later names are canonicalised each time, never kept.
-_CANONICAL_CACHE = {}
-CANONICAL_CACHE_ENTRIES = 4096
-CANONICAL_CACHE_NAME_MAX = 64
-TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
-                        "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-def canonical_header(name):
-    """textproto.CanonicalMIMEHeaderKey: `x-hub-signature` -> `X-Hub-Signature`."""
-    cached = _CANONICAL_CACHE.get(name)
-    if cached is not None:
-        return cached
-    if not name or not set(name) <= TOKEN_CHARS:
-        result = name
-    else:
-        result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
-    if len(name) <= CANONICAL_CACHE_NAME_MAX and len(_CANONICAL_CACHE) < CANONICAL_CACHE_ENTRIES:
-        _CANONICAL_CACHE[name] = result
-    return result
-
-
-_HEX = "0123456789abcdefABCDEF"
-
-
-def go_unescape(text, plus_is_space):
-    """url.QueryUnescape / url.PathUnescape: None when an escape is malformed."""
-    if plus_is_space and "+" in text:
-        text = text.replace("+", " ")
-    if "%" not in text:
-        return text
-    parts = text.split("%")
-    out = bytearray(parts[0].encode("utf-8", "surrogateescape"))
-    for part in parts[1:]:
-        if len(part) < 2 or part[0] not in _HEX or part[1] not in _HEX:
-            return None
-        out.append(int(part[:2], 16))
-        out += part[2:].encode("utf-8", "surrogateescape")
-    return out.decode("utf-8", "surrogateescape")
 
 
 QUERY_PAIR = re.compile("[^&]+")
@@ -3622,36 +3640,7 @@ def check_payload_signature(body, secret, header, algorithm, prefix):
                           % ("" if body else " on empty payload"))
 
 
-@functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
-def parse_cidr(text):
-    if "/" not in text:
-        text += "/32"
-    address, _, bits = text.partition("/")
-    try:
-        if not bits.isdigit():
-            return None
-        return ipaddress.ip_network("%s/%s" % (address, bits), strict=False)
-    except ValueError:
-        return None
-
-
-def peer_host(remote_addr):
-    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
-    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
-    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
-    return host.strip(" ").lstrip("[").rstrip("]")
-
-
 UNKNOWN_CLIENT = "unknown"  # -trusted-proxy: a relayed address that could not be read
-
-
-def parse_ip(text):
-    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    return getattr(address, "ipv4_mapped", None) or address
 
 
 def forwarded_client(remote_addr, forwarded_for, trusted):
@@ -4226,7 +4215,7 @@ class HookGate:
 
 
 # ---------------------------------------------------------------------------
-# Run history: run records, the bounded store (memory or -runs-dir), what HTTP and -runs show
+# Run history: run records and the bounded store (memory or -runs-dir)
 # ---------------------------------------------------------------------------
 # Every triggered run gets a RunRecord: its state and the tail of its output.  The store keeps
 # them bounded (-runs-keep per hook, -runs-max-bytes in all) in memory, and with -runs-dir also
@@ -4761,6 +4750,11 @@ def open_runs_dir(path, uid, gid):
     return fd  # the lock's descriptor stays open, holding the lock, until the daemon exits
 
 
+# ---------------------------------------------------------------------------
+# Status site: <status-path>, its run pages and metrics, behind one access check (the pages
+# themselves are Appendix A)
+# ---------------------------------------------------------------------------
+
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
 # elsewhere (a proxy may add its own line after an empty one the client sent).
 RELAY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-Ip")  # canonical, as heads keep them
@@ -4798,22 +4792,52 @@ def json_response(status, document):
 
 
 def forbidden(what):
-    """The JSON answer to a client the one access check (RunsPage.trusted) refused."""
+    """The JSON answer to a client the one access check (StatusSite.trusted) refused."""
     return json_response(403, {"error": "%s served with Authorization: Bearer <-status-token>, "
                                         "or without one set to loopback clients no proxy "
                                         "relays" % what})
 
 
-class RunsPage:
-    """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
-    clients only (see `trusted`); as JSON, or as HTML pages (RunsHtml) to browsers."""
+class StatusSite:
+    """The status site: <status-path> (its health to anyone, the details to trusted clients),
+    <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
+    RunStore), behind one 405 check and one access check (`trusted`), as JSON or, to a
+    browser, HTML (RunsHtml).  An untrusted client never sees hook ids (some hooks rely on
+    theirs being secret), paths, load errors or runs."""
 
-    def __init__(self, store, status_path, token):
-        self.store, self.prefix, self.token = store, status_path + "/runs", token
-        self.html = RunsHtml(status_path)
+    def __init__(self, opts, registry, store, metrics_text, started, stopped):
+        self.path, self.token = opts.status_path, opts.status_token
+        self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
+        self.registry, self.store, self.started = registry, store, started
+        self.metrics_text, self.stopped = metrics_text, stopped
+        self.html = RunsHtml(self.path)
 
     def wants(self, path):
-        return path == self.prefix or path.startswith(self.prefix + "/")
+        return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
+                                    or path.startswith(self.prefix + "/"))
+
+    def answer(self, request):
+        if request.method not in ("GET", "HEAD"):
+            return Response(405)
+        path, as_html = request.path, prefers_html(request)
+        trusted = self.trusted(request)
+        if path == self.path:
+            health = {"status": "degraded" if self.registry.count() == 0
+                      or self.registry.last_reload_failed else "ok", "version": VERSION}
+            if not trusted:
+                return self.refused(health) if as_html else json_response(200, health)
+            details = dict(health, **status_details(self.registry, self.store, self.started))
+            if as_html:
+                return self.listing(request.raw_query, True, details)
+            return json_response(200, details)
+        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
+            if not trusted:
+                return forbidden("metrics are")
+            return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
+                                                       "Cache-Control": "no-store"})
+        if not trusted:
+            return self.refused() if as_html else forbidden("run history is")
+        return self.runs(request, as_html)
 
     def trusted(self, request):
         """The one check for all that shows hooks or runs: with -status-token, the bearers of
@@ -4830,7 +4854,7 @@ class RunsPage:
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def answer(self, request, as_html, stopped):
+    def runs(self, request, as_html):
         """A trusted client's GET of the run list, a run, or its output."""
         parts = request.path[len(self.prefix):].split("/")[1:]
         if not parts:
@@ -4841,7 +4865,7 @@ class RunsPage:
                 return self.html.problem(404, "Run not found", "No run has this id (any more).")
             return json_response(404, {"error": "run not found"})
         if len(parts) == 2:
-            return self.output(request, record, stopped)
+            return self.output(request, record)
         if as_html:
             return self.html.run(record.as_dict(), self.store.read_output(record)[0])
         return json_response(200, record.as_dict())
@@ -4858,7 +4882,7 @@ class RunsPage:
             return self.html.overview(details, runs, chosen)
         return json_response(200, runs)
 
-    def output(self, request, record, stopped):
+    def output(self, request, record):
         """The kept output; while the run goes on, its body follows the run until it ends."""
         headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
                    "X-Content-Type-Options": "nosniff"}
@@ -4870,9 +4894,9 @@ class RunsPage:
             while True:
                 if data:
                     yield data
-                if ended or stopped():
+                if ended or self.stopped():
                     return
-                self.store.follow(record, position, stopped)
+                self.store.follow(record, position, self.stopped)
                 data, position, ended = self.store.read_output(record, position)
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
@@ -4931,6 +4955,720 @@ def prefers_html(head):
         return 0.0
     return rank("text/html") > rank("application/json")
 
+
+# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
+
+
+def label_value(value):
+    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metric_labels(**labels):
+    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
+                             for name, value in labels.items())
+
+
+def metric_family(name, kind, help, samples):
+    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
+    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
+    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
+                                      else repr(float(value)))
+              for suffix, labels, value in samples]
+    return lines
+
+
+class Metrics:
+    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
+    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
+    labels come from loaded hooks only, never from a request: the series stay as few as the
+    hooks (those a reload removed keep their counts)."""
+
+    def __init__(self, started):
+        self.started = started
+        self.lock = threading.Lock()
+        self.answers = {}  # status code -> answers sent
+        self.runs = {}  # (hook id, final state) -> runs
+        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
+
+    def answered(self, status):
+        with self.lock:
+            self.answers[status] = self.answers.get(status, 0) + 1
+
+    def run_ended(self, hook_id, state, seconds):
+        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
+        with self.lock:
+            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
+            if seconds is not None:
+                counts = self.durations.get(hook_id)
+                if counts is None:
+                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
+                    counts.append(0.0)
+                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
+                counts[-1] += seconds
+
+    def render(self, registry, runner, background):
+        """The exposition text: bytes."""
+        with self.lock:
+            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
+            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
+        queued = background.jobs.qsize() + sum(len(gate.waiting)
+                                               for gate in list(registry.gates.values()))
+        python = "%d.%d.%d" % sys.version_info[:3]
+        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
+                              "it reproduces, and the Python it runs on.", [(
+                                  "", metric_labels(version=__version__, webhook_version=VERSION,
+                                                    python=python,
+                                                    implementation=sys.implementation.name), 1)])
+        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
+                               "time).", [("", "", self.started)])
+        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
+                               "status code.", [("", metric_labels(code=code), count)
+                                                for code, count in answers])
+        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
+                               [("", "", registry.count())])
+        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
+                               "(at start, on a signal or by -hotreload) in which a file failed "
+                               "to load.", [("", "", registry.load_failures)])
+        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
+                               "loaded at the last (re)load, else 0.",
+                               [("", "", 0 if registry.last_reload_failed else 1)])
+        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
+                               "hooks file last loaded (Unix time).",
+                               [("", "", registry.last_good_load or 0)])
+        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
+                               [("", metric_labels(hook=hook_id, state=state), count)
+                                for (hook_id, state), count in runs])
+        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
+                               "ran, by hook (runs whose command never started are left out).",
+                               [sample for hook_id, counts in durations
+                                for sample in histogram_samples(hook_id, counts)])
+        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
+                               [("", "", runner.active)])
+        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
+                               "max-concurrency turn or a -max-async-runs thread.",
+                               [("", "", queued)])
+        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
+
+
+def histogram_samples(hook_id, counts):
+    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
+    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
+    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
+        total += count
+        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
+    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
+
+
+def runs_options_problem(opts):
+    """A sentence if the run-history flags are unusable; reads -status-token-file."""
+    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
+            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+    if opts.status_token_file:
+        try:
+            with open(opts.status_token_file, encoding="utf-8") as handle:
+                opts.status_token = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return "cannot read -status-token-file %s: %s" % (
+                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
+        if not opts.status_token:
+            return "-status-token-file %s is empty" % opts.status_token_file
+    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
+        return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
+        return "-runs-dir %s is not a folder" % opts.runs_dir
+    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
+        if not os.path.isdir(opts.runs_dir):
+            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+                % opts.runs_dir
+    elif opts.runs_dir:  # only the daemon creates it
+        dropping = opts.setuid and opts.setgid
+        try:
+            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
+                                             else os.geteuid(), opts.setgid if dropping
+                                             else os.getegid())
+        except OSError as exc:
+            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
+    return None
+
+
+def make_run_store(opts):
+    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
+                    opts.runs_dir or None, opts.runs_dir_fd)
+
+
+# ---------------------------------------------------------------------------
+# systemd integration: sd_notify and socket activation
+# ---------------------------------------------------------------------------
+
+class Notifier:
+    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (`@` = abstract)."""
+
+    def __init__(self, environ):
+        address = environ.pop("NOTIFY_SOCKET", "")  # commands must not inherit it
+        if address.startswith("@"):
+            address = "\0" + address[1:]
+        self.address = address or None
+
+    def notify(self, message):
+        if not self.address:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.connect(self.address)
+                sock.sendall(message.encode())
+        except OSError as exc:
+            log.warning("sd_notify %r failed: %s", message, exc)
+
+    def reloading(self):
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify("RELOADING=1\nMONOTONIC_USEC=%d" % usec)
+
+
+def inherited_listeners(environ):
+    """Sockets passed by systemd socket activation (LISTEN_PID/LISTEN_FDS, from fd 3)."""
+    pid, count = environ.pop("LISTEN_PID", ""), environ.pop("LISTEN_FDS", "")
+    environ.pop("LISTEN_FDNAMES", None)
+    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
+        return []
+    listeners = []
+    for fd in range(3, 3 + int(count)):
+        os.set_inheritable(fd, False)
+        listeners.append(socket.socket(fileno=fd))
+    return listeners
+
+
+# ---------------------------------------------------------------------------
+# Process setup: logging, listeners, TLS, privileges, pidfile
+# ---------------------------------------------------------------------------
+
+class LogFileError(Exception):
+    """-logfile cannot be opened: Go's sentence, exit status 1."""
+
+
+def setup_logging(opts):
+    """`[webhook] date time message` lines, written by a thread of their own: a request never
+    waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
+    nothing then: a hooks file it cannot load went unexplained)."""
+    if opts.logfile:
+        try:
+            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise LogFileError('error opening log file "%s": %s'
+                               % (opts.logfile, go_errno_text(exc, "open"))) from None
+        target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
+                                                 errors="backslashreplace"))
+    else:
+        target = logging.StreamHandler(sys.stderr)
+    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
+                                          "%Y/%m/%d %H:%M:%S"))
+    log.propagate = False
+    if not (opts.verbose or opts.debug or opts.logfile):
+        log.addHandler(target)  # rare lines: written at once, before what main prints next
+        log.setLevel(logging.ERROR)
+        return None
+    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
+    # `import logging.handlers` would make `logging` a local name of this whole function.
+    from logging.handlers import QueueHandler, QueueListener
+
+    class RecordQueueHandler(QueueHandler):
+        def prepare(self, record):
+            return record  # formatted by the logging thread, not by the request
+    records = queue.SimpleQueue()
+    listener = QueueListener(records, target)
+    log.addHandler(RecordQueueHandler(records))
+    log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
+    listener.start()
+    return listener
+
+
+def open_listeners(opts, environ):
+    inherited = inherited_listeners(environ)
+    if inherited:
+        log.info("using %d socket(s) passed by systemd", len(inherited))
+        return inherited, "systemd socket"
+    if opts.socket:
+        remove_stale_socket(opts.socket)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(opts.socket)
+        sock.listen(1024)
+        return [sock], "unix:" + opts.socket
+    host = opts.ip
+    family = socket.AF_INET6 if ":" in host or host == "" else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6 and host == "":
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        host = "::"
+    sock.bind((host, opts.port))
+    sock.listen(1024)
+    return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
+
+
+def remove_stale_socket(path):
+    """Unlink a socket file left by a previous run; one that a live server still answers on is
+    refused (EADDRINUSE), not taken over."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return  # nothing there, or a file that is not ours to remove: bind() will say so
+    except OSError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: nothing listens on it
+            return
+        except (socket.timeout, BlockingIOError):
+            pass  # a full backlog: someone is listening
+        except OSError:
+            return  # e.g. no permission to connect: bind() will say what is wrong
+    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
+
+
+def make_tls_context(opts):
+    versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
+                "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+    if opts.tls_min_version not in versions:
+        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = versions[opts.tls_min_version]
+    if opts.cipher_suites:
+        names = []
+        for name in opts.cipher_suites.split(","):
+            name = name.strip()
+            if name not in GO_CIPHER_SUITES:
+                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
+            if GO_CIPHER_SUITES[name]:
+                names.append(GO_CIPHER_SUITES[name])
+        if names:
+            context.set_ciphers(":".join(names))
+    context.set_alpn_protocols(["http/1.1"])
+    try:
+        for path in (opts.cert, opts.key):
+            with open(path, "rb"):
+                pass  # OpenSSL's own error does not say which file is missing
+        context.load_cert_chain(opts.cert, opts.key)
+    except OSError as exc:
+        reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
+            "no PEM certificate with its matching private key in them"
+        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
+                         % (opts.cert, opts.key, reason)) from None
+    return context
+
+
+def drop_privileges(uid, gid):
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def process_exists(pid):
+    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or an id no process can have
+    return True
+
+
+def write_pidfile(path):
+    try:
+        with open(path) as handle:
+            old = handle.read().strip()
+        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
+            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
+                             % path)
+    except OSError:
+        pass
+    directory = os.path.dirname(path)
+    if directory:
+        try:
+            os.makedirs(directory, 0o755, exist_ok=True)
+        except FileExistsError:  # a file where the folder should be: Go's words for it
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
+                from None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(str(os.getpid()))
+
+
+def raise_fd_limit():
+    """Go raises the soft open-files limit to the hard one at start; so do we.  The limit now
+    in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def waiting_capacity(fd_limit, max_connections):
+    """Connections that may wait for a request at once: a quarter of the descriptors and one
+    per worker are left for the connections being served, commands and files."""
+    if fd_limit == resource.RLIM_INFINITY:
+        fd_limit = 1 << 20
+    return max(64, fd_limit - fd_limit // 4 - max_connections)
+
+
+# ---------------------------------------------------------------------------
+# Lifecycle: signals, hot-reload polling, graceful stop
+# ---------------------------------------------------------------------------
+
+POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothing when idle
+
+
+class SignalQueue:
+    """Signals recorded by their handlers and handled later by the main loop.  Installed first
+    thing, so a signal that arrives while starting up is not lost or fatal."""
+
+    def __init__(self):
+        self.pending = deque()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._record)
+
+    def _record(self, signum, frame):
+        self.pending.append(signum)
+
+    def wait(self, timeout):
+        """Sleep until a signal arrives or timeout seconds pass (None: no timeout)."""
+        try:
+            select.select([self.wake_r], [], [], timeout)
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except OSError:
+            pass
+
+
+class Daemon:
+    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
+
+    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
+        self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
+        self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
+
+    def run(self):
+        """Main loop; returns the exit status."""
+        stop_deadline = None
+        while True:
+            polling = self.opts.hotreload or stop_deadline is not None
+            self.signals.wait(POLL_INTERVAL if polling else None)
+            while self.signals.pending:
+                signum = self.signals.pending.popleft()
+                if signum in (signal.SIGHUP, signal.SIGUSR1):
+                    self.reload(signal.Signals(signum).name)
+                elif stop_deadline is None:
+                    stop_deadline = self.begin_stop(signum)
+                else:
+                    log.info("second stop signal: killing running commands")
+                    self.app.runner.kill_all()
+                    self.wait_for_cleanup()
+                    return self.finish()
+            if stop_deadline is not None:
+                if self.app.busy == 0 or time.monotonic() >= stop_deadline:
+                    if self.app.busy:
+                        log.info("shutdown timeout: killing %d running command(s)",
+                                 len(self.app.runner.processes))
+                        self.app.runner.kill_all()
+                        self.wait_for_cleanup()
+                    return self.finish()
+            elif self.opts.hotreload:
+                changed = self.registry.poll()
+                if changed:
+                    self.notifier.reloading()
+                    self.registry.load(changed)
+                    self.notifier.notify("READY=1")
+
+    def wait_for_cleanup(self):
+        """Killed runs remove their temp files as they end: give them a moment to."""
+        deadline = time.monotonic() + 2.0
+        while self.app.runner.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def reload(self, reason):
+        log.info("caught %s signal", reason[3:])  # SIGHUP: `caught HUP signal`, as upstream
+        self.notifier.reloading()
+        self.registry.load()
+        self.notifier.notify("READY=1")
+
+    def begin_stop(self, signum):
+        self.app.stopping = True
+        for server in self.servers:  # no new connections from here on
+            server.limits.stopping.set()
+            server.shutdown()
+            server.server_close()
+        self.notifier.notify("STOPPING=1")
+        name = "interrupt" if signum == signal.SIGINT else "terminated"
+        log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
+                 "running request(s) and command(s)", name, self.opts.shutdown_timeout,
+                 self.app.busy)
+        return time.monotonic() + max(0, self.opts.shutdown_timeout)
+
+    def finish(self):
+        self.app.runs.flush()
+        remove_paths(self.cleanup_paths)
+        log.info("exiting")
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+NO_HOOKS_MESSAGE = ("couldn't load any hooks from file!\naborting webhook execution since the "
+                    "-verbose flag is set to false.\nIf, for some reason, you want webhook to "
+                    "start without the hooks, either use -verbose flag, or -nopanic")
+
+
+def run_validate(opts):
+    problems = validate_files(opts.hooks, opts.template)
+    for severity, message in problems:
+        print("%s: %s" % (severity, message))
+    errors = sum(1 for severity, _ in problems if severity == "error")
+    print("%d file(s) checked: %d error(s), %d warning(s)"
+          % (len(opts.hooks), errors, len(problems) - errors))
+    return 1 if errors else 0
+
+
+# The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
+
+def runs_command(opts, out=None):
+    """-runs / -runs-follow ID on the records in -runs-dir; exit status (follow: 0 if the run
+    succeeded)."""
+    out = out or sys.stdout
+    directory = opts.runs_dir
+    if opts.runs_follow:
+        return follow_run_file(directory, opts.runs_follow, out)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        sys.stderr.write("cannot read -runs-dir %s: %s\n" % (directory, go_errno_text(exc)))
+        return 1
+    try:
+        records = list(read_run_files(dir_fd))
+    finally:
+        os.close(dir_fd)
+    records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
+    out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
+                                                   "MS", "HOOK"))
+    for r in records:
+        exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
+            r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
+    out.flush()
+    return 0
+
+
+def follow_run_file(directory, run_id, out):
+    """Print a run's output as tail -f would, until its record says it ended.  The log is
+    held open: when the daemon replaces it with the kept tail (a new file), what the old one
+    still held is printed, then the new one from its start, announced (lines may repeat).  A
+    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
+    its last state is written) ends the follow with status 1."""
+    record_path = os.path.join(directory, run_id + ".json")
+    if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
+        sys.stderr.write("no run %s in %s\n" % (run_id, directory))
+        return 1
+    log_path, state, handle = os.path.join(directory, run_id + ".log"), None, None
+    try:
+        while True:
+            try:
+                with open_no_link(record_path) as record_file:
+                    state = last_record(record_file.read()).get("state")
+            except FileNotFoundError:
+                follow_log(log_path, handle, getattr(out, "buffer", out))
+                out.flush()
+                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
+                                 "before its end was saved\n" % (run_id, directory))
+                return 1
+            except (OSError, ValueError):
+                pass  # being written: read it next time
+            handle = follow_log(log_path, handle, getattr(out, "buffer", out))
+            out.flush()
+            if state in RUN_ENDED:
+                return 0 if state == "succeeded" else 1
+            time.sleep(0.2)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def follow_log(path, handle, out):
+    """Print what the log held open has gained; the handle to follow from now on."""
+    if handle is not None:
+        out.write(handle.read())
+    try:
+        current = open_no_link(path)
+    except OSError:
+        return handle  # not written yet
+    if handle is not None and os.path.sameopenfile(handle.fileno(), current.fileno()):
+        current.close()
+        return handle
+    if handle is not None:
+        handle.close()
+        out.write(b"\n[webhookd: the log was cut to its kept tail, which follows]\n")
+    out.write(current.read())
+    return current
+
+
+def fail(message):
+    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
+    the exit status 1."""
+    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
+    return 1
+
+
+def main(argv=None):
+    """Parse the command line, then validate, print something, or serve.  Exit status."""
+    argv = sys.argv if argv is None else argv
+    program = argv[0] if argv else "webhookd.py"
+    try:
+        opts = parse_flags(argv[1:])
+    except HelpRequested:
+        sys.stderr.write(usage_text(program))
+        return 0
+    except UsageError as exc:
+        sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
+        return 2
+    if opts.version:
+        print("webhookd version %s (webhook %s compatible)" % (__version__, VERSION))
+        return 0
+    if opts.list_cipher_suites:
+        for name in GO_CIPHER_SUITES:
+            print(name)
+        return 0
+    if opts.validate:
+        return run_validate(opts)
+    problem = runs_options_problem(opts)
+    if problem:
+        print("error: " + problem)
+        return 1
+    if opts.runs or opts.runs_follow:
+        return runs_command(opts)
+    if (opts.setuid != 0) != (opts.setgid != 0):
+        print("error: setuid and setgid options must be used together")
+        return 1
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
+              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+        return 1
+    try:
+        listener_thread = setup_logging(opts)
+    except LogFileError as exc:
+        return fail(str(exc))
+    try:
+        return serve(opts)
+    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
+        if not isinstance(exc.code, str):
+            raise
+        log.error("%s", exc.code)
+        return 1
+    finally:
+        if listener_thread is not None:
+            listener_thread.stop()
+
+
+def serve(opts):
+    """Load the hooks, listen, and run until stopped.  Exit status."""
+    signals = SignalQueue()
+    log.info("version %s starting", VERSION)
+    environ = os.environ
+    notifier = Notifier(environ)
+    fd_limit = raise_fd_limit()
+    registry = Registry(opts.hooks, opts.template)
+    try:
+        registry.load(startup=True)
+    except HooksFileError as exc:
+        log.error("%s", exc)
+        return 1
+    if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
+                                      or opts.nopanic):
+        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
+        return 1
+
+    for network in opts.trusted_proxy:
+        if network.prefixlen == 0:
+            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
+                        "webhookd itself can name any address in X-Forwarded-For, and pass "
+                        "ip-whitelist with it; give the proxies' own range", network)
+    if opts.status_path and not opts.status_token:
+        log.warning("warning: %s and its run history are served without -status-token to "
+                    "loopback clients no proxy relays: behind a proxy that adds no "
+                    "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
+                    "or ssh -L), every client counts as loopback: set -status-token",
+                    opts.status_path)
+    cleanup = []
+    app = App(opts, registry)
+    tls_context = None
+    try:  # a start that fails leaves no socket file or pidfile behind
+        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
+            try:
+                write_pidfile(opts.pidfile)
+            except OSError as exc:
+                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
+                    exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
+            cleanup.append(opts.pidfile)
+        try:
+            listeners, where = open_listeners(opts, environ)
+        except (OSError, OverflowError, ValueError) as exc:
+            step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
+            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
+                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
+            remove_paths(cleanup)
+            return 1
+        if opts.socket and where.startswith("unix:"):
+            cleanup.append(opts.socket)
+        if opts.secure:
+            tls_context = make_tls_context(opts)
+        if opts.setuid and opts.setgid:
+            try:
+                drop_privileges(opts.setuid, opts.setgid)
+            except OSError as exc:
+                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
+    except SystemExit:
+        remove_paths(cleanup)
+        raise
+    app.runs.start()  # as the user we now are: the run files are theirs
+    limits = Limits(opts)
+    workers = Workers(max(1, opts.max_connections))
+    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
+    servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
+    scheme = "https" if opts.secure else "http"
+    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
+    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
+
+
+
+
+# ---------------------------------------------------------------------------
+# Appendix A: HTML pages of the status site (the status page, the run list, a run), their
+# CSS and JavaScript
+# ---------------------------------------------------------------------------
 
 def html_text(value):
     """Text (or a number) made safe inside HTML elements and quoted attributes."""
@@ -5232,725 +5970,8 @@ class RunsHtml:
             "%d h %d min" % divmod(minutes, 60)
 
 
-# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
-
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
-
-
-def label_value(value):
-    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def metric_labels(**labels):
-    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
-                             for name, value in labels.items())
-
-
-def metric_family(name, kind, help, samples):
-    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
-    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
-    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
-                                      else repr(float(value)))
-              for suffix, labels, value in samples]
-    return lines
-
-
-class Metrics:
-    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
-    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
-    labels come from loaded hooks only, never from a request: the series stay as few as the
-    hooks (those a reload removed keep their counts)."""
-
-    def __init__(self, started):
-        self.started = started
-        self.lock = threading.Lock()
-        self.answers = {}  # status code -> answers sent
-        self.runs = {}  # (hook id, final state) -> runs
-        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
-
-    def answered(self, status):
-        with self.lock:
-            self.answers[status] = self.answers.get(status, 0) + 1
-
-    def run_ended(self, hook_id, state, seconds):
-        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
-        with self.lock:
-            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
-            if seconds is not None:
-                counts = self.durations.get(hook_id)
-                if counts is None:
-                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
-                    counts.append(0.0)
-                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
-                counts[-1] += seconds
-
-    def render(self, registry, runner, background):
-        """The exposition text: bytes."""
-        with self.lock:
-            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
-            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
-        queued = background.jobs.qsize() + sum(len(gate.waiting)
-                                               for gate in list(registry.gates.values()))
-        python = "%d.%d.%d" % sys.version_info[:3]
-        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
-                              "it reproduces, and the Python it runs on.", [(
-                                  "", metric_labels(version=__version__, webhook_version=VERSION,
-                                                    python=python,
-                                                    implementation=sys.implementation.name), 1)])
-        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
-                               "time).", [("", "", self.started)])
-        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
-                               "status code.", [("", metric_labels(code=code), count)
-                                                for code, count in answers])
-        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
-                               [("", "", registry.count())])
-        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
-                               "(at start, on a signal or by -hotreload) in which a file failed "
-                               "to load.", [("", "", registry.load_failures)])
-        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
-                               "loaded at the last (re)load, else 0.",
-                               [("", "", 0 if registry.last_reload_failed else 1)])
-        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
-                               "hooks file last loaded (Unix time).",
-                               [("", "", registry.last_good_load or 0)])
-        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
-                               [("", metric_labels(hook=hook_id, state=state), count)
-                                for (hook_id, state), count in runs])
-        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
-                               "ran, by hook (runs whose command never started are left out).",
-                               [sample for hook_id, counts in durations
-                                for sample in histogram_samples(hook_id, counts)])
-        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
-                               [("", "", runner.active)])
-        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
-                               "max-concurrency turn or a -max-async-runs thread.",
-                               [("", "", queued)])
-        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
-
-
-def histogram_samples(hook_id, counts):
-    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
-    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
-    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
-        total += count
-        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
-    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
-
-
-def runs_options_problem(opts):
-    """A sentence if the run-history flags are unusable; reads -status-token-file."""
-    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
-        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
-            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
-    if opts.status_token_file:
-        try:
-            with open(opts.status_token_file, encoding="utf-8") as handle:
-                opts.status_token = handle.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            return "cannot read -status-token-file %s: %s" % (
-                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
-        if not opts.status_token:
-            return "-status-token-file %s is empty" % opts.status_token_file
-    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
-        return "-runs and -runs-follow read the records in -runs-dir DIR"
-    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
-        return "-runs-dir %s is not a folder" % opts.runs_dir
-    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
-        if not os.path.isdir(opts.runs_dir):
-            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
-                % opts.runs_dir
-    elif opts.runs_dir:  # only the daemon creates it
-        dropping = opts.setuid and opts.setgid
-        try:
-            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
-                                             else os.geteuid(), opts.setgid if dropping
-                                             else os.getegid())
-        except OSError as exc:
-            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
-    return None
-
-
-def make_run_store(opts):
-    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None, opts.runs_dir_fd)
-
-
-# The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
-
-def runs_command(opts, out=None):
-    """-runs / -runs-follow ID on the records in -runs-dir; exit status (follow: 0 if the run
-    succeeded)."""
-    out = out or sys.stdout
-    directory = opts.runs_dir
-    if opts.runs_follow:
-        return follow_run_file(directory, opts.runs_follow, out)
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        sys.stderr.write("cannot read -runs-dir %s: %s\n" % (directory, go_errno_text(exc)))
-        return 1
-    try:
-        records = list(read_run_files(dir_fd))
-    finally:
-        os.close(dir_fd)
-    records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
-    out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
-                                                   "MS", "HOOK"))
-    for r in records:
-        exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
-        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
-            r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
-    out.flush()
-    return 0
-
-
-def follow_run_file(directory, run_id, out):
-    """Print a run's output as tail -f would, until its record says it ended.  The log is
-    held open: when the daemon replaces it with the kept tail (a new file), what the old one
-    still held is printed, then the new one from its start, announced (lines may repeat).  A
-    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
-    its last state is written) ends the follow with status 1."""
-    record_path = os.path.join(directory, run_id + ".json")
-    if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
-        sys.stderr.write("no run %s in %s\n" % (run_id, directory))
-        return 1
-    log_path, state, handle = os.path.join(directory, run_id + ".log"), None, None
-    try:
-        while True:
-            try:
-                with open_no_link(record_path) as record_file:
-                    state = last_record(record_file.read()).get("state")
-            except FileNotFoundError:
-                follow_log(log_path, handle, getattr(out, "buffer", out))
-                out.flush()
-                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
-                                 "before its end was saved\n" % (run_id, directory))
-                return 1
-            except (OSError, ValueError):
-                pass  # being written: read it next time
-            handle = follow_log(log_path, handle, getattr(out, "buffer", out))
-            out.flush()
-            if state in RUN_ENDED:
-                return 0 if state == "succeeded" else 1
-            time.sleep(0.2)
-    finally:
-        if handle is not None:
-            handle.close()
-
-
-def follow_log(path, handle, out):
-    """Print what the log held open has gained; the handle to follow from now on."""
-    if handle is not None:
-        out.write(handle.read())
-    try:
-        current = open_no_link(path)
-    except OSError:
-        return handle  # not written yet
-    if handle is not None and os.path.sameopenfile(handle.fileno(), current.fileno()):
-        current.close()
-        return handle
-    if handle is not None:
-        handle.close()
-        out.write(b"\n[webhookd: the log was cut to its kept tail, which follows]\n")
-    out.write(current.read())
-    return current
-
-
 # ---------------------------------------------------------------------------
-# systemd integration: sd_notify and socket activation
-# ---------------------------------------------------------------------------
-
-class Notifier:
-    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (`@` = abstract)."""
-
-    def __init__(self, environ):
-        address = environ.pop("NOTIFY_SOCKET", "")  # commands must not inherit it
-        if address.startswith("@"):
-            address = "\0" + address[1:]
-        self.address = address or None
-
-    def notify(self, message):
-        if not self.address:
-            return
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.connect(self.address)
-                sock.sendall(message.encode())
-        except OSError as exc:
-            log.warning("sd_notify %r failed: %s", message, exc)
-
-    def reloading(self):
-        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        self.notify("RELOADING=1\nMONOTONIC_USEC=%d" % usec)
-
-
-def inherited_listeners(environ):
-    """Sockets passed by systemd socket activation (LISTEN_PID/LISTEN_FDS, from fd 3)."""
-    pid, count = environ.pop("LISTEN_PID", ""), environ.pop("LISTEN_FDS", "")
-    environ.pop("LISTEN_FDNAMES", None)
-    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
-        return []
-    listeners = []
-    for fd in range(3, 3 + int(count)):
-        os.set_inheritable(fd, False)
-        listeners.append(socket.socket(fileno=fd))
-    return listeners
-
-
-# ---------------------------------------------------------------------------
-# Process setup: logging, listeners, TLS, privileges, pidfile
-# ---------------------------------------------------------------------------
-
-class LogFileError(Exception):
-    """-logfile cannot be opened: Go's sentence, exit status 1."""
-
-
-def setup_logging(opts):
-    """`[webhook] date time message` lines, written by a thread of their own: a request never
-    waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
-    nothing then: a hooks file it cannot load went unexplained)."""
-    if opts.logfile:
-        try:
-            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise LogFileError('error opening log file "%s": %s'
-                               % (opts.logfile, go_errno_text(exc, "open"))) from None
-        target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
-                                                 errors="backslashreplace"))
-    else:
-        target = logging.StreamHandler(sys.stderr)
-    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
-                                          "%Y/%m/%d %H:%M:%S"))
-    log.propagate = False
-    if not (opts.verbose or opts.debug or opts.logfile):
-        log.addHandler(target)  # rare lines: written at once, before what main prints next
-        log.setLevel(logging.ERROR)
-        return None
-    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
-    # `import logging.handlers` would make `logging` a local name of this whole function.
-    from logging.handlers import QueueHandler, QueueListener
-
-    class RecordQueueHandler(QueueHandler):
-        def prepare(self, record):
-            return record  # formatted by the logging thread, not by the request
-    records = queue.SimpleQueue()
-    listener = QueueListener(records, target)
-    log.addHandler(RecordQueueHandler(records))
-    log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
-    listener.start()
-    return listener
-
-
-def go_errno_text(exc, op=None):
-    """An OSError as Go words it: the reason in lower case (`permission denied`); with `op`,
-    `open /run/x.pid: permission denied` (Go's PathError) when the error names a file."""
-    text = exc.strerror or str(exc)
-    text = text[:1].lower() + text[1:]
-    return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
-
-
-def open_listeners(opts, environ):
-    inherited = inherited_listeners(environ)
-    if inherited:
-        log.info("using %d socket(s) passed by systemd", len(inherited))
-        return inherited, "systemd socket"
-    if opts.socket:
-        remove_stale_socket(opts.socket)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(opts.socket)
-        sock.listen(1024)
-        return [sock], "unix:" + opts.socket
-    host = opts.ip
-    family = socket.AF_INET6 if ":" in host or host == "" else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6 and host == "":
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        host = "::"
-    sock.bind((host, opts.port))
-    sock.listen(1024)
-    return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
-
-
-def remove_stale_socket(path):
-    """Unlink a socket file left by a previous run; one that a live server still answers on is
-    refused (EADDRINUSE), not taken over."""
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return  # nothing there, or a file that is not ours to remove: bind() will say so
-    except OSError:
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # stale: nothing listens on it
-            return
-        except (socket.timeout, BlockingIOError):
-            pass  # a full backlog: someone is listening
-        except OSError:
-            return  # e.g. no permission to connect: bind() will say what is wrong
-    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
-
-
-def make_tls_context(opts):
-    versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
-                "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
-    if opts.tls_min_version not in versions:
-        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = versions[opts.tls_min_version]
-    if opts.cipher_suites:
-        names = []
-        for name in opts.cipher_suites.split(","):
-            name = name.strip()
-            if name not in GO_CIPHER_SUITES:
-                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
-            if GO_CIPHER_SUITES[name]:
-                names.append(GO_CIPHER_SUITES[name])
-        if names:
-            context.set_ciphers(":".join(names))
-    context.set_alpn_protocols(["http/1.1"])
-    try:
-        for path in (opts.cert, opts.key):
-            with open(path, "rb"):
-                pass  # OpenSSL's own error does not say which file is missing
-        context.load_cert_chain(opts.cert, opts.key)
-    except OSError as exc:
-        reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
-            "no PEM certificate with its matching private key in them"
-        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
-                         % (opts.cert, opts.key, reason)) from None
-    return context
-
-
-def drop_privileges(uid, gid):
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-
-
-def process_exists(pid):
-    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # someone else's process, or an id no process can have
-    return True
-
-
-def write_pidfile(path):
-    try:
-        with open(path) as handle:
-            old = handle.read().strip()
-        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
-            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
-                             % path)
-    except OSError:
-        pass
-    directory = os.path.dirname(path)
-    if directory:
-        try:
-            os.makedirs(directory, 0o755, exist_ok=True)
-        except FileExistsError:  # a file where the folder should be: Go's words for it
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
-                from None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(str(os.getpid()))
-
-
-def raise_fd_limit():
-    """Go raises the soft open-files limit to the hard one at start; so do we.  The limit now
-    in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def waiting_capacity(fd_limit, max_connections):
-    """Connections that may wait for a request at once: a quarter of the descriptors and one
-    per worker are left for the connections being served, commands and files."""
-    if fd_limit == resource.RLIM_INFINITY:
-        fd_limit = 1 << 20
-    return max(64, fd_limit - fd_limit // 4 - max_connections)
-
-
-# ---------------------------------------------------------------------------
-# Lifecycle: signals, hot-reload polling, graceful stop
-# ---------------------------------------------------------------------------
-
-POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothing when idle
-
-
-class SignalQueue:
-    """Signals recorded by their handlers and handled later by the main loop.  Installed first
-    thing, so a signal that arrives while starting up is not lost or fatal."""
-
-    def __init__(self):
-        self.pending = deque()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._record)
-
-    def _record(self, signum, frame):
-        self.pending.append(signum)
-
-    def wait(self, timeout):
-        """Sleep until a signal arrives or timeout seconds pass (None: no timeout)."""
-        try:
-            select.select([self.wake_r], [], [], timeout)
-        except InterruptedError:
-            pass
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except OSError:
-            pass
-
-
-class Daemon:
-    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
-
-    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
-        self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
-        self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
-
-    def run(self):
-        """Main loop; returns the exit status."""
-        stop_deadline = None
-        while True:
-            polling = self.opts.hotreload or stop_deadline is not None
-            self.signals.wait(POLL_INTERVAL if polling else None)
-            while self.signals.pending:
-                signum = self.signals.pending.popleft()
-                if signum in (signal.SIGHUP, signal.SIGUSR1):
-                    self.reload(signal.Signals(signum).name)
-                elif stop_deadline is None:
-                    stop_deadline = self.begin_stop(signum)
-                else:
-                    log.info("second stop signal: killing running commands")
-                    self.app.runner.kill_all()
-                    self.wait_for_cleanup()
-                    return self.finish()
-            if stop_deadline is not None:
-                if self.app.busy == 0 or time.monotonic() >= stop_deadline:
-                    if self.app.busy:
-                        log.info("shutdown timeout: killing %d running command(s)",
-                                 len(self.app.runner.processes))
-                        self.app.runner.kill_all()
-                        self.wait_for_cleanup()
-                    return self.finish()
-            elif self.opts.hotreload:
-                changed = self.registry.poll()
-                if changed:
-                    self.notifier.reloading()
-                    self.registry.load(changed)
-                    self.notifier.notify("READY=1")
-
-    def wait_for_cleanup(self):
-        """Killed runs remove their temp files as they end: give them a moment to."""
-        deadline = time.monotonic() + 2.0
-        while self.app.runner.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def reload(self, reason):
-        log.info("caught %s signal", reason[3:])  # SIGHUP: `caught HUP signal`, as upstream
-        self.notifier.reloading()
-        self.registry.load()
-        self.notifier.notify("READY=1")
-
-    def begin_stop(self, signum):
-        self.app.stopping = True
-        for server in self.servers:  # no new connections from here on
-            server.limits.stopping.set()
-            server.shutdown()
-            server.server_close()
-        self.notifier.notify("STOPPING=1")
-        name = "interrupt" if signum == signal.SIGINT else "terminated"
-        log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
-                 "running request(s) and command(s)", name, self.opts.shutdown_timeout,
-                 self.app.busy)
-        return time.monotonic() + max(0, self.opts.shutdown_timeout)
-
-    def finish(self):
-        self.app.runs.flush()
-        remove_paths(self.cleanup_paths)
-        log.info("exiting")
-        return 0
-
-
-# ---------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------
-
-NO_HOOKS_MESSAGE = ("couldn't load any hooks from file!\naborting webhook execution since the "
-                    "-verbose flag is set to false.\nIf, for some reason, you want webhook to "
-                    "start without the hooks, either use -verbose flag, or -nopanic")
-
-
-def run_validate(opts):
-    problems = validate_files(opts.hooks, opts.template)
-    for severity, message in problems:
-        print("%s: %s" % (severity, message))
-    errors = sum(1 for severity, _ in problems if severity == "error")
-    print("%d file(s) checked: %d error(s), %d warning(s)"
-          % (len(opts.hooks), errors, len(problems) - errors))
-    return 1 if errors else 0
-
-
-def fail(message):
-    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
-    the exit status 1."""
-    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
-    return 1
-
-
-def main(argv=None):
-    """Parse the command line, then validate, print something, or serve.  Exit status."""
-    argv = sys.argv if argv is None else argv
-    program = argv[0] if argv else "webhookd.py"
-    try:
-        opts = parse_flags(argv[1:])
-    except HelpRequested:
-        sys.stderr.write(usage_text(program))
-        return 0
-    except UsageError as exc:
-        sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
-        return 2
-    if opts.version:
-        print("webhookd version %s (webhook %s compatible)" % (__version__, VERSION))
-        return 0
-    if opts.list_cipher_suites:
-        for name in GO_CIPHER_SUITES:
-            print(name)
-        return 0
-    if opts.validate:
-        return run_validate(opts)
-    problem = runs_options_problem(opts)
-    if problem:
-        print("error: " + problem)
-        return 1
-    if opts.runs or opts.runs_follow:
-        return runs_command(opts)
-    if (opts.setuid != 0) != (opts.setgid != 0):
-        print("error: setuid and setgid options must be used together")
-        return 1
-    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
-    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
-                        or "?" in status_path or "#" in status_path
-                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
-                        or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
-              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
-        return 1
-    try:
-        listener_thread = setup_logging(opts)
-    except LogFileError as exc:
-        return fail(str(exc))
-    try:
-        return serve(opts)
-    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
-        if not isinstance(exc.code, str):
-            raise
-        log.error("%s", exc.code)
-        return 1
-    finally:
-        if listener_thread is not None:
-            listener_thread.stop()
-
-
-def serve(opts):
-    """Load the hooks, listen, and run until stopped.  Exit status."""
-    signals = SignalQueue()
-    log.info("version %s starting", VERSION)
-    environ = os.environ
-    notifier = Notifier(environ)
-    fd_limit = raise_fd_limit()
-    registry = Registry(opts.hooks, opts.template)
-    try:
-        registry.load(startup=True)
-    except HooksFileError as exc:
-        log.error("%s", exc)
-        return 1
-    if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
-                                      or opts.nopanic):
-        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
-        return 1
-
-    for network in opts.trusted_proxy:
-        if network.prefixlen == 0:
-            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
-                        "webhookd itself can name any address in X-Forwarded-For, and pass "
-                        "ip-whitelist with it; give the proxies' own range", network)
-    if opts.status_path and not opts.status_token:
-        log.warning("warning: %s and its run history are served without -status-token to "
-                    "loopback clients no proxy relays: behind a proxy that adds no "
-                    "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
-                    "or ssh -L), every client counts as loopback: set -status-token",
-                    opts.status_path)
-    cleanup = []
-    app = App(opts, registry)
-    tls_context = None
-    try:  # a start that fails leaves no socket file or pidfile behind
-        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
-            try:
-                write_pidfile(opts.pidfile)
-            except OSError as exc:
-                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
-                    exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
-            cleanup.append(opts.pidfile)
-        try:
-            listeners, where = open_listeners(opts, environ)
-        except (OSError, OverflowError, ValueError) as exc:
-            step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
-                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
-            remove_paths(cleanup)
-            return 1
-        if opts.socket and where.startswith("unix:"):
-            cleanup.append(opts.socket)
-        if opts.secure:
-            tls_context = make_tls_context(opts)
-        if opts.setuid and opts.setgid:
-            try:
-                drop_privileges(opts.setuid, opts.setgid)
-            except OSError as exc:
-                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
-    except SystemExit:
-        remove_paths(cleanup)
-        raise
-    app.runs.start()  # as the user we now are: the run files are theirs
-    limits = Limits(opts)
-    workers = Workers(max(1, opts.max_connections))
-    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
-    servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
-    scheme = "https" if opts.secure else "http"
-    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
-    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
-
-
-
-
-# ---------------------------------------------------------------------------
-# Hooks files: YAML reader (pure)
+# Appendix B: YAML reader for hooks files (pure)
 # ---------------------------------------------------------------------------
 # Upstream reads every hooks file with go-yaml v2 (YAML 1.1) and turns the result into JSON before
 # decoding it.  `load_yaml(text)` returns the same JSON-like values for the YAML hooks files use:
