@@ -250,6 +250,36 @@ def go_errno_text(exc, op=None):
     return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
 
 
+def go_float32_text(value):
+    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
+    if value != value:
+        return "NaN"
+    try:
+        single = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        single = value * math.inf
+    if math.isinf(single):
+        return "+Inf" if single > 0 else "-Inf"
+    if single == 0:
+        return "-0" if math.copysign(1, single) < 0 else "0"
+    for precision in range(1, 10):
+        shortest = "%.*e" % (precision - 1, single)
+        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
+            break
+    mantissa, exponent = shortest.split("e")
+    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
+    digits = digits.replace(".", "").rstrip("0") or "0"
+    exponent = int(exponent)
+    if exponent < -4 or exponent >= 6:
+        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
+    if exponent < 0:
+        return sign + "0." + "0" * (-exponent - 1) + digits
+    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
+    fraction = digits[exponent + 1:]
+    return sign + whole + ("." + fraction if fraction else "")
+
+
 # ---------------------------------------------------------------------------
 # Command line: argparse built from one flag table, after a normalisation of Go's spellings
 # ---------------------------------------------------------------------------
@@ -739,18 +769,19 @@ def where_line(data, where):
     """The line of the value a message's `where` (`hook 2 ("id").trigger-rule.and[0]`) names,
     when the data came from the YAML reader; None otherwise."""
     found = WHERE_HOOK.match(where)
-    if found is None or not isinstance(data, YamlList) or int(found.group(1)) >= len(data):
+    if found is None or not hasattr(data, "lines") or int(found.group(1)) >= len(data):
         return None
     node, line, pos = data[int(found.group(1))], data.lines[int(found.group(1))], found.end()
     for step in WHERE_STEP.finditer(where, pos):
         if step.start() != pos:
             break
-        if step.group(1) and isinstance(node, YamlMap):
+        if step.group(1) and isinstance(node, dict) and hasattr(node, "lines"):
             keys = [key for key in node if key.lower() == step.group(1)]
             if not keys:
                 break
             line, node = node.lines[keys[-1]], node[keys[-1]]
-        elif step.group(2) and isinstance(node, YamlList) and int(step.group(2)) < len(node):
+        elif step.group(2) and isinstance(node, list) and hasattr(node, "lines") \
+                and int(step.group(2)) < len(node):
             line, node = node.lines[int(step.group(2))], node[int(step.group(2))]
         else:
             break
@@ -1109,23 +1140,10 @@ def describe(index, obj):
         "hook %d" % index
 
 
-# JSON escapes go-yaml v2 refuses: such a file goes through the YAML reader to fail as upstream.
-JSON_ONLY_ESCAPE = re.compile(r"\\(?:/|u[dD][89abAB])")
-
-
 def hooks_data(text, filename):
-    """The value in a hooks file's text: (data, read_as_json).  JSON is tried first (fast);
-    anything else is read as YAML.  Scalars resolve as upstream's go-yaml v2 resolves them,
-    for JSON too (`1e5` is a string there)."""
+    """The value in a hooks file's text (see load_yaml): (data, read_as_json)."""
     try:
-        data = json.loads(text, parse_int=resolve_plain, parse_float=resolve_plain,
-                          parse_constant=str)
-        if "\\" not in text or not JSON_ONLY_ESCAPE.search(text):
-            return data, True
-    except ValueError:
-        pass
-    try:
-        return load_yaml(text), False
+        return load_yaml(text)
     except YamlError as exc:
         raise HooksFileError("%s:%d:%d: %s" % (filename, exc.line, exc.column, exc.message)) \
             from None
@@ -1146,7 +1164,7 @@ def parse_hooks(text, filename, empty_actions=()):
         if not read_as_json:
             raise
     try:
-        data = load_yaml(text)  # the same values, now with the line of each
+        data = load_yaml(text, lines=True)[0]  # the same values, now with the line of each
     except YamlError:
         pass
     return build_hooks(data, filename, text, empty_actions)
@@ -6058,36 +6076,6 @@ def resolve_plain(text):
     return text
 
 
-def go_float32_text(value):
-    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
-    if value != value:
-        return "NaN"
-    try:
-        single = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        single = value * math.inf
-    if math.isinf(single):
-        return "+Inf" if single > 0 else "-Inf"
-    if single == 0:
-        return "-0" if math.copysign(1, single) < 0 else "0"
-    for precision in range(1, 10):
-        shortest = "%.*e" % (precision - 1, single)
-        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
-            break
-    mantissa, exponent = shortest.split("e")
-    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
-    digits = digits.replace(".", "").rstrip("0") or "0"
-    exponent = int(exponent)
-    if exponent < -4 or exponent >= 6:
-        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
-        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
-    if exponent < 0:
-        return sign + "0." + "0" * (-exponent - 1) + digits
-    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
-    fraction = digits[exponent + 1:]
-    return sign + whole + ("." + fraction if fraction else "")
-
-
 def yaml_key_text(key):
     """A mapping key as text, as upstream turns keys into JSON object names."""
     if isinstance(key, str):
@@ -6102,10 +6090,26 @@ def yaml_key_text(key):
     raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
 
 
-def load_yaml(text):
-    """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
-    int, float, bool, None).  Raises YamlError naming the line and column."""
-    return YamlReader(text).document()
+# JSON escapes go-yaml v2 refuses: such a file goes through the YAML reader to fail as upstream.
+JSON_ONLY_ESCAPE = re.compile(r"\\(?:/|u[dD][89abAB])")
+
+
+def load_yaml(text, lines=False):
+    """The one entry point: the single document of a hooks file's text (JSON or YAML) as
+    upstream reads it, as JSON-like Python values (dict, list, str, int, float, bool, None),
+    scalars resolved as go-yaml v2 resolves them, for JSON too (`1e5` is a string there):
+    (value, read_as_json).  JSON is tried first (fast), unless `lines` asks for the YAML
+    reader, whose maps and lists know the line of each entry (`.lines`, for messages).
+    Raises YamlError naming the line and column."""
+    if not lines:
+        try:
+            data = json.loads(text, parse_int=resolve_plain, parse_float=resolve_plain,
+                              parse_constant=str)
+            if "\\" not in text or not JSON_ONLY_ESCAPE.search(text):
+                return data, True
+        except ValueError:
+            pass
+    return YamlReader(text).document(), False
 
 
 class YamlScanner:

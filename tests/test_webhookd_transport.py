@@ -197,3 +197,20 @@ def test_one_byte_of_the_next_tls_record_holds_no_thread(tmp_path):
             client.join(ANSWERED_WITHIN + 5)
             assert result and result[0].startswith(b"HTTP/1.1 200 OK\r\n"), result
             assert time.monotonic() - began < ANSWERED_WITHIN
+
+
+# ---------------------------------------------------------------------------------------------
+# The one writer: Go's framing
+# ---------------------------------------------------------------------------------------------
+
+def test_a_204_has_no_length_and_no_header_line_can_be_injected(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [{
+        "id": "empty", "execute-command": "/bin/true", "success-http-response-code": 204,
+        "response-message": "ignored",
+        "response-headers": [{"name": "X-A", "value": "a\r\nInjected: 1"}]}])
+    port = support.free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port), port):
+        raw = raw_answer(port, b"GET /hooks/empty HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 204 No Content\r\nX-A: a  Injected: 1\r\n"), raw
+    assert b"\nInjected" not in raw and b"\r\nDate: " in raw, raw
+    assert b"Content-Length" not in raw and raw.endswith(b"\r\n\r\n"), raw
