@@ -2089,7 +2089,7 @@ class WaitingRoom:
                 self._handshake(conn)
             else:
                 self._read(conn)
-        except Exception:  # a bug (or no thread to be had) costs one connection, never the watcher
+        except Exception:  # a bug costs one connection, never the watcher
             log.exception("unexpected error with the connection from %s",
                           format_peer(conn.address))
             self._drop(conn)
@@ -2134,7 +2134,12 @@ class WaitingRoom:
                 if conn.head_ready():
                     self._forget(conn)
                     conn.sock.setblocking(True)
-                    self.workers.hand_over(conn)
+                    try:
+                        self.workers.hand_over(conn)
+                    except RuntimeError as exc:  # no thread at all: refused, never left queued
+                        log.error("connection from %s closed: no thread to serve it: %s",
+                                  format_peer(conn.address), exc)
+                        conn.sock.close()
                     return
                 before = max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
                 data = conn.sock.recv(min(RECV_BYTES, MAX_HEADER_BYTES + 1 - len(conn.buffer))
@@ -2371,6 +2376,7 @@ class HookHandler(BaseHTTPRequestHandler):
             response.close = self.body_unread = True
 
     def handle_expect_100(self):
+        self.protocol_version = "HTTP/1.1"  # (the last answer on the connection may be 1.0's)
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
