@@ -113,7 +113,7 @@ def test_queued_runs_hold_a_bounded_amount_of_request_in_their_commands(tmp_path
     gate = tmp_path / "gate"
     held = script(tmp_path / "held.sh", "while [ ! -e %s ]; do sleep 0.05; done\n" % gate)
     hooks = write_hooks(tmp_path / "hooks.json", [
-        hook("held", held, **{"max-concurrency": 1, "working-directory": str(tmp_path),
+        hook("held", held, **{"max-concurrency": 1, "command-working-directory": str(tmp_path),
                               "pass-file-to-command": [{"source": "raw-request-body",
                                                         "name": "body"}]})])
     body = b"x" * (1 << 20)
@@ -279,12 +279,13 @@ def reload_with_a_typo_as_nobody(hooks_file):
     write_hooks(hooks_file, [hook("h", "/bin/true")]).chmod(0o644)
     with start(hooks_file, "-hotreload", "-setuid", str(NOBODY), "-setgid", str(NOBODY)) as d:
         assert d.request("GET", "/hooks/h")[0] == 200
-        write_hooks(hooks_file, [{"id": "h", "execute-comand": "/bin/true"},
-                                 hook("new", "/bin/true")])
-        wait_until(lambda: "did you mean 'execute-command'" in d.log() or d.proc.poll() is not
-                   None, what="the reload")
+        write_hooks(hooks_file, [hook("h", "/bin/true", **{"pass-arguments-to-command": [
+            {"source": "string", "nmae": "x"}]}), hook("new", "/bin/true")])  # a typo: `nmae`
+        wait_until(lambda: "did you mean 'name'" in d.log() or d.proc.poll() is not None,
+                   what="the reload")
         assert d.proc.poll() is None, d.log()
         assert d.request("GET", "/hooks/h")[0] == 200
+        assert d.request("GET", "/hooks/new")[0] == 200
         assert "Traceback" not in d.log()
 
 
