@@ -80,7 +80,7 @@ def xml_daemon(which, hooks):
 @pytest.mark.parametrize("which", ["webhook", "webhookd"])
 def test_xml_in_another_encoding_is_a_payload_error_and_the_hook_runs(tmp_path, which):
     if which == "webhook" and WEBHOOK_BIN is None:
-        pytest.skip("Debian's webhook is not installed: nothing to compare with")
+        pytest.skip("needs Debian's webhook to compare with: apt-get install webhook")
     with xml_daemon(which, xml_hooks(tmp_path)) as daemon:
         for case, body in XML_BODIES.items():
             answer = daemon.request("POST", "/hooks/x", body, {"Content-Type": "application/xml"})
@@ -113,7 +113,7 @@ def test_queued_runs_hold_a_bounded_amount_of_request_in_their_commands(tmp_path
     gate = tmp_path / "gate"
     held = script(tmp_path / "held.sh", "while [ ! -e %s ]; do sleep 0.05; done\n" % gate)
     hooks = write_hooks(tmp_path / "hooks.json", [
-        hook("held", held, **{"max-concurrency": 1, "working-directory": str(tmp_path),
+        hook("held", held, **{"max-concurrency": 1, "command-working-directory": str(tmp_path),
                               "pass-file-to-command": [{"source": "raw-request-body",
                                                         "name": "body"}]})])
     body = b"x" * (1 << 20)
@@ -210,7 +210,8 @@ print(len(store.read_output(record)[0]), record.storage_error)
 """
 
 
-@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"), reason="no RLIMIT_FSIZE")
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"),
+                    reason="needs RLIMIT_FSIZE (Linux, the BSDs, macOS)")
 def test_output_cut_short_on_disk_is_never_taken_as_saved(tmp_path):
     """A short write of a run's output (a full disk, a file size limit) was counted as whole:
     the record said the log held all of it, dropped the tail it kept in memory and served the
@@ -260,13 +261,15 @@ def nobody_can_read_module(module):
                           group=NOBODY, capture_output=True, timeout=30).returncode == 0
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="-setuid needs root")
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="needs root (-setuid)")
 def test_a_reload_that_fails_unexpectedly_keeps_the_daemon_and_the_old_hooks(tmp_path):
     """With -setuid, a user who cannot read the standard library (Python under a 0700 home
     folder): a typo in the hooks file needed a module loaded only then (difflib, for `did you
     mean`), the reload raised through the main loop and the daemon exited."""
     if nobody_can_read_module("difflib"):
-        pytest.skip("nobody can read the standard library here: the late import would not fail")
+        pytest.skip("needs a Python that user nobody cannot read (one under a 0700 home "
+                    "folder): here a late import would not fail")
     with support.scratch_dir("webhookd-holes-") as folder:  # tmp_path's parents are 0700
         folder.chmod(0o755)
         reload_with_a_typo_as_nobody(folder / "hooks.json")
@@ -276,12 +279,13 @@ def reload_with_a_typo_as_nobody(hooks_file):
     write_hooks(hooks_file, [hook("h", "/bin/true")]).chmod(0o644)
     with start(hooks_file, "-hotreload", "-setuid", str(NOBODY), "-setgid", str(NOBODY)) as d:
         assert d.request("GET", "/hooks/h")[0] == 200
-        write_hooks(hooks_file, [{"id": "h", "execute-comand": "/bin/true"},
-                                 hook("new", "/bin/true")])
-        wait_until(lambda: "did you mean 'execute-command'" in d.log() or d.proc.poll() is not
-                   None, what="the reload")
+        write_hooks(hooks_file, [hook("h", "/bin/true", **{"pass-arguments-to-command": [
+            {"source": "string", "nmae": "x"}]}), hook("new", "/bin/true")])  # a typo: `nmae`
+        wait_until(lambda: "did you mean 'name'" in d.log() or d.proc.poll() is not None,
+                   what="the reload")
         assert d.proc.poll() is None, d.log()
         assert d.request("GET", "/hooks/h")[0] == 200
+        assert d.request("GET", "/hooks/new")[0] == 200
         assert "Traceback" not in d.log()
 
 
