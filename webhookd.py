@@ -3871,14 +3871,15 @@ def build_invocation(hook, request):
                       messages, request.raw_body if hook.payload_to_stdin else None)
 
 
-def write_temp_files(invocation):
-    """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)]."""
-    if not invocation.file_pairs:
-        return []
-    directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
+def write_temp_files(invocation, request_id):
+    """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)].  A file
+    that cannot be written (a name too long, a full disk) is logged and left out, its variable
+    unset, and the command still runs, as Go does."""
     written = []
-    try:
-        for envname, data in invocation.file_pairs:
+    for envname, data in invocation.file_pairs:
+        created = None
+        try:
+            directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
             while True:  # `<envname><9 random digits>`, as Go's ioutil.TempFile names them
                 path = os.path.join(directory, "%s%09d" % (envname, random.randrange(10 ** 9)))
                 try:
@@ -3887,12 +3888,16 @@ def write_temp_files(invocation):
                     break
                 except FileExistsError:
                     continue
+            created = path
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            written.append((envname, path))
-    except OSError:
-        remove_files(written)
-        raise
+        except OSError as exc:
+            log.info("[%s] error creating temp file [%s: %s]", request_id, envname,
+                     exc.strerror or exc)
+            if created is not None:
+                remove_paths([created])
+            continue
+        written.append((envname, created))
     return written
 
 
@@ -4000,7 +4005,7 @@ class Runner:
             self.active += 1
         running = Running(self, request_id, timeout)
         try:
-            running.files = write_temp_files(invocation)
+            running.files = write_temp_files(invocation, request_id)
             running.proc = self._spawn(invocation, running.files, request_id, capture)
             if running.proc.stdin is not None:
                 threading.Thread(target=feed_stdin, args=(running.proc.stdin, invocation.stdin,

@@ -333,6 +333,11 @@ def shared_hooks(e):
                          "pass-arguments-to-command": [arg("url", "p"), arg("url", "p.x")],
                          "pass-environment-to-command": [arg("url", "p")]}),
         # --- environment and files ----------------------------------------------------
+        dict(capture, **{"id": "file-name-too-long", "execute-command": dump,
+                         "pass-arguments-to-command": [arg("string", "ran")],
+                         "pass-file-to-command": [
+                             arg("string", "lost", envname="PARITY_" + "L" * 300),
+                             arg("string", "kept", envname="PARITY_KEPT")]}),
         dict(capture, **{"id": "env", "execute-command": dump,
                          "pass-environment-to-command": [
                              arg("url", "branch"), arg("payload", "head_commit.timestamp"),
@@ -1412,6 +1417,15 @@ def test_parse_parameters_as_json(srv):
 # ----------------------------------------------------------------------------
 # §2.1 pass-environment-to-command / pass-file-to-command
 # ----------------------------------------------------------------------------
+
+def test_a_temp_file_that_cannot_be_created_is_left_out(srv):
+    # Go logs the error, skips that file and its variable, and still runs the command
+    rec = dumped(srv, "file-name-too-long")
+    assert rec["args"] == ["ran"]
+    assert not any(k.startswith("PARITY_L") for k in rec["env"])
+    assert rec["env"]["PARITY_KEPT"] == rec["files"]["PARITY_KEPT"]["path"]
+    assert rec["files"]["PARITY_KEPT"]["content"] == "kept"
+
 
 def test_pass_environment_and_files(srv):
     body, hdrs = json_body({"head_commit": {"timestamp": "2024-01-01T00:00:00Z", "id": "c0ffee"},
