@@ -2314,13 +2314,16 @@ class HookHandler(BaseHTTPRequestHandler):
         """The request made whole (who sent it, how to read its body), answered by the App."""
         app = self.server.app
         request.peer, request.read_body = self.remote_addr, self.read_body
-        with app.in_flight():
-            response = app.handle(request)
-            if request.body_broken:
-                response.close = True
-            elif not request.body_read:
-                self.skip_body(request, response)
-            self.send_answer(response, request)
+        try:
+            with app.in_flight():
+                response = app.handle(request)
+                if request.body_broken:
+                    response.close = True
+                elif not request.body_read:
+                    self.skip_body(request, response)
+                self.send_answer(response, request)
+        finally:  # no cycle (handler -> request -> handler) keeps a large head for the GC
+            request.read_body = self.head = None
         if self.body_unread:
             self.linger()
 
