@@ -2306,8 +2306,6 @@ class HookHandler(BaseHTTPRequestHandler):
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
         conn.due = None  # from here on, each read of the body has -read-header-timeout
-        self.command, self.path = self.head.method, self.head.target
-        self.request_version = self.head.version
         return True
 
     def serve(self, request):
@@ -2493,9 +2491,6 @@ class HookHandler(BaseHTTPRequestHandler):
         while drained < LINGER_BYTES and self.conn.fill():
             drained += len(self.conn.buffer)
             self.conn.buffer.clear()
-
-    def log_message(self, format, *args):
-        log.info("%s: " + format, self.remote_addr, *args)
 
 
 class HookServer(ThreadingHTTPServer):
