@@ -2313,7 +2313,7 @@ class HookHandler(BaseHTTPRequestHandler):
         app = self.server.app
         request.peer, request.read_body = self.remote_addr, self.read_body
         try:
-            with app.in_flight():
+            with app.in_flight:
                 response = app.handle(request)
                 if request.body_broken:
                     response.close = True
@@ -2576,45 +2576,46 @@ class HookRun:
         self.has_turn = False
 
 
+class InFlight:
+    """What the graceful stop waits for: requests being answered and background runs not
+    ended (`count`; `with in_flight:` counts one), and whether the daemon is `stopping`."""
+
+    def __init__(self):
+        self.count, self.stopping = 0, False
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        with self.lock:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.count -= 1
+
+
 class App:
     """What a request does, with no socket in sight: handle() routes it as upstream's
     hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
-    site) and returns the Response; trigger() parses the payload, checks the rules, builds
-    argv/env and runs the command in the hook's mode.  Also counts what is in flight for the
-    graceful stop."""
+    site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
     def __init__(self, opts, registry):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
-        self.response_headers = {canonical_header(n): v for n, v in opts.header}
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
         self.trusted_proxies = opts.trusted_proxy
-        self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
-                                         if opts.max_body_bytes > 0 else sys.maxsize)
-        self.stopping = False
-        self.busy = 0  # requests and background runs not finished: the graceful stop waits
-        self.busy_lock = threading.Lock()
+        self.in_flight = InFlight()
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
         self.runs = make_run_store(opts)
         self.metrics = Metrics(self.started)
+        self.hooks = Hooks(opts, registry, self.runs, self.metrics, self.in_flight)
+        self.runner = self.hooks.runner
         self.status_site = StatusSite(
             opts, registry, self.runs,
-            lambda: self.metrics.render(self.registry, self.runner, self.background),
-            self.started, lambda: self.stopping)
-
-    @contextlib.contextmanager
-    def in_flight(self):
-        with self.busy_lock:
-            self.busy += 1
-        try:
-            yield
-        finally:
-            with self.busy_lock:
-                self.busy -= 1
+            lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
+            self.started, lambda: self.in_flight.stopping)
 
     def request_id(self, request):
         if self.opts.x_request_id:
@@ -2673,7 +2674,7 @@ class App:
         request.secret_params = hook.secret_params
         body = request.read_body()
         try:
-            return self.trigger(request, hook, self.hook_request(request, hook, body))
+            return self.hooks.trigger(request, hook, self.hook_request(request, hook, body))
         except Exception:  # a bug must cost one 500, not a hung connection
             log.exception("unexpected error handling %s %s", request.method, request.target)
             return Response(500, b"500 Internal Server Error", close=True)
@@ -2704,6 +2705,20 @@ class App:
                                    hook.incoming_content_type or request.get("Content-Type"))
         hook_request.query_ok = query_ok
         return hook_request
+
+
+
+class Hooks:
+    """What a matched hook does, as upstream's handler after the match: trigger() parses the
+    payload, checks the rules, builds argv/env and runs the command in the hook's mode
+    (streamed, captured, or in the background), each run recorded and counted."""
+
+    def __init__(self, opts, registry, runs, metrics, in_flight):
+        self.registry, self.runs, self.metrics, self.in_flight = registry, runs, metrics, in_flight
+        self.response_headers = {canonical_header(n): v for n, v in opts.header}
+        self.runner = Runner()
+        self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
+                                         if opts.max_body_bytes > 0 else sys.maxsize)
 
     def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
@@ -2817,10 +2832,11 @@ class App:
             try:
                 if run.failure is None:
                     log_result(run.hook, run.request_id, result, kept is not None)
-                self.metrics.run_ended(run.hook.id, run_outcome(result, self.stopping)[0],
+                stopping = self.in_flight.stopping
+                self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
                                        time.monotonic() - began if result.started else None)
                 if run.record is not None:
-                    self.runs.ended(run.record, result, self.stopping)
+                    self.runs.ended(run.record, result, stopping)
             finally:
                 run.gate.leave()
 
@@ -2834,20 +2850,18 @@ class App:
     def run_in_background(self, run):
         """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
-        with self.busy_lock:
-            self.busy += 1
+        self.in_flight.__enter__()  # left when the job ends, in another thread
 
         def job():
             try:
-                if self.stopping:  # its record says `killed` at exit
+                if self.in_flight.stopping:  # its record says `killed` at exit
                     log.info("[%s] stopping: queued run of %s dropped", run.request_id,
                              run.hook.id)
                     run.gate.leave()
                 else:
                     self.run_captured(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
-                with self.busy_lock:
-                    self.busy -= 1
+                self.in_flight.__exit__()
 
         def granted():
             run.has_turn = True
@@ -5408,8 +5422,8 @@ class Daemon:
                     self.wait_for_cleanup()
                     return self.finish()
             if stop_deadline is not None:
-                if self.app.busy == 0 or time.monotonic() >= stop_deadline:
-                    if self.app.busy:
+                if self.app.in_flight.count == 0 or time.monotonic() >= stop_deadline:
+                    if self.app.in_flight.count:
                         log.info("shutdown timeout: killing %d running command(s)",
                                  len(self.app.runner.processes))
                         self.app.runner.kill_all()
@@ -5435,7 +5449,7 @@ class Daemon:
         self.notifier.notify("READY=1")
 
     def begin_stop(self, signum):
-        self.app.stopping = True
+        self.app.in_flight.stopping = True
         for server in self.servers:  # no new connections from here on
             server.limits.stopping.set()
             server.shutdown()
@@ -5444,7 +5458,7 @@ class Daemon:
         name = "interrupt" if signum == signal.SIGINT else "terminated"
         log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
                  "running request(s) and command(s)", name, self.opts.shutdown_timeout,
-                 self.app.busy)
+                 self.app.in_flight.count)
         return time.monotonic() + max(0, self.opts.shutdown_timeout)
 
     def finish(self):
