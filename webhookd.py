@@ -2187,8 +2187,9 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def answer_hook(self, rid, hook, raw_query):
         app, head = self.server.app, self.head
-        if head.get("Expect").lower() == "100-continue":
-            app.body_length(head)  # a body we would refuse is refused before it is sent
+        # A body we would refuse is refused before it is sent; as Go, no `100 Continue` is
+        # sent for a request that announces no body (no Content-Length, or 0)
+        if head.get("Expect").lower() == "100-continue" and app.body_length(head) != 0:
             self.handle_expect_100()
         broken = False
         try:
