@@ -21,7 +21,6 @@ Every difference fails the test unless it is in DELIBERATE (each entry with its 
 DIFF_SEED (default fixed) and DIFF_CASES choose the run; DIFF_CASE=N runs one case (with its
 batch's flags). A failure prints the seed, the case number, the hook and the raw request.
 """
-import base64
 import collections
 import concurrent.futures
 import hashlib
