@@ -2334,8 +2334,8 @@ class HookHandler(BaseHTTPRequestHandler):
         request, conn, limits = self.head, self.conn, self.server.limits
         size = body_length(request, limits.max_body)  # refused before the client sends it
         request.body_read = True
-        if request.get("Expect").lower() == "100-continue":
-            self.handle_expect_100()
+        if request.get("Expect").lower() == "100-continue" and size != 0:
+            self.handle_expect_100()  # as Go: only when a body is announced
         conn.body_due = time.monotonic() + limits.header_timeout + (
             limits.max_body if size is None else size) / BODY_MIN_RATE
         try:

@@ -7,7 +7,8 @@ or a command can observe:
 
   - the answer: status line, body, and the headers a sender sees, minus `Date` and webhookd's own
     `X-Webhookd-Run`; the request goes with `Connection: close`, kept alive (then `GET /` on the
-    same connection, whose answer is compared too), as HTTP/1.0, or with a chunked body;
+    same connection, whose answer is compared too), as HTTP/1.0, with a chunked body, or with
+    `Expect: 100-continue` (an interim answer is part of the status line compared);
   - what the command got: the hook's command is tests/fixtures/webhook_record.py under a link
     named after the case, which records its argv, environment, stdin and the files the
     environment names (pass-file-to-command), and prints the same (for
@@ -20,7 +21,6 @@ Every difference fails the test unless it is in DELIBERATE (each entry with its 
 DIFF_SEED (default fixed) and DIFF_CASES choose the run; DIFF_CASE=N runs one case (with its
 batch's flags). A failure prints the seed, the case number, the hook and the raw request.
 """
-import base64
 import collections
 import concurrent.futures
 import hashlib
@@ -77,6 +77,13 @@ def _framing(case, go, ours):
     return rest[0] == rest[1] and go_unframed and chunked not in ours["headers"]
 
 
+def _continue_before_multipart_error(case, go, ours):
+    multipart_500 = b"Error occurred while parsing multipart form."
+    return case.transport == "expect" and go["body"] == ours["body"] == multipart_500 \
+        and ours["status"] == "HTTP/1.1 100 Continue + " + go["status"] \
+        and all(go[k] == ours[k] for k in ("headers", "command"))
+
+
 DELIBERATE = [
     ("placeholder secret",
      "a hook whose secret or value is still a shipped `replace-with-...` placeholder is not "
@@ -87,6 +94,12 @@ DELIBERATE = [
      "webhookd knows the whole body and sends its Content-Length. The same bytes arrive "
      "(compared after de-chunking); only the framing headers differ",
      _framing),
+    ("100 Continue before a multipart error",
+     "webhookd reads a hook's body (asking for it with `100 Continue`) before parsing it; Go's "
+     "multipart reader refuses a request whose own Content-Type is not multipart with a "
+     "boundary (e.g. under incoming-payload-content-type) before reading. Both answer the same "
+     "500; only the interim answer differs",
+     _continue_before_multipart_error),
 ]
 
 
@@ -351,15 +364,18 @@ class Case:
         self.headers = headers      # [(name, value)] in order, as sent
         self.body = body
         # "close" (Connection: close), "keep-alive" (then `GET /` on the same connection),
-        # "http/1.0", or "chunked" (the body in chunks, Connection: close)
+        # "http/1.0", "chunked" (the body in chunks), "expect" (Expect: 100-continue, the body
+        # sent at once): all but keep-alive with Connection: close
         self.transport = transport
 
     def raw(self):
         version = "HTTP/1.0" if self.transport == "http/1.0" else "HTTP/1.1"
         head = "%s %s %s\r\n" % (self.method, self.target, version)
         lines = [("Host", "example.org")] + self.headers
-        if self.transport in ("close", "chunked"):
+        if self.transport in ("close", "chunked", "expect"):
             lines.append(("Connection", "close"))
+        if self.transport == "expect":
+            lines.append(("Expect", "100-continue"))
         body = self.body
         if self.transport == "chunked":
             lines.append(("Transfer-Encoding", "chunked"))
@@ -611,7 +627,8 @@ def gen_case(number, batch_flags):
     path = ("/" + prefix if prefix else "") + "/" + (
         hook_id if rng.random() < 0.9 else urllib.parse.quote(hook_id, safe=""))
     target = path + ("?" + encode_pairs(rng, req.query) if req.query else "")
-    transport = rng.choice(["close"] * 12 + ["keep-alive"] * 5 + ["http/1.0", "chunked"])
+    transport = rng.choice(["close"] * 12 + ["keep-alive"] * 5 + ["http/1.0", "chunked",
+                                                                 "expect"])
     return Case(number, hook, req.method, target, headers, body, transport)
 
 
@@ -713,8 +730,14 @@ def send(port, case, timeout=20.0):
 
 
 def read_response(stream, method):
-    """One answer: status line, headers, body (by Content-Length, chunked, or to the end)."""
-    status = stream.readline().rstrip(b"\r\n").decode("latin-1")
+    """One answer: status line (after any 1xx interim ones), headers, body (by
+    Content-Length, chunked, or to the end)."""
+    status = line = stream.readline().rstrip(b"\r\n").decode("latin-1")
+    while line.startswith("HTTP/1.1 1"):   # `100 Continue` is part of the status we compare
+        while stream.readline() not in (b"\r\n", b"\n", b""):
+            pass
+        line = stream.readline().rstrip(b"\r\n").decode("latin-1")
+        status += " + " + line
     headers = []
     while True:
         line = stream.readline()
@@ -723,7 +746,7 @@ def read_response(stream, method):
         name, _, value = line.rstrip(b"\r\n").partition(b":")
         headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
     fields = {n.lower(): v for n, v in headers}
-    code = status.split(" ")[1] if status.count(" ") else ""
+    code = status.rpartition(" + ")[2].split(" ")[1] if status.count(" ") else ""
     if method == "HEAD" or code in ("204", "304") or code.startswith("1"):
         body = b""
     elif "chunked" in fields.get("transfer-encoding", "").lower():
@@ -766,8 +789,9 @@ class Side:
         except (OSError, ValueError) as exc:    # a timeout, a reset, a broken frame
             return {"client_port": 0, "status_line": "no answer: %r" % exc, "status": 0,
                     "headers": [], "body": b"", "following": None}
+        final = status.rpartition(" + ")[2]
         return {"client_port": client_port, "status_line": status,
-                "status": int(status.split()[1]) if len(status.split()) > 1 else 0,
+                "status": int(final.split()[1]) if len(final.split()) > 1 else 0,
                 "headers": headers, "body": body, "following": following}
 
     def record(self, case):

@@ -717,6 +717,14 @@ def test_expect_100_continue(srv):
     assert json.loads(data)["args"][3] == "continued"
 
 
+@pytest.mark.parametrize("length", [b"Content-Length: 0\r\n", b""])
+def test_expect_100_continue_without_a_body_gets_no_interim_answer(srv, length):
+    # Go writes `100 Continue` only when the request announces a body
+    head = (b"POST /hooks/group/deploy HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Connection: close\r\n" + length + b"\r\n")
+    assert raw_exchange(srv.port, head).startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 def test_repeated_header_first_value_wins(srv):
     head = (b"POST /hooks/src HTTP/1.1\r\nHost: x\r\nX-Foo: first\r\nX-Foo: second\r\n"
             b"Content-Length: 0\r\nConnection: close\r\n\r\n")
