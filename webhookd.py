@@ -1773,10 +1773,6 @@ class StreamedBody:
 HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
 
 
-def status_line(status):
-    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
-
-
 def clean_path(path):
     """Go's path.Clean, keeping a trailing slash, as gorilla/mux does before routing."""
     if path.startswith("/") and "//" not in path and "/." not in path:
@@ -4123,12 +4119,6 @@ class Running:
                 self.runner.stop(proc)
                 self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
             self.clean_up()
-
-    def collect(self, keep=True):
-        """Run to the end: the result, with the whole output in it if `keep`."""
-        chunks = [chunk for chunk in self.output() if keep]
-        self.result.output = b"".join(chunks)
-        return self.result
 
     def clean_up(self):
         self.fed.set()
