@@ -453,13 +453,11 @@ def go_value_type(flag, convert):
 
 
 class GoFlagParser(argparse.ArgumentParser):
-    """argparse with Go's usage text and error sentences."""
+    """argparse with Go's error sentences (usage_text writes Go's usage: -h never reaches
+    argparse)."""
 
     def error(self, message):
         raise UsageError(re.sub(r"^argument -[\w-]+: ", "", message))
-
-    def format_help(self):
-        return usage_text(self.prog)
 
 
 def build_parser(program):
