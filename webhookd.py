@@ -1924,12 +1924,12 @@ class Connection:
         self.scanned = 0
         return data
 
-    def fill(self, until=None):
-        """One recv into the buffer, before the read deadline (or `until`, if sooner): False at
-        end of stream; socket.timeout once the deadline has passed."""
+    def fill(self):
+        """One recv into the buffer, before the read deadline: False at end of stream;
+        socket.timeout once the deadline has passed."""
         now = time.monotonic()
         due = min(self.due if self.due is not None else now + self.limits.header_timeout,
-                  self.body_due, until or math.inf)
+                  self.body_due)
         if due <= now:
             raise socket.timeout("timed out")
         self.sock.settimeout(due - now)
