@@ -21,14 +21,17 @@ request limits (``-max-body-bytes``, ``-read-header-timeout``, ``-max-connection
 ``<status-path>/runs`` or with ``-runs``/``-runs-follow``.
 
 Python 3.9+ standard library only (``http.server``, ``argparse``, ``subprocess``); runs on Linux
-(glibc or musl), macOS and FreeBSD.  Request pipeline (HookHandler -> Pipeline -> Runner)::
+(glibc or musl), macOS and FreeBSD.  A request goes HookHandler -> App -> Runner -> the one
+writer::
 
     request -> find hook -> parse payload -> check rules -> build argv/env -> run -> respond
 
-The file reads in that order: the command line, the hooks model (files, hooks, the registry
-with hot reload), HTTP (heads, the http.server glue), the pipeline with its payload parsers and
-rules, the runner, the run history, then the lifecycle (systemd, process setup, signals, main);
-the YAML reader is an appendix at the end.
+The file reads in that order: Go's primitives used everywhere, the command line, the hooks model
+(files, hooks, the registry with hot reload), HTTP (the Request and Response, then the transport:
+http.server's handler and server over a waiting room), the App with its payload parsers and
+rules, the runner, the run history, the status site, then the lifecycle (systemd, process
+setup, signals, main with -validate and -runs); the HTML pages and the YAML reader are
+appendices at the end.
 """
 
 import argparse
@@ -37,9 +40,12 @@ import binascii
 import bisect
 import calendar
 import contextlib
+import difflib
 import errno
+import fcntl
 import functools
 import hmac
+import html
 import ipaddress
 import itertools
 import json
@@ -56,6 +62,7 @@ import selectors
 import signal
 import socket
 import socketserver
+import ssl
 import stat
 import struct
 import subprocess
@@ -139,6 +146,141 @@ GO_CIPHER_SUITES = {
 }
 
 log = logging.getLogger("webhookd")
+
+
+# ---------------------------------------------------------------------------
+# Helpers used everywhere else: Go's primitives (header names, escapes, digits, addresses,
+# times, errors)
+# ---------------------------------------------------------------------------
+
+# Header names are client text: the cache holds at most 4096 names of at most 64 characters
+# (well under 1 MiB); longer or later names are canonicalised each time, never kept.
+_CANONICAL_CACHE = {}
+CANONICAL_CACHE_ENTRIES = 4096
+CANONICAL_CACHE_NAME_MAX = 64
+TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
+                        "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def canonical_header(name):
+    """textproto.CanonicalMIMEHeaderKey: `x-hub-signature` -> `X-Hub-Signature`."""
+    cached = _CANONICAL_CACHE.get(name)
+    if cached is not None:
+        return cached
+    if not name or not set(name) <= TOKEN_CHARS:
+        result = name
+    else:
+        result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+    if len(name) <= CANONICAL_CACHE_NAME_MAX and len(_CANONICAL_CACHE) < CANONICAL_CACHE_ENTRIES:
+        _CANONICAL_CACHE[name] = result
+    return result
+
+
+_HEX = "0123456789abcdefABCDEF"
+
+
+def go_unescape(text, plus_is_space):
+    """url.QueryUnescape / url.PathUnescape: None when an escape is malformed."""
+    if plus_is_space and "+" in text:
+        text = text.replace("+", " ")
+    if "%" not in text:
+        return text
+    parts = text.split("%")
+    out = bytearray(parts[0].encode("utf-8", "surrogateescape"))
+    for part in parts[1:]:
+        if len(part) < 2 or part[0] not in _HEX or part[1] not in _HEX:
+            return None
+        out.append(int(part[:2], 16))
+        out += part[2:].encode("utf-8", "surrogateescape")
+    return out.decode("utf-8", "surrogateescape")
+
+
+def is_ascii_digits(text):
+    """0-9 only: str.isdigit() also accepts `²` and other scripts' digits, which int() refuses
+    or reads, where Go's strconv refuses them all."""
+    return text.isascii() and text.isdigit()
+
+
+def parse_ip(text):
+    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+@functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
+def parse_cidr(text):
+    if "/" not in text:
+        text += "/32"
+    address, _, bits = text.partition("/")
+    try:
+        if not bits.isdigit():
+            return None
+        return ipaddress.ip_network("%s/%s" % (address, bits), strict=False)
+    except ValueError:
+        return None
+
+
+def peer_host(remote_addr):
+    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
+    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
+    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
+    return host.strip(" ").lstrip("[").rstrip("]")
+
+
+def format_peer(address):
+    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
+    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = address[0]
+        if host.lower().startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
+    return "@"  # Unix socket peers, as Go prints them
+
+
+def iso_time(timestamp):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
+
+
+def go_errno_text(exc, op=None):
+    """An OSError as Go words it: the reason in lower case (`permission denied`); with `op`,
+    `open /run/x.pid: permission denied` (Go's PathError) when the error names a file."""
+    text = exc.strerror or str(exc)
+    text = text[:1].lower() + text[1:]
+    return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
+
+
+def go_float32_text(value):
+    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
+    if value != value:
+        return "NaN"
+    try:
+        single = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        single = value * math.inf
+    if math.isinf(single):
+        return "+Inf" if single > 0 else "-Inf"
+    if single == 0:
+        return "-0" if math.copysign(1, single) < 0 else "0"
+    for precision in range(1, 10):
+        shortest = "%.*e" % (precision - 1, single)
+        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
+            break
+    mantissa, exponent = shortest.split("e")
+    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
+    digits = digits.replace(".", "").rstrip("0") or "0"
+    exponent = int(exponent)
+    if exponent < -4 or exponent >= 6:
+        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
+    if exponent < 0:
+        return sign + "0." + "0" * (-exponent - 1) + digits
+    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
+    fraction = digits[exponent + 1:]
+    return sign + whole + ("." + fraction if fraction else "")
 
 
 # ---------------------------------------------------------------------------
@@ -320,13 +462,11 @@ def go_value_type(flag, convert):
 
 
 class GoFlagParser(argparse.ArgumentParser):
-    """argparse with Go's usage text and error sentences."""
+    """argparse with Go's error sentences (usage_text writes Go's usage: -h never reaches
+    argparse)."""
 
     def error(self, message):
         raise UsageError(re.sub(r"^argument -[\w-]+: ", "", message))
-
-    def format_help(self):
-        return usage_text(self.prog)
 
 
 def build_parser(program):
@@ -390,6 +530,7 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
+    opts.runs_dir_fd = None  # the -runs-dir folder, held open once runs_options_problem checked it
     return opts
 
 
@@ -422,6 +563,7 @@ class HooksFileError(Exception):
 
 
 TEMPLATE_ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.S)
+TEMPLATE_FUNCTION_USE = re.compile(r"\{\{-?\s*(?:getenv|cat|credential)\b")  # without -template
 TEMPLATE_CALL = re.compile(
     r'^\s*(getenv|cat|credential)\s+("(?:[^"\\]|\\.)*"|`[^`]*`)\s*(\|\s*js\s*)?$', re.S)
 
@@ -501,9 +643,11 @@ def read_template_file(name, path):
                                                     TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
-def expand_template(text, filename, environ=None):
+def expand_template(text, filename, environ=None, empty=None):
     """Expand `{{ getenv "X" }}`, `{{ cat "PATH" }}`, `{{ credential "NAME" }}` (each optionally
-    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error."""
+    `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error.  Each
+    action that gave "" (an unset variable, a missing file) is added to the list `empty` as
+    `line:column: action`, if one is given."""
     environ = os.environ if environ is None else environ
     out, pos = [], 0
     for match in TEMPLATE_ACTION.finditer(text):
@@ -523,6 +667,8 @@ def expand_template(text, filename, environ=None):
             value = template_function(call.group(1), arg, environ)
         except ValueError as exc:
             raise HooksFileError("%s:%d:%d: template: %s" % (filename, line, col, exc)) from None
+        if not value and empty is not None:
+            empty.append("%d:%d: %s" % (line, col, match.group(0)))
         out.append(js_escape(value) if call.group(3) else value)
         pos = match.end()
         if match.group(3):
@@ -586,8 +732,9 @@ class Problems:
     """Warnings and errors found while loading a hooks file, each with where it was found (and
     on which line, when the file was read by the YAML reader)."""
 
-    def __init__(self, filename, data=None, text=""):
+    def __init__(self, filename, data=None, text="", empty_actions=()):
         self.filename, self.data, self.text = filename, data, text
+        self.empty_actions = empty_actions  # template actions that gave "" (expand_template)
         self.items = []  # (severity, message)
         self.refused = set()  # indexes of the hooks that must not be served
         self.fatal = []  # errors upstream refuses the whole file for
@@ -629,18 +776,19 @@ def where_line(data, where):
     """The line of the value a message's `where` (`hook 2 ("id").trigger-rule.and[0]`) names,
     when the data came from the YAML reader; None otherwise."""
     found = WHERE_HOOK.match(where)
-    if found is None or not isinstance(data, YamlList) or int(found.group(1)) >= len(data):
+    if found is None or not hasattr(data, "lines") or int(found.group(1)) >= len(data):
         return None
     node, line, pos = data[int(found.group(1))], data.lines[int(found.group(1))], found.end()
     for step in WHERE_STEP.finditer(where, pos):
         if step.start() != pos:
             break
-        if step.group(1) and isinstance(node, YamlMap):
+        if step.group(1) and isinstance(node, dict) and hasattr(node, "lines"):
             keys = [key for key in node if key.lower() == step.group(1)]
             if not keys:
                 break
             line, node = node.lines[keys[-1]], node[keys[-1]]
-        elif step.group(2) and isinstance(node, YamlList) and int(step.group(2)) < len(node):
+        elif step.group(2) and isinstance(node, list) and hasattr(node, "lines") \
+                and int(step.group(2)) < len(node):
             line, node = node.lines[int(step.group(2))], node[int(step.group(2))]
         else:
             break
@@ -649,7 +797,6 @@ def where_line(data, where):
 
 
 def did_you_mean(name, known):
-    import difflib  # only needed when a typo is found
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     return " (did you mean %r?)" % close[0] if close else ""
 
@@ -834,7 +981,14 @@ def parse_match(raw, where, problems):
         problems.error(where, rule.regex_error)
     if kind.startswith("payload-hash-"):
         problems.warn(where, "deprecated type %r, use %r" % (kind, kind.replace("hash", "hmac")))
-    if (kind in HMAC_TYPES or kind == "scalr-signature") and not rule.secret:
+    checked = "secret" if kind in HMAC_TYPES or kind == "scalr-signature" else \
+        "value" if kind == "value" else None
+    if checked and not fields[checked] and problems.empty_actions:
+        # most likely an unset variable or a missing file: an empty value matches any request
+        # that sends the parameter empty, so the hook is not served
+        problems.refuse("%s.%s" % (where, checked), "empty after template expansion (in "
+                        "this file %s gave \"\")" % ", ".join(problems.empty_actions[:3]))
+    elif checked == "secret" and not rule.secret:
         problems.error(where, "empty secret (every request would get 500)")
     for field in ("secret", "value"):
         if is_shipped_placeholder(obj.get(field)):
@@ -928,8 +1082,8 @@ def parse_field(kind, value, where, problems):
 class Hook:
     """One hook definition.  Attributes are named after the fields (see HOOK_FIELDS)."""
 
-    def __init__(self, obj, where, problems):
-        obj = fold_keys(obj, HOOK_FIELDS, where, problems)
+    def __init__(self, raw, where, problems):
+        obj = fold_keys(raw, HOOK_FIELDS, where, problems)
         for field, (attr, kind) in HOOK_FIELDS.items():
             value = obj.get(field)
             setattr(self, attr, EMPTY[kind])
@@ -943,6 +1097,11 @@ class Hook:
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
+        unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
+        if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
+            problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
+                            "trigger-rule, anyone could run the hook (add the trigger-rule, or "
+                            "remove the field)" % ", ".join(repr(key) for key in unknown))
 
 
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
@@ -988,52 +1147,41 @@ def describe(index, obj):
         "hook %d" % index
 
 
-# JSON escapes go-yaml v2 refuses: such a file goes through the YAML reader to fail as upstream.
-JSON_ONLY_ESCAPE = re.compile(r"\\(?:/|u[dD][89abAB])")
-
-
 def hooks_data(text, filename):
-    """The value in a hooks file's text: (data, read_as_json).  JSON is tried first (fast);
-    anything else is read as YAML.  Scalars resolve as upstream's go-yaml v2 resolves them,
-    for JSON too (`1e5` is a string there)."""
+    """The value in a hooks file's text (see load_yaml): (data, read_as_json)."""
     try:
-        data = json.loads(text, parse_int=resolve_plain, parse_float=resolve_plain,
-                          parse_constant=str)
-        if "\\" not in text or not JSON_ONLY_ESCAPE.search(text):
-            return data, True
-    except ValueError:
-        pass
-    try:
-        return load_yaml(text), False
+        return load_yaml(text)
     except YamlError as exc:
         raise HooksFileError("%s:%d:%d: %s" % (filename, exc.line, exc.column, exc.message)) \
             from None
 
 
-def parse_hooks(text, filename):
+def parse_hooks(text, filename, empty_actions=()):
     """Parse the text of a hooks file (JSON or YAML): (list of Hook, Problems).  Raises
-    HooksFileError.  Problems in a JSON file are located by reading it again as YAML."""
+    HooksFileError.  Problems in a JSON file are located by reading it again as YAML.
+    `empty_actions`: the template actions that gave "" (see expand_template)."""
     if not text.strip():
         raise HooksFileError("%s: file is empty" % filename)
     data, read_as_json = hooks_data(text, filename)
     try:
-        hooks, problems = build_hooks(data, filename, text)
+        hooks, problems = build_hooks(data, filename, text, empty_actions)
         if not problems.items or not read_as_json:
             return hooks, problems
     except HooksFileError:
         if not read_as_json:
             raise
     try:
-        data = load_yaml(text)  # the same values, now with the line of each
+        data = load_yaml(text, lines=True)[0]  # the same values, now with the line of each
     except YamlError:
         pass
-    return build_hooks(data, filename, text)
+    return build_hooks(data, filename, text, empty_actions)
 
 
-def build_hooks(data, filename, text=""):
+def build_hooks(data, filename, text="", empty_actions=()):
     """The hooks to serve and the Problems; HooksFileError (with every problem found) for a
-    file upstream refuses.  A hook with a shipped placeholder secret is left out."""
-    problems = Problems(filename, data, text)
+    file upstream refuses.  A hook with a shipped placeholder secret, or a secret or value
+    match emptied by the template, is left out."""
+    problems = Problems(filename, data, text, empty_actions)
     if not isinstance(data, list):
         raise HooksFileError("%s: expected an array (a YAML sequence) of hooks, got %s"
                              % (filename, type_name(data)))
@@ -1068,13 +1216,21 @@ def read_bytes(path):
 def parse_hooks_file(raw, path, template=False):
     """Template-expand and parse the bytes of one hooks file: (hooks, Problems)."""
     text = raw.decode("utf-8", "surrogateescape")
-    if template:
-        text = expand_template(text, path)
+    empty_actions = []
     warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
                             "any command as webhookd (chmod go-w)" % (path, writable))
                 for writable in writable_by_others(path)]
+    if template:
+        text = expand_template(text, path, empty=empty_actions)
+    else:
+        action = TEMPLATE_FUNCTION_USE.search(text)
+        if action:
+            warnings.append(("warning", "%s:%d:%d: %s... is kept as this literal text (a secret "
+                             "anyone can read here, not the one meant): start webhookd with "
+                             "-template to expand it" % ((path,) + line_col(text, action.start())
+                                                         + (action.group(0),))))
     try:
-        hooks, problems = parse_hooks(text, path)
+        hooks, problems = parse_hooks(text, path, empty_actions)
     except RecursionError:  # the readers and the model recurse once per level of nesting
         message = "%s: nested too deeply" % path
         raise HooksFileError(message, [("error", message)] + warnings) from None
@@ -1180,10 +1336,6 @@ def file_signature(path):
     return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
 
 
-def iso_time(timestamp):
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp)) if timestamp else None
-
-
 MTIME_TICK_SECONDS = 2.0  # coarser than any file system's timestamp granularity
 
 
@@ -1248,6 +1400,10 @@ class Registry:
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
                     continue
+                except Exception as exc:  # a bug must not stop the daemon, nor drop the hooks
+                    message = "%s: unexpected error: %s: %s" % (hf.path, type(exc).__name__, exc)
+                    ok = self._keep_old(hf, "couldn't load hooks from file! " + message, message)
+                    continue
                 for severity, message in problems.items:  # errors are shown without -verbose
                     (log.error if severity == "error" else log.warning)("%s: %s", severity,
                                                                         message)
@@ -1298,13 +1454,17 @@ class Registry:
         for hf in self.files:
             for hook in hf.hooks:
                 table.setdefault(hook.id, hook)  # first definition wins, as upstream
+        # the gate of a hook no file serves any more goes, unless runs still hold or wait for
+        # it (a later load drops it): reloads that rename hooks never pile up gates
+        gates = {hook_id: gate for hook_id, gate in self.gates.items()
+                 if hook_id in table or gate.running or gate.waiting}
         for hook_id, hook in table.items():
-            gate = self.gates.get(hook_id)
+            gate = gates.get(hook_id)
             if gate is None:
-                self.gates[hook_id] = HookGate(hook.max_concurrency)
+                gates[hook_id] = HookGate(hook.max_concurrency)
             elif gate.limit != hook.max_concurrency:
                 gate.set_limit(hook.max_concurrency)
-        self.by_id = table
+        self.gates, self.by_id = gates, table
 
     def poll(self):
         """Hot reload: the files whose inode, size or mtime changed (to be reloaded) and then
@@ -1378,9 +1538,10 @@ class BadRequest(Exception):
         self.body = body
 
     def response(self):
-        head = response_head("HTTP/1.1", self.public, ["Content-Type: " + TEXT_PLAIN,
-                                                         "Connection: close"])
-        return head + (self.body if self.body is not None else self.public.encode())
+        """Go's bare answer: its status line, Content-Type and `Connection: close`, no Date."""
+        return Response(self.status, self.body if self.body is not None else self.public.encode(),
+                        {"Content-Type": TEXT_PLAIN}, close=True,
+                        reason=self.public.partition(" ")[2], bare=True)
 
 
 class BodyError(Exception):
@@ -1391,13 +1552,21 @@ class BodyError(Exception):
         self.partial = partial
 
 
-class RequestHead:
-    """Request line and headers: `headers` maps canonical names to all their values."""
+class Request:
+    """One request, from its head to its answer: what the client sent (`method`, `target`,
+    `version`, `headers`: canonical names to all their values), where from (`peer`; `client`,
+    the address after -trusted-proxy), `id` (X-Request-Id or ours), the target's `path` and
+    `raw_query`, and `read_body()`, which reads the body when the App wants it (else the
+    handler reads past it or closes)."""
 
-    __slots__ = ("method", "target", "version", "headers")
+    __slots__ = ("method", "target", "version", "headers", "peer", "client", "id", "path",
+                 "raw_query", "read_body", "body_read", "body_broken", "secret_params")
 
     def __init__(self, method, target, version, headers):
         self.method, self.target, self.version, self.headers = method, target, version, headers
+        self.peer = self.client = self.id = self.path = self.raw_query = self.read_body = None
+        self.body_read = self.body_broken = False
+        self.secret_params = ()  # query parameters whose values the access log hides
 
     def get(self, name, default=""):
         values = self.headers.get(name)
@@ -1408,6 +1577,28 @@ class RequestHead:
         if self.version == "HTTP/1.1":
             return "close" not in connection
         return "keep-alive" in connection
+
+
+def body_length(request, max_body):
+    """The declared body size (None: chunked); a bad or too large one is refused."""
+    if "Transfer-Encoding" in request.headers:
+        encoding = ",".join(request.headers["Transfer-Encoding"]).strip().lower()
+        if encoding != "chunked":
+            raise BadRequest(501, "unsupported transfer encoding",
+                             body=b"Unsupported transfer encoding")
+        return None
+    lengths = request.headers.get("Content-Length")
+    if not lengths:
+        return 0
+    digits = lengths[0].lstrip("0") or "0"  # as Go: any number of leading zeros
+    if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]) or len(digits) > 19:
+        raise BadRequest(400, "bad Content-Length")  # (int() refuses over 4,300 digits)
+    size = int(digits)
+    if size >= 1 << 63:
+        raise BadRequest(400, "bad Content-Length")
+    if size > max_body:
+        raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+    return size
 
 
 HTTP_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
@@ -1458,7 +1649,7 @@ def parse_head(data):
         raise BadRequest(400, "too many Host headers")
     if not hosts and version == "HTTP/1.1":
         raise BadRequest(400, "missing required Host header", public=True)
-    return RequestHead(method, target, version, headers)
+    return Request(method, target, version, headers)
 
 
 def unfold(values, folded):
@@ -1483,12 +1674,51 @@ def http_date():
 HTML_SIGNATURES = (b"<!DOCTYPE HTML", b"<HTML", b"<HEAD", b"<SCRIPT", b"<IFRAME", b"<H1",
                    b"<DIV", b"<FONT", b"<TABLE", b"<A", b"<STYLE", b"<TITLE", b"<B", b"<BODY",
                    b"<BR", b"<P", b"<!--")
+# The rest of Go 1.19's table, in its order after the HTML signatures: (pattern, mask or None
+# for an exact prefix, Content-Type). Only `<?xml` is looked for after leading whitespace.
+RIFF_MASK = b"\xff\xff\xff\xff\x00\x00\x00\x00\xff\xff\xff\xff"  # any chunk size
+SNIFF_SIGNATURES = (
+    (b"%PDF-", None, "application/pdf"),
+    (b"%!PS-Adobe-", None, "application/postscript"),
+    (b"\xfe\xff\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16be"),
+    (b"\xff\xfe\x00\x00", b"\xff\xff\x00\x00", "text/plain; charset=utf-16le"),
+    (b"\xef\xbb\xbf\x00", b"\xff\xff\xff\x00", "text/plain; charset=utf-8"),
+    (b"\x00\x00\x01\x00", None, "image/x-icon"),
+    (b"\x00\x00\x02\x00", None, "image/x-icon"),
+    (b"BM", None, "image/bmp"),
+    (b"GIF87a", None, "image/gif"),
+    (b"GIF89a", None, "image/gif"),
+    (b"RIFF\x00\x00\x00\x00WEBPVP", RIFF_MASK + b"\xff\xff", "image/webp"),
+    (b"\x89PNG\r\n\x1a\n", None, "image/png"),
+    (b"\xff\xd8\xff", None, "image/jpeg"),
+    (b"FORM\x00\x00\x00\x00AIFF", RIFF_MASK, "audio/aiff"),
+    (b"ID3", None, "audio/mpeg"),
+    (b"OggS\x00", None, "application/ogg"),
+    (b"MThd\x00\x00\x00\x06", None, "audio/midi"),
+    (b"RIFF\x00\x00\x00\x00AVI ", RIFF_MASK, "video/avi"),
+    (b"RIFF\x00\x00\x00\x00WAVE", RIFF_MASK, "audio/wave"),
+    (None, None, "video/mp4"),  # no fixed pattern: is_mp4 reads the box
+    (b"\x1a\x45\xdf\xa3", None, "video/webm"),
+    (b"\x00" * 34 + b"LP", b"\x00" * 34 + b"\xff\xff", "application/vnd.ms-fontobject"),
+    (b"\x00\x01\x00\x00", None, "font/ttf"),
+    (b"OTTO", None, "font/otf"),
+    (b"ttcf", None, "font/collection"),
+    (b"wOFF", None, "font/woff"),
+    (b"wOF2", None, "font/woff2"),
+    (b"\x1f\x8b\x08", None, "application/x-gzip"),
+    (b"PK\x03\x04", None, "application/zip"),
+    (b"Rar!\x1a\x07\x00", None, "application/x-rar-compressed"),
+    (b"Rar!\x1a\x07\x01\x00", None, "application/x-rar-compressed"),
+    (b"\x00asm", None, "application/wasm"),
+)
 BINARY_BYTES = re.compile(b"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f]")
 
 
 def sniff_content_type(body):
-    """The common cases of Go's http.DetectContentType (HTML, XML, text, binary)."""
-    data = body[:512].lstrip(b"\t\n\x0c\r ")
+    """Go's http.DetectContentType (Go 1.19, as Debian's webhook 2.8 is built): HTML and XML
+    after leading whitespace, then the binary signatures at the very start, then text."""
+    head = body[:512]
+    data = head.lstrip(b"\t\n\x0c\r ")
     if data.startswith(b"<"):
         upper = data[:16].upper()
         for signature in HTML_SIGNATURES:
@@ -1497,65 +1727,57 @@ def sniff_content_type(body):
                 return "text/html; charset=utf-8"
         if data.startswith(b"<?xml"):
             return "text/xml; charset=utf-8"
-    if BINARY_BYTES.search(body, 0, 512):
+    for pattern, mask, content_type in SNIFF_SIGNATURES:
+        if pattern is None:
+            if is_mp4(head):
+                return content_type
+        elif mask is None:
+            if head.startswith(pattern):
+                return content_type
+        elif len(head) >= len(pattern) and all(
+                b & m == p for b, m, p in zip(head, mask, pattern)):
+            return content_type
+    if BINARY_BYTES.search(data):
         return "application/octet-stream"
     return TEXT_PLAIN
 
 
+def is_mp4(data):
+    """Go's mp4 signature: an `ftyp` box whose brands include `mp4` (the version skipped)."""
+    if len(data) < 12:
+        return False
+    size = int.from_bytes(data[:4], "big")
+    if len(data) < size or size % 4 or data[4:8] != b"ftyp":
+        return False
+    return any(data[at:at + 3] == b"mp4" for at in range(8, size, 4) if at != 12)
+
+
 class Response:
-    """A complete answer; headers as an ordered dict of canonical name -> value."""
+    """An answer: status, headers (an ordered dict of canonical name -> value) and body, bytes
+    or a StreamedBody.  `close`: the connection ends after it.  `reason`: the status line's
+    text where it is not Go's (a malformed request's detail); `bare`: Go's answer to a
+    malformed request, without Date or Content-Length."""
 
-    __slots__ = ("status", "headers", "body", "close", "sent", "secret_params")
+    __slots__ = ("status", "headers", "body", "close", "reason", "bare")
 
-    def __init__(self, status, body=b"", headers=None, close=False, sent=False):
-        self.status, self.body, self.close, self.sent = status, body, close, sent
-        self.secret_params = ()  # query parameters whose values the access log hides
+    def __init__(self, status, body=b"", headers=None, close=False, reason=None, bare=False):
+        self.status, self.body, self.close, self.reason, self.bare = (status, body, close,
+                                                                       reason, bare)
         self.headers = headers if headers is not None else {}
 
 
+class StreamedBody:
+    """A body made while it is sent, as WSGI and bottle stream: `chunks` yields it piece by
+    piece (a running command's output), and the writer sends each as it comes.  `complete`,
+    read once it has ended: whether the answer ended as it should (else the closing chunk is
+    left out, so the client sees it cut short).  `drain`: go on reading it once the client has
+    gone (what makes it, a deploy, must not be held up by nobody reading)."""
+
+    def __init__(self, chunks=None, drain=True):
+        self.chunks, self.drain, self.complete = chunks, drain, True
+
+
 HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
-
-
-def header_lines(headers):
-    """`Name: value` lines as Go writes them: names that are not tokens are dropped, CR and LF
-    in values become spaces, framing headers are ours to set."""
-    return ["%s: %s" % (name, value.replace("\r", " ").replace("\n", " "))
-            for name, value in headers.items()
-            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS]
-
-
-def response_head(version, status, lines):
-    """The bytes that start every answer: status line (`200 OK`), header lines, blank line."""
-    return ("%s %s\r\n%s\r\n" % (version, status, "".join(line + "\r\n" for line in lines))
-            ).encode("utf-8", "surrogateescape")
-
-
-def status_line(status):
-    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
-
-
-def serialize_response(response, head, keep_alive):
-    """The whole response as one bytes object (status line, headers, body): one send."""
-    status = response.status
-    version = "HTTP/1.0" if head is not None and head.version == "HTTP/1.0" else "HTTP/1.1"
-    lines = []
-    body = response.body
-    headers = response.headers
-    if body and "Content-Type" not in headers and status not in NO_BODY_STATUSES:
-        lines.append("Content-Type: " + sniff_content_type(body))
-    lines += header_lines(headers)
-    lines.append("Date: " + http_date())
-    if status in NO_BODY_STATUSES:
-        body = b""
-    else:
-        lines.append("Content-Length: %d" % len(body))
-    if not keep_alive:
-        lines.append("Connection: close")
-    elif version == "HTTP/1.0":
-        lines.append("Connection: keep-alive")
-    if head is not None and head.method == "HEAD":
-        body = b""
-    return response_head(version, status_line(status), lines) + body
 
 
 def clean_path(path):
@@ -1587,19 +1809,9 @@ def go_escape_path(path):
 
 
 # ---------------------------------------------------------------------------
-# HTTP: http.server glue (one handler, a bounded threading server)
+# HTTP transport: http.server's documented hooks over a waiting room (one handler, a bounded
+# pool of workers); the application is reached only through App.handle and App.answered
 # ---------------------------------------------------------------------------
-
-def format_peer(address):
-    """host:port as Go prints a remote address; an IPv4 client of a dual-stack listener is shown
-    (and checked by ip-whitelist) as IPv4, as Go unmaps `::ffff:a.b.c.d`."""
-    if isinstance(address, tuple) and len(address) >= 2:
-        host = address[0]
-        if host.lower().startswith("::ffff:") and "." in host:
-            host = host[7:]
-        return ("[%s]:%d" if ":" in host else "%s:%d") % (host, address[1])
-    return "@"  # Unix socket peers, as Go prints them
-
 
 def head_end(buf, start=0):
     """Index just past the blank line ending the request head, or -1.  The bytes before `start`
@@ -1644,7 +1856,8 @@ def read_chunked(conn, limit):
 
 
 RECV_BYTES = 1 << 16
-PARKED_HEAD_BYTES = 16384  # a head still coming beyond this waits on a thread (memory bound)
+PARKED_HEAD_BYTES = 16384  # a head read in the WaitingRoom beyond this size counts against:
+PARKED_LARGE_BYTES = 64 << 20  # what all such heads may hold together; beyond, one is closed
 BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
 # a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
@@ -1655,22 +1868,39 @@ LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long
 LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 
-class Connection:
-    """One client connection and the bytes read ahead of the request being served: kept while
-    the connection waits in the WaitingRoom (no thread) and while a worker serves it.  A
-    worker's reads and writes block, each under a deadline: the head's (`due`: from accept, or
-    from the first byte of a later head), else -read-header-timeout per read, and for a body
-    also `body_due` for all of it; -write-timeout per write."""
+class Limits:
+    """What the transport is told by the daemon: -read-header-timeout (`header_timeout`, also
+    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, set at a graceful
+    stop (connections waiting for a request are closed, none is kept alive)."""
 
-    __slots__ = ("sock", "address", "server", "buffer", "scanned", "due", "body_due",
-                 "skim_due", "handshaking")
+    def __init__(self, opts):
+        self.header_timeout = float(opts.read_header_timeout) \
+            if opts.read_header_timeout > 0 else NO_TIMEOUT
+        self.write_timeout = float(opts.write_timeout) if opts.write_timeout > 0 else NO_TIMEOUT
+        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
+        self.stopping = threading.Event()
+
+
+class Connection:
+    """One client connection: the handler's rfile and wfile.  Holds the bytes read ahead of the
+    request being served (kept while the connection waits in the WaitingRoom, with no thread,
+    and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
+    not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
+    deadline (`due`: from accept, or from the first byte of a later head), else after
+    -read-header-timeout, and for a body also at `body_due` for all of it; its writes after
+    -write-timeout."""
+
+    __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
+                 "body_due", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
-        self.body_due, self.skim_due = math.inf, None
-        self.buffer = bytearray()
+        self.limits, self.tls = server.limits, server.tls_context is not None
+        self.body_due = math.inf
+        self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
-        self.handshaking = server.tls_context is not None
+        self.handshaking = self.tls
+        self.closing = False  # closed once the outbox is sent
 
     def head_end(self):
         end = head_end(self.buffer, self.scanned)
@@ -1679,25 +1909,23 @@ class Connection:
         return end
 
     def head_ready(self):
-        """Whether a worker should take over: a whole head is here, or a large part of one."""
-        return self.head_end() >= 0 or len(self.buffer) >= PARKED_HEAD_BYTES
+        """Whether a worker should take over: a whole head is here, or more than any head may
+        be (answered 431)."""
+        return self.head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
 
     def wait_for_bytes(self, seconds):
         """A worker's short wait for the client's next request before parking the connection
-        (cheaper than the round trip through the WaitingRoom): False if the client closed."""
-        if not self.pending():
-            poller = select.poll()  # no syscall but the wait: the socket stays blocking
-            poller.register(self.sock, select.POLLIN)
-            if not poller.poll(seconds * 1000):
-                return True
+        (cheaper than the round trip through the WaitingRoom): False if the client closed.  A
+        TLS record begun but not whole by then waits in the WaitingRoom, not here."""
         try:
-            return self.fill()
+            self.sock.settimeout(seconds)
+            data = self.sock.recv(RECV_BYTES)
+        except socket.timeout:
+            return True
         except OSError:
             return False
-
-    def pending(self):
-        """Decrypted bytes a TLS socket holds that no readiness event will announce."""
-        return self.sock.pending() if self.server.ssl else 0
+        self.buffer += data
+        return bool(data)
 
     def take(self, size):
         data = bytes(self.buffer[:size])
@@ -1706,30 +1934,29 @@ class Connection:
         return data
 
     def fill(self):
-        """One blocking recv into the buffer, under the deadline; False at end of stream."""
+        """One recv into the buffer, before the read deadline: False at end of stream;
+        socket.timeout once the deadline has passed."""
         now = time.monotonic()
-        if self.skim_due is not None:  # the socket's own timeout, which (unlike a deadline's
-            # shutdown) leaves the connection able to answer: raises socket.timeout
-            self.sock.settimeout(max(self.skim_due - now, 0.001))
-            data = self.sock.recv(RECV_BYTES)
-        else:
-            due = self.due if self.due is not None else now + self.server.app.header_timeout
-            data = self.server.deadlines.during(self.sock, min(due, self.body_due),
-                                                self.sock.recv, RECV_BYTES)
+        due = min(self.due if self.due is not None else now + self.limits.header_timeout,
+                  self.body_due)
+        if due <= now:
+            raise socket.timeout("timed out")
+        self.sock.settimeout(due - now)
+        data = self.sock.recv(RECV_BYTES)
         self.buffer += data
         return bool(data)
 
     def skim(self, read, seconds):
         """read() (a body no one needs) for at most `seconds` in all: what it returns, or False
         if that was not enough time; the connection can answer either way."""
-        self.skim_due = time.monotonic() + seconds
+        until = time.monotonic() + seconds
+        due, self.body_due = self.body_due, until
         try:
             return read()
         except socket.timeout:
             return False
         finally:
-            self.skim_due = None
-            self.sock.settimeout(None)
+            self.body_due = due
 
     def read(self, size):
         while len(self.buffer) < size and self.fill():
@@ -1750,52 +1977,38 @@ class Connection:
             if len(self.buffer) >= limit or not self.fill():
                 return self.take(limit)
 
-    def send(self, data):
-        """Write it all, within -write-timeout: a client that does not read is cut off."""
-        due = time.monotonic() + self.server.write_timeout
-        self.server.deadlines.during(self.sock, due, self.sock.sendall, data)
+    def write(self, data):
+        self.outbox += data
 
-
-class Deadlines:
-    """Ends a blocked read or write that overstays its deadline by shutting its socket down, so
-    that sockets stay blocking (a socket timeout costs a poll() before every recv and send).
-    A deadline lives exactly as long as the call it guards; the WaitingRoom's thread expires
-    them on its tick."""
-
-    def __init__(self):
-        self.due = {}  # socket -> monotonic time
-        self.lock = threading.Lock()
-
-    def during(self, sock, due, call, *args):
-        with self.lock:
-            self.due[sock] = due
+    def flush(self, wait=True):
+        """Send the outbox: all of it within -write-timeout (a client that does not read is cut
+        off), or with `wait` False what the socket takes now, the rest left in the outbox."""
+        if not self.outbox:
+            return
+        if wait:
+            self.sock.settimeout(self.limits.write_timeout)
+            self.sock.sendall(self.outbox)
+            self.outbox.clear()
+            return
+        self.sock.settimeout(0.0)
         try:
-            return call(*args)
-        finally:
-            with self.lock:
-                self.due.pop(sock, None)
-
-    def expire(self, now):
-        with self.lock:  # held while shutting down: never a deadline set again meanwhile
-            for sock in [sock for sock, due in self.due.items() if due <= now]:
-                del self.due[sock]
-                try:  # the plain socket's shutdown: a TLS one is woken up the same way
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            while self.outbox:
+                del self.outbox[:self.sock.send(self.outbox)]
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            pass
 
 
 class WaitingRoom:
-    """Connections with no request to serve: new ones, kept-alive ones between requests, and
-    slow ones still sending a head.  One thread watches them all with a selector (no thread
-    each) and hands a connection to the Workers once a whole head has come.  It closes those
-    past their deadline, and when more wait than descriptors allow, the oldest idle ones."""
+    """Connections with no request to serve: new ones, kept-alive ones between requests, slow
+    ones still sending a head, and those whose client has not read its last answer yet.  One
+    thread watches them all with a selector (no thread each) and hands a connection to the
+    Workers once a whole head has come.  It closes those past their deadline, and when more
+    wait than descriptors allow, the oldest idle ones."""
 
     TICK_SECONDS = 0.25
 
-    def __init__(self, workers, capacity):
-        self.workers, self.capacity = workers, capacity
-        self.deadlines = Deadlines()
+    def __init__(self, workers, capacity, limits):
+        self.workers, self.capacity, self.limits = workers, capacity, limits
         self.selector = selectors.DefaultSelector()
         self.inbox = deque()  # connections parked by other threads, for the watcher to take
         self.wake_r, self.wake_w = socket.socketpair()
@@ -1804,6 +2017,8 @@ class WaitingRoom:
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.idle = {}  # socket -> kept-alive Connection awaiting its next request, oldest first
         self.arriving = {}  # socket -> Connection whose request head is on its way
+        self.sending = {}  # socket -> Connection whose client has not taken its answer yet
+        self.large = 0  # bytes of the heads here beyond PARKED_HEAD_BYTES each
         threading.Thread(target=self._watch, name="waiting-room", daemon=True).start()
 
     def park(self, conn):
@@ -1825,10 +2040,10 @@ class WaitingRoom:
             now = time.monotonic()
             if now - swept >= self.TICK_SECONDS:
                 swept = now
-                self.deadlines.expire(now)
-                for waiting in (self.idle, self.arriving):
+                stopping = self.limits.stopping.is_set()
+                for waiting in (self.idle, self.arriving, self.sending):
                     for conn in [c for c in waiting.values()
-                                 if c.due <= now or c.server.app.stopping]:
+                                 if c.due <= now or stopping and waiting is not self.sending]:
                         self._drop(conn)
 
     def _take_inbox(self):
@@ -1840,35 +2055,66 @@ class WaitingRoom:
         while self.inbox:
             self._attend(self.inbox.popleft(), admit=True)
             # those waiting for a thread count too: they hold a descriptor each
-            while (self.idle or self.arriving) and (len(self.idle) + len(self.arriving)
-                                                    + len(self.workers.ready) > self.capacity):
+            while (self.idle or self.arriving) and (
+                    len(self.idle) + len(self.arriving) + len(self.sending)
+                    + len(self.workers.ready) > self.capacity):
                 self._drop(next(iter((self.idle or self.arriving).values())))
 
     def _admit(self, conn):
         conn.sock.setblocking(False)
+        if conn.outbox:
+            conn.due = time.monotonic() + self.limits.write_timeout
+            self.sending[conn.sock] = conn
+            self.selector.register(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        self._wait_for_head(conn, register=True)
+
+    def _wait_for_head(self, conn, register=False):
         kept_alive = conn.due is None  # a new connection's head deadline runs from accept
         if kept_alive:
-            conn.due = time.monotonic() + (conn.server.app.header_timeout if conn.buffer
+            conn.due = time.monotonic() + (self.limits.header_timeout if conn.buffer
                                            else KEEPALIVE_IDLE_SECONDS)
         waiting = self.idle if kept_alive and not conn.buffer else self.arriving
         waiting[conn.sock] = conn
-        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
+        if register:
+            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        else:
+            self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
 
     def _attend(self, conn, admit=False):
         try:
             if admit:  # then read at once: bytes may be here (a TLS socket may even hold them)
                 self._admit(conn)
-            if conn.handshaking:
+            if conn.sock in self.sending:
+                self._send(conn)
+            elif conn.handshaking:
                 self._handshake(conn)
             else:
                 self._read(conn)
-        except Exception:  # a bug must cost one connection, never the watcher
+        except Exception:  # a bug costs one connection, never the watcher
             log.exception("unexpected error with the connection from %s",
                           format_peer(conn.address))
             self._drop(conn)
 
+    def _send(self, conn):
+        """The rest of an answer, as the client takes it; then its next request, or the end."""
+        try:
+            conn.flush(wait=False)
+        except OSError:
+            self._drop(conn)
+            return
+        if conn.outbox:
+            return
+        del self.sending[conn.sock]
+        if conn.closing:
+            self._drop(conn)
+            return
+        conn.due = None
+        self._wait_for_head(conn)
+        self._read(conn)
+
     def _handshake(self, conn):
-        ssl = conn.server.ssl
         try:
             conn.sock.do_handshake()
         except ssl.SSLWantReadError:
@@ -1888,32 +2134,50 @@ class WaitingRoom:
         """Take what the client sent; hand the connection over once its head is here."""
         try:
             while True:
-                data = conn.sock.recv(PARKED_HEAD_BYTES - len(conn.buffer))
+                if conn.head_ready():
+                    self._forget(conn)
+                    conn.sock.setblocking(True)
+                    try:
+                        self.workers.hand_over(conn)
+                    except RuntimeError as exc:  # no thread at all: refused, never left queued
+                        log.error("connection from %s closed: no thread to serve it: %s",
+                                  format_peer(conn.address), exc)
+                        conn.sock.close()
+                    return
+                before = max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
+                data = conn.sock.recv(min(RECV_BYTES, MAX_HEADER_BYTES + 1 - len(conn.buffer))
+                                      if len(conn.buffer) >= PARKED_HEAD_BYTES
+                                      else PARKED_HEAD_BYTES - len(conn.buffer))
                 if not data:  # the client closed it (mid-head too: as Go, no answer)
                     self._drop(conn)
                     return
                 conn.buffer += data
-                if conn.head_ready():
-                    self._forget(conn)
-                    conn.sock.setblocking(True)
-                    self.workers.hand_over(conn)
+                self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES) - before
+                if self.large > PARKED_LARGE_BYTES and conn.head_end() < 0:
+                    log.info("connection from %s closed: too many large request heads on their "
+                             "way", format_peer(conn.address))
+                    self._drop(conn)
                     return
-                if not conn.pending():
+                if not (conn.tls and conn.sock.pending()):
+                    if conn.head_ready():
+                        continue
                     break
-        except conn.server.would_block:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except OSError:
             self._drop(conn)
             return
         if conn.buffer and self.idle.pop(conn.sock, None) is not None:
-            conn.due = time.monotonic() + conn.server.app.header_timeout  # a head is coming
+            conn.due = time.monotonic() + self.limits.header_timeout  # a head is coming
             self.arriving[conn.sock] = conn
 
     def _forget(self, conn):
         with contextlib.suppress(KeyError, ValueError):  # e.g. dropped after a failed hand-over
             self.selector.unregister(conn.sock)
-        self.idle.pop(conn.sock, None)
-        self.arriving.pop(conn.sock, None)
+        self.sending.pop(conn.sock, None)
+        idle = self.idle.pop(conn.sock, None)
+        if self.arriving.pop(conn.sock, None) is not None or idle is not None:
+            self.large -= max(0, len(conn.buffer) - PARKED_HEAD_BYTES)
 
     def _drop(self, conn):
         self._forget(conn)
@@ -1935,11 +2199,20 @@ class Workers:
         self.waiting = 0  # threads waiting for a connection
 
     def hand_over(self, conn):
+        """Queue the connection for a thread, starting one if none is free.  When no thread
+        can be started (a pids limit), the ones running take it; with none running, it is
+        refused here (RuntimeError), never left queued for a thread that will not come."""
         with self.cond:
             self.ready.append(conn)
             if len(self.ready) > self.waiting and self.threads < self.limit:
+                try:
+                    threading.Thread(target=self._work, name="request", daemon=True).start()
+                except RuntimeError:
+                    if self.threads == 0:
+                        self.ready.remove(conn)
+                        raise
+                    return
                 self.threads += 1
-                threading.Thread(target=self._work, name="request", daemon=True).start()
             else:
                 self.cond.notify()
 
@@ -1959,55 +2232,58 @@ class Workers:
                     self.cond.wait(until - time.monotonic())
                     self.waiting -= 1
                 conn = self.ready.popleft()
-            conn.server.serve(conn)
-
-
-INTERNAL_ERROR = BadRequest(500, "")
+            conn.server.finish_request(conn, conn.address)
 
 
 class HookHandler(BaseHTTPRequestHandler):
-    """One turn of a worker with a connection: thin glue between its bytes and the Pipeline.
-    Overrides the documented hooks where Go's server behaves differently: the head is checked
-    as Go checks it (parse_request), malformed requests get Go's answers (send_error),
-    `100 Continue` is sent only when the body is wanted (handle_expect_100), any method is
-    served, and each answer is one write with no Server header.  Serves the requests whose
-    heads have come, then leaves the connection kept alive (`kept_alive`) or to be closed."""
+    """BaseHTTPRequestHandler's cycle on a Connection a worker took from the WaitingRoom:
+    handle() serves the requests whose heads have come; handle_one_request() reads the head
+    and checks it as Go does (parse_request), makes it the one Request, asks the App for the
+    Response (serve) and sends it with the one writer (send_answer: send_response,
+    send_header, end_headers and wfile, with Go's header set).  Any method is served, as Go's
+    mux does: there is no do_GET/do_POST dispatch."""
 
     protocol_version = "HTTP/1.1"
 
     def setup(self):
-        self.conn = self.request  # a Connection
-        self.connection, self.rfile = self.conn.sock, self.conn
+        self.conn = self.request  # a Connection: the socket and what was read ahead
+        self.connection, self.rfile, self.wfile = self.conn.sock, self.conn, self.conn
         self.remote_addr = format_peer(self.client_address)
-        self.head = None
-        self.kept_alive = False
+        self.request_version = "HTTP/1.1"
+        self.kept_alive = False  # the connection is parked again, not closed, when we end
         self.answering = False  # some of the answer is written: too late for another
-        self.chunked = self.streamed_body = self.client_here = False  # a streamed answer's
         self.body_unread = False  # the client may still be sending a body: close gently
 
     def handle(self):
+        conn = self.conn
         while True:
             self.handle_one_request()
-            if self.close_connection or self.server.app.stopping:
+            if self.close_connection or self.server.limits.stopping.is_set():
+                conn.closing = True
+                self.kept_alive = bool(conn.outbox)  # sent from the WaitingRoom, then closed
                 return
-            if self.conn.head_ready():
+            if conn.outbox:  # the client reads slowly, or not at all: no thread waits for it
+                self.kept_alive = True
+                return
+            if conn.head_ready():
                 continue
             if not self.server.room.workers.saturated():
-                if not self.conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                if not conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
                     return  # the client closed it
-                if self.conn.head_ready():
+                if conn.head_ready():
                     continue
             self.kept_alive = True  # the next request has not (fully) come: park it
             return
 
     def finish(self):
-        pass  # nothing to flush: each answer is written as it is made
+        pass  # each answer is flushed as it is made (or left to the WaitingRoom to send)
 
     def handle_one_request(self):
         self.close_connection, self.answering = True, False
+        self.started = time.monotonic()
         try:
             if self.parse_request():
-                self.serve()  # any method: the hook decides (no do_GET/do_POST dispatch)
+                self.serve(self.head)
         except BadRequest as exc:
             self.send_error(exc.status, exc)
         except OSError:  # the client went away or stalled: nothing to answer
@@ -2015,16 +2291,15 @@ class HookHandler(BaseHTTPRequestHandler):
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
-                self.server.app.metrics.answered(INTERNAL_ERROR.status)
                 with contextlib.suppress(OSError):
-                    self.write(INTERNAL_ERROR.response())
+                    self.send_answer(BadRequest(500, "").response(), None)
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
-        (-read-header-timeout for all of it), and check it as Go does."""
+        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request."""
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
-            conn.due = time.monotonic() + self.server.app.header_timeout
+            conn.due = time.monotonic() + self.server.limits.header_timeout
         end = conn.head_end()
         while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
             if not conn.fill():
@@ -2034,94 +2309,65 @@ class HookHandler(BaseHTTPRequestHandler):
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
         conn.due = None  # from here on, each read of the body has -read-header-timeout
-        self.command, self.path = self.head.method, self.head.target
-        self.request_version = self.head.version
         return True
 
-    def send_error(self, code, message=None, explain=None):
-        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
-        client is still sending is read for a moment so it gets the answer, not a reset."""
-        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
-        log.info("bad request from %s: %s", self.remote_addr, exc)
-        self.server.app.metrics.answered(exc.status)
-        self.close_connection = True
+    def serve(self, request):
+        """The request made whole (who sent it, how to read its body), answered by the App."""
+        app = self.server.app
+        request.peer, request.read_body = self.remote_addr, self.read_body
         try:
-            self.write(exc.response())
+            with app.in_flight:
+                response = app.handle(request)
+                if request.body_broken:
+                    response.close = True
+                elif not request.body_read:
+                    self.skip_body(request, response)
+                self.send_answer(response, request)
+        finally:  # no cycle (handler -> request -> handler) keeps a large head for the GC
+            request.read_body = self.head = None
+        if self.body_unread:
             self.linger()
-        except OSError:
-            pass
-
-    def linger(self):
-        """Before closing a connection the client may still be writing to: end our side and
-        read what it sends for a moment, since closing with unread bytes sends a reset, which
-        can destroy the answer before the client reads it."""
-        self.connection.shutdown(socket.SHUT_WR)
-        self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
-        while drained < LINGER_BYTES and self.conn.fill():
-            drained += len(self.conn.buffer)
-            self.conn.buffer.clear()
-
-    def handle_expect_100(self):
-        self.conn.send(response_head("HTTP/1.1", status_line(100), []))
-        return True
-
-    def log_message(self, format, *args):
-        log.info("%s: " + format, self.remote_addr, *args)
-
-    def write(self, data):
-        self.answering = True
-        self.conn.send(data)
 
     def read_body(self):
-        """The body by Content-Length or chunked, capped at -max-body-bytes, all of it within
+        """The body, when the App wants it: by Content-Length or chunked, capped at
+        -max-body-bytes, after `100 Continue` if the client waits for it, all of it within
         -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-        trickling it holds a worker for a bounded time."""
-        app = self.server.app
-        size = app.body_length(self.head)
-        self.conn.body_due = time.monotonic() + app.header_timeout + (
-            app.max_body if size is None else size) / BODY_MIN_RATE
+        trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
+        mid-way is logged and what came returned (as upstream: the hook runs with it)."""
+        request, conn, limits = self.head, self.conn, self.server.limits
+        size = body_length(request, limits.max_body)  # refused before the client sends it
+        request.body_read = True
+        if request.get("Expect").lower() == "100-continue" and size != 0:
+            self.handle_expect_100()  # as Go: only when a body is announced
+        conn.body_due = time.monotonic() + limits.header_timeout + (
+            limits.max_body if size is None else size) / BODY_MIN_RATE
         try:
             if size is None:
-                return read_chunked(self.conn, app.max_body)
+                return read_chunked(conn, limits.max_body)
             body = bytearray()
             while len(body) < size:
-                chunk = self.conn.read1(min(size - len(body), RECV_BYTES))
+                chunk = conn.read1(min(size - len(body), RECV_BYTES))
                 if not chunk:
                     raise ConnectionResetError("client closed the connection")
                 body += chunk
             return bytes(body)
+        except BodyError as exc:
+            log.info("error reading the request body: %s", exc)
+            request.body_broken = True
+            return exc.partial
         finally:
-            self.conn.body_due = math.inf
+            conn.body_due = math.inf
 
-    def serve(self):
-        """request -> find hook -> (read the body) -> the hook pipeline -> one write -> log."""
-        app, head = self.server.app, self.head
-        started = time.monotonic()
-        with app.in_flight():
-            rid = app.request_id(head)
-            hook, raw_query, response = app.route(head, rid, self.remote_addr, self)
-            if response is None:
-                response = self.answer_hook(rid, hook, raw_query)
-            else:
-                self.skip_body(response)
-            keep_alive = head.keep_alive() and not response.close and not app.stopping
-            if not response.sent:
-                self.write(serialize_response(response, head, keep_alive))
-        self.close_connection = not keep_alive
-        app.log_access(rid, head, response, started)
-        app.metrics.answered(response.status)
-        if self.body_unread:
-            self.linger()
-
-    def skip_body(self, response):
+    def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as
         Go, under 256 KiB), else close after the answer (so a body trickled in is no way to
         hold a worker), as when the client waits for `100 Continue`."""
-        size, conn = self.server.app.body_length(self.head), self.conn
+        conn = self.conn
+        size = body_length(request, self.server.limits.max_body)
         if size == 0:
             return
         skipped = False
-        if self.head.get("Expect").lower() != "100-continue":  # else nothing comes
+        if request.get("Expect").lower() != "100-continue":  # else nothing comes
             try:
                 if size is None:
                     skipped = conn.skim(lambda: read_chunked(conn, SKIP_BODY_BYTES) is not None,
@@ -2133,82 +2379,137 @@ class HookHandler(BaseHTTPRequestHandler):
         if not skipped:
             response.close = self.body_unread = True
 
-    def answer_hook(self, rid, hook, raw_query):
-        app, head = self.server.app, self.head
-        if head.get("Expect").lower() == "100-continue":
-            app.body_length(head)  # a body we would refuse is refused before it is sent
-            self.handle_expect_100()
-        broken = False
+    def handle_expect_100(self):
+        self.protocol_version = "HTTP/1.1"  # (the last answer on the connection may be 1.0's)
+        self.send_response_only(100)
+        self.end_headers()
+        self.wfile.flush()
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
+        client is still sending is read for a moment so it gets the answer, not a reset."""
+        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+        log.info("bad request from %s: %s", self.remote_addr, exc)
         try:
-            body = self.read_body()
-        except BodyError as exc:  # as upstream: logged, the hook runs with what was read
-            log.info("error reading the request body: %s", exc)
-            body, broken = exc.partial, True
-        request = app.hook_request(head, hook, rid, self.remote_addr, raw_query, body)
+            self.send_answer(exc.response(), None)
+            self.linger()
+        except OSError:
+            pass
+
+    def send_response(self, code, message=None):
+        """The status line, with Go's reason phrase, and Date: no Server header (Go sends
+        none)."""
+        self.send_response_only(code, message or GO_STATUS_TEXT.get(code, "status code %d"
+                                                                     % code))
+
+    def send_header(self, keyword, value):
+        """A header line as Go writes it: the bytes as they are (UTF-8), CR and LF in a value
+        turned into spaces."""
+        self._headers_buffer.append(("%s: %s\r\n" % (keyword, value.replace(
+            "\r", " ").replace("\n", " "))).encode("utf-8", "surrogateescape"))
+
+    def send_answer(self, response, request):
+        """The one writer of answers.  The head: Go's header set (Content-Type sniffed when the
+        answer names none, Date, framing; names that are not tokens dropped).  The body: bytes
+        in one write with the head, or a StreamedBody chunked as it comes (HTTP/1.0: ended by
+        closing), without its closing chunk if it did not end complete.  HEAD gets the head.
+        A bytes answer goes out as far as the client takes it now; the rest is sent from the
+        WaitingRoom.  Counted (and logged) by the App once sent."""
+        self.answering = True
+        status, body, headers = response.status, response.body, response.headers
+        version = request.version if request is not None else "HTTP/1.1"
+        streamed = isinstance(body, StreamedBody)
+        chunked = streamed and version == "HTTP/1.1"
+        with_body = request is None or request.method != "HEAD"
+        keep_alive = (request is not None and request.keep_alive() and not response.close
+                      and not self.server.limits.stopping.is_set())
+        self.protocol_version = self.request_version = version  # Go answers 1.0 in 1.0
+        self._headers_buffer = []
+        self.send_response(status, response.reason)
+        if not streamed and body and "Content-Type" not in headers \
+                and status not in NO_BODY_STATUSES:
+            self.send_header("Content-Type", sniff_content_type(body))
+        for name, value in headers.items():
+            if name not in HOP_BY_HOP and name and set(name) <= TOKEN_CHARS:
+                self.send_header(name, value)
+        if not response.bare:
+            self.send_header("Date", http_date())
+        if streamed:
+            keep_alive = keep_alive and chunked
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+        elif status in NO_BODY_STATUSES:
+            body = b""
+        elif not response.bare and (body or with_body):  # Go: a HEAD answer with no body
+            self.send_header("Content-Length", str(len(body)))  # has no length at all
+        if not keep_alive:
+            if version != "HTTP/1.0":  # Go: an HTTP/1.0 answer closes without saying so
+                self.send_header("Connection", "close")
+        elif version == "HTTP/1.0":
+            self.send_header("Connection", "keep-alive")
+        self.end_headers()
+        if streamed:
+            keep_alive = self.send_streamed(body, chunked, with_body) and keep_alive
+        else:
+            if with_body:
+                self.wfile.write(body)
+            self.wfile.flush(wait=not keep_alive or response.bare)
+        self.close_connection = not keep_alive
+        self.server.app.answered(request, response, self.started)
+
+    def send_streamed(self, body, chunked, with_body):
+        """Send a StreamedBody's chunks as they come; whether the client got all of it, ended.
+        Once the client has gone, the chunks are still read if the body says so."""
+        wfile, alive = self.wfile, True
         try:
-            response = app.trigger(head, hook, request, self)
-        except Exception:  # a bug must cost one 500, not a hung connection
-            log.exception("unexpected error handling %s %s", head.method, head.target)
-            response = Response(500, b"500 Internal Server Error", close=True)
-        response.close = response.close or broken
-        response.secret_params = hook.secret_params
-        return response
-
-    # The one writer of answers sent while they are made (stream-command-output, a running
-    # run's output): chunked for HTTP/1.1, else ended by closing; HEAD gets the head only.  Once
-    # the client has gone, writes are no-ops: what produces the output (a deploy) goes on.
-
-    def start_chunked(self, status, headers):
-        """Send the head; False if the client has gone."""
-        head = self.head
-        self.chunked, self.client_here = head.version == "HTTP/1.1", True
-        self.streamed_body = head.method != "HEAD"
-        lines = header_lines(headers) + ["Date: " + http_date(), "Transfer-Encoding: chunked"
-                                         if self.chunked else "Connection: close"]
-        return self.write_streamed(response_head(head.version, status_line(status), lines))
-
-    def write_chunk(self, data):
-        """Send a piece of the body (the connection's -write-timeout for each); False if the
-        client has gone."""
-        if data and self.streamed_body:
-            return self.write_streamed(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked
-                                       else data)
-        return self.client_here
-
-    def end_chunks(self, complete=True):
-        """End the answer, with its closing chunk if `complete` (else the client sees it cut
-        short); whether the connection may serve another request."""
-        if complete and self.chunked and self.streamed_body:
-            self.write_streamed(b"0\r\n\r\n")
-        return complete and self.chunked and self.client_here
-
-    def write_streamed(self, data):
-        if self.client_here:
+            wfile.flush()
+        except OSError:
+            alive = False
+        for chunk in body.chunks:
+            if alive and chunk and with_body:
+                try:
+                    wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    wfile.flush()
+                except OSError:
+                    alive = False
+            if not alive and not body.drain:
+                body.chunks.close()
+                break
+        if alive and body.complete and chunked and with_body:
             try:
-                self.write(data)
+                wfile.write(b"0\r\n\r\n")
+                wfile.flush()
             except OSError:
-                self.client_here = False
-        return self.client_here
+                alive = False
+        return alive and body.complete
+
+    def linger(self):
+        """Before closing a connection the client may still be writing to: end our side and
+        read what it sends for a moment, since closing with unread bytes sends a reset, which
+        can destroy the answer before the client reads it."""
+        self.conn.flush()
+        self.connection.shutdown(socket.SHUT_WR)
+        self.conn.due, drained = time.monotonic() + LINGER_SECONDS, 0
+        while drained < LINGER_BYTES and self.conn.fill():
+            drained += len(self.conn.buffer)
+            self.conn.buffer.clear()
 
 
 class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's).  An
-    accepted connection holds no thread: it waits in the WaitingRoom until a whole request
-    head has come, a worker serves it, and it waits there again between requests."""
+    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made
+    the documented way (bind_and_activate=False, then `socket`).  Overrides process_request:
+    an accepted connection holds no thread, but waits in the WaitingRoom until a whole request
+    head has come; a worker then serves it (serve: the handler's cycle), and it waits there
+    again between requests."""
 
-    daemon_threads = True
-
-    def __init__(self, listener, app, room, tls_context):
-        socketserver.BaseServer.__init__(self, listener.getsockname(), HookHandler)
-        self.socket, self.app, self.room, self.tls_context = listener, app, room, tls_context
-        self.deadlines = room.deadlines
-        self.write_timeout = app.opts.write_timeout if app.opts.write_timeout > 0 else NO_TIMEOUT
-        self.ssl, self.would_block = None, BlockingIOError
+    def __init__(self, listener, app, room, limits, tls_context):
+        ThreadingHTTPServer.__init__(self, listener.getsockname(), HookHandler,
+                                     bind_and_activate=False)
+        self.socket.close()  # the one TCPServer made: ours was opened before
+        self.socket, self.address_family = listener, listener.family
+        self.app, self.room, self.limits, self.tls_context = app, room, limits, tls_context
         self.accept_delay = 0.0  # seconds get_request waits after running out of files
-        if tls_context is not None:
-            import ssl
-            self.ssl, self.would_block = ssl, (BlockingIOError, ssl.SSLWantReadError,
-                                               ssl.SSLWantWriteError)
 
     def get_request(self):
         """accept(), backing off while open files run out (as Go's server does: 5 ms, doubled
@@ -2228,7 +2529,7 @@ class HookServer(ThreadingHTTPServer):
         return request
 
     def process_request(self, request, client_address):
-        if self.app.stopping:
+        if self.limits.stopping.is_set():
             self.shutdown_request(request)
             return
         if request.family != socket.AF_UNIX:
@@ -2236,16 +2537,17 @@ class HookServer(ThreadingHTTPServer):
         if self.tls_context is not None:  # the handshake is the WaitingRoom's, unblocked
             request = self.tls_context.wrap_socket(request, server_side=True,
                                                    do_handshake_on_connect=False)
-        due = time.monotonic() + self.app.header_timeout  # the first head's, from accept
+        due = time.monotonic() + self.limits.header_timeout  # the first head's, from accept
         self.room.park(Connection(request, client_address, self, due))
 
-    def serve(self, conn):
-        """A worker's turn with a connection: its requests, then parked again or closed."""
+    def finish_request(self, conn, client_address):
+        """A worker's turn with a connection: its requests (the handler's cycle), then the
+        connection parked again or closed."""
         handler = None
         try:
-            handler = self.RequestHandlerClass(conn, conn.address, self)
+            handler = self.RequestHandlerClass(conn, client_address, self)
         except Exception:
-            self.handle_error(conn.sock, conn.address)
+            self.handle_error(conn.sock, client_address)
         if handler is not None and handler.kept_alive:
             self.room.park(conn)
         else:
@@ -2260,162 +2562,172 @@ class HookServer(ThreadingHTTPServer):
 
 
 # ---------------------------------------------------------------------------
-# Pipeline: request -> find hook -> payload -> rules -> argv/env -> run -> response
+# App: request -> find hook -> payload -> rules -> argv/env -> run -> response
 # ---------------------------------------------------------------------------
 
 class HookRun:
     """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
     the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
     run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
-    (`has_turn` once granted) and the run's record (None without run history)."""
+    (`has_turn` once granted), the run's record (None without run history) and, in the
+    background, the bytes its invocation holds in the backlog (`held`)."""
 
     def __init__(self, hook, request_id, mode, gate, record):
         self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
         self.record, self.invocation, self.failure = record, None, None
+        self.held = 0
         self.has_turn = False
 
 
-class Pipeline:
-    """What a request does, with no socket in sight: route() finds the hook (or the plain
-    answer), trigger() parses the payload, checks the rules, builds argv/env and runs the
-    command in the hook's mode.  Also counts what is in flight for the graceful stop."""
+class InFlight:
+    """What the graceful stop waits for: requests being answered and background runs not
+    ended (`count`; `with in_flight:` counts one), and whether the daemon is `stopping`."""
+
+    def __init__(self):
+        self.count, self.stopping = 0, False
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        with self.lock:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.count -= 1
+
+
+class App:
+    """What a request does, with no socket in sight: handle() routes it as upstream's
+    hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
+    site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
     def __init__(self, opts, registry):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
-        self.response_headers = {canonical_header(n): v for n, v in opts.header}
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
-        self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
         self.trusted_proxies = opts.trusted_proxy
-        self.header_timeout = float(opts.read_header_timeout) if opts.read_header_timeout > 0 \
-            else NO_TIMEOUT
-        self.runner = Runner()
-        self.background = BackgroundRuns(opts.max_async_runs, self.max_body)
-        self.stopping = False
-        self.busy = 0  # requests and background runs not finished: the graceful stop waits
-        self.busy_lock = threading.Lock()
+        self.in_flight = InFlight()
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
         self.runs = make_run_store(opts)
-        self.runs_page = RunsPage(self.runs, opts.status_path, opts.status_token)
         self.metrics = Metrics(self.started)
-        self.metrics_path = opts.status_path + "/metrics" if opts.status_path else None
+        self.hooks = Hooks(opts, registry, self.runs, self.metrics, self.in_flight)
+        self.runner = self.hooks.runner
+        self.status_site = StatusSite(
+            opts, registry, self.runs,
+            lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
+            self.started, lambda: self.in_flight.stopping)
 
-    @contextlib.contextmanager
-    def in_flight(self):
-        with self.busy_lock:
-            self.busy += 1
-        try:
-            yield
-        finally:
-            with self.busy_lock:
-                self.busy -= 1
-
-    def request_id(self, head):
+    def request_id(self, request):
         if self.opts.x_request_id:
-            given = head.get("X-Request-Id")
+            given = request.get("X-Request-Id")
             if given:
                 limit = self.opts.x_request_id_limit
                 return given[:limit] if limit > 0 else given
         return "%06x" % (next(self.request_numbers) & 0xFFFFFF)
 
-    def body_length(self, head):
-        """The declared body size (None: chunked); a bad or too large one is refused."""
-        if "Transfer-Encoding" in head.headers:
-            encoding = ",".join(head.headers["Transfer-Encoding"]).strip().lower()
-            if encoding != "chunked":
-                raise BadRequest(501, "unsupported transfer encoding",
-                                 body=b"Unsupported transfer encoding")
-            return None
-        lengths = head.headers.get("Content-Length")
-        if not lengths:
-            return 0
-        if len(set(lengths)) != 1 or not is_ascii_digits(lengths[0]):
-            raise BadRequest(400, "bad Content-Length")
-        size = int(lengths[0])
-        if size > self.max_body:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
-        return size
+    def answered(self, request, response, started):
+        """An answer has been sent (request None: to a malformed one): counted, and logged."""
+        self.metrics.answered(response.status)
+        if request is not None and request.id is not None and log.isEnabledFor(logging.INFO):
+            body = response.body
+            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", request.id, response.status,
+                     len(body) if isinstance(body, bytes) else 0,
+                     (time.monotonic() - started) * 1000.0, request.get("Host"),
+                     request.method, redact_target(request.target, request.secret_params))
 
-    def log_access(self, rid, head, response, started):
-        if log.isEnabledFor(logging.INFO):
-            log.info("[%s] %d | %d B | %.6fms | %s | %s %s", rid, response.status,
-                     len(response.body), (time.monotonic() - started) * 1000.0,
-                     head.get("Host"), head.method,
-                     redact_target(head.target, response.secret_params))
-
-    def route(self, head, rid, remote_addr, stream=None):
-        """(hook, raw query, None) for a hook that may run, else (None, None, the answer)."""
-        target = head.target
+    def handle(self, request):
+        """The Response to a request: routed as upstream's hookHandler (through gorilla/mux)."""
+        request.id = self.request_id(request)
+        target = request.target
         if target.startswith(("http://", "https://")):
             target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
-        if target == "*" and head.method == "OPTIONS":
-            return None, None, Response(200)
-        raw_path, _, raw_query = target.partition("?")
-        path = go_unescape(raw_path, False)
+        if target == "*" and request.method == "OPTIONS":
+            return Response(200)
+        raw_path, _, request.raw_query = target.partition("?")
+        path = request.path = go_unescape(raw_path, False)
         if path is None or not raw_path.startswith("/"):
             raise BadRequest(400, "invalid request target")
         cleaned = clean_path(path)
         if cleaned != path:
-            location = go_escape_path(cleaned) + ("?" + raw_query if raw_query else "")
-            return None, None, Response(301, b"", {"Location": location})
+            location = go_escape_path(cleaned) + ("?" + request.raw_query
+                                                  if request.raw_query else "")
+            return Response(301, b"", {"Location": location})
         if path == "/":
-            return None, None, Response(200, b"OK")
-        if self.opts.status_path and path == self.opts.status_path:
-            return None, None, self.status_response(head, raw_query, remote_addr)
-        if path == self.metrics_path:
-            return None, None, self.metrics.answer(
-                head, self.runs_page.trusted(head, remote_addr),
-                lambda: self.metrics.render(self.registry, self.runner, self.background))
-        if self.opts.status_path and self.runs_page.wants(path):
-            return None, None, self.runs_page.answer(head, path, raw_query, remote_addr, stream,
-                                                     lambda: self.stopping)
+            return Response(200, b"OK")
+        if self.status_site.wants(path):
+            return self.status_site.answer(request)
         if not path.startswith(self.prefix) or "\n" in path:
-            return None, None, Response(404, MSG_PAGE_NOT_FOUND, {
+            return Response(404, MSG_PAGE_NOT_FOUND, {
                 "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
-        log.info("[%s] incoming HTTP %s request from %s", rid, head.method,
-                 self.client(head, remote_addr))
+        request.client = self.client(request)
+        log.info("[%s] incoming HTTP %s request from %s", request.id, request.method,
+                 request.client)
         hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
-            return None, None, Response(404, MSG_HOOK_NOT_FOUND)
+            return Response(404, MSG_HOOK_NOT_FOUND)
         allowed = hook.allowed_methods or self.default_methods
-        if allowed and head.method not in allowed:
-            log.info("[%s] HTTP %s method not allowed for hook %s", rid, head.method,
+        if allowed and request.method not in allowed:
+            log.info("[%s] HTTP %s method not allowed for hook %s", request.id, request.method,
                      json.dumps(hook_id))
-            return None, None, Response(405)
-        return hook, raw_query, None
+            return Response(405)
+        request.secret_params = hook.secret_params
+        body = request.read_body()
+        try:
+            return self.hooks.trigger(request, hook, self.hook_request(request, hook, body))
+        except Exception:  # a bug must cost one 500, not a hung connection
+            log.exception("unexpected error handling %s %s", request.method, request.target)
+            return Response(500, b"500 Internal Server Error", close=True)
 
-    def client(self, head, remote_addr):
+    def client(self, request):
         """Who sent a hook's request (see forwarded_client); the status page and run history
-        never ask this (RunsPage.trusted: any relay header means relayed)."""
-        if not self.trusted_proxies or "X-Forwarded-For" not in head.headers:
-            return remote_addr
-        return forwarded_client(remote_addr, ",".join(head.headers["X-Forwarded-For"]),
+        never ask this (StatusSite.trusted: any relay header means relayed)."""
+        if not self.trusted_proxies or "X-Forwarded-For" not in request.headers:
+            return request.peer
+        return forwarded_client(request.peer, ",".join(request.headers["X-Forwarded-For"]),
                                 self.trusted_proxies)
 
-    def hook_request(self, head, hook, rid, remote_addr, raw_query, body):
+    def hook_request(self, request, hook, body):
         """The plain HookRequest the hook model sees; logs the match."""
+        rid = request.id
         log.info("[%s] %s got matched", rid, hook.id)
         if self.opts.debug:
             shown = {name: ["<redacted>"] if name in hook.secret_headers else values
-                     for name, values in head.headers.items()}
-            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, head.method,
-                      redact_target(head.target, hook.secret_params), head.version, shown,
-                      len(body))
-        return HookRequest(rid, head.method, self.client(head, remote_addr),
-                           {k: v[0] for k, v in head.headers.items()
-                            if k not in ("Host", "Transfer-Encoding")},
-                           parse_query(raw_query)[0], body,
-                           hook.incoming_content_type or head.get("Content-Type"))
+                     for name, values in request.headers.items()}
+            log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, request.method,
+                      redact_target(request.target, hook.secret_params), request.version,
+                      shown, len(body))
+        query, query_ok = parse_query(request.raw_query)
+        hook_request = HookRequest(rid, request.method, request.client,
+                                   {k: v[0] for k, v in request.headers.items()
+                                    if k not in ("Host", "Transfer-Encoding")},
+                                   query, body,
+                                   hook.incoming_content_type or request.get("Content-Type"))
+        hook_request.query_ok = query_ok
+        return hook_request
 
-    def trigger(self, head, hook, request, stream):
+
+
+class Hooks:
+    """What a matched hook does, as upstream's handler after the match: trigger() parses the
+    payload, checks the rules, builds argv/env and runs the command in the hook's mode
+    (streamed, captured, or in the background), each run recorded and counted."""
+
+    def __init__(self, opts, registry, runs, metrics, in_flight):
+        self.registry, self.runs, self.metrics, self.in_flight = registry, runs, metrics, in_flight
+        self.response_headers = {canonical_header(n): v for n, v in opts.header}
+        self.runner = Runner()
+        self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
+                                         if opts.max_body_bytes > 0 else sys.maxsize)
+
+    def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
         rid, headers = request.id, dict(self.response_headers)
         try:
-            messages = parse_payload(request, hook, head.get("Content-Type"))
+            messages = parse_payload(request, hook, http_request.get("Content-Type"))
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
             return Response(500, MSG_MULTIPART_ERROR, headers)
@@ -2439,136 +2751,146 @@ class Pipeline:
             headers[canonical_header(name)] = value
         mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
             else "background"
-        held = len(request.raw_body) if hook.payload_to_stdin else 0
-        if mode == "background" and not self.background.reserve(held):
-            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies for "
-                     "stdin): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES, hook.id)
-            return Response(503, MSG_BACKLOG_FULL, headers)
         run = self.prepare(hook, request, mode)
+        if run is None:
+            log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
+                     "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
+                     hook.id)
+            return Response(503, MSG_BACKLOG_FULL, headers)
         if run.record is not None:
             headers["X-Webhookd-Run"] = run.record.id
         success = status_or_200(hook.success_status, rid, hook)
         if run.mode == "streamed":
-            return self.run_streamed(run, stream, headers, success)
+            return self.run_streamed(run, headers, success)
         if run.mode == "captured":
-            return captured_response(hook, self.execute(run), headers, success)
-        self.run_in_background(run, held)
+            return captured_response(hook, self.run_captured(run), headers, success)
+        self.run_in_background(run)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
     def prepare(self, hook, request, mode):
-        """The HookRun of a triggered hook: its record (on disk before its id is handed out)
-        and its argv/env, built now so that no request or body waits in a queue."""
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
+        """The HookRun of a triggered hook: its argv/env, built now so that no request or body
+        waits in a queue, and its record (on disk before its id is handed out).  None when a
+        background run would hold more than the backlog has room for (its bytes are counted
+        before any record exists)."""
+        invocation = failure = None
         try:
-            run.invocation = build_invocation(hook, request)
+            invocation = build_invocation(hook, request)
         except (OSError, ValueError) as exc:  # ValueError: a NUL in a path
             log.info("[%s] error in exec: %s", request.id, getattr(exc, "strerror", None) or exc)
             if " " in hook.execute_command:
                 log.info("[%s] use 'pass-arguments-to-command' to specify args for '%s'",
                          request.id, hook.execute_command.split()[0])
-            run.failure = exc
-            return run
-        for message in run.invocation.messages:
-            log.info("[%s] %s", request.id, message)
+            failure = exc
+        else:
+            for message in invocation.messages:
+                log.info("[%s] %s", request.id, message)
+        held = invocation.size() if invocation and mode == "background" else 0
+        if mode == "background" and not self.background.reserve(held):
+            return None
+        run = HookRun(hook, request.id, mode, self.gate(hook),
+                      self.runs.open(hook.id, request))
+        run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
 
-    def execute(self, run, on_output=None, keep_output=True):
-        """Wait for the hook's max-concurrency turn (unless the run holds it) -> run -> log,
-        giving the turn back: a CommandResult.  The record ends whatever happens."""
+    def start(self, run, keep, streamed=False):
+        """Wait for the hook's max-concurrency turn (unless the run holds it), then start the
+        command: the Running (not started: `failure`, or Runner.start's), and the generator of
+        its output, which keeps each chunk in the record and, at its end, logs and records how
+        the run ended and gives the turn back."""
         if not run.has_turn:
             run.gate.wait_turn()
+        began, record = time.monotonic(), run.record
         try:
-            return self.run_command(run, on_output, keep_output)
-        finally:
+            if run.failure is not None:  # as Go: nothing more is logged
+                running = Running(self.runner, run.request_id, None)
+                running.result = CommandResult(False, error=run.failure)
+            else:
+                if record is not None:
+                    self.runs.started(record)
+                running = self.runner.start(run.invocation, run.request_id,
+                                            run.hook.command_timeout,
+                                            keep or streamed or record is not None)
+        except BaseException:
             run.gate.leave()
+            raise
+        return running, self.run_output(run, running, began, keep)
 
-    def run_command(self, run, on_output, keep_output):
-        hook, record = run.hook, run.record
-        result = CommandResult(False, error=run.failure or "unexpected error")
-        began = time.monotonic()
+    def run_output(self, run, running, began, keep):
+        kept = [] if keep else None
         try:
-            if run.failure is not None:
-                return result  # as Go: nothing more is logged
-            sink, collected = on_output, None
-            if record is not None:
-                self.runs.started(record)
-                sink, collected = self.runs.output_sink(record, on_output, keep_output)
-            result = self.runner.run(run.invocation, run.request_id, hook.command_timeout,
-                                     sink, keep_output)
-            if collected is not None:
-                result.output = b"".join(collected)
-            log_result(hook, run.request_id, result, on_output is None and keep_output)
-            return result
+            for chunk in running.output():
+                if run.record is not None:
+                    self.runs.output(run.record, chunk)
+                if kept is not None:
+                    kept.append(chunk)
+                yield chunk
         finally:
-            self.metrics.run_ended(hook.id, run_outcome(result, self.stopping)[0],
-                                   time.monotonic() - began if result.started else None)
-            if record is not None:
-                self.runs.ended(record, result, self.stopping)
+            result = running.result or CommandResult(False, error="unexpected error")
+            if kept is not None:
+                result.output = b"".join(kept)
+            try:
+                if run.failure is None:
+                    log_result(run.hook, run.request_id, result, kept is not None)
+                stopping = self.in_flight.stopping
+                self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
+                                       time.monotonic() - began if result.started else None)
+                if run.record is not None:
+                    self.runs.ended(run.record, result, stopping)
+            finally:
+                run.gate.leave()
 
-    def run_in_background(self, run, held):
-        """Default mode, the backlog reserved (`held` bytes of body with it): the run waits for
+    def run_captured(self, run, keep_output=True):
+        """Run to the end in this thread: the CommandResult, its output kept if asked."""
+        running, output = self.start(run, keep_output)
+        for _ in output:
+            pass
+        return running.result
+
+    def run_in_background(self, run):
+        """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
-        with self.busy_lock:
-            self.busy += 1
+        self.in_flight.__enter__()  # left when the job ends, in another thread
 
         def job():
             try:
-                if self.stopping:  # its record says `killed` at exit
+                if self.in_flight.stopping:  # its record says `killed` at exit
                     log.info("[%s] stopping: queued run of %s dropped", run.request_id,
                              run.hook.id)
                     run.gate.leave()
                 else:
-                    self.execute(run, keep_output=log.isEnabledFor(logging.INFO))
+                    self.run_captured(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
-                with self.busy_lock:
-                    self.busy -= 1
+                self.in_flight.__exit__()
 
         def granted():
             run.has_turn = True
-            self.background.submit(job, held)
+            self.background.submit(job, run.held)
         run.gate.enter(granted)
 
-    def run_streamed(self, run, stream, headers, success):
-        """stream-command-output: chunked output while the command runs.  A failed or timed
-        out run ends without the closing chunk, so the client sees an incomplete response."""
+    def run_streamed(self, run, headers, success):
+        """stream-command-output: the answer's body is the output, sent (chunked) while the
+        command runs.  A failed or timed out run ends without the closing chunk, so the client
+        sees an incomplete response; one that could not start is a 500, before any head."""
         headers.setdefault("Content-Type", TEXT_PLAIN)
-        head_sent = []
-
-        def on_output(chunk):
-            if not head_sent:
-                head_sent.append(stream.start_chunked(success, headers))
-            stream.write_chunk(chunk)
-
-        result = self.execute(run, on_output)
-        if not result.started:
+        headers.update(SANDBOXED)
+        running, output = self.start(run, False, streamed=True)
+        if running.result is not None and not running.result.started:
+            for _ in output:  # ends at once: logged and recorded
+                pass
             headers["Content-Type"] = TEXT_PLAIN
             return Response(500, MSG_COMMAND_ERROR, headers)
-        if not head_sent:
-            stream.start_chunked(success, headers)
-        keep_alive = stream.end_chunks(complete=result.ok)
-        return Response(success, b"", headers, close=not keep_alive, sent=True)
+        body = StreamedBody()
 
-    def status_response(self, head, raw_query, remote_addr):
-        """The status page (as HTML to a browser, with the runs the query asks for); an
-        untrusted client (see RunsPage.trusted) sees only whether the daemon is healthy, never
-        hook ids (some hooks rely on theirs being secret), paths, load errors or runs."""
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        health = {"status": "degraded" if self.registry.count() == 0
-                  or self.registry.last_reload_failed else "ok", "version": VERSION}
-        as_html = prefers_html(head)
-        if not self.runs_page.trusted(head, remote_addr):
-            return self.runs_page.refused(health) if as_html else json_response(200, health)
-        details = dict(health, **status_details(self.registry, self.runs, self.started))
-        if as_html:
-            return self.runs_page.listing(raw_query, True, details)
-        return json_response(200, details)
-
+        def chunks():
+            for chunk in output:
+                yield chunk
+            body.complete = running.result.ok
+        body.chunks = chunks()
+        return Response(success, body, headers)
 
 def status_details(registry, runs, started):
     """What the status page shows trusted clients besides its health."""
@@ -2621,11 +2943,18 @@ def log_result(hook, rid, result, output_collected):
     log.info("[%s] finished handling %s", rid, hook.id)
 
 
+# A command's output, which a client's input can shape, served from the status page's origin:
+# as HTML (Go's sniffing may say so) it runs no script and reads nothing of that origin.
+SANDBOXED = {"Content-Security-Policy": "sandbox"}
+
+
 def captured_response(hook, result, headers, success):
     """The answer of include-command-output-in-response, once the command has ended."""
+    headers.update(SANDBOXED)
     if result.ok:
         return Response(success, result.output, headers)
-    headers["Content-Type"] = TEXT_PLAIN
+    # No Content-Type of ours: Go sets text/plain after writing the 500, which changes nothing,
+    # so a Content-Type of `response-headers` stays and otherwise the body is sniffed.
     if result.timed_out:
         return Response(504, MSG_TIMED_OUT, headers)
     body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
@@ -2678,17 +3007,36 @@ JSON_DECODER = json.JSONDecoder(parse_float=go_number, parse_int=go_integer,
 JSON_SPACE = " \t\n\r"
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def decode_json_value(text):
-    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored)."""
+    """The first JSON value of text (Go's Decoder.Decode: trailing data is ignored).  Text
+    decoded with surrogateescape: Go reads each byte that is not UTF-8, and each `\\u` escape
+    of a lone surrogate, as U+FFFD."""
     start = len(text) - len(text.lstrip(JSON_SPACE))
     if start == len(text):
         raise ValueError("EOF")
     try:
         value, _ = JSON_DECODER.raw_decode(text, start)
+        if SURROGATE.search(text) or SURROGATE_ESCAPE.search(text):  # rare: scan only then
+            value = without_surrogates(value)
     except json.JSONDecodeError as exc:
         raise ValueError(str(exc)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    return value
+
+
+def without_surrogates(value):
+    """value with every surrogate in its strings and keys replaced by U+FFFD."""
+    if type(value) is str:  # not a GoNumber
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
     return value
 
 
@@ -2710,8 +3058,8 @@ GO_JSON_SPECIAL = re.compile('["\\\\\x00-\x1f<>&\u2028\u2029\ud800-\udfff]')
 def _go_escape_char(match):
     ch = match.group(0)
     escaped = GO_JSON_ESCAPES.get(ch)
-    if escaped is None:
-        escaped = "\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
+    if escaped is None:  # a surrogate: a byte that was not UTF-8, escaped as Go does
+        escaped = "\\ufffd" if "\ud800" <= ch <= "\udfff" else "\\u%04x" % ord(ch)
     return escaped
 
 
@@ -2766,12 +3114,6 @@ class RuleError(Exception):
     """Any other evaluation error: answered with 500."""
 
 
-def is_ascii_digits(text):
-    """0-9 only: str.isdigit() also accepts `²` and other scripts' digits, which int() refuses
-    or reads, where Go's strconv refuses them all."""
-    return text.isascii() and text.isdigit()
-
-
 def get_parameter(path, params):
     """Upstream's GetParameter: a literal key (even with dots) wins, else a dot-path with array
     indexes.  Returns (value, error)."""
@@ -2819,44 +3161,6 @@ def replace_parameter(path, params, value):
             return False
 
 
-_CANONICAL_CACHE = {}
-TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
-                        "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-def canonical_header(name):
-    """textproto.CanonicalMIMEHeaderKey: `x-hub-signature` -> `X-Hub-Signature`."""
-    cached = _CANONICAL_CACHE.get(name)
-    if cached is not None:
-        return cached
-    if not name or not set(name) <= TOKEN_CHARS:
-        result = name
-    else:
-        result = "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
-    if len(_CANONICAL_CACHE) < 4096:
-        _CANONICAL_CACHE[name] = result
-    return result
-
-
-_HEX = "0123456789abcdefABCDEF"
-
-
-def go_unescape(text, plus_is_space):
-    """url.QueryUnescape / url.PathUnescape: None when an escape is malformed."""
-    if plus_is_space and "+" in text:
-        text = text.replace("+", " ")
-    if "%" not in text:
-        return text
-    parts = text.split("%")
-    out = bytearray(parts[0].encode("utf-8", "surrogateescape"))
-    for part in parts[1:]:
-        if len(part) < 2 or part[0] not in _HEX or part[1] not in _HEX:
-            return None
-        out.append(int(part[:2], 16))
-        out += part[2:].encode("utf-8", "surrogateescape")
-    return out.decode("utf-8", "surrogateescape")
-
-
 QUERY_PAIR = re.compile("[^&]+")
 
 
@@ -2887,7 +3191,7 @@ class MultipartError(Exception):
 
 
 def parse_json_payload(body):
-    text = body.decode("utf-8", "replace")
+    text = body.decode("utf-8", "surrogateescape")
     if text.lstrip(JSON_SPACE)[:1] == "[":
         try:
             return {"root": decode_json_value(text)}
@@ -2909,6 +3213,7 @@ def parse_form_payload(body):
 XML_TRIM = "\t\r\b\n "
 XML_MAX_DEPTH = 500  # deeper documents are refused: rendering them would exhaust the stack
 XML_DECLARED_ENCODING = re.compile(rb"""\s*<\?xml[^>]*?encoding\s*=\s*["']([^"']*)["']""")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class XMLNode:
@@ -2939,11 +3244,16 @@ def parse_xml_payload(body):
     prefixes dropped), repeated children as lists, the last non-blank text run as a string or
     `#text`.  Only the first root element is read; a DOCTYPE is ignored and nothing is ever
     fetched, but entities it declares are an error (as in Go: no entity expansion attacks)."""
-    declared = XML_DECLARED_ENCODING.match(body)
+    # Go reads UTF-8 only, skipping a byte order mark.  expat would also read UTF-16 and ask
+    # Python's codec registry for any declared name (it remembers every name it is asked for,
+    # and an unknown one raises LookupError): both are refused here, and expat is told UTF-8.
+    if body[:2] in (b"\xfe\xff", b"\xff\xfe") or b"\x00" in body[:2]:
+        raise PayloadError("error parsing XML payload: invalid UTF-8")
+    declared = XML_DECLARED_ENCODING.match(body, len(UTF8_BOM) if body.startswith(UTF8_BOM) else 0)
     if declared and declared.group(1).lower() not in (b"utf-8", b"utf8"):
         raise PayloadError("error parsing XML payload: unsupported encoding %s"
-                           % declared.group(1).decode("ascii", "replace"))
-    parser = expat.ParserCreate()
+                           % declared.group(1)[:64].decode("ascii", "replace"))
+    parser = expat.ParserCreate("utf-8")
     parser.buffer_text = True
     stack, done = [], []
 
@@ -3158,7 +3468,7 @@ def parse_multipart(body, content_type, json_part_names):
             payload.setdefault(name, data.decode("utf-8", "surrogateescape"))
         else:
             try:
-                value = decode_json_object(data.decode("utf-8", "replace"))
+                value = decode_json_object(data.decode("utf-8", "surrogateescape"))
             except ValueError:
                 value = None
             payload[name] = NilMap() if value is None else value
@@ -3181,14 +3491,15 @@ def form_part_name(headers):
 class HookRequest:
     """What rules and arguments can see of one request."""
 
-    __slots__ = ("id", "method", "remote_addr", "headers", "query", "payload", "body",
-                 "raw_body", "content_type", "allow_signature_errors")
+    __slots__ = ("id", "method", "remote_addr", "headers", "query", "query_ok", "payload",
+                 "body", "raw_body", "content_type", "allow_signature_errors")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
         self.headers, self.query, self.body = headers, query, body
         self.raw_body = body  # as received, even where `body` is emptied (multipart)
         self.content_type, self.payload = content_type, None
+        self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
 
 
@@ -3205,6 +3516,8 @@ def parse_payload(request, hook, multipart_content_type):
     elif content_type.startswith("multipart/form-data;"):
         names = {a.name for a in hook.json_parameters if a.source == "payload"}
         request.payload = parse_multipart(request.body, multipart_content_type, names)
+        if not request.query_ok:  # Go's ParseMultipartForm returns ParseForm's query error
+            raise MultipartError("invalid URL escape or semicolon in the query string")
         request.body = b""  # upstream never reads a multipart body into the request body
         return []
     else:
@@ -3274,6 +3587,8 @@ def apply_json_parameters(hook, request):
         except ValueError as exc:
             messages.append("error parsing JSON parameters: %s" % exc)
             continue
+        if decoded is None:  # `null` leaves Go's map nil, which renders as `null`
+            decoded = NilMap()
         lookup = parameter_map(arg, request)
         if lookup is None:
             messages.append("invalid source for argument %r" % arg)
@@ -3331,7 +3646,8 @@ def evaluate_match(rule, request):
     if kind == "regex":
         if rule.compiled is None:
             return False, RuleError(rule.regex_error)
-        return rule.compiled.search(value) is not None, None
+        # Go's regexp reads each byte that is not UTF-8 (a surrogate here) as U+FFFD
+        return rule.compiled.search(SURROGATE.sub("\ufffd", value)) is not None, None
     if kind in HMAC_TYPES:
         if kind.startswith("payload-hash-"):
             log.warning("warn: use of deprecated option %s; use %s instead",
@@ -3363,36 +3679,7 @@ def check_payload_signature(body, secret, header, algorithm, prefix):
                           % ("" if body else " on empty payload"))
 
 
-@functools.lru_cache(maxsize=256)  # the ranges of ip-whitelist rules, parsed once, not per request
-def parse_cidr(text):
-    if "/" not in text:
-        text += "/32"
-    address, _, bits = text.partition("/")
-    try:
-        if not bits.isdigit():
-            return None
-        return ipaddress.ip_network("%s/%s" % (address, bits), strict=False)
-    except ValueError:
-        return None
-
-
-def peer_host(remote_addr):
-    """The host of a remote address as format_peer() writes it (`host:port`, `[v6]:port`),
-    cut as upstream's ip-whitelist does: up to the last colon, blanks and brackets trimmed."""
-    host = remote_addr.rpartition(":")[0] if ":" in remote_addr else remote_addr
-    return host.strip(" ").lstrip("[").rstrip("]")
-
-
 UNKNOWN_CLIENT = "unknown"  # -trusted-proxy: a relayed address that could not be read
-
-
-def parse_ip(text):
-    """An IP address (IPv4-mapped IPv6 read as IPv4), or None."""
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    return getattr(address, "ipv4_mapped", None) or address
 
 
 def forwarded_client(remote_addr, forwarded_for, trusted):
@@ -3510,6 +3797,11 @@ class Invocation:
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
 
+    def size(self):
+        """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
+        return (sum(map(len, self.argv)) + sum(len(k) + len(v) for k, v in self.env_pairs)
+                + sum(len(data) for _, data in self.file_pairs) + len(self.stdin or b""))
+
 
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
@@ -3594,14 +3886,15 @@ def build_invocation(hook, request):
                       messages, request.raw_body if hook.payload_to_stdin else None)
 
 
-def write_temp_files(invocation):
-    """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)]."""
-    if not invocation.file_pairs:
-        return []
-    directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
+def write_temp_files(invocation, request_id):
+    """Write pass-file-to-command values to 0600 temp files; returns [(envname, path)].  A file
+    that cannot be written (a name too long, a full disk) is logged and left out, its variable
+    unset, and the command still runs, as Go does."""
     written = []
-    try:
-        for envname, data in invocation.file_pairs:
+    for envname, data in invocation.file_pairs:
+        created = None
+        try:
+            directory = os.path.abspath(invocation.cwd or tempfile.gettempdir())
             while True:  # `<envname><9 random digits>`, as Go's ioutil.TempFile names them
                 path = os.path.join(directory, "%s%09d" % (envname, random.randrange(10 ** 9)))
                 try:
@@ -3610,12 +3903,16 @@ def write_temp_files(invocation):
                     break
                 except FileExistsError:
                     continue
+            created = path
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            written.append((envname, path))
-    except OSError:
-        remove_files(written)
-        raise
+        except OSError as exc:
+            log.info("[%s] error creating temp file [%s: %s]", request_id, envname,
+                     exc.strerror or exc)
+            if created is not None:
+                remove_paths([created])
+            continue
+        written.append((envname, created))
     return written
 
 
@@ -3624,11 +3921,11 @@ def remove_files(written):
     remove_paths(path for _, path in written)
 
 
-def remove_paths(paths):
+def remove_paths(paths, dir_fd=None):
     """Unlink each path; one that is already gone is fine."""
     for path in paths:
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:
             pass
 
@@ -3715,30 +4012,31 @@ class Runner:
         self.processes = set()
         self.active = 0  # runs not yet cleaned up (temp files removed)
 
-    def run(self, invocation, request_id, timeout=None, on_output=None, keep_output=True):
-        """Run to completion in this thread.  Output goes to on_output(chunk) as it arrives when
-        given, else it is collected into the result (or discarded unless keep_output)."""
+    def start(self, invocation, request_id, timeout=None, capture=True):
+        """Start the command: a Running, whose output() yields what it prints (nothing unless
+        `capture`) until it ends.  A command that could not start is known here, before anyone
+        answers: its Running yields nothing and its result says `started` False."""
         with self.lock:
             self.active += 1
+        running = Running(self, request_id, timeout)
         try:
-            files = write_temp_files(invocation)
-        except OSError as exc:
-            self._done()
-            return CommandResult(False, error=exc)
-        try:
-            return self._run(invocation, files, request_id, timeout, on_output,
-                             keep_output or on_output is not None)
-        finally:
-            for _, path in files:
-                log.info("[%s] removing file %s", request_id, path)
-            remove_files(files)
-            self._done()
+            running.files = write_temp_files(invocation, request_id)
+            running.proc = self._spawn(invocation, running.files, request_id, capture)
+            if running.proc.stdin is not None:
+                threading.Thread(target=feed_stdin, args=(running.proc.stdin, invocation.stdin,
+                                                          running.fed),
+                                 name="stdin", daemon=True).start()
+        except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
+            # ValueError: a NUL; RuntimeError: no thread to feed stdin (never run without it)
+            if running.proc is not None:
+                self.stop(running.proc)
+                running.proc.wait()
+                running.proc.stdin.close()
+            running.result = CommandResult(False, error=exc)
+            running.clean_up()
+        return running
 
-    def _done(self):
-        with self.lock:
-            self.active -= 1
-
-    def _run(self, invocation, files, request_id, timeout, on_output, capture):
+    def _spawn(self, invocation, files, request_id, capture):
         file_pairs = [env_entry(name, os.fsencode(path)) for name, path in files]
         env = None  # our environment as it is, unless the hook adds to it
         if invocation.env_pairs or files:
@@ -3751,71 +4049,14 @@ class Runner:
                      invocation.executable, go_quote_list(invocation.argv),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
-        try:
-            proc = subprocess.Popen(
-                invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
-                stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
-                stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
-                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL
-            return CommandResult(False, error=exc)
+        proc = subprocess.Popen(
+            invocation.argv, executable=invocation.executable, cwd=invocation.cwd, env=env,
+            stdin=subprocess.DEVNULL if invocation.stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, bufsize=0)
         with self.lock:
             self.processes.add(proc)
-        fed = threading.Event()
-        try:
-            if proc.stdin is not None:
-                try:
-                    threading.Thread(target=feed_stdin, args=(proc.stdin, invocation.stdin, fed),
-                                     name="stdin", daemon=True).start()
-                except RuntimeError as exc:  # no thread to be had: never run without its input
-                    self.stop(proc)
-                    proc.wait()
-                    proc.stdin.close()
-                    return CommandResult(False, error=exc)
-            return self._wait(proc, timeout, on_output, request_id)
-        finally:
-            fed.set()
-            with self.lock:
-                self.processes.discard(proc)
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-    def _wait(self, proc, timeout, on_output, request_id):
-        """Read the output until it ends, applying the timeout; then reap the process.  Once
-        the process has ended (or been stopped), its pipe gets PIPE_GRACE_SECONDS to reach its
-        end: a process it left behind that keeps the pipe open (`setsid daemon &`) holds up
-        neither the answer nor the hook's slot (Go's Cmd.WaitDelay)."""
-        chunks = []
-        sink = on_output or chunks.append
-        deadline = None if timeout is None else time.monotonic() + timeout
-        timed_out = False
-        if proc.stdout is None:
-            try:
-                return CommandResult(True, proc.wait(timeout))
-            except subprocess.TimeoutExpired:
-                self.stop(proc)
-                return CommandResult(True, proc.wait(), timed_out=True)
-        fd, pipe_deadline = proc.stdout.fileno(), None
-        while True:
-            now = time.monotonic()
-            if pipe_deadline is None and proc.poll() is not None:
-                pipe_deadline = now + PIPE_GRACE_SECONDS
-            wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
-                       if t is not None)
-            if not wait_ready(fd, max(0.0, wait - now)):
-                if deadline is not None and time.monotonic() >= deadline:
-                    timed_out, deadline = True, None
-                    self.stop(proc)
-                elif pipe_deadline is not None and time.monotonic() >= pipe_deadline:
-                    log.info("[%s] the command has ended but something it started keeps its "
-                             "output open: no longer read", request_id)
-                    break
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            sink(chunk)
-        return CommandResult(True, proc.wait(), b"".join(chunks), timed_out)
+        return proc
 
     @staticmethod
     def stop(proc):
@@ -3834,32 +4075,100 @@ class Runner:
             signal_group(proc, signal.SIGKILL)
 
 
+class Running:
+    """A started command (Runner.start).  output() yields its output as it comes, applying the
+    timeout, and reaps it; then `result` says how it ended and its temp files are gone.  Once
+    the process has ended (or been stopped), its pipe gets PIPE_GRACE_SECONDS to reach its
+    end: a process it left behind that keeps the pipe open (`setsid daemon &`) holds up
+    neither the answer nor the hook's slot (Go's Cmd.WaitDelay)."""
+
+    def __init__(self, runner, request_id, timeout):
+        self.runner, self.request_id, self.timeout = runner, request_id, timeout
+        self.proc, self.files, self.result = None, [], None
+        self.fed = threading.Event()  # set when the run is over: stdin is fed no longer
+
+    def output(self):
+        if self.result is not None:  # it never started
+            return
+        proc, timed_out = self.proc, False
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            if proc.stdout is None:
+                try:
+                    self.result = CommandResult(True, proc.wait(self.timeout))
+                except subprocess.TimeoutExpired:
+                    self.runner.stop(proc)
+                    self.result = CommandResult(True, proc.wait(), timed_out=True)
+                return
+            fd, pipe_deadline = proc.stdout.fileno(), None
+            while True:
+                now = time.monotonic()
+                if pipe_deadline is None and proc.poll() is not None:
+                    pipe_deadline = now + PIPE_GRACE_SECONDS
+                wait = min(t for t in (deadline, pipe_deadline, now + EXIT_CHECK_SECONDS)
+                           if t is not None)
+                if not wait_ready(fd, max(0.0, wait - now)):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        timed_out, deadline = True, None
+                        self.runner.stop(proc)
+                    elif pipe_deadline is not None and time.monotonic() >= pipe_deadline:
+                        log.info("[%s] the command has ended but something it started keeps "
+                                 "its output open: no longer read", self.request_id)
+                        break
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                yield chunk
+            self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
+        finally:
+            if self.result is None:  # abandoned mid-way (the daemon stopping): stopped now
+                self.runner.stop(proc)
+                self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
+            self.clean_up()
+
+    def clean_up(self):
+        self.fed.set()
+        if self.proc is not None:
+            with self.runner.lock:
+                self.runner.processes.discard(self.proc)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        for _, path in self.files:
+            log.info("[%s] removing file %s", self.request_id, path)
+        remove_files(self.files)
+        with self.runner.lock:
+            self.runner.active -= 1
+
+
 # ---------------------------------------------------------------------------
 # Runs in the background and per-hook FIFO gates
 # ---------------------------------------------------------------------------
 
 ASYNC_BACKLOG_LIMIT = 10000  # background runs waiting or running; more get 503 (memory bound)
-ASYNC_BACKLOG_BODIES = 8  # request bodies of -max-body-bytes those runs may hold for their stdin
+ASYNC_BACKLOG_BODIES = 8  # bodies of -max-body-bytes those runs' commands may hold (stdin, argv,
+                          # environment, pass-file-to-command files) while they wait
 
 
 class BackgroundRuns:
     """The one bounded queue of background runs: at most `size` threads, started on demand;
     further jobs wait in FIFO order; more than ASYNC_BACKLOG_LIMIT accepted are refused, as are
-    those whose bodies (pass-payload-to-stdin) would grow what the backlog holds beyond
-    ASYNC_BACKLOG_BODIES of `max_body` (a hook with max-concurrency 1 queues them all)."""
+    those whose prepared commands (a body for stdin, arguments, variables or files from the
+    request) would grow what the backlog holds beyond ASYNC_BACKLOG_BODIES of `max_body` (a hook
+    with max-concurrency 1 queues them all)."""
 
     def __init__(self, size, max_body):
         self.size = max(1, size)
         self.max_held = ASYNC_BACKLOG_BODIES * max_body
-        self.held = 0  # bytes of request bodies the runs in the backlog hold
+        self.held = 0  # bytes of prepared commands the runs in the backlog hold
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.lock = threading.Lock()
         self.threads = self.backlog = 0
 
     def reserve(self, held=0):
-        """Count one more run in the backlog, holding `held` bytes of body until its job ends;
-        False when it is full."""
+        """Count one more run in the backlog, holding `held` bytes of command until its job
+        ends; False when it is full."""
         with self.lock:
             if self.backlog >= ASYNC_BACKLOG_LIMIT or (
                     held and self.held and self.held + held > self.max_held):
@@ -3944,7 +4253,7 @@ class HookGate:
 
 
 # ---------------------------------------------------------------------------
-# Run history: run records, the bounded store (memory or -runs-dir), what HTTP and -runs show
+# Run history: run records and the bounded store (memory or -runs-dir)
 # ---------------------------------------------------------------------------
 # Every triggered run gets a RunRecord: its state and the tail of its output.  The store keeps
 # them bounded (-runs-keep per hook, -runs-max-bytes in all) in memory, and with -runs-dir also
@@ -4021,13 +4330,13 @@ class RunRecord:
 class RunStore:
     """The run records, oldest first, bounded; saved to -runs-dir by RunFiles when given."""
 
-    def __init__(self, keep, max_bytes, max_output, directory=None):
+    def __init__(self, keep, max_bytes, max_output, directory=None, dir_fd=None):
         self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
         self.size = 0
-        self.files = None if directory is None else RunFiles(directory, self)
+        self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
     def start(self):
         """Load the records of earlier runs and start the disk writer: once the daemon runs as
@@ -4091,18 +4400,6 @@ class RunStore:
             self._save(record)
             self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
             self.changed.notify_all()
-
-    def output_sink(self, record, on_output, keep_output):
-        """(on_output for Runner.run, chunks collected for the caller or None): every chunk
-        also goes to the record, whatever the caller does with it."""
-        collected = [] if on_output is None and keep_output else None
-        forward = on_output or (collected.append if collected is not None else None)
-
-        def sink(chunk):
-            self.output(record, chunk)
-            if forward is not None:
-                forward(chunk)
-        return sink, collected
 
     # -- reading -------------------------------------------------------------
 
@@ -4221,10 +4518,13 @@ class RunFiles:
     """The -runs-dir folder: `<id>.json` (the record) and `<id>.log` (the kept output) per run,
     0600, written by one thread of its own from a queue of (kind, record).  A record's file is
     created once, holding the queued record; each later state is appended as a line and the
-    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms."""
+    last whole line wins: an append costs ~20 µs, a new file (temp + rename) ~0.1-1 ms.  Every
+    file is named relative to the folder held open (`dir_fd`, checked by open_runs_dir), never
+    by its path: a link swapped in for the folder or a folder above it is never followed."""
 
-    def __init__(self, directory, store):
+    def __init__(self, directory, dir_fd, store):
         self.directory, self.store, self.changed = directory, store, store.changed
+        self.dir_fd = dir_fd
         self.writes = queue.SimpleQueue()
 
     def start(self):
@@ -4233,12 +4533,9 @@ class RunFiles:
     def put(self, kind, record):
         self.writes.put((kind, record))
 
-    def path(self, record, suffix):
-        return os.path.join(self.directory, record.id + suffix)
-
     def read_log(self, record):
         try:
-            with open_no_link(self.path(record, ".log")) as handle:
+            with open_no_link(record.id + ".log", self.dir_fd) as handle:
                 return handle.read()[-record.cap:]
         except OSError:
             return b""
@@ -4248,7 +4545,7 @@ class RunFiles:
         survives the daemon being killed, not the machine losing power); False if it could
         not (the record says so)."""
         try:
-            write_new_file(self.path(record, ".json"), record_json(record.as_dict()))
+            write_new_file(record.id + ".json", record_json(record.as_dict()), self.dir_fd)
             return True
         except OSError as exc:
             self.failed(record, exc)
@@ -4267,14 +4564,15 @@ class RunFiles:
         """The records of earlier runs, oldest first; those that were going when we died are
         `interrupted`.  An unreadable record is skipped, never fatal."""
         loaded = []
-        for fields in read_run_files(self.directory):
+        for fields in read_run_files(self.dir_fd):
             record = RunRecord(fields)
             record.cap = cap
             if record.state not in RUN_ENDED:
                 record.state = "interrupted"
                 record.version = 1  # saved again by the writer
                 with contextlib.suppress(OSError):  # output saved after the record was
-                    logged = os.stat(self.path(record, ".log")).st_size
+                    logged = os.stat(record.id + ".log", dir_fd=self.dir_fd,
+                                     follow_symlinks=False).st_size
                     record.output_bytes = max(record.output_bytes, logged)
             loaded.append(record)
         loaded.sort(key=lambda r: (r.queued_at or "", r.id))
@@ -4307,8 +4605,8 @@ class RunFiles:
             elif kind == "output":
                 self._write_output(record)
             else:
-                remove_paths([self.path(record, suffix) for suffix in (
-                    (".json", ".log") if record.output_bytes else (".json",))])
+                remove_paths([record.id + suffix for suffix in (
+                    (".json", ".log") if record.output_bytes else (".json",))], self.dir_fd)
         except OSError as exc:  # e.g. a full disk: the run goes on, the record says so
             self.failed(record, exc)
 
@@ -4322,8 +4620,8 @@ class RunFiles:
             on_disk = record.disk_total == record.output_bytes and record.disk_size == len(
                 final_tail or b"")
         if final_tail is not None and not on_disk:  # the log holds exactly the kept tail
-            write_private_file(self.path(record, ".log"), final_tail)
-        append_record(self.path(record, ".json"), record_json(document))
+            write_private_file(record.id + ".log", final_tail, self.dir_fd)
+        append_record(record.id + ".json", record_json(document), self.dir_fd)
         with self.changed:
             record.saved_version = version
             if final_tail is not None:
@@ -4341,17 +4639,16 @@ class RunFiles:
             data = bytes(record.tail if rewrite else record.tail[len(record.tail) - fresh:])
             record.disk_total = record.output_bytes
         if rewrite:
-            write_private_file(self.path(record, ".log"), data)
-            record.disk_size = len(data)
-        else:
-            fd = os.open(self.path(record, ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                         | NO_LINK, 0o600)
+            write_private_file(record.id + ".log", data, self.dir_fd)
+        else:  # a short write (a full disk, a file size limit) is finished or raises
+            fd = os.open(record.id + ".log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK,
+                         0o600, dir_fd=self.dir_fd)
             try:
-                os.write(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
-            record.disk_size += len(data)
-
+        with self.changed:  # read under it by _write_record
+            record.disk_size = len(data) if rewrite else record.disk_size + len(data)
 
 
 NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC  # a link planted in -runs-dir is never followed
@@ -4361,10 +4658,10 @@ def record_json(document):
     return (json.dumps(document, sort_keys=True) + "\n").encode()
 
 
-def append_record(path, line):
+def append_record(path, line, dir_fd=None):
     """Append a record's line to its file.  It starts with a newline of its own, so a line an
     earlier append left unfinished (a full disk) ends there and never joins this one."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, b"\n" + line)
     finally:
@@ -4389,35 +4686,36 @@ def write_all(fd, data):
         view = view[os.write(fd, view):]
 
 
-def write_new_file(path, data):
+def write_new_file(path, data, dir_fd=None):
     """Create path (0600; refused if anything, a link included, is there) holding data."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, data)
     finally:
         os.close(fd)
 
 
-def write_private_file(path, data):
+def write_private_file(path, data, dir_fd=None):
     """Replace path with data atomically (a new temp file 0600, then rename)."""
     temp = path + ".tmp"
-    remove_paths([temp])  # left by a daemon killed while writing
-    write_new_file(temp, data)
-    os.replace(temp, path)
+    remove_paths([temp], dir_fd)  # left by a daemon killed while writing
+    write_new_file(temp, data, dir_fd)
+    os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def open_no_link(path):
-    return open(os.open(path, os.O_RDONLY | NO_LINK), "rb")
+def open_no_link(path, dir_fd=None):
+    return open(os.open(path, os.O_RDONLY | NO_LINK, dir_fd=dir_fd), "rb")
 
 
-def read_run_files(directory):
-    """The fields of each record in a -runs-dir; one that is unreadable, malformed or whose id
-    is not its file name (retention deletes by id) is logged and skipped, never fatal."""
-    for name in os.listdir(directory):
+def read_run_files(dir_fd):
+    """The fields of each record in a -runs-dir held open as dir_fd; one that is unreadable,
+    malformed or whose id is not its file name (retention deletes by id) is logged and
+    skipped, never fatal."""
+    for name in os.listdir(dir_fd):
         if not name.endswith(".json") or not RUN_ID.fullmatch(name[:-5]):
             continue
         try:
-            with open_no_link(os.path.join(directory, name)) as handle:
+            with open_no_link(name, dir_fd) as handle:
                 fields = last_record(handle.read())
             if not (isinstance(fields, dict) and fields.get("id") == name[:-5]
                     and isinstance(fields.get("hook"), str) and fields.get("state") in RUN_STATES
@@ -4430,43 +4728,70 @@ def read_run_files(directory):
         yield fields
 
 
+RUNS_LOCK = "webhookd.lock"  # in -runs-dir, 0600: held locked while a daemon uses the folder
+
+
 def open_runs_dir(path, uid, gid):
     """The -runs-dir folder of the user the daemon runs as (uid, gid: after -setuid), created
-    0700 (and made 0700 if it was not).  Refused if another user owns it (they could plant
-    records and links in it) or if it is a symbolic link (whoever owns the folder above could
-    point it anywhere, /etc included, for root to hand over).  A folder root owns (made now,
-    or by an earlier daemon running as root) is handed over to that user, through its open
-    descriptor, and its entries without following links.  The folder stays open and locked
-    while the daemon runs: a second daemon on it (the same -runs-dir in two units) would mark
+    0700 (and made 0700 if it was not), as a descriptor: the daemon names its files relative to
+    it, so a link swapped in later for the folder (or one above it) is never followed.  Refused
+    if another user owns it (they could plant records and links in it) or if it is a symbolic
+    link (whoever owns the folder above could point it anywhere, /etc included, for root to
+    hand over).  A folder root owns (made now, or by an earlier daemon running as root) is
+    handed over to that user, through its open descriptor, and its entries without following
+    links.  While the daemon runs it holds a lock on RUNS_LOCK, a 0600 file inside (opened
+    without following links; not the folder itself, which anyone who opened it while it was
+    readable could lock): a second daemon on it (the same -runs-dir in two units) would mark
     the first one's running runs interrupted and delete its records; it is refused."""
-    import fcntl  # only with -runs-dir
     os.makedirs(path, 0o700, exist_ok=True)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NO_LINK)
     except OSError as exc:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise OSError(errno.ELOOP, "a symbolic link, not a folder") from None
         raise
+    lock = None
     try:
+        st = os.fstat(fd)
+        handing_over = st.st_uid != uid
+        if handing_over and (st.st_uid != 0 or os.geteuid() != 0):
+            raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
+                                               "webhookd runs as" % (st.st_uid, uid))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock = os.open(RUNS_LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | NO_LINK, 0o600,
+                           dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, "%s in it is a symbolic link" % RUNS_LOCK) from None
+            raise
+        lock_st = os.fstat(lock)
+        if not stat.S_ISREG(lock_st.st_mode) or lock_st.st_uid != st.st_uid:
+            raise PermissionError(errno.EPERM, "%s in it is not a file of the folder's owner"
+                                  % RUNS_LOCK)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, "in use by another webhookd") from None
-        st = os.fstat(fd)
-        if st.st_uid != uid:
-            if st.st_uid != 0 or os.geteuid() != 0:
-                raise PermissionError(errno.EPERM, "owned by uid %d, not by uid %d that "
-                                                   "webhookd runs as" % (st.st_uid, uid))
+        if handing_over:
             os.fchown(fd, uid, gid)
             for name in os.listdir(fd):
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
+        if stat.S_IMODE(lock_st.st_mode) != 0o600:
+            os.fchmod(lock, 0o600)
     except BaseException:
         os.close(fd)
+        if lock is not None:
+            os.close(lock)
         raise
-    return path  # fd stays open, holding the lock, until the daemon exits
+    return fd  # the lock's descriptor stays open, holding the lock, until the daemon exits
 
+
+# ---------------------------------------------------------------------------
+# Status site: <status-path>, its run pages and metrics, behind one access check (the pages
+# themselves are Appendix A)
+# ---------------------------------------------------------------------------
 
 # Headers a reverse proxy adds: a loopback peer sending one, even empty, speaks for a client
 # elsewhere (a proxy may add its own line after an empty one the client sent).
@@ -4505,56 +4830,80 @@ def json_response(status, document):
 
 
 def forbidden(what):
-    """The JSON answer to a client the one access check (RunsPage.trusted) refused."""
+    """The JSON answer to a client the one access check (StatusSite.trusted) refused."""
     return json_response(403, {"error": "%s served with Authorization: Bearer <-status-token>, "
                                         "or without one set to loopback clients no proxy "
                                         "relays" % what})
 
 
-class RunsPage:
-    """`<status-path>/runs[/<id>[/output]]`: the records and output of a RunStore, to trusted
-    clients only (see `trusted`); as JSON, or as HTML pages (RunsHtml) to browsers."""
+class StatusSite:
+    """The status site: <status-path> (its health to anyone, the details to trusted clients),
+    <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
+    RunStore), behind one 405 check and one access check (`trusted`), as JSON or, to a
+    browser, HTML (RunsHtml).  An untrusted client never sees hook ids (some hooks rely on
+    theirs being secret), paths, load errors or runs."""
 
-    def __init__(self, store, status_path, token):
-        self.store, self.prefix, self.token = store, status_path + "/runs", token
-        self.html = RunsHtml(status_path)
+    def __init__(self, opts, registry, store, metrics_text, started, stopped):
+        self.path, self.token = opts.status_path, opts.status_token
+        self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
+        self.registry, self.store, self.started = registry, store, started
+        self.metrics_text, self.stopped = metrics_text, stopped
+        self.html = RunsHtml(self.path)
 
     def wants(self, path):
-        return path == self.prefix or path.startswith(self.prefix + "/")
+        return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
+                                    or path.startswith(self.prefix + "/"))
 
-    def trusted(self, head, remote_addr):
+    def answer(self, request):
+        if request.method not in ("GET", "HEAD"):
+            return Response(405)
+        path, as_html = request.path, prefers_html(request)
+        trusted = self.trusted(request)
+        if path == self.path:
+            health = {"status": "degraded" if self.registry.count() == 0
+                      or self.registry.last_reload_failed else "ok", "version": VERSION}
+            if not trusted:
+                return self.refused(health) if as_html else json_response(200, health)
+            details = dict(health, **status_details(self.registry, self.store, self.started))
+            if as_html:
+                return self.listing(request.raw_query, True, details)
+            return json_response(200, details)
+        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
+            if not trusted:
+                return forbidden("metrics are")
+            return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
+                                                       "Cache-Control": "no-store"})
+        if not trusted:
+            return self.refused() if as_html else forbidden("run history is")
+        return self.runs(request, as_html)
+
+    def trusted(self, request):
         """The one check for all that shows hooks or runs: with -status-token, the bearers of
         the token (or browsers giving it as their Basic password), whoever they are; without,
         loopback clients no proxy relays."""
         if self.token:
-            given = authorization_token(head.get("Authorization"))
+            given = authorization_token(request.get("Authorization"))
             return given is not None and hmac.compare_digest(given, self.token.encode())
-        relayed = any(name in head.headers for name in RELAY_HEADERS)
-        return (is_loopback_peer(remote_addr) and not relayed
-                and names_loopback(head.get("Host")))
+        relayed = any(name in request.headers for name in RELAY_HEADERS)
+        return (is_loopback_peer(request.peer) and not relayed
+                and names_loopback(request.get("Host")))
 
     def refused(self, health=None):
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def answer(self, head, path, raw_query, remote_addr, stream, stopped):
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        as_html = prefers_html(head)
-        if not self.trusted(head, remote_addr):
-            if as_html:
-                return self.refused()
-            return forbidden("run history is")
-        parts = path[len(self.prefix):].split("/")[1:]
+    def runs(self, request, as_html):
+        """A trusted client's GET of the run list, a run, or its output."""
+        parts = request.path[len(self.prefix):].split("/")[1:]
         if not parts:
-            return self.listing(raw_query, as_html)
+            return self.listing(request.raw_query, as_html)
         record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
         if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
             if as_html:
                 return self.html.problem(404, "Run not found", "No run has this id (any more).")
             return json_response(404, {"error": "run not found"})
         if len(parts) == 2:
-            return self.output(head, record, stream, stopped)
+            return self.output(request, record)
         if as_html:
             return self.html.run(record.as_dict(), self.store.read_output(record)[0])
         return json_response(200, record.as_dict())
@@ -4571,30 +4920,30 @@ class RunsPage:
             return self.html.overview(details, runs, chosen)
         return json_response(200, runs)
 
-    def output(self, head, record, stream, stopped):
-        """The kept output; while the run goes on, streamed (chunked) until it ends."""
+    def output(self, request, record):
+        """The kept output; while the run goes on, its body follows the run until it ends."""
         headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
                    "X-Content-Type-Options": "nosniff"}
         data, position, ended = self.store.read_output(record)
-        if ended or head.method == "HEAD" or stream is None:
+        if ended or request.method == "HEAD":
             return Response(200, data, headers)
-        alive = stream.start_chunked(200, headers)
-        while alive:
-            if data:
-                alive = stream.write_chunk(data)
-            if ended or stopped():
-                break
-            self.store.follow(record, position, stopped)
-            data, position, ended = self.store.read_output(record, position)
-        keep_alive = stream.end_chunks()
-        return Response(200, b"", headers, close=not keep_alive, sent=True)
+
+        def follow(data, position, ended):
+            while True:
+                if data:
+                    yield data
+                if ended or self.stopped():
+                    return
+                self.store.follow(record, position, self.stopped)
+                data, position, ended = self.store.read_output(record, position)
+        return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
 
 def runs_filter(raw_query):
     """((hook, state, limit), None) for a run-list query, or (None, what is wrong with it)."""
     query = parse_query(raw_query)[0]
-    limit = query.get("limit", "100")
-    if not is_ascii_digits(limit) or not 0 < int(limit) <= 10000:
+    limit = query.get("limit", "100").lstrip("0") or "0"  # int() refuses over 4,300 digits
+    if not is_ascii_digits(limit) or len(limit) > 5 or not 0 < int(limit) <= 10000:
         return None, "limit must be a whole number from 1 to 10000"
     state = query.get("state") or None
     if state is not None and state not in RUN_STATES:
@@ -4645,9 +4994,765 @@ def prefers_html(head):
     return rank("text/html") > rank("application/json")
 
 
+# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
+
+
+def label_value(value):
+    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metric_labels(**labels):
+    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
+                             for name, value in labels.items())
+
+
+def metric_family(name, kind, help, samples):
+    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
+    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
+    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
+                                      else repr(float(value)))
+              for suffix, labels, value in samples]
+    return lines
+
+
+class Metrics:
+    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
+    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
+    labels come from loaded hooks only, never from a request: the series stay as few as the
+    hooks (those a reload removed keep their counts)."""
+
+    def __init__(self, started):
+        self.started = started
+        self.lock = threading.Lock()
+        self.answers = {}  # status code -> answers sent
+        self.runs = {}  # (hook id, final state) -> runs
+        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
+
+    def answered(self, status):
+        with self.lock:
+            self.answers[status] = self.answers.get(status, 0) + 1
+
+    def run_ended(self, hook_id, state, seconds):
+        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
+        with self.lock:
+            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
+            if seconds is not None:
+                counts = self.durations.get(hook_id)
+                if counts is None:
+                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
+                    counts.append(0.0)
+                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
+                counts[-1] += seconds
+
+    def render(self, registry, runner, background):
+        """The exposition text: bytes."""
+        with self.lock:
+            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
+            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
+        queued = background.jobs.qsize() + sum(len(gate.waiting)
+                                               for gate in list(registry.gates.values()))
+        python = "%d.%d.%d" % sys.version_info[:3]
+        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
+                              "it reproduces, and the Python it runs on.", [(
+                                  "", metric_labels(version=__version__, webhook_version=VERSION,
+                                                    python=python,
+                                                    implementation=sys.implementation.name), 1)])
+        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
+                               "time).", [("", "", self.started)])
+        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
+                               "status code.", [("", metric_labels(code=code), count)
+                                                for code, count in answers])
+        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
+                               [("", "", registry.count())])
+        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
+                               "(at start, on a signal or by -hotreload) in which a file failed "
+                               "to load.", [("", "", registry.load_failures)])
+        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
+                               "loaded at the last (re)load, else 0.",
+                               [("", "", 0 if registry.last_reload_failed else 1)])
+        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
+                               "hooks file last loaded (Unix time).",
+                               [("", "", registry.last_good_load or 0)])
+        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
+                               [("", metric_labels(hook=hook_id, state=state), count)
+                                for (hook_id, state), count in runs])
+        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
+                               "ran, by hook (runs whose command never started are left out).",
+                               [sample for hook_id, counts in durations
+                                for sample in histogram_samples(hook_id, counts)])
+        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
+                               [("", "", runner.active)])
+        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
+                               "max-concurrency turn or a -max-async-runs thread.",
+                               [("", "", queued)])
+        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
+
+
+def histogram_samples(hook_id, counts):
+    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
+    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
+    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
+        total += count
+        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
+    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
+
+
+def runs_options_problem(opts):
+    """A sentence if the run-history flags are unusable; reads -status-token-file."""
+    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
+            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+    if opts.status_token_file:
+        try:
+            with open(opts.status_token_file, encoding="utf-8") as handle:
+                opts.status_token = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return "cannot read -status-token-file %s: %s" % (
+                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
+        if not opts.status_token:
+            return "-status-token-file %s is empty" % opts.status_token_file
+    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
+        return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
+        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
+    if opts.runs_state and opts.runs_state not in RUN_STATES:
+        return "-runs-state must be one of " + ", ".join(RUN_STATES)
+    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
+        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
+                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
+    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
+        return "-runs-dir %s is not a folder" % opts.runs_dir
+    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
+        if not os.path.isdir(opts.runs_dir):
+            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+                % opts.runs_dir
+    elif opts.runs_dir:  # only the daemon creates it
+        dropping = opts.setuid and opts.setgid
+        try:
+            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
+                                             else os.geteuid(), opts.setgid if dropping
+                                             else os.getegid())
+        except OSError as exc:
+            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
+    return None
+
+
+def make_run_store(opts):
+    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
+                    opts.runs_dir or None, opts.runs_dir_fd)
+
+
+# ---------------------------------------------------------------------------
+# systemd integration: sd_notify and socket activation
+# ---------------------------------------------------------------------------
+
+class Notifier:
+    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (`@` = abstract)."""
+
+    def __init__(self, environ):
+        address = environ.pop("NOTIFY_SOCKET", "")  # commands must not inherit it
+        if address.startswith("@"):
+            address = "\0" + address[1:]
+        self.address = address or None
+
+    def notify(self, message):
+        if not self.address:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.connect(self.address)
+                sock.sendall(message.encode())
+        except OSError as exc:
+            log.warning("sd_notify %r failed: %s", message, exc)
+
+    def reloading(self):
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify("RELOADING=1\nMONOTONIC_USEC=%d" % usec)
+
+
+def inherited_listeners(environ):
+    """Sockets passed by systemd socket activation (LISTEN_PID/LISTEN_FDS, from fd 3)."""
+    pid, count = environ.pop("LISTEN_PID", ""), environ.pop("LISTEN_FDS", "")
+    environ.pop("LISTEN_FDNAMES", None)
+    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
+        return []
+    listeners = []
+    for fd in range(3, 3 + int(count)):
+        os.set_inheritable(fd, False)
+        listeners.append(socket.socket(fileno=fd))
+    return listeners
+
+
+# ---------------------------------------------------------------------------
+# Process setup: logging, listeners, TLS, privileges, pidfile
+# ---------------------------------------------------------------------------
+
+class LogFileError(Exception):
+    """-logfile cannot be opened: Go's sentence, exit status 1."""
+
+
+def setup_logging(opts):
+    """`[webhook] date time message` lines, written by a thread of their own: a request never
+    waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
+    nothing then: a hooks file it cannot load went unexplained)."""
+    if opts.logfile:
+        try:
+            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise LogFileError('error opening log file "%s": %s'
+                               % (opts.logfile, go_errno_text(exc, "open"))) from None
+        target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
+                                                 errors="backslashreplace"))
+    else:
+        target = logging.StreamHandler(sys.stderr)
+    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
+                                          "%Y/%m/%d %H:%M:%S"))
+    log.propagate = False
+    if not (opts.verbose or opts.debug or opts.logfile):
+        log.addHandler(target)  # rare lines: written at once, before what main prints next
+        log.setLevel(logging.ERROR)
+        return None
+    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
+    # `import logging.handlers` would make `logging` a local name of this whole function.
+    from logging.handlers import QueueHandler, QueueListener
+
+    class RecordQueueHandler(QueueHandler):
+        def prepare(self, record):
+            return record  # formatted by the logging thread, not by the request
+    records = queue.SimpleQueue()
+    listener = QueueListener(records, target)
+    log.addHandler(RecordQueueHandler(records))
+    log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
+    listener.start()
+    return listener
+
+
+def open_listeners(opts, environ):
+    inherited = inherited_listeners(environ)
+    if inherited:
+        log.info("using %d socket(s) passed by systemd", len(inherited))
+        return inherited, "systemd socket"
+    if opts.socket:
+        remove_stale_socket(opts.socket)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(opts.socket)
+        sock.listen(1024)
+        return [sock], "unix:" + opts.socket
+    host = opts.ip
+    family = socket.AF_INET6 if ":" in host or host == "" else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6 and host == "":
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        host = "::"
+    sock.bind((host, opts.port))
+    sock.listen(1024)
+    return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
+
+
+def remove_stale_socket(path):
+    """Unlink a socket file left by a previous run; one that a live server still answers on is
+    refused (EADDRINUSE), not taken over."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return  # nothing there, or a file that is not ours to remove: bind() will say so
+    except OSError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: nothing listens on it
+            return
+        except (socket.timeout, BlockingIOError):
+            pass  # a full backlog: someone is listening
+        except OSError:
+            return  # e.g. no permission to connect: bind() will say what is wrong
+    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
+
+
+def make_tls_context(opts):
+    versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
+                "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+    if opts.tls_min_version not in versions:
+        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = versions[opts.tls_min_version]
+    if opts.cipher_suites:
+        names = []
+        for name in opts.cipher_suites.split(","):
+            name = name.strip()
+            if name not in GO_CIPHER_SUITES:
+                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
+            if GO_CIPHER_SUITES[name]:
+                names.append(GO_CIPHER_SUITES[name])
+        if names:
+            context.set_ciphers(":".join(names))
+    context.set_alpn_protocols(["http/1.1"])
+    try:
+        for path in (opts.cert, opts.key):
+            with open(path, "rb"):
+                pass  # OpenSSL's own error does not say which file is missing
+        context.load_cert_chain(opts.cert, opts.key)
+    except OSError as exc:
+        reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
+            "no PEM certificate with its matching private key in them"
+        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
+                         % (opts.cert, opts.key, reason)) from None
+    return context
+
+
+def drop_privileges(uid, gid):
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def process_exists(pid):
+    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or an id no process can have
+    return True
+
+
+def write_pidfile(path):
+    try:
+        with open(path) as handle:
+            old = handle.read().strip()
+        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
+            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
+                             % path)
+    except OSError:
+        pass
+    directory = os.path.dirname(path)
+    if directory:
+        try:
+            os.makedirs(directory, 0o755, exist_ok=True)
+        except FileExistsError:  # a file where the folder should be: Go's words for it
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
+                from None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(str(os.getpid()))
+
+
+def raise_fd_limit():
+    """Go raises the soft open-files limit to the hard one at start; so do we.  The limit now
+    in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def waiting_capacity(fd_limit, max_connections):
+    """Connections that may wait for a request at once: a quarter of the descriptors and one
+    per worker are left for the connections being served, commands and files."""
+    if fd_limit == resource.RLIM_INFINITY:
+        fd_limit = 1 << 20
+    return max(64, fd_limit - fd_limit // 4 - max_connections)
+
+
+# ---------------------------------------------------------------------------
+# Lifecycle: signals, hot-reload polling, graceful stop
+# ---------------------------------------------------------------------------
+
+POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothing when idle
+
+
+class SignalQueue:
+    """Signals recorded by their handlers and handled later by the main loop.  Installed first
+    thing, so a signal that arrives while starting up is not lost or fatal."""
+
+    def __init__(self):
+        self.pending = deque()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._record)
+
+    def _record(self, signum, frame):
+        self.pending.append(signum)
+
+    def wait(self, timeout):
+        """Sleep until a signal arrives or timeout seconds pass (None: no timeout)."""
+        try:
+            select.select([self.wake_r], [], [], timeout)
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except OSError:
+            pass
+
+
+class Daemon:
+    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
+
+    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
+        self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
+        self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
+
+    def run(self):
+        """Main loop; returns the exit status."""
+        stop_deadline = None
+        while True:
+            polling = self.opts.hotreload or stop_deadline is not None
+            self.signals.wait(POLL_INTERVAL if polling else None)
+            while self.signals.pending:
+                signum = self.signals.pending.popleft()
+                if signum in (signal.SIGHUP, signal.SIGUSR1):
+                    self.reload(signal.Signals(signum).name)
+                elif stop_deadline is None:
+                    stop_deadline = self.begin_stop(signum)
+                else:
+                    log.info("second stop signal: killing running commands")
+                    self.app.runner.kill_all()
+                    self.wait_for_cleanup()
+                    return self.finish()
+            if stop_deadline is not None:
+                if self.app.in_flight.count == 0 or time.monotonic() >= stop_deadline:
+                    if self.app.in_flight.count:
+                        log.info("shutdown timeout: killing %d running command(s)",
+                                 len(self.app.runner.processes))
+                        self.app.runner.kill_all()
+                        self.wait_for_cleanup()
+                    return self.finish()
+            elif self.opts.hotreload:
+                changed = self.registry.poll()
+                if changed:
+                    self.notifier.reloading()
+                    self.registry.load(changed)
+                    self.notifier.notify("READY=1")
+
+    def wait_for_cleanup(self):
+        """Killed runs remove their temp files as they end: give them a moment to."""
+        deadline = time.monotonic() + 2.0
+        while self.app.runner.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def reload(self, reason):
+        log.info("caught %s signal", reason[3:])  # SIGHUP: `caught HUP signal`, as upstream
+        self.notifier.reloading()
+        self.registry.load()
+        self.notifier.notify("READY=1")
+
+    def begin_stop(self, signum):
+        self.app.in_flight.stopping = True
+        for server in self.servers:  # no new connections from here on
+            server.limits.stopping.set()
+            server.shutdown()
+            server.server_close()
+        self.notifier.notify("STOPPING=1")
+        name = "interrupt" if signum == signal.SIGINT else "terminated"
+        log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
+                 "running request(s) and command(s)", name, self.opts.shutdown_timeout,
+                 self.app.in_flight.count)
+        return time.monotonic() + max(0, self.opts.shutdown_timeout)
+
+    def finish(self):
+        self.app.runs.flush()
+        remove_paths(self.cleanup_paths)
+        log.info("exiting")
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+NO_HOOKS_MESSAGE = ("couldn't load any hooks from file!\naborting webhook execution since the "
+                    "-verbose flag is set to false.\nIf, for some reason, you want webhook to "
+                    "start without the hooks, either use -verbose flag, or -nopanic")
+
+
+def run_validate(opts):
+    problems = validate_files(opts.hooks, opts.template)
+    for severity, message in problems:
+        print("%s: %s" % (severity, message))
+    errors = sum(1 for severity, _ in problems if severity == "error")
+    print("%d file(s) checked: %d error(s), %d warning(s)"
+          % (len(opts.hooks), errors, len(problems) - errors))
+    return 1 if errors else 0
+
+
+# The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
+
+def runs_command(opts, out=None):
+    """-runs / -runs-follow ID on the records in -runs-dir; exit status (follow: 0 if the run
+    succeeded)."""
+    out = out or sys.stdout
+    directory = opts.runs_dir
+    if opts.runs_follow:
+        return follow_run_file(directory, opts.runs_follow, out)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        sys.stderr.write("cannot read -runs-dir %s: %s\n" % (directory, go_errno_text(exc)))
+        return 1
+    since = runs_since(opts.runs_since, time.time()) if opts.runs_since else ""
+    try:
+        # The filters of the status page's run list (hook, state), and a time.
+        records = [r for r in read_run_files(dir_fd)
+                   if (not opts.runs_hook or r.get("hook") == opts.runs_hook)
+                   and (not opts.runs_state or r.get("state") == opts.runs_state)
+                   and (r.get("queued_at") or "") >= since]
+    finally:
+        os.close(dir_fd)
+    records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
+    out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
+                                                   "MS", "HOOK"))
+    for r in records:
+        exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
+            r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
+    out.flush()
+    return 0
+
+
+# A count of at most 12 digits (in seconds, over 31,000 years): longer ones overflowed the
+# float subtraction, or passed Python's limit on reading an int, with a traceback.
+RUNS_SINCE_AGO = re.compile(r"(?:[0-9]{1,12}[smhd])+")
+RUNS_SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+RUNS_SINCE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2})?Z?)?")
+
+
+def runs_since(text, now):
+    """-runs-since as a record's time (UTC, as `queued_at` is written), or None if unreadable:
+    a time ago (`2h`, `1h30m`, `7d`) or a UTC date or time (`2026-11-21T14:00`, `Z` optional)."""
+    if RUNS_SINCE_AGO.fullmatch(text):
+        seconds = sum(int(count) * RUNS_SINCE_UNITS[unit]
+                      for count, unit in re.findall(r"([0-9]+)([smhd])", text))
+        return iso_time(max(now - seconds, 1))
+    if not RUNS_SINCE_TIME.fullmatch(text):
+        return None
+    day, _, clock = text.rstrip("Z").partition("T")
+    clock = clock or "00:00"
+    if clock.count(":") == 1:
+        clock += ":00"
+    try:
+        time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
+    except ValueError:  # (a month 13, a 25th hour)
+        return None
+    return day + "T" + clock + "Z"  # as written: strftime drops a year's leading zeros
+
+
+def follow_run_file(directory, run_id, out):
+    """Print a run's output as tail -f would, until its record says it ended.  The log is
+    held open: when the daemon replaces it with the kept tail (a new file), what the old one
+    still held is printed, then the new one from its start, announced (lines may repeat).  A
+    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
+    its last state is written) ends the follow with status 1."""
+    record_path = os.path.join(directory, run_id + ".json")
+    if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
+        sys.stderr.write("no run %s in %s\n" % (run_id, directory))
+        return 1
+    log_path, state, handle = os.path.join(directory, run_id + ".log"), None, None
+    try:
+        while True:
+            try:
+                with open_no_link(record_path) as record_file:
+                    state = last_record(record_file.read()).get("state")
+            except FileNotFoundError:
+                follow_log(log_path, handle, getattr(out, "buffer", out))
+                out.flush()
+                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
+                                 "before its end was saved\n" % (run_id, directory))
+                return 1
+            except (OSError, ValueError):
+                pass  # being written: read it next time
+            handle = follow_log(log_path, handle, getattr(out, "buffer", out))
+            out.flush()
+            if state in RUN_ENDED:
+                return 0 if state == "succeeded" else 1
+            time.sleep(0.2)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def follow_log(path, handle, out):
+    """Print what the log held open has gained; the handle to follow from now on."""
+    if handle is not None:
+        out.write(handle.read())
+    try:
+        current = open_no_link(path)
+    except OSError:
+        return handle  # not written yet
+    if handle is not None and os.path.sameopenfile(handle.fileno(), current.fileno()):
+        current.close()
+        return handle
+    if handle is not None:
+        handle.close()
+        out.write(b"\n[webhookd: the log was cut to its kept tail, which follows]\n")
+    out.write(current.read())
+    return current
+
+
+def fail(message):
+    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
+    the exit status 1."""
+    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
+    return 1
+
+
+def main(argv=None):
+    """Parse the command line, then validate, print something, or serve.  Exit status."""
+    argv = sys.argv if argv is None else argv
+    program = argv[0] if argv else "webhookd.py"
+    try:
+        opts = parse_flags(argv[1:])
+    except HelpRequested:
+        sys.stderr.write(usage_text(program))
+        return 0
+    except UsageError as exc:
+        sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
+        return 2
+    if opts.version:
+        print(VERSION_LINE)
+        return 0
+    if opts.list_cipher_suites:
+        for name in GO_CIPHER_SUITES:
+            print(name)
+        return 0
+    if opts.validate:
+        return run_validate(opts)
+    problem = runs_options_problem(opts)
+    if problem:
+        print("error: " + problem)
+        return 1
+    if opts.runs or opts.runs_follow:
+        return runs_command(opts)
+    if (opts.setuid != 0) != (opts.setgid != 0):
+        print("error: setuid and setgid options must be used together")
+        return 1
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
+              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+        return 1
+    try:
+        listener_thread = setup_logging(opts)
+    except LogFileError as exc:
+        return fail(str(exc))
+    try:
+        return serve(opts)
+    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
+        if not isinstance(exc.code, str):
+            raise
+        log.error("%s", exc.code)
+        return 1
+    finally:
+        if listener_thread is not None:
+            listener_thread.stop()
+
+
+def serve(opts):
+    """Load the hooks, listen, and run until stopped.  Exit status."""
+    signals = SignalQueue()
+    log.info("%s starting", VERSION_LINE)
+    environ = os.environ
+    notifier = Notifier(environ)
+    fd_limit = raise_fd_limit()
+    registry = Registry(opts.hooks, opts.template)
+    try:
+        registry.load(startup=True)
+    except HooksFileError as exc:
+        log.error("%s", exc)
+        return 1
+    if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
+                                      or opts.nopanic):
+        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
+        return 1
+
+    for network in opts.trusted_proxy:
+        if network.prefixlen == 0:
+            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
+                        "webhookd itself can name any address in X-Forwarded-For, and pass "
+                        "ip-whitelist with it; give the proxies' own range", network)
+    if opts.status_path and not opts.status_token:
+        log.warning("warning: %s and its run history are served without -status-token to "
+                    "loopback clients no proxy relays: behind a proxy that adds no "
+                    "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
+                    "or ssh -L), every client counts as loopback: set -status-token",
+                    opts.status_path)
+    cleanup = []
+    app = App(opts, registry)
+    tls_context = None
+    try:  # a start that fails leaves no socket file or pidfile behind
+        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
+            try:
+                write_pidfile(opts.pidfile)
+            except OSError as exc:
+                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
+                    exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
+            cleanup.append(opts.pidfile)
+        try:
+            listeners, where = open_listeners(opts, environ)
+        except (OSError, OverflowError, ValueError) as exc:
+            step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
+            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
+                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
+            remove_paths(cleanup)
+            return 1
+        if opts.socket and where.startswith("unix:"):
+            cleanup.append(opts.socket)
+        if opts.secure:
+            tls_context = make_tls_context(opts)
+        if opts.setuid and opts.setgid:
+            try:
+                drop_privileges(opts.setuid, opts.setgid)
+            except OSError as exc:
+                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
+    except SystemExit:
+        remove_paths(cleanup)
+        raise
+    app.runs.start()  # as the user we now are: the run files are theirs
+    limits = Limits(opts)
+    workers = Workers(max(1, opts.max_connections))
+    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
+    servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
+    scheme = "https" if opts.secure else "http"
+    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
+    if opts.status_path:  # where an operator finds the page the service unit offers
+        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
+                 opts.status_path, "with -status-token" if opts.status_token
+                 else "loopback clients only")
+    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
+
+
+
+
+# ---------------------------------------------------------------------------
+# Appendix A: HTML pages of the status site (the status page, the run list, a run), their
+# CSS and JavaScript
+# ---------------------------------------------------------------------------
+
 def html_text(value):
     """Text (or a number) made safe inside HTML elements and quoted attributes."""
-    import html  # only when a browser asks: the daemon's idle memory stays as it was
     return html.escape(str(value), quote=True)
 
 
@@ -4946,823 +6051,8 @@ class RunsHtml:
             "%d h %d min" % divmod(minutes, 60)
 
 
-# <status-path>/metrics: what Prometheus scrapes, in its text format 0.0.4.
-
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300)  # upper bounds; +Inf follows
-
-
-def label_value(value):
-    """A label value as the text format writes it: backslashes, quotes and line feeds escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def metric_labels(**labels):
-    return "{%s}" % ",".join('%s="%s"' % (name, label_value(value))
-                             for name, value in labels.items())
-
-
-def metric_family(name, kind, help, samples):
-    """The HELP and TYPE lines of one metric, then its samples: (suffix, labels, value)."""
-    lines = ["# HELP webhookd_%s %s" % (name, help), "# TYPE webhookd_%s %s" % (name, kind)]
-    lines += ["webhookd_%s%s%s %s" % (name, suffix, labels, value if isinstance(value, int)
-                                      else repr(float(value)))
-              for suffix, labels, value in samples]
-    return lines
-
-
-class Metrics:
-    """The counts `<status-path>/metrics` shows, kept as answers go out and runs end (one lock
-    and a dict entry each, run history on or off), and the gauges, read when scraped.  Hook
-    labels come from loaded hooks only, never from a request: the series stay as few as the
-    hooks (those a reload removed keep their counts)."""
-
-    def __init__(self, started):
-        self.started = started
-        self.lock = threading.Lock()
-        self.answers = {}  # status code -> answers sent
-        self.runs = {}  # (hook id, final state) -> runs
-        self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
-
-    def answered(self, status):
-        with self.lock:
-            self.answers[status] = self.answers.get(status, 0) + 1
-
-    def run_ended(self, hook_id, state, seconds):
-        """A run of the hook ended in `state` after `seconds` (None: it never started)."""
-        with self.lock:
-            self.runs[hook_id, state] = self.runs.get((hook_id, state), 0) + 1
-            if seconds is not None:
-                counts = self.durations.get(hook_id)
-                if counts is None:
-                    counts = self.durations[hook_id] = [0] * (len(RUN_SECONDS_BUCKETS) + 1)
-                    counts.append(0.0)
-                counts[bisect.bisect_left(RUN_SECONDS_BUCKETS, seconds)] += 1
-                counts[-1] += seconds
-
-    @staticmethod
-    def answer(head, trusted, render):
-        """<status-path>/metrics, to the clients the run history trusts (Prometheus sends the
-        -status-token as its bearer token); `render()` makes the text."""
-        if head.method not in ("GET", "HEAD"):
-            return Response(405)
-        if not trusted:
-            return forbidden("metrics are")
-        return Response(200, render(), {"Content-Type": METRICS_CONTENT_TYPE,
-                                        "Cache-Control": "no-store"})
-
-    def render(self, registry, runner, background):
-        """The exposition text: bytes."""
-        with self.lock:
-            answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
-            durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
-        queued = background.jobs.qsize() + sum(len(gate.waiting)
-                                               for gate in list(registry.gates.values()))
-        python = "%d.%d.%d" % sys.version_info[:3]
-        lines = metric_family("build_info", "gauge", "webhookd's version, the webhook version "
-                              "it reproduces, and the Python it runs on.", [(
-                                  "", metric_labels(version=__version__, webhook_version=VERSION,
-                                                    python=python,
-                                                    implementation=sys.implementation.name), 1)])
-        lines += metric_family("start_time_seconds", "gauge", "When webhookd started (Unix "
-                               "time).", [("", "", self.started)])
-        lines += metric_family("http_requests_total", "counter", "HTTP requests answered, by "
-                               "status code.", [("", metric_labels(code=code), count)
-                                                for code, count in answers])
-        lines += metric_family("hooks_loaded", "gauge", "Hooks served now.",
-                               [("", "", registry.count())])
-        lines += metric_family("reload_failures_total", "counter", "Loads of the hooks files "
-                               "(at start, on a signal or by -hotreload) in which a file failed "
-                               "to load.", [("", "", registry.load_failures)])
-        lines += metric_family("last_reload_successful", "gauge", "1 if every hooks file "
-                               "loaded at the last (re)load, else 0.",
-                               [("", "", 0 if registry.last_reload_failed else 1)])
-        lines += metric_family("last_reload_success_timestamp_seconds", "gauge", "When every "
-                               "hooks file last loaded (Unix time).",
-                               [("", "", registry.last_good_load or 0)])
-        lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
-                               [("", metric_labels(hook=hook_id, state=state), count)
-                                for (hook_id, state), count in runs])
-        lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
-                               "ran, by hook (runs whose command never started are left out).",
-                               [sample for hook_id, counts in durations
-                                for sample in histogram_samples(hook_id, counts)])
-        lines += metric_family("runs_in_progress", "gauge", "Commands running now.",
-                               [("", "", runner.active)])
-        lines += metric_family("runs_queued", "gauge", "Runs waiting for their hook's "
-                               "max-concurrency turn or a -max-async-runs thread.",
-                               [("", "", queued)])
-        return ("\n".join(lines) + "\n").encode("utf-8", "replace")
-
-
-def histogram_samples(hook_id, counts):
-    """A hook's _bucket (cumulative), _sum and _count samples, from Metrics.durations."""
-    samples, total, hook = [], 0, 'hook="%s"' % label_value(hook_id)
-    for bound, count in zip(RUN_SECONDS_BUCKETS + ("+Inf",), counts):
-        total += count
-        samples.append(("_bucket", '{%s,le="%s"}' % (hook, bound), total))
-    return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
-
-
-def runs_options_problem(opts):
-    """A sentence if the run-history flags are unusable; reads -status-token-file."""
-    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
-        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
-            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
-    if opts.status_token_file:
-        try:
-            with open(opts.status_token_file, encoding="utf-8") as handle:
-                opts.status_token = handle.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            return "cannot read -status-token-file %s: %s" % (
-                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
-        if not opts.status_token:
-            return "-status-token-file %s is empty" % opts.status_token_file
-    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
-        return "-runs and -runs-follow read the records in -runs-dir DIR"
-    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
-        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
-    if opts.runs_state and opts.runs_state not in RUN_STATES:
-        return "-runs-state must be one of " + ", ".join(RUN_STATES)
-    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
-        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
-                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
-    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
-        return "-runs-dir %s is not a folder" % opts.runs_dir
-    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
-        if not os.path.isdir(opts.runs_dir):
-            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
-                % opts.runs_dir
-    elif opts.runs_dir:  # only the daemon creates it
-        dropping = opts.setuid and opts.setgid
-        try:
-            open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
-                          opts.setgid if dropping else os.getegid())
-        except OSError as exc:
-            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
-    return None
-
-
-def make_run_store(opts):
-    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None)
-
-
-# The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
-
-def runs_command(opts, out=None):
-    """-runs / -runs-follow ID on the records in -runs-dir; exit status (follow: 0 if the run
-    succeeded)."""
-    out = out or sys.stdout
-    directory = opts.runs_dir
-    if opts.runs_follow:
-        return follow_run_file(directory, opts.runs_follow, out)
-    since = runs_since(opts.runs_since, time.time()) if opts.runs_since else ""
-    # The filters of the status page's run list (hook, state), and a time.
-    records = [r for r in read_run_files(directory)
-               if (not opts.runs_hook or r.get("hook") == opts.runs_hook)
-               and (not opts.runs_state or r.get("state") == opts.runs_state)
-               and (r.get("queued_at") or "") >= since]
-    records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
-    out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
-                                                   "MS", "HOOK"))
-    for r in records:
-        exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
-        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
-            r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
-    out.flush()
-    return 0
-
-
-# A count of at most 12 digits (in seconds, over 31,000 years): longer ones overflowed the
-# float subtraction, or passed Python's limit on reading an int, with a traceback.
-RUNS_SINCE_AGO = re.compile(r"(?:[0-9]{1,12}[smhd])+")
-RUNS_SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-RUNS_SINCE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2})?Z?)?")
-
-
-def runs_since(text, now):
-    """-runs-since as a record's time (UTC, as `queued_at` is written), or None if unreadable:
-    a time ago (`2h`, `1h30m`, `7d`) or a UTC date or time (`2026-11-21T14:00`, `Z` optional)."""
-    if RUNS_SINCE_AGO.fullmatch(text):
-        seconds = sum(int(count) * RUNS_SINCE_UNITS[unit]
-                      for count, unit in re.findall(r"([0-9]+)([smhd])", text))
-        return iso_time(max(now - seconds, 1))
-    if not RUNS_SINCE_TIME.fullmatch(text):
-        return None
-    day, _, clock = text.rstrip("Z").partition("T")
-    clock = clock or "00:00"
-    if clock.count(":") == 1:
-        clock += ":00"
-    try:
-        time.strptime(day + "T" + clock, "%Y-%m-%dT%H:%M:%S")
-    except ValueError:  # (a month 13, a 25th hour)
-        return None
-    return day + "T" + clock + "Z"  # as written: strftime drops a year's leading zeros
-
-
-def follow_run_file(directory, run_id, out):
-    """Print a run's output as tail -f would, until its record says it ended.  The log is
-    held open: when the daemon replaces it with the kept tail (a new file), what the old one
-    still held is printed, then the new one from its start, announced (lines may repeat).  A
-    run whose files are removed (-runs-keep or -runs-max-bytes may drop it as it ends, before
-    its last state is written) ends the follow with status 1."""
-    record_path = os.path.join(directory, run_id + ".json")
-    if not RUN_ID.fullmatch(run_id) or not os.path.exists(record_path):
-        sys.stderr.write("no run %s in %s\n" % (run_id, directory))
-        return 1
-    log_path, state, handle = os.path.join(directory, run_id + ".log"), None, None
-    try:
-        while True:
-            try:
-                with open_no_link(record_path) as record_file:
-                    state = last_record(record_file.read()).get("state")
-            except FileNotFoundError:
-                follow_log(log_path, handle, getattr(out, "buffer", out))
-                out.flush()
-                sys.stderr.write("run %s was dropped from %s (-runs-keep, -runs-max-bytes) "
-                                 "before its end was saved\n" % (run_id, directory))
-                return 1
-            except (OSError, ValueError):
-                pass  # being written: read it next time
-            handle = follow_log(log_path, handle, getattr(out, "buffer", out))
-            out.flush()
-            if state in RUN_ENDED:
-                return 0 if state == "succeeded" else 1
-            time.sleep(0.2)
-    finally:
-        if handle is not None:
-            handle.close()
-
-
-def follow_log(path, handle, out):
-    """Print what the log held open has gained; the handle to follow from now on."""
-    if handle is not None:
-        out.write(handle.read())
-    try:
-        current = open_no_link(path)
-    except OSError:
-        return handle  # not written yet
-    if handle is not None and os.path.sameopenfile(handle.fileno(), current.fileno()):
-        current.close()
-        return handle
-    if handle is not None:
-        handle.close()
-        out.write(b"\n[webhookd: the log was cut to its kept tail, which follows]\n")
-    out.write(current.read())
-    return current
-
-
 # ---------------------------------------------------------------------------
-# systemd integration: sd_notify and socket activation
-# ---------------------------------------------------------------------------
-
-class Notifier:
-    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (`@` = abstract)."""
-
-    def __init__(self, environ):
-        address = environ.pop("NOTIFY_SOCKET", "")  # commands must not inherit it
-        if address.startswith("@"):
-            address = "\0" + address[1:]
-        self.address = address or None
-
-    def notify(self, message):
-        if not self.address:
-            return
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.connect(self.address)
-                sock.sendall(message.encode())
-        except OSError as exc:
-            log.warning("sd_notify %r failed: %s", message, exc)
-
-    def reloading(self):
-        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        self.notify("RELOADING=1\nMONOTONIC_USEC=%d" % usec)
-
-
-def inherited_listeners(environ):
-    """Sockets passed by systemd socket activation (LISTEN_PID/LISTEN_FDS, from fd 3)."""
-    pid, count = environ.pop("LISTEN_PID", ""), environ.pop("LISTEN_FDS", "")
-    environ.pop("LISTEN_FDNAMES", None)
-    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
-        return []
-    listeners = []
-    for fd in range(3, 3 + int(count)):
-        os.set_inheritable(fd, False)
-        listeners.append(socket.socket(fileno=fd))
-    return listeners
-
-
-# ---------------------------------------------------------------------------
-# Process setup: logging, listeners, TLS, privileges, pidfile
-# ---------------------------------------------------------------------------
-
-class LogFileError(Exception):
-    """-logfile cannot be opened: Go's sentence, exit status 1."""
-
-
-def setup_logging(opts):
-    """`[webhook] date time message` lines, written by a thread of their own: a request never
-    waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
-    nothing then: a hooks file it cannot load went unexplained)."""
-    if opts.logfile:
-        try:
-            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise LogFileError('error opening log file "%s": %s'
-                               % (opts.logfile, go_errno_text(exc, "open"))) from None
-        target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
-                                                 errors="backslashreplace"))
-    else:
-        target = logging.StreamHandler(sys.stderr)
-    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
-                                          "%Y/%m/%d %H:%M:%S"))
-    log.propagate = False
-    if not (opts.verbose or opts.debug or opts.logfile):
-        log.addHandler(target)  # rare lines: written at once, before what main prints next
-        log.setLevel(logging.ERROR)
-        return None
-    # Loaded only with a logging thread (~0.5 MiB); as `from` import, since a local
-    # `import logging.handlers` would make `logging` a local name of this whole function.
-    from logging.handlers import QueueHandler, QueueListener
-
-    class RecordQueueHandler(QueueHandler):
-        def prepare(self, record):
-            return record  # formatted by the logging thread, not by the request
-    records = queue.SimpleQueue()
-    listener = QueueListener(records, target)
-    log.addHandler(RecordQueueHandler(records))
-    log.setLevel(logging.DEBUG if opts.debug else logging.INFO)
-    listener.start()
-    return listener
-
-
-def go_errno_text(exc, op=None):
-    """An OSError as Go words it: the reason in lower case (`permission denied`); with `op`,
-    `open /run/x.pid: permission denied` (Go's PathError) when the error names a file."""
-    text = exc.strerror or str(exc)
-    text = text[:1].lower() + text[1:]
-    return "%s %s: %s" % (op, exc.filename, text) if op and exc.filename is not None else text
-
-
-def open_listeners(opts, environ):
-    inherited = inherited_listeners(environ)
-    if inherited:
-        log.info("using %d socket(s) passed by systemd", len(inherited))
-        return inherited, "systemd socket"
-    if opts.socket:
-        remove_stale_socket(opts.socket)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(opts.socket)
-        sock.listen(1024)
-        return [sock], "unix:" + opts.socket
-    host = opts.ip
-    family = socket.AF_INET6 if ":" in host or host == "" else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6 and host == "":
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        host = "::"
-    sock.bind((host, opts.port))
-    sock.listen(1024)
-    return [sock], "%s:%d" % (("[%s]" % opts.ip) if ":" in opts.ip else opts.ip, opts.port)
-
-
-def remove_stale_socket(path):
-    """Unlink a socket file left by a previous run; one that a live server still answers on is
-    refused (EADDRINUSE), not taken over."""
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return  # nothing there, or a file that is not ours to remove: bind() will say so
-    except OSError:
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # stale: nothing listens on it
-            return
-        except (socket.timeout, BlockingIOError):
-            pass  # a full backlog: someone is listening
-        except OSError:
-            return  # e.g. no permission to connect: bind() will say what is wrong
-    raise OSError(errno.EADDRINUSE, "address already in use: a running server answers there")
-
-
-def make_tls_context(opts):
-    import ssl  # only needed with -secure
-    versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
-                "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
-    if opts.tls_min_version not in versions:
-        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = versions[opts.tls_min_version]
-    if opts.cipher_suites:
-        names = []
-        for name in opts.cipher_suites.split(","):
-            name = name.strip()
-            if name not in GO_CIPHER_SUITES:
-                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
-            if GO_CIPHER_SUITES[name]:
-                names.append(GO_CIPHER_SUITES[name])
-        if names:
-            context.set_ciphers(":".join(names))
-    context.set_alpn_protocols(["http/1.1"])
-    try:
-        for path in (opts.cert, opts.key):
-            with open(path, "rb"):
-                pass  # OpenSSL's own error does not say which file is missing
-        context.load_cert_chain(opts.cert, opts.key)
-    except OSError as exc:
-        reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
-            "no PEM certificate with its matching private key in them"
-        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
-                         % (opts.cert, opts.key, reason)) from None
-    return context
-
-
-def drop_privileges(uid, gid):
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-
-
-def process_exists(pid):
-    """Whether a process with this id runs (signal 0: checked, nothing sent; no /proc needed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # someone else's process, or an id no process can have
-    return True
-
-
-def write_pidfile(path):
-    try:
-        with open(path) as handle:
-            old = handle.read().strip()
-        if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
-            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
-                             % path)
-    except OSError:
-        pass
-    directory = os.path.dirname(path)
-    if directory:
-        try:
-            os.makedirs(directory, 0o755, exist_ok=True)
-        except FileExistsError:  # a file where the folder should be: Go's words for it
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
-                from None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(str(os.getpid()))
-
-
-def raise_fd_limit():
-    """Go raises the soft open-files limit to the hard one at start; so do we.  The limit now
-    in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def waiting_capacity(fd_limit, max_connections):
-    """Connections that may wait for a request at once: a quarter of the descriptors and one
-    per worker are left for the connections being served, commands and files."""
-    if fd_limit == resource.RLIM_INFINITY:
-        fd_limit = 1 << 20
-    return max(64, fd_limit - fd_limit // 4 - max_connections)
-
-
-# ---------------------------------------------------------------------------
-# Lifecycle: signals, hot-reload polling, graceful stop
-# ---------------------------------------------------------------------------
-
-POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothing when idle
-
-
-class SignalQueue:
-    """Signals recorded by their handlers and handled later by the main loop.  Installed first
-    thing, so a signal that arrives while starting up is not lost or fatal."""
-
-    def __init__(self):
-        self.pending = deque()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._record)
-
-    def _record(self, signum, frame):
-        self.pending.append(signum)
-
-    def wait(self, timeout):
-        """Sleep until a signal arrives or timeout seconds pass (None: no timeout)."""
-        try:
-            select.select([self.wake_r], [], [], timeout)
-        except InterruptedError:
-            pass
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except OSError:
-            pass
-
-
-class Daemon:
-    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
-
-    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
-        self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
-        self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
-
-    def run(self):
-        """Main loop; returns the exit status."""
-        stop_deadline = None
-        while True:
-            polling = self.opts.hotreload or stop_deadline is not None
-            self.signals.wait(POLL_INTERVAL if polling else None)
-            while self.signals.pending:
-                signum = self.signals.pending.popleft()
-                if signum in (signal.SIGHUP, signal.SIGUSR1):
-                    self.reload(signal.Signals(signum).name)
-                elif stop_deadline is None:
-                    stop_deadline = self.begin_stop(signum)
-                else:
-                    log.info("second stop signal: killing running commands")
-                    self.app.runner.kill_all()
-                    self.wait_for_cleanup()
-                    return self.finish()
-            if stop_deadline is not None:
-                if self.app.busy == 0 or time.monotonic() >= stop_deadline:
-                    if self.app.busy:
-                        log.info("shutdown timeout: killing %d running command(s)",
-                                 len(self.app.runner.processes))
-                        self.app.runner.kill_all()
-                        self.wait_for_cleanup()
-                    return self.finish()
-            elif self.opts.hotreload:
-                changed = self.registry.poll()
-                if changed:
-                    self.notifier.reloading()
-                    self.registry.load(changed)
-                    self.notifier.notify("READY=1")
-
-    def wait_for_cleanup(self):
-        """Killed runs remove their temp files as they end: give them a moment to."""
-        deadline = time.monotonic() + 2.0
-        while self.app.runner.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def reload(self, reason):
-        log.info("caught %s signal", reason[3:])  # SIGHUP: `caught HUP signal`, as upstream
-        self.notifier.reloading()
-        self.registry.load()
-        self.notifier.notify("READY=1")
-
-    def begin_stop(self, signum):
-        self.app.stopping = True
-        for server in self.servers:  # no new connections from here on
-            server.shutdown()
-            server.server_close()
-        self.notifier.notify("STOPPING=1")
-        name = "interrupt" if signum == signal.SIGINT else "terminated"
-        log.info("caught %s signal; stopping: no new connections, waiting up to %ds for %d "
-                 "running request(s) and command(s)", name, self.opts.shutdown_timeout,
-                 self.app.busy)
-        return time.monotonic() + max(0, self.opts.shutdown_timeout)
-
-    def finish(self):
-        self.app.runs.flush()
-        remove_paths(self.cleanup_paths)
-        log.info("exiting")
-        return 0
-
-
-# ---------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------
-
-NO_HOOKS_MESSAGE = ("couldn't load any hooks from file!\naborting webhook execution since the "
-                    "-verbose flag is set to false.\nIf, for some reason, you want webhook to "
-                    "start without the hooks, either use -verbose flag, or -nopanic")
-
-
-def run_validate(opts):
-    problems = validate_files(opts.hooks, opts.template)
-    for severity, message in problems:
-        print("%s: %s" % (severity, message))
-    errors = sum(1 for severity, _ in problems if severity == "error")
-    print("%d file(s) checked: %d error(s), %d warning(s)"
-          % (len(opts.hooks), errors, len(problems) - errors))
-    return 1 if errors else 0
-
-
-def fail(message):
-    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
-    the exit status 1."""
-    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
-    return 1
-
-
-# What serve_from_bytecode runs: this file as the module `webhookd`, without the working
-# directory that `-c` puts first on the import path.  argv: the source, then main's argv.
-_SERVE_FROM_CACHE = (
-    "import sys; sys.path = [p for p in sys.path if p]; import importlib.util as u; "
-    "s = u.spec_from_file_location('webhookd', sys.argv[1]); m = u.module_from_spec(s)\n"
-    "try: s.loader.exec_module(m)\n"  # a damaged cache (cut short: EOFError) is compiled anew
-    "except (EOFError, ValueError, TypeError, ImportError): m = u.module_from_spec(s); "
-    "exec(compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec'), vars(m))\n"
-    "sys.exit(m.main(sys.argv[2:]))")
-
-
-def bytecode_cache_is_trusted(source):
-    """Whether the bytecode cache of `source` exists and only root or this process's user could
-    have written it: the .pyc, its __pycache__ folder and the script's folder owned by one of
-    them and not writable by group or others.  A script run as __main__ never read a cache, so
-    one planted where others can write (a folder like /tmp) must not run as the daemon's user."""
-    import importlib.util
-    if sys.pycache_prefix:  # caches in a tree elsewhere, whose folders are not checked here
-        return False
-    cache = importlib.util.cache_from_source(source)
-    for path in (os.path.dirname(source), os.path.dirname(cache), cache):
-        try:
-            info = os.stat(path)
-        except OSError:
-            return False
-        if info.st_uid not in (0, os.geteuid()) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
-
-
-def serve_from_bytecode(argv):
-    """Start again, as the same process, in a fresh interpreter that imports this file from its
-    bytecode cache (`python3 -m py_compile webhookd.py` makes one): started as `python3
-    webhookd.py`, the daemon keeps the ~12 MiB the compiler took for the whole file.  Called
-    before anything is opened, bound or dropped: the pid (LISTEN_PID), the environment
-    (NOTIFY_SOCKET, LISTEN_FDS) and systemd's sockets (inheritable) pass through the exec.
-    Returns when there is no trusted cache (or this is already the module)."""
-    source = os.path.abspath(__file__)
-    if __name__ != "__main__" or not sys.executable or not source.endswith(".py"):
-        return
-    if not bytecode_cache_is_trusted(source):
-        return  # (a stale or unreadable cache is noticed, and the file compiled, by the import)
-    flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
-                                   ("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site))
-             if on] + ["-O"] * sys.flags.optimize  # -O: the import reads the .opt-N.pyc checked
-    try:
-        os.execv(sys.executable, [sys.executable] + flags + [
-            "-c", _SERVE_FROM_CACHE, source] + list(argv))
-    except OSError:
-        return  # no interpreter to start: the daemon goes on here
-
-
-def main(argv=None):
-    """Parse the command line, then validate, print something, or serve.  Exit status."""
-    argv = sys.argv if argv is None else argv
-    program = argv[0] if argv else "webhookd.py"
-    try:
-        opts = parse_flags(argv[1:])
-    except HelpRequested:
-        sys.stderr.write(usage_text(program))
-        return 0
-    except UsageError as exc:
-        sys.stderr.write("%s\n%s" % (exc, usage_text(program)))
-        return 2
-    if opts.version:
-        print(VERSION_LINE)
-        return 0
-    if opts.list_cipher_suites:
-        for name in GO_CIPHER_SUITES:
-            print(name)
-        return 0
-    if opts.validate:
-        return run_validate(opts)
-    if not (opts.runs or opts.runs_follow):  # before the flags' files are read: a pipe reads once
-        serve_from_bytecode(argv)
-    problem = runs_options_problem(opts)
-    if problem:
-        print("error: " + problem)
-        return 1
-    if opts.runs or opts.runs_follow:
-        return runs_command(opts)
-    if (opts.setuid != 0) != (opts.setgid != 0):
-        print("error: setuid and setgid options must be used together")
-        return 1
-    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
-    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
-                        or "?" in status_path or "#" in status_path
-                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
-                        or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
-              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
-        return 1
-    try:
-        listener_thread = setup_logging(opts)
-    except LogFileError as exc:
-        return fail(str(exc))
-    try:
-        return serve(opts)
-    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
-        if not isinstance(exc.code, str):
-            raise
-        log.error("%s", exc.code)
-        return 1
-    finally:
-        if listener_thread is not None:
-            listener_thread.stop()
-
-
-def serve(opts):
-    """Load the hooks, listen, and run until stopped.  Exit status."""
-    signals = SignalQueue()
-    log.info("%s starting", VERSION_LINE)
-    environ = os.environ
-    notifier = Notifier(environ)
-    fd_limit = raise_fd_limit()
-    registry = Registry(opts.hooks, opts.template)
-    try:
-        registry.load(startup=True)
-    except HooksFileError as exc:
-        log.error("%s", exc)
-        return 1
-    if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
-                                      or opts.nopanic):
-        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
-        return 1
-
-    for network in opts.trusted_proxy:
-        if network.prefixlen == 0:
-            log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
-                        "webhookd itself can name any address in X-Forwarded-For, and pass "
-                        "ip-whitelist with it; give the proxies' own range", network)
-    if opts.status_path and not opts.status_token:
-        log.warning("warning: %s and its run history are served without -status-token to "
-                    "loopback clients no proxy relays: behind a proxy that adds no "
-                    "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
-                    "or ssh -L), every client counts as loopback: set -status-token",
-                    opts.status_path)
-    cleanup = []
-    app = Pipeline(opts, registry)
-    tls_context = None
-    try:  # a start that fails leaves no socket file or pidfile behind
-        if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
-            try:
-                write_pidfile(opts.pidfile)
-            except OSError as exc:
-                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
-                    exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
-            cleanup.append(opts.pidfile)
-        try:
-            listeners, where = open_listeners(opts, environ)
-        except (OSError, OverflowError, ValueError) as exc:
-            step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
-                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
-            remove_paths(cleanup)
-            return 1
-        if opts.socket and where.startswith("unix:"):
-            cleanup.append(opts.socket)
-        if opts.secure:
-            tls_context = make_tls_context(opts)
-        if opts.setuid and opts.setgid:
-            try:
-                drop_privileges(opts.setuid, opts.setgid)
-            except OSError as exc:
-                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
-    except SystemExit:
-        remove_paths(cleanup)
-        raise
-    app.runs.start()  # as the user we now are: the run files are theirs
-    workers = Workers(max(1, opts.max_connections))
-    room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections))
-    servers = [HookServer(listener, app, room, tls_context) for listener in listeners]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
-    scheme = "https" if opts.secure else "http"
-    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
-    if opts.status_path:  # where an operator finds the page the service unit offers
-        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
-                 opts.status_path, "with -status-token" if opts.status_token
-                 else "loopback clients only")
-    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
-
-
-
-
-# ---------------------------------------------------------------------------
-# Hooks files: YAML reader (pure)
+# Appendix B: YAML reader for hooks files (pure)
 # ---------------------------------------------------------------------------
 # Upstream reads every hooks file with go-yaml v2 (YAML 1.1) and turns the result into JSON before
 # decoding it.  `load_yaml(text)` returns the same JSON-like values for the YAML hooks files use:
@@ -5849,36 +6139,6 @@ def resolve_plain(text):
     return text
 
 
-def go_float32_text(value):
-    """strconv.FormatFloat(value, 'g', -1, 32): how upstream writes a YAML float as a string."""
-    if value != value:
-        return "NaN"
-    try:
-        single = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        single = value * math.inf
-    if math.isinf(single):
-        return "+Inf" if single > 0 else "-Inf"
-    if single == 0:
-        return "-0" if math.copysign(1, single) < 0 else "0"
-    for precision in range(1, 10):
-        shortest = "%.*e" % (precision - 1, single)
-        if struct.unpack("f", struct.pack("f", float(shortest)))[0] == single:
-            break
-    mantissa, exponent = shortest.split("e")
-    sign, digits = ("-", mantissa[1:]) if mantissa[0] == "-" else ("", mantissa)
-    digits = digits.replace(".", "").rstrip("0") or "0"
-    exponent = int(exponent)
-    if exponent < -4 or exponent >= 6:
-        body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
-        return "%s%se%s%02d" % (sign, body, "-" if exponent < 0 else "+", abs(exponent))
-    if exponent < 0:
-        return sign + "0." + "0" * (-exponent - 1) + digits
-    whole = digits[:exponent + 1].ljust(exponent + 1, "0")
-    fraction = digits[exponent + 1:]
-    return sign + whole + ("." + fraction if fraction else "")
-
-
 def yaml_key_text(key):
     """A mapping key as text, as upstream turns keys into JSON object names."""
     if isinstance(key, str):
@@ -5893,10 +6153,26 @@ def yaml_key_text(key):
     raise ValueError("unsupported map key %s" % ("null" if key is None else json.dumps(key)))
 
 
-def load_yaml(text):
-    """The single YAML document in `text` as JSON-like Python values (YamlMap, YamlList, str,
-    int, float, bool, None).  Raises YamlError naming the line and column."""
-    return YamlReader(text).document()
+# JSON escapes go-yaml v2 refuses: such a file goes through the YAML reader to fail as upstream.
+JSON_ONLY_ESCAPE = re.compile(r"\\(?:/|u[dD][89abAB])")
+
+
+def load_yaml(text, lines=False):
+    """The one entry point: the single document of a hooks file's text (JSON or YAML) as
+    upstream reads it, as JSON-like Python values (dict, list, str, int, float, bool, None),
+    scalars resolved as go-yaml v2 resolves them, for JSON too (`1e5` is a string there):
+    (value, read_as_json).  JSON is tried first (fast), unless `lines` asks for the YAML
+    reader, whose maps and lists know the line of each entry (`.lines`, for messages).
+    Raises YamlError naming the line and column."""
+    if not lines:
+        try:
+            data = json.loads(text, parse_int=resolve_plain, parse_float=resolve_plain,
+                              parse_constant=str)
+            if "\\" not in text or not JSON_ONLY_ESCAPE.search(text):
+                return data, True
+        except ValueError:
+            pass
+    return YamlReader(text).document(), False
 
 
 class YamlScanner:

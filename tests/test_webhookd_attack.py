@@ -1083,8 +1083,7 @@ def _spy(a, b):
 hmac.compare_digest = _spy
 secrets.compare_digest = _spy
 sys.argv = sys.argv[2:]
-# not as __main__: a daemon run so never restarts from a bytecode cache, which would drop the spy
-sys.exit(runpy.run_path(sys.argv[0], run_name="webhookd_under_test")["main"]())
+runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 

@@ -304,12 +304,13 @@ def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path):
     registry = webhookd.Registry(opts.hooks, False)
     registry.load(startup=True)
 
-    class Broken(webhookd.Pipeline):
-        def route(self, *args):
+    class Broken(webhookd.App):
+        def handle(self, request):
             raise ValueError("a programming error")
     listener = socket.create_server(("127.0.0.1", 0))
-    room = webhookd.WaitingRoom(webhookd.Workers(4), 64)
-    server = webhookd.HookServer(listener, Broken(opts, registry), room, None)
+    limits = webhookd.Limits(opts)
+    room = webhookd.WaitingRoom(webhookd.Workers(4), 64, limits)
+    server = webhookd.HookServer(listener, Broken(opts, registry), room, limits, None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         answer = raw_answer(listener.getsockname()[1], b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -231,7 +231,8 @@ def test_hook_without_execute_command_is_an_error(tmp_path):
     work.chmod(0o755)
     good = {"id": "good", "execute-command": "/bin/true"}
     typo = {"id": "typo", "execute-comand": "/bin/true", "command-working-directory": str(work),
-            "include-command-output-in-response": True}
+            "include-command-output-in-response": True,  # a rule: else refused for the typo
+            "trigger-rule": {"match": {"type": "ip-whitelist", "ip-range": "127.0.0.1"}}}
     hooks = write_hooks(tmp_path / "hooks.json", [good, typo])
     p = webhookd("-validate", "-hooks", hooks)
     assert p.returncode == 1

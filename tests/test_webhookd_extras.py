@@ -249,21 +249,22 @@ def process_exists(pid):
 def test_queued_runs_hold_a_bounded_number_of_bodies_for_stdin(tmp_path):
     """A background run waiting for its max-concurrency turn keeps its body for its stdin:
     without a bound, a client could queue ASYNC_BACKLOG_LIMIT (10,000) bodies of
-    -max-body-bytes each (250 GB by default).  Eight full bodies are held at most; more get
-    503 until the queue drains; nothing accepted is lost."""
+    -max-body-bytes each (250 GB by default).  Eight bodies' worth of commands are held at most
+    (the bodies here leave room for the command lines beside them); more get 503 until the
+    queue drains; nothing accepted is lost."""
     gate, out = tmp_path / "gate", tmp_path / "sizes"
     hooks = [{"id": "queue", "execute-command": "/bin/sh", "pass-payload-to-stdin": True,
               "max-concurrency": 1,
               "pass-arguments-to-command": [{"source": "string", "name": "-c"}, {
                   "source": "string", "name": "while [ ! -e %s ]; do sleep 0.05; done; "
                                               "wc -c >> %s" % (gate, out)}]}]
-    body = b"z" * 100000
+    body = b"z" * 99000
     with start(hooks, tmp_path, "-max-body-bytes", "100000") as daemon:
         answers = [daemon.request("POST", "/hooks/queue", body=body)[0] for _ in range(8)]
         assert answers == [200] * 8
         assert daemon.request("POST", "/hooks/queue", body=body)[0] == 503
         gate.touch()
-        wait_until(lambda: out.exists() and out.read_text().split() == ["100000"] * 8,
+        wait_until(lambda: out.exists() and out.read_text().split() == ["99000"] * 8,
                    what="the eight queued runs")
         assert daemon.request("POST", "/hooks/queue", body=body)[0] == 200
 

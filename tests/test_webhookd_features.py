@@ -203,7 +203,9 @@ def test_validate_lists_every_problem_and_exits_1(tmp_path):
         {"id": "ip", "execute-command": "/bin/true",
          "trigger-rule": {"match": {"type": "ip-whitelist", "ip-range": "10.0.0.0/33"}}},
         {"id": "cmd", "execute-command": str(tmp_path / "missing.sh"),
-         "command-working-directory": str(tmp_path / "nowhere"), "max-concurency": 1},
+         "command-working-directory": str(tmp_path / "nowhere"), "max-concurency": 1,
+         # a rule: an unknown field on a hook without one is refused before these checks
+         "trigger-rule": {"match": {"type": "ip-whitelist", "ip-range": "127.0.0.1"}}},
     ])
     result = subprocess.run(python_cmd(WEBHOOKD, "-validate", "-hooks", other, "-hooks", bad),
                             capture_output=True, text=True, timeout=30)
@@ -719,10 +721,8 @@ def concurrent_gets(port, paths, timeout=60):
 def started_with(code, flags, tmp_path):
     """The daemon run by `python -c`: `code` first (to change os before webhookd is loaded)."""
     port = free_port()
-    # not as __main__: a daemon run so never restarts from a bytecode cache, dropping `code`
     runner = ("import runpy, sys\n%s\nsys.argv = [%r] + sys.argv[1:]\n"
-              "sys.exit(runpy.run_path(%r, run_name='webhookd_under_test')['main']())\n"
-              % (code, str(WEBHOOKD), str(WEBHOOKD)))
+              "runpy.run_path(%r, run_name='__main__')\n" % (code, str(WEBHOOKD), str(WEBHOOKD)))
     return Daemon([sys.executable, "-c", runner, "-ip", "127.0.0.1", "-port", str(port),
                    "-verbose"] + list(flags), port, cwd=tmp_path)
 

@@ -344,3 +344,23 @@ def test_following_a_run_that_prints_on_keeps_only_a_tail_in_the_page(browser, t
         assert text_of(browser, ".state") == "running"  # (followed, not reloaded)
         gates[1].touch()
         ended(daemon, run_id)
+
+
+def test_a_hook_answer_that_is_html_runs_no_script_on_the_status_origin(browser, tmp_path):
+    """A hook that echoes its input, captured in its answer: Go's sniffing serves `<script>...`
+    as text/html from the origin the status page (and its run history) is served from.  The
+    answer is sandboxed, so the script neither runs nor could read the run history."""
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        {"id": "echo", "execute-command": "/bin/echo", "include-command-output-in-response": True,
+         "pass-arguments-to-command": [{"source": "url", "name": "text"}]}])
+    port = free_port()
+    page = "<script>document.title = 'pwned:' + typeof fetch</script><p>hello</p>"
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                           "-status-path", "/-/status"), port) as daemon:
+        query = "?text=" + urllib.parse.quote(page)
+        status, headers, _ = daemon.request("GET", "/hooks/echo" + query)
+        assert status == 200 and headers["content-type"].startswith("text/html"), headers
+        browser.get("http://127.0.0.1:%d/hooks/echo%s" % (port, query))
+        from selenium.webdriver.common.by import By
+        assert browser.find_element(By.TAG_NAME, "p").text == "hello"  # the page did load
+        assert "pwned" not in browser.title, browser.title

@@ -242,6 +242,15 @@ def shared_hooks(e):
                          "include-command-output-in-response-on-error": True,
                          "command-working-directory": str(e.base / "no-such-dir")}),
         dict(capture, **{"id": "cap-space", "execute-command": "/bin/echo hi"}),
+        dict(capture, **{"id": "cap-fail-ctype", "execute-command": str(e.interleave),
+                         "pass-arguments-to-command": [arg("string", "3")],
+                         "response-headers": [{"name": "content-type", "value": "text/csv"}]}),
+        dict(capture, **{"id": "cap-fail-ctype-onerr", "execute-command": str(e.interleave),
+                         "include-command-output-in-response-on-error": True,
+                         "pass-arguments-to-command": [arg("string", "3")],
+                         "response-headers": [{"name": "Content-Type", "value": "text/csv"}]}),
+        dict(capture, **{"id": "cap-printf", "execute-command": "/usr/bin/printf",
+                         "pass-arguments-to-command": [arg("url", "format")]}),
         dict(capture, **{"id": "cap-ok999", "execute-command": str(e.interleave),
                          "success-http-response-code": 999}),
         dict(capture, **{"id": "cap-bytes", "execute-command": "/usr/bin/printf",
@@ -319,7 +328,16 @@ def shared_hooks(e):
                                                       arg("payload", "payload")],
                          "pass-arguments-to-command": [arg("url", "p.x"), arg("header", "X-J.y.z"),
                                                        arg("payload", "payload.repo.name")]}),
+        dict(capture, **{"id": "ppj-null", "execute-command": dump,
+                         "parse-parameters-as-json": [arg("url", "p")],
+                         "pass-arguments-to-command": [arg("url", "p"), arg("url", "p.x")],
+                         "pass-environment-to-command": [arg("url", "p")]}),
         # --- environment and files ----------------------------------------------------
+        dict(capture, **{"id": "file-name-too-long", "execute-command": dump,
+                         "pass-arguments-to-command": [arg("string", "ran")],
+                         "pass-file-to-command": [
+                             arg("string", "lost", envname="PARITY_" + "L" * 300),
+                             arg("string", "kept", envname="PARITY_KEPT")]}),
         dict(capture, **{"id": "env", "execute-command": dump,
                          "pass-environment-to-command": [
                              arg("url", "branch"), arg("payload", "head_commit.timestamp"),
@@ -382,6 +400,7 @@ def shared_hooks(e):
         rule_hook("r-regex-lookahead", match("regex", arg("url", "tag"), regex="v(?=1)")),
         rule_hook("r-regex-backref", match("regex", arg("url", "tag"), regex=r"(v)\1")),
         rule_hook("r-regex-flags", match("regex", arg("url", "tag"), regex="(?i)^V1$")),
+        rule_hook("r-regex-fffd", match("regex", arg("url", "tag"), regex="^v\ufffd.$")),
         rule_hook("r-sha1", hmac_rule("payload-hmac-sha1")),
         rule_hook("r-sha256", hmac_rule("payload-hmac-sha256")),
         rule_hook("r-sha512", hmac_rule("payload-hmac-sha512")),
@@ -596,11 +615,18 @@ def test_unknown_hook_is_hook_not_found(srv, path):
     ("/hooks/code999", (200, b"c999")),            # a status Go does not know -> 200
     ("/hooks/code204", (204, b"")),                # 204 drops the response-message
     ("/hooks/no-message", (200, b"")),
-    ("/hooks/typo", (200, b"typo")),               # unknown field ("execute-comand") ignored
     ("/hooks/dup", (200, b"first")),               # same id twice in one file: first wins
 ])
 def test_simple_responses(srv, path, expected):
     assert call(srv, "POST", path)[::2] == expected
+
+
+def test_an_unknown_field_on_a_hook_without_trigger_rule(srv, runner):
+    """Go ignores the unknown field ("execute-comand") and serves the hook to anyone; webhookd
+    does not serve a hook with an unknown field and no trigger-rule, which is more often a
+    misspelt trigger-rule than a wish (a deliberate difference, in docs/webhookd.md)."""
+    expected = (200, b"typo") if runner.name == "webhook" else (404, b"Hook not found.")
+    assert call(srv, "POST", "/hooks/typo")[::2] == expected
 
 
 @pytest.mark.parametrize("path,location", [
@@ -691,6 +717,14 @@ def test_expect_100_continue(srv):
     assert json.loads(data)["args"][3] == "continued"
 
 
+@pytest.mark.parametrize("length", [b"Content-Length: 0\r\n", b""])
+def test_expect_100_continue_without_a_body_gets_no_interim_answer(srv, length):
+    # Go writes `100 Continue` only when the request announces a body
+    head = (b"POST /hooks/group/deploy HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Connection: close\r\n" + length + b"\r\n")
+    assert raw_exchange(srv.port, head).startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 def test_repeated_header_first_value_wins(srv):
     head = (b"POST /hooks/src HTTP/1.1\r\nHost: x\r\nX-Foo: first\r\nX-Foo: second\r\n"
             b"Content-Length: 0\r\nConnection: close\r\n\r\n")
@@ -726,9 +760,11 @@ def test_oversized_request_headers_get_431(srv):
 
 
 def test_http_1_0_request(srv):
-    status, _, data = parse_response(raw_exchange(
-        srv.port, b"GET /hooks/group/deploy HTTP/1.0\r\n\r\n"))
+    response = raw_exchange(srv.port, b"GET /hooks/group/deploy HTTP/1.0\r\n\r\n")
+    status, headers, data = parse_response(response)
     assert (status, data) == (200, b"slash")
+    # the connection closes without a `Connection: close`, as Go answers HTTP/1.0
+    assert response.startswith(b"HTTP/1.0 200 OK\r\n") and "connection" not in headers
 
 
 def test_github_push_deploy(srv):
@@ -900,6 +936,47 @@ def test_capture_failure_is_generic_500(srv):
     assert hdrs["x-global"] == "g1=x"
 
 
+def test_head_answer_without_body_has_no_length(srv):
+    # Go's server counts a HEAD answer's length only when the handler wrote a body
+    status, hdrs, _ = call(srv, "HEAD", "/hooks/no-message")
+    assert status == 200 and "content-length" not in hdrs
+    status, hdrs, _ = call(srv, "HEAD", "/hooks/nope")
+    assert (status, hdrs.get("content-length")) == (404, "15")
+
+
+@pytest.mark.parametrize("hook_id,body", [("cap-fail-ctype", GENERIC_500),
+                                          ("cap-fail-ctype-onerr", b"out1\nerr1\nout2\n")])
+def test_capture_failure_keeps_the_hooks_content_type(srv, hook_id, body):
+    # Go sets text/plain only after writing the 500's head: the hook's own type stays
+    status, hdrs, data = call(srv, "POST", "/hooks/" + hook_id)
+    assert (status, data, hdrs["content-type"]) == (500, body, "text/csv")
+
+
+@pytest.mark.parametrize("output,content_type", [
+    ("%%PDF-1.4", "application/pdf"),
+    ("%%!PS-Adobe-3.0", "application/postscript"),
+    ("GIF89a..", "image/gif"),
+    ("\\211PNG\\r\\n\\032\\n....", "image/png"),
+    ("\\377\\330\\377\\340", "image/jpeg"),
+    ("PK\\003\\004....", "application/zip"),
+    ("\\037\\213\\010....", "application/x-gzip"),
+    ("RIFF\\001\\002\\003\\004WAVEfmt ", "audio/wave"),
+    ("\\000\\000\\000\\030ftypmp42\\000\\000\\000\\000mp41isom", "video/mp4"),
+    ("\\357\\273\\277text", "text/plain; charset=utf-8"),
+    ("\\376\\377\\000a", "text/plain; charset=utf-16be"),
+    ("\\000\\001\\000\\000", "font/ttf"),
+    ("wOF2....", "font/woff2"),
+    ("\\000asm\\001", "application/wasm"),
+    ("  %%PDF-1.4", "text/plain; charset=utf-8"),     # binary signatures only at the very start
+    ("  <?xml version='1.0'?>", "text/xml; charset=utf-8"),
+    ("\\001binary", "application/octet-stream"),
+])
+def test_command_output_content_type_is_sniffed_as_go_does(srv, output, content_type):
+    # (printf reads `output` as its format: `%%` is a `%`, `\NNN` an octal byte)
+    status, hdrs, _ = call(srv, "POST", hook_path("cap-printf", format=output))
+    assert (status, hdrs.get("content-type")) == (200, content_type)
+
+
 def test_capture_failure_with_output_on_error(srv):
     status, _, body = call(srv, "POST", "/hooks/cap-fail-onerr")
     assert (status, body) == (500, b"out1\nerr1\nout2\n")
@@ -1068,6 +1145,16 @@ def test_malformed_multipart_is_500(srv):
     status, _, body = call(srv, "POST", "/hooks/src-multipart", body=b"--nope\r\ngarbage",
                            headers={"Content-Type": "multipart/form-data; boundary=XYZ"})
     assert (status, body) == (500, MULTIPART_500)
+
+
+@pytest.mark.parametrize("query", ["a=%zz", "a=1;b=2", "x=%"])
+def test_multipart_with_a_query_go_refuses_is_500(srv, query):
+    # Go's ParseMultipartForm also parses the query and returns its error
+    body, hdrs = multipart([("a", None, None, b"1")])
+    status, _, data = call(srv, "POST", "/hooks/src-multipart?" + query, body, hdrs)
+    assert (status, data) == (500, MULTIPART_500)
+    status, _, data = call(srv, "POST", "/hooks/src-multipart?a=%41;", *json_body({"a": 1}))
+    assert status == 200  # other bodies: the bad pair is only skipped
 
 
 def test_multipart_without_fields_has_no_payload(srv):
@@ -1301,12 +1388,29 @@ def test_entire_payload_without_payload_is_null(srv):
     assert rec["args"][3] == ""
 
 
+def test_bytes_that_are_not_utf8_read_and_written_as_go_does(srv):
+    # Go's JSON decoder reads each byte that is not UTF-8, and a \u escape of a lone surrogate,
+    # as U+FFFD; its encoder writes each such byte of a query, form or header value as \ufffd
+    body = b'{"x": "a\\ud800b\\udc80c\xe6\x97d\xff"}'
+    rec = dumped(srv, "pl", body=body, headers={"Content-Type": "application/json"})
+    assert rec["args"][:2] == ["a\ufffdb\ufffdc\ufffd\ufffdd\ufffd",
+                               '{"x":"a\ufffdb\ufffdc\ufffd\ufffdd\ufffd"}']
+    rec = dumped(srv, "src-entire", method="GET", query="b=%E9x&c=%C3%A9")
+    assert rec["args"][1] == '{"b":"\\ufffdx","c":"\u00e9"}'
+
+
 def test_parse_parameters_as_json_leaves_non_objects_as_strings(srv):
     for raw in ("[1,2]", "notjson", '"str"'):
         rec = dumped(srv, "ppj", query=urllib.parse.urlencode({"p": raw}))
         assert rec["args"][0] == "", raw        # p.x does not exist
     rec = dumped(srv, "ppj", query=urllib.parse.urlencode({"p": '{"x": 1.50} trailing'}))
     assert rec["args"][0] == "1.50"             # first JSON value, numbers as written
+
+
+def test_parse_parameters_as_json_null_is_a_nil_map(srv):
+    # Go decodes `null` into a nil map, which it renders as JSON: `null`, never `<nil>`
+    rec = dumped(srv, "ppj-null", query="p=null")
+    assert (rec["args"], rec["env"]["HOOK_p"]) == (["null", ""], "null")
 
 
 def test_parse_parameters_as_json(srv):
@@ -1321,6 +1425,15 @@ def test_parse_parameters_as_json(srv):
 # ----------------------------------------------------------------------------
 # §2.1 pass-environment-to-command / pass-file-to-command
 # ----------------------------------------------------------------------------
+
+def test_a_temp_file_that_cannot_be_created_is_left_out(srv):
+    # Go logs the error, skips that file and its variable, and still runs the command
+    rec = dumped(srv, "file-name-too-long")
+    assert rec["args"] == ["ran"]
+    assert not any(k.startswith("PARITY_L") for k in rec["env"])
+    assert rec["env"]["PARITY_KEPT"] == rec["files"]["PARITY_KEPT"]["path"]
+    assert rec["files"]["PARITY_KEPT"]["content"] == "kept"
+
 
 def test_pass_environment_and_files(srv):
     body, hdrs = json_body({"head_commit": {"timestamp": "2024-01-01T00:00:00Z", "id": "c0ffee"},
@@ -1423,6 +1536,9 @@ def test_pass_file_goes_to_working_directory(srv):
     ("r-regex-lookahead", "tag=v1", {}, RULE_ERROR),
     ("r-regex-backref", "tag=vv", {}, RULE_ERROR),
     ("r-regex-flags", "tag=v1", {}, FIRED),
+    ("r-regex-fffd", "tag=v%FF%E6", {}, FIRED),      # each byte not UTF-8 read as U+FFFD
+    ("r-regex-fffd", "tag=v%FFx", {}, FIRED),
+    ("r-regex-fffd", "tag=v%E6%97%A5", {}, MISSED),
     ("r-ip-cidr", "", {}, FIRED),
     ("r-ip-bare", "", {}, FIRED),
     ("r-ip-list", "", {}, FIRED),

@@ -83,6 +83,8 @@ CASES = {
     "json, escaped string": (w.parse_json_payload,
                              lambda n: b'{"a":"' + b"\\u0041" * (n // 6) + b'"}', "body"),
     "json, nesting": (w.parse_json_payload, lambda n: b"[" * n, "body"),
+    "json, not UTF-8": (w.parse_json_payload,
+                        lambda n: b"[" + b'"\\udc80\xff",' * (n // 11) + b'""]', "body"),
     "form": (w.parse_form_payload, lambda n: b"a=b%41&" * (n // 7), "body"),
     "xml, elements": (w.parse_xml_payload,
                       lambda n: b"<r>" + b"<a x='1'>t</a>" * (n // 14) + b"</r>", "body"),

@@ -548,6 +548,7 @@ def test_a_failing_runs_dir_never_fails_a_trigger(tmp_path):
                                        {"source": "string", "name": "still runs"}]})])
     runs_dir = tmp_path / "runs"
     with start(hooks, "-runs-dir", runs_dir) as daemon:
+        (runs_dir / "webhookd.lock").unlink()  # the daemon's lock: all it holds so far
         runs_dir.rmdir()
         runs_dir.write_text("not a folder any more")  # every write fails from now on
         status, headers, body = daemon.request("GET", "/hooks/ok")
