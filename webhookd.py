@@ -72,7 +72,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from xml.parsers import expat
 
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
@@ -1809,8 +1809,13 @@ def go_escape_path(path):
 
 
 # ---------------------------------------------------------------------------
-# HTTP transport: http.server's documented hooks over a waiting room (one handler, a bounded
-# pool of workers); the application is reached only through App.handle and App.answered
+# HTTP transport: http.server's HTTPServer and BaseHTTPRequestHandler, through their documented
+# hooks, over a WaitingRoom and a pool of Workers.  These two replace socketserver's
+# ThreadingMixIn (a thread per connection) because of a product requirement: 5,000 idle and
+# 500 slowly sending clients must not starve new ones (tests/test_webhookd_connections.py), so
+# a connection holds no thread until a whole request head has come.  The application is
+# reached through App.handle, App.answered and App.in_flight (a request being answered counts
+# for the graceful stop).
 # ---------------------------------------------------------------------------
 
 def head_end(buf, start=0):
@@ -2496,16 +2501,15 @@ class HookHandler(BaseHTTPRequestHandler):
             self.conn.buffer.clear()
 
 
-class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made
-    the documented way (bind_and_activate=False, then `socket`).  Overrides process_request:
-    an accepted connection holds no thread, but waits in the WaitingRoom until a whole request
-    head has come; a worker then serves it (serve: the handler's cycle), and it waits there
-    again between requests."""
+class HookServer(HTTPServer):
+    """An HTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made the
+    documented way (bind_and_activate=False, then `socket`).  Overrides process_request where
+    ThreadingMixIn would start a thread: an accepted connection holds no thread, but waits in
+    the WaitingRoom until a whole request head has come; one of the Workers then serves it
+    (finish_request: the handler's cycle), and it waits there again between requests."""
 
     def __init__(self, listener, app, room, limits, tls_context):
-        ThreadingHTTPServer.__init__(self, listener.getsockname(), HookHandler,
-                                     bind_and_activate=False)
+        HTTPServer.__init__(self, listener.getsockname(), HookHandler, bind_and_activate=False)
         self.socket.close()  # the one TCPServer made: ours was opened before
         self.socket, self.address_family = listener, listener.family
         self.app, self.room, self.limits, self.tls_context = app, room, limits, tls_context
