@@ -1556,16 +1556,15 @@ class Request:
     """One request, from its head to its answer: what the client sent (`method`, `target`,
     `version`, `headers`: canonical names to all their values), where from (`peer`; `client`,
     the address after -trusted-proxy), `id` (X-Request-Id or ours), the target's `path` and
-    `raw_query`, and `read_body()`, which reads the body when the App wants it (else the
-    handler reads past it or closes)."""
+    `raw_query`, and `body`, a BodyReader whose read() gives the body when the App wants it
+    (else the handler reads past it or closes)."""
 
     __slots__ = ("method", "target", "version", "headers", "peer", "client", "id", "path",
-                 "raw_query", "read_body", "body_read", "body_broken", "secret_params")
+                 "raw_query", "body", "secret_params")
 
     def __init__(self, method, target, version, headers):
         self.method, self.target, self.version, self.headers = method, target, version, headers
-        self.peer = self.client = self.id = self.path = self.raw_query = self.read_body = None
-        self.body_read = self.body_broken = False
+        self.peer = self.client = self.id = self.path = self.raw_query = self.body = None
         self.secret_params = ()  # query parameters whose values the access log hides
 
     def get(self, name, default=""):
@@ -2240,6 +2239,48 @@ class Workers:
             conn.server.finish_request(conn, conn.address)
 
 
+class BodyReader:
+    """A request's body, read when the App wants it (as WSGI's `wsgi.input`), built by the
+    handler: read() takes it by Content-Length or chunked, capped at -max-body-bytes, after
+    `100 Continue` (send_continue) if the client waits for it, all of it within
+    -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
+    trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
+    mid-way is logged and what came returned (as upstream: the hook runs with it), and
+    `broken` set; `consumed` once read() was called (else the handler reads past it)."""
+
+    __slots__ = ("request", "conn", "limits", "send_continue", "consumed", "broken")
+
+    def __init__(self, request, conn, limits, send_continue):
+        self.request, self.conn, self.limits = request, conn, limits
+        self.send_continue = send_continue
+        self.consumed = self.broken = False
+
+    def read(self):
+        request, conn, limits = self.request, self.conn, self.limits
+        size = body_length(request, limits.max_body)  # refused before the client sends it
+        self.consumed = True
+        if request.get("Expect").lower() == "100-continue" and size != 0:
+            self.send_continue()  # as Go: only when a body is announced
+        conn.body_due = time.monotonic() + limits.header_timeout + (
+            limits.max_body if size is None else size) / BODY_MIN_RATE
+        try:
+            if size is None:
+                return read_chunked(conn, limits.max_body)
+            body = bytearray()
+            while len(body) < size:
+                chunk = conn.read1(min(size - len(body), RECV_BYTES))
+                if not chunk:
+                    raise ConnectionResetError("client closed the connection")
+                body += chunk
+            return bytes(body)
+        except BodyError as exc:
+            log.info("error reading the request body: %s", exc)
+            self.broken = True
+            return exc.partial
+        finally:
+            conn.body_due = math.inf
+
+
 class HookHandler(BaseHTTPRequestHandler):
     """BaseHTTPRequestHandler's cycle on a Connection a worker took from the WaitingRoom:
     handle() serves the requests whose heads have come; handle_one_request() reads the head
@@ -2317,51 +2358,23 @@ class HookHandler(BaseHTTPRequestHandler):
         return True
 
     def serve(self, request):
-        """The request made whole (who sent it, how to read its body), answered by the App."""
+        """The request made whole (who sent it, its body to read), answered by the App."""
         app = self.server.app
-        request.peer, request.read_body = self.remote_addr, self.read_body
+        request.peer = self.remote_addr
+        request.body = body = BodyReader(request, self.conn, self.server.limits,
+                                         self.handle_expect_100)
         try:
             with app.in_flight:
                 response = app.handle(request)
-                if request.body_broken:
+                if body.broken:
                     response.close = True
-                elif not request.body_read:
+                elif not body.consumed:
                     self.skip_body(request, response)
                 self.send_answer(response, request)
-        finally:  # no cycle (handler -> request -> handler) keeps a large head for the GC
-            request.read_body = self.head = None
+        finally:  # no cycle (handler -> request -> body -> handler) keeps a large head alive
+            request.body = self.head = None
         if self.body_unread:
             self.linger()
-
-    def read_body(self):
-        """The body, when the App wants it: by Content-Length or chunked, capped at
-        -max-body-bytes, after `100 Continue` if the client waits for it, all of it within
-        -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-        trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
-        mid-way is logged and what came returned (as upstream: the hook runs with it)."""
-        request, conn, limits = self.head, self.conn, self.server.limits
-        size = body_length(request, limits.max_body)  # refused before the client sends it
-        request.body_read = True
-        if request.get("Expect").lower() == "100-continue" and size != 0:
-            self.handle_expect_100()  # as Go: only when a body is announced
-        conn.body_due = time.monotonic() + limits.header_timeout + (
-            limits.max_body if size is None else size) / BODY_MIN_RATE
-        try:
-            if size is None:
-                return read_chunked(conn, limits.max_body)
-            body = bytearray()
-            while len(body) < size:
-                chunk = conn.read1(min(size - len(body), RECV_BYTES))
-                if not chunk:
-                    raise ConnectionResetError("client closed the connection")
-                body += chunk
-            return bytes(body)
-        except BodyError as exc:
-            log.info("error reading the request body: %s", exc)
-            request.body_broken = True
-            return exc.partial
-        finally:
-            conn.body_due = math.inf
 
     def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as
@@ -2679,7 +2692,7 @@ class App:
                      json.dumps(hook_id))
             return Response(405)
         request.secret_params = hook.secret_params
-        body = request.read_body()
+        body = request.body.read()
         try:
             return self.hooks.trigger(request, hook, self.hook_request(request, hook, body))
         except Exception:  # a bug must cost one 500, not a hung connection
