@@ -1874,15 +1874,15 @@ LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 class Limits:
     """What the transport is told by the daemon: -read-header-timeout (`header_timeout`, also
-    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, set at a graceful
-    stop (connections waiting for a request are closed, none is kept alive)."""
+    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, the Daemon's one
+    stop signal (set: connections waiting for a request are closed, none is kept alive)."""
 
-    def __init__(self, opts):
+    def __init__(self, opts, stopping=None):
         self.header_timeout = float(opts.read_header_timeout) \
             if opts.read_header_timeout > 0 else NO_TIMEOUT
         self.write_timeout = float(opts.write_timeout) if opts.write_timeout > 0 else NO_TIMEOUT
         self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
-        self.stopping = threading.Event()
+        self.stopping = stopping if stopping is not None else threading.Event()
 
 
 class Connection:
@@ -2363,15 +2363,16 @@ class HookHandler(BaseHTTPRequestHandler):
         request.peer = self.remote_addr
         request.body = body = BodyReader(request, self.conn, self.server.limits,
                                          self.handle_expect_100)
+        app.in_flight.hold()
         try:
-            with app.in_flight:
-                response = app.handle(request)
-                if body.broken:
-                    response.close = True
-                elif not body.consumed:
-                    self.skip_body(request, response)
-                self.send_answer(response, request)
+            response = app.handle(request)
+            if body.broken:
+                response.close = True
+            elif not body.consumed:
+                self.skip_body(request, response)
+            self.send_answer(response, request)
         finally:  # no cycle (handler -> request -> body -> handler) keeps a large head alive
+            app.in_flight.release()
             request.body = self.head = None
         if self.body_unread:
             self.linger()
@@ -2598,17 +2599,19 @@ class HookRun:
 
 class InFlight:
     """What the graceful stop waits for: requests being answered and background runs not
-    ended (`count`; `with in_flight:` counts one), and whether the daemon is `stopping`."""
+    ended (`count`: each hold() until its release()), and `stopping`, the Daemon's one stop
+    signal (an Event, shared with the transport's Limits)."""
 
-    def __init__(self):
-        self.count, self.stopping = 0, False
+    def __init__(self, stopping=None):
+        self.count = 0
+        self.stopping = stopping if stopping is not None else threading.Event()
         self.lock = threading.Lock()
 
-    def __enter__(self):
+    def hold(self):
         with self.lock:
             self.count += 1
 
-    def __exit__(self, *exc):
+    def release(self):
         with self.lock:
             self.count -= 1
 
@@ -2618,14 +2621,14 @@ class App:
     hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
     site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
-    def __init__(self, opts, registry):
+    def __init__(self, opts, registry, stopping=None):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
         self.trusted_proxies = opts.trusted_proxy
-        self.in_flight = InFlight()
+        self.in_flight = InFlight(stopping)
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
         self.runs = make_run_store(opts)
@@ -2635,7 +2638,7 @@ class App:
         self.status_site = StatusSite(
             opts, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
-            self.started, lambda: self.in_flight.stopping)
+            self.started, self.in_flight.stopping.is_set)
 
     def request_id(self, request):
         if self.opts.x_request_id:
@@ -2852,7 +2855,7 @@ class Hooks:
             try:
                 if run.failure is None:
                     log_result(run.hook, run.request_id, result, kept is not None)
-                stopping = self.in_flight.stopping
+                stopping = self.in_flight.stopping.is_set()
                 self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
                                        time.monotonic() - began if result.started else None)
                 if run.record is not None:
@@ -2870,18 +2873,18 @@ class Hooks:
     def run_in_background(self, run):
         """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
-        self.in_flight.__enter__()  # left when the job ends, in another thread
+        self.in_flight.hold()  # released when the job ends, in another thread
 
         def job():
             try:
-                if self.in_flight.stopping:  # its record says `killed` at exit
+                if self.in_flight.stopping.is_set():  # its record says `killed` at exit
                     log.info("[%s] stopping: queued run of %s dropped", run.request_id,
                              run.hook.id)
                     run.gate.leave()
                 else:
                     self.run_captured(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
-                self.in_flight.__exit__()
+                self.in_flight.release()
 
         def granted():
             run.has_turn = True
@@ -5419,11 +5422,14 @@ class SignalQueue:
 
 
 class Daemon:
-    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
+    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully.  It
+    alone sets `stopping`, the one stop signal the app and the transport read."""
 
-    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
+    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths,
+                 stopping):
         self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
         self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
+        self.stopping = stopping
 
     def run(self):
         """Main loop; returns the exit status."""
@@ -5470,9 +5476,8 @@ class Daemon:
         self.notifier.notify("READY=1")
 
     def begin_stop(self, signum):
-        self.app.in_flight.stopping = True
+        self.stopping.set()
         for server in self.servers:  # no new connections from here on
-            server.limits.stopping.set()
             server.shutdown()
             server.server_close()
         self.notifier.notify("STOPPING=1")
@@ -5713,7 +5718,8 @@ def serve(opts):
                     "or ssh -L), every client counts as loopback: set -status-token",
                     opts.status_path)
     cleanup = []
-    app = App(opts, registry)
+    stopping = threading.Event()  # set by the Daemon alone
+    app = App(opts, registry, stopping)
     tls_context = None
     try:  # a start that fails leaves no socket file or pidfile behind
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
@@ -5745,7 +5751,7 @@ def serve(opts):
         remove_paths(cleanup)
         raise
     app.runs.start()  # as the user we now are: the run files are theirs
-    limits = Limits(opts)
+    limits = Limits(opts, stopping)
     workers = Workers(max(1, opts.max_connections))
     room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
     servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
@@ -5758,7 +5764,7 @@ def serve(opts):
                  opts.status_path, "with -status-token" if opts.status_token
                  else "loopback clients only")
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
 
 
 
