@@ -2424,9 +2424,10 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def send_header(self, keyword, value):
         """A header line as Go writes it: the bytes as they are (UTF-8), CR and LF in a value
-        turned into spaces."""
-        self._headers_buffer.append(("%s: %s\r\n" % (keyword, value.replace(
-            "\r", " ").replace("\n", " "))).encode("utf-8", "surrogateescape"))
+        turned into spaces.  The base encodes in latin-1: the UTF-8 bytes are handed to it as
+        the latin-1 text they spell, so the same bytes go out."""
+        super().send_header(keyword, value.replace("\r", " ").replace("\n", " ").encode(
+            "utf-8", "surrogateescape").decode("latin-1"))
 
     def send_answer(self, response, request):
         """The one writer of answers.  The head: Go's header set (Content-Type sniffed when the
@@ -2444,7 +2445,6 @@ class HookHandler(BaseHTTPRequestHandler):
         keep_alive = (request is not None and request.keep_alive() and not response.close
                       and not self.server.limits.stopping.is_set())
         self.protocol_version = self.request_version = version  # Go answers 1.0 in 1.0
-        self._headers_buffer = []
         self.send_response(status, response.reason)
         if not streamed and body and "Content-Type" not in headers \
                 and status not in NO_BODY_STATUSES:
