@@ -2331,7 +2331,7 @@ class HookHandler(BaseHTTPRequestHandler):
             if self.parse_request():
                 self.serve(self.head)
         except BadRequest as exc:
-            self.send_error(exc.status, exc)
+            self.answer_bad_request(exc)
         except OSError:  # the client went away or stalled: nothing to answer
             pass
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
@@ -2403,12 +2403,11 @@ class HookHandler(BaseHTTPRequestHandler):
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
-        return True
 
-    def send_error(self, code, message=None, explain=None):
-        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
-        client is still sending is read for a moment so it gets the answer, not a reset."""
-        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+    def answer_bad_request(self, exc):
+        """Go's answer to a malformed request (a BadRequest): `<code> <reason>[: detail]`, then
+        close; what the client is still sending is read for a moment so it gets the answer,
+        not a reset."""
         log.info("bad request from %s: %s", self.remote_addr, exc)
         try:
             self.send_answer(exc.response(), None)
