@@ -1578,6 +1578,11 @@ class Request:
         return "keep-alive" in connection
 
 
+def body_too_large():
+    """Go's 413 for a body over -max-body-bytes."""
+    return BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+
+
 def body_length(request, max_body):
     """The declared body size (None: chunked); a bad or too large one is refused."""
     if "Transfer-Encoding" in request.headers:
@@ -1596,7 +1601,7 @@ def body_length(request, max_body):
     if size >= 1 << 63:
         raise BadRequest(400, "bad Content-Length")
     if size > max_body:
-        raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+        raise body_too_large()
     return size
 
 
@@ -1765,6 +1770,11 @@ class Response:
         self.headers = headers if headers is not None else {}
 
 
+def internal_error():
+    """The answer to a bug (logged where it is caught): a 500, and the connection closed."""
+    return Response(500, b"500 Internal Server Error", close=True)
+
+
 class StreamedBody:
     """A body made while it is sent, as WSGI and bottle stream: `chunks` yields it piece by
     piece (a running command's output), and the writer sends each as it comes.  `complete`,
@@ -1846,7 +1856,7 @@ def read_chunked(conn, limit):
             raise BodyError("invalid byte in chunk length", bytes(body))
         size = int(size_text, 16)
         if len(body) + size > limit:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+            raise body_too_large()
         if size == 0:
             while line().strip():
                 pass
@@ -2338,7 +2348,7 @@ class HookHandler(BaseHTTPRequestHandler):
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
                 with contextlib.suppress(OSError):
-                    self.send_answer(BadRequest(500, "").response(), None)
+                    self.send_answer(internal_error(), None)
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
@@ -2699,7 +2709,7 @@ class App:
             return self.hooks.trigger(request, hook, self.hook_request(request, hook, body))
         except Exception:  # a bug must cost one 500, not a hung connection
             log.exception("unexpected error handling %s %s", request.method, request.target)
-            return Response(500, b"500 Internal Server Error", close=True)
+            return internal_error()
 
     def client(self, request):
         """Who sent a hook's request (see forwarded_client); the status page and run history
@@ -5210,6 +5220,14 @@ def inherited_listeners(environ):
 # Process setup: logging, listeners, TLS, privileges, pidfile
 # ---------------------------------------------------------------------------
 
+GO_LOG_TIME = "%Y/%m/%d %H:%M:%S"  # Go's log package: `[webhook] 2006/01/02 15:04:05 text`
+
+
+def go_log_line(message):
+    """A line as Go's log package writes it, without its newline."""
+    return "[webhook] %s %s" % (time.strftime(GO_LOG_TIME), message)
+
+
 class LogFileError(Exception):
     """-logfile cannot be opened: Go's sentence, exit status 1."""
 
@@ -5228,8 +5246,7 @@ def setup_logging(opts):
                                                  errors="backslashreplace"))
     else:
         target = logging.StreamHandler(sys.stderr)
-    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
-                                          "%Y/%m/%d %H:%M:%S"))
+    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s", GO_LOG_TIME))
     log.propagate = False
     if not (opts.verbose or opts.debug or opts.logfile):
         log.addHandler(target)  # rare lines: written at once, before what main prints next
@@ -5629,7 +5646,7 @@ def follow_log(path, handle, out):
 def fail(message):
     """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
     the exit status 1."""
-    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
+    sys.stderr.write(go_log_line(message) + "\n")
     return 1
 
 
@@ -5702,7 +5719,7 @@ def serve(opts):
         return 1
     if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
                                       or opts.nopanic):
-        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
+        print(go_log_line(NO_HOOKS_MESSAGE))
         return 1
 
     for network in opts.trusted_proxy:
