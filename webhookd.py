@@ -1482,7 +1482,7 @@ class Registry:
                     self._drop(hf)
                 continue
             hf.missing_since = None
-            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
+            seen = (signature, self._content_hash(hf) if time.time() < hf.recheck_until else None)
             steady, hf.seen = seen == hf.seen, seen
             if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
                 changed.append(hf)
@@ -1491,7 +1491,7 @@ class Registry:
         return changed
 
     @staticmethod
-    def _digest(hf):
+    def _content_hash(hf):
         try:
             return hash(read_bytes(hf.path))
         except HooksFileError:
@@ -1521,7 +1521,7 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
+NEXT_REQUEST_WAIT_SECONDS = 0.01  # a worker waits this long for the next request, then parks
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -1877,8 +1877,8 @@ BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-time
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
-# ... or this much: a client that sent a head of a few times the limit (Go's, 1 MiB) in one go
-# still gets its 431 rather than a reset caused by its unread end
+# Read on at most this much too: a client that sent a head of a few times the limit (Go's,
+# 1 MiB) in one go still gets its 431 rather than a reset caused by its unread end.
 LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 
@@ -1916,7 +1916,8 @@ class Connection:
         self.handshaking = self.tls
         self.closing = False  # closed once the outbox is sent
 
-    def head_end(self):
+    def scan_head_end(self):
+        """head_end() of the buffer, remembering how far it holds no end."""
         end = head_end(self.buffer, self.scanned)
         if end < 0:
             self.scanned = len(self.buffer)
@@ -1925,12 +1926,13 @@ class Connection:
     def head_ready(self):
         """Whether a worker should take over: a whole head is here, or more than any head may
         be (answered 431)."""
-        return self.head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
+        return self.scan_head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
 
-    def wait_for_bytes(self, seconds):
+    def still_open_after_wait(self, seconds):
         """A worker's short wait for the client's next request before parking the connection
-        (cheaper than the round trip through the WaitingRoom): False if the client closed.  A
-        TLS record begun but not whole by then waits in the WaitingRoom, not here."""
+        (cheaper than the round trip through the WaitingRoom): what comes is buffered; False
+        if the client closed, True if it sent bytes or nothing yet.  A TLS record begun but
+        not whole by then waits in the WaitingRoom, not here."""
         try:
             self.sock.settimeout(seconds)
             data = self.sock.recv(RECV_BYTES)
@@ -2167,7 +2169,7 @@ class WaitingRoom:
                     return
                 conn.buffer += data
                 self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES) - before
-                if self.large > PARKED_LARGE_BYTES and conn.head_end() < 0:
+                if self.large > PARKED_LARGE_BYTES and conn.scan_head_end() < 0:
                     log.info("connection from %s closed: too many large request heads on their "
                              "way", format_peer(conn.address))
                     self._drop(conn)
@@ -2324,7 +2326,7 @@ class HookHandler(BaseHTTPRequestHandler):
             if conn.head_ready():
                 continue
             if not self.server.room.workers.saturated():
-                if not conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                if not conn.still_open_after_wait(NEXT_REQUEST_WAIT_SECONDS):
                     return  # the client closed it
                 if conn.head_ready():
                     continue
@@ -2356,11 +2358,11 @@ class HookHandler(BaseHTTPRequestHandler):
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
             conn.due = time.monotonic() + self.server.limits.header_timeout
-        end = conn.head_end()
+        end = conn.scan_head_end()
         while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
             if not conn.fill():
                 raise ConnectionResetError("client closed the connection")
-            end = conn.head_end()
+            end = conn.scan_head_end()
         if end < 0 or end > MAX_HEADER_BYTES:
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
@@ -5643,7 +5645,7 @@ def follow_log(path, handle, out):
     return current
 
 
-def fail(message):
+def fatal(message):
     """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
     the exit status 1."""
     sys.stderr.write(go_log_line(message) + "\n")
@@ -5691,7 +5693,7 @@ def main(argv=None):
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
-        return fail(str(exc))
+        return fatal(str(exc))
     try:
         return serve(opts)
     except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
