@@ -320,8 +320,8 @@ FLAGS = [
     Flag("max-connections", "int", 1024, "webhookd: requests served at once (a thread each); "
          "idle and slow connections wait without a thread, and the oldest idle ones are closed "
          "when open files run short"),
-    Flag("max-multipart-mem", "int", 1048576, "maximum memory in bytes for parsing multipart form "
-         "data before disk caching"),
+    Flag("max-multipart-mem", "int", 1048576, "webhookd: accepted for compatibility; no effect "
+         "(multipart bodies are bounded by -max-body-bytes and parsed in memory)"),
     Flag("max-workers", "int", 64, "webhookd: accepted for compatibility with webhookd 2; "
          "-max-connections bounds the request threads"),
     Flag("nopanic", "bool", False, "do not panic if hooks cannot be loaded when webhook is not "
@@ -2741,7 +2741,6 @@ class App:
         return hook_request
 
 
-
 class Hooks:
     """What a matched hook does, as upstream's handler after the match: trigger() parses the
     payload, checks the rules, builds argv/env and runs the command in the hook's mode
@@ -2922,6 +2921,7 @@ class Hooks:
             body.complete = running.result.ok
         body.chunks = chunks()
         return Response(success, body, headers)
+
 
 def status_details(registry, runs, started):
     """What the status page shows trusted clients besides its health."""
@@ -5785,8 +5785,6 @@ def serve(opts):
     return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
 
 
-
-
 # ---------------------------------------------------------------------------
 # Appendix A: HTML pages of the status site (the status page, the run list, a run), their
 # CSS and JavaScript
@@ -6726,6 +6724,7 @@ class YamlReader(YamlScanner):
         if self.char() == ":" and not self.blank_after(1):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
+
 
 def expanded_size(value, sizes):
     """How many values `value` is once every alias in it is expanded; each collection is
