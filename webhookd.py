@@ -530,8 +530,42 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
-    opts.runs_dir_fd = None  # the -runs-dir folder, held open once runs_options_problem checked it
+    opts.runs_dir_fd = None  # the -runs-dir folder, held open once open_run_history opened it
     return opts
+
+
+def check_flags(opts):
+    """A sentence if the flags cannot work together, else None.  Only checks: the status
+    token and -runs-dir are read and opened later (open_run_history), for serving."""
+    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
+            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
+        return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
+        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
+    if opts.runs_state and opts.runs_state not in RUN_STATES:
+        return "-runs-state must be one of " + ", ".join(RUN_STATES)
+    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
+        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
+                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
+    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
+        return "-runs-dir %s is not a folder" % opts.runs_dir
+    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
+        if not os.path.isdir(opts.runs_dir):
+            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+                % opts.runs_dir
+        return None  # the rest is about serving
+    if (opts.setuid != 0) != (opts.setgid != 0):
+        return "setuid and setgid options must be used together"
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/, "
+                "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+    return None
 
 
 def usage_text(program):
@@ -5132,11 +5166,10 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
-def runs_options_problem(opts):
-    """A sentence if the run-history flags are unusable; reads -status-token-file."""
-    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
-        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
-            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+def open_run_history(opts):
+    """For serving, before privileges are dropped: read -status-token-file into
+    opts.status_token and open -runs-dir (created, chowned to the user it will run as, locked)
+    into opts.runs_dir_fd.  A sentence if either fails."""
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
@@ -5146,22 +5179,7 @@ def runs_options_problem(opts):
                 opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
         if not opts.status_token:
             return "-status-token-file %s is empty" % opts.status_token_file
-    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
-        return "-runs and -runs-follow read the records in -runs-dir DIR"
-    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
-        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
-    if opts.runs_state and opts.runs_state not in RUN_STATES:
-        return "-runs-state must be one of " + ", ".join(RUN_STATES)
-    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
-        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
-                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
-    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
-        return "-runs-dir %s is not a folder" % opts.runs_dir
-    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
-        if not os.path.isdir(opts.runs_dir):
-            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
-                % opts.runs_dir
-    elif opts.runs_dir:  # only the daemon creates it
+    if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
             opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
@@ -5673,22 +5691,15 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
-    problem = runs_options_problem(opts)
+    problem = check_flags(opts)
     if problem:
         print("error: " + problem)
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
-    if (opts.setuid != 0) != (opts.setgid != 0):
-        print("error: setuid and setgid options must be used together")
-        return 1
-    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
-    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
-                        or "?" in status_path or "#" in status_path
-                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
-                        or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
-              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+    problem = open_run_history(opts)
+    if problem:
+        print("error: " + problem)
         return 1
     try:
         listener_thread = setup_logging(opts)
