@@ -275,7 +275,6 @@ def key_not_found(segment):
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
 MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 
@@ -439,11 +438,12 @@ class Body:
             data.append(chunk)
         return b"".join(data)
 
-    def discard(self, deadline, limit=MAX_KEYS_BODY):
+    def discard(self, limit=MAX_KEYS_BODY):
         """Skip an unread body so the connection can serve on; False when that
-        is unwise (too big, broken, a caller still waiting for 100 Continue,
-        or one still sending at `deadline`: a trickled body must not hold a
-        worker, so the connection is closed instead)."""
+        is unwise (too big, broken, a caller still waiting for 100 Continue)
+        or impossible without waiting (the stream does not block: a body not
+        all there yet must not hold a worker, so the connection is closed
+        instead)."""
         if self.finished:
             return True
         if self.broken or (self.before_read is not None and not self.started) or \
@@ -453,7 +453,7 @@ class Body:
             size = 0
             for chunk in self.chunks():
                 size += len(chunk)
-                if size > limit or time.monotonic() > deadline:
+                if size > limit:
                     return False
         except BrokenBody:
             return False
@@ -664,8 +664,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         """Write a Response, framed for this hop: the one writer of answers."""
         body = self.body
         if body is not None and not body.finished:
-            self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
-            if not body.discard(time.monotonic() + DRAIN_SECONDS):
+            # only what has come already: waiting for the rest held this thread (a caller
+            # announcing a body it never sent held one a second a request); a connection
+            # with more to come is closed, and the waiting room sees it out
+            self.connection.setblocking(False)
+            if not body.discard():
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"

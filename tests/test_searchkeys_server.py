@@ -626,3 +626,25 @@ def test_trickled_bodies_of_answered_requests_hold_no_worker(backend):
                 thread.join()
             for sock in tricklers:
                 sock.close()
+
+
+def test_refused_requests_whose_body_never_comes_hold_no_thread():
+    """--max-connections 2: forty callers without a key each announce a 500 kB body and send
+    none of it. Each is refused at once; waiting for the body it announced (to keep its
+    connection alive) used to hold a thread for a second each, so forty of them made a newcomer
+    wait ~20 s, and a few hundred a second locked everyone out. Each still gets its answer."""
+    with start_guard(extra=("--max-connections", "2")) as guard:
+        stalled = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                   for _ in range(40)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"POST /keys HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             b"\r\nContent-Length: 500000\r\n\r\n")
+            time.sleep(0.5)
+            status, _, body = request(guard.port, "GET", "/health", timeout=10)  # hang detector
+            assert (status, body) == (200, b'{"status":"available"}')
+            for sock in stalled:
+                assert AnswerReader(sock).next()[0] == 401
+        finally:
+            for sock in stalled:
+                sock.close()
