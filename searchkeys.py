@@ -1241,6 +1241,12 @@ class Service:
                            % (printable(method), safe_path(uri)), "auth")
         route, index, params = found
         principal = self.gate.check(request, route.actions, index)
+        forged = next((name for name, _ in request.headers.items()
+                       if name.lower().startswith(NETWORK_HEADER_PREFIXES)), None)
+        if forged is not None:  # the guard drops them; nginx would send them with its key
+            raise refused("action", invalid_api_key(
+                "The request carries `%s`, one of the headers Meilisearch believes only from "
+                "its network peers; it is refused." % printable(forged[:100])))
         if route.handler is not Service.forward:  # nginx would send it on with the backend's key
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
