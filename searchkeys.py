@@ -3139,6 +3139,17 @@ def require_master(principal, what):
                                          % what, "auth"))
 
 
+def master_if_restricted(principal, what):
+    """A check of a key about to be deleted or rotated: only the master key
+    may `what` to a key with restrictions (an admin key could delete it and
+    create it again, same uid and value, without them). The store runs it
+    under its lock, on the key as the file holds it."""
+    def check(key):
+        if key.restrictions is not None:
+            require_master(principal, what)
+    return check
+
+
 def usage_asked(query):
     """(the query without `usage`, whether `usage=true` asked GET /keys for
     each key's usage): searchkeys' one addition to Meilisearch's listing,
@@ -3186,23 +3197,20 @@ class KeysApi:
         return Response.json(200, self._write(self.store.update, segment, changes).to_json())
 
     def delete_key(self, call):
-        segment = call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # else an admin key could
-            # delete it and create it again (same uid, same value) without them
-            require_master(call.principal, "delete a key that has restrictions")
-        self._write(self.store.delete, segment)
+        self._write(self.store.delete, call.params["key"], master_if_restricted(
+            call.principal, "delete a key that has restrictions"))
         return Response(204)
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
         request, segment = call.request, call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
-            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
+        check = master_if_restricted(call.principal, "rotate a key that has restrictions")
+        check(self.store.find(segment))  # 404 (and 403) before 400, as PATCH
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
@@ -3678,10 +3686,13 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid):
-        """Delete a key."""
+    def delete(self, key_or_uid, check=None):
+        """Delete a key; `check(key)` may refuse it first, under the lock, on
+        the key as the store holds it (another process may have changed it)."""
         with self._changing():
             key = self.find(key_or_uid)
+            if check is not None:
+                check(key)
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -3691,12 +3702,15 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds):
+    def rotate(self, key_or_uid, grace_seconds, check=None):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated."""
+        changes are one write. 409 for a key already rotated. `check(key)`
+        as for delete."""
         with self._changing():
             old = self.find(key_or_uid)
+            if check is not None:
+                check(old)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
                                "its replacement is `%s`, and it stops working at %s. Rotate the "
