@@ -3642,19 +3642,22 @@ class KeyStore:
         return None
 
     def find(self, key_or_uid):
-        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none.
+        A key not in memory is looked for again once the file's changes are
+        taken in: one made a moment ago through another process is found (a
+        script's next request may reach another worker)."""
         self.sweep()
         try:
             uid = parse_uuid(key_or_uid)
         except ValueError:
-            key = self.by_value(key_or_uid)
-            if key is None:
-                raise key_not_found(key_or_uid)
-            return key
-        key = self._keys.get(uid)
-        if key is None:
-            raise key_not_found(uid)
-        return key
+            uid = None
+        for looked_again in (False, True):
+            key = self.by_value(key_or_uid) if uid is None else self._keys.get(uid)
+            if key is not None:
+                return key
+            if not looked_again:
+                self.refresh()
+        raise key_not_found(key_or_uid if uid is None else uid)
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""

@@ -124,6 +124,21 @@ def test_a_key_restricted_through_one_process_cannot_be_deleted_by_an_admin_key_
         assert call(a, "GET", "/keys/" + victim["uid"])[0] == 200
 
 
+def test_a_key_just_created_through_one_process_is_found_by_the_other(pair):
+    """`keys create` then `keys restrict` (as the docs run them) may reach two workers: the
+    second used to answer 404 `api_key_not_found` for up to 0.25 s, its copy of the store not yet
+    renewed, to a change, or a read, of a key the file already held."""
+    a, b, _ = pair
+    for attempt in range(5):
+        made = create(a)
+        status, answer = call(b, "PUT", "/keys/%s/restrictions" % made["uid"],
+                              {"maxHitsPerQuery": 5})
+        assert status == 200, (attempt, answer)
+        made = create(b)
+        status, answer = call(a, "GET", "/keys/" + made["key"])
+        assert status == 200 and answer["uid"] == made["uid"], (attempt, answer)
+
+
 def test_200_concurrent_creates_split_across_two_processes_all_survive(pair):
     a, b, store = pair
     made, errors = [], []
