@@ -1482,9 +1482,10 @@ def build_routes():
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
-              rule=Rule(SCOPED, value=check_index_creation)),
+              rule=Rule(SCOPED, value=check_new_index_uid)),
         Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
+        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",),
+              rule=Rule(SCOPED, value=check_new_index_uid), forced=force_same_on_rename),
         Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
         Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
         Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
@@ -2384,8 +2385,10 @@ def with_tenant_filter(query, rules, index):
     return dict(query, filter=fuse_filters(query.get("filter"), rule))
 
 
-def check_index_creation(principal, index, body):
-    """POST /indexes: the new index's uid must be one the key covers."""
+def check_new_index_uid(principal, index, body):
+    """POST /indexes, and PATCH /indexes/{uid} renaming an index: the new
+    uid must be one the key covers (Meilisearch checks only the old one of a
+    rename, whose documents would leave the key's indexes for any name)."""
     uid = body.get("uid") if isinstance(body, dict) else None
     if isinstance(uid, str) and not principal.may_use_index(uid):
         raise refused("index", invalid_api_key())
