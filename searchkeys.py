@@ -524,7 +524,7 @@ class Response:
 MAX_HEADERS = 100       # header lines in a request head
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
-MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished heads the waiting room holds in all
+MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished requests the waiting room holds in all
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value of
@@ -742,28 +742,58 @@ class Connection:
     """A caller's connection between requests: its socket, the bytes of its
     next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
+    __slots__ = ("sock", "address", "pending", "scanned", "wanted", "deadline", "keep",
+                 "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
-        self.pending, self.scanned = bytearray(), 0
+        self.pending, self.scanned, self.wanted = bytearray(), 0, None
         self.deadline, self.keep = None, False
         self.closing = None  # once closing: the bytes the caller may still send, to be dropped
 
     def take_back(self, data):
         """What was read past the request just answered: the next one's start."""
-        self.pending, self.scanned = bytearray(data), 0
+        self.pending, self.scanned, self.wanted = bytearray(data), 0, None
 
-    def head_arrived(self):
-        """Has a whole head come, or more than a head may hold? Searched on
-        from where the last search stopped (a head trickled a byte at a time
-        is searched once in all, not once a byte)."""
-        data, start = self.pending, max(0, self.scanned - 2)
-        if len(data) > MAX_HEAD or data.find(b"\n\r\n", start) >= 0 or \
-                data.find(b"\n\n", start) >= 0:
-            return True
-        self.scanned = len(data)
-        return False
+    def request_arrived(self):
+        """Has a whole head come, with the small body it announces (see
+        awaited_body), or more than a head may hold? Searched on from where
+        the last search stopped (a head trickled a byte at a time is
+        searched once in all, not once a byte)."""
+        data = self.pending
+        if self.wanted is None:
+            start = max(0, self.scanned - 2)
+            ends = [end + len(blank) for blank in (b"\n\r\n", b"\n\n")
+                    for end in (data.find(blank, start),) if end >= 0]
+            if not ends:
+                self.scanned = len(data)
+                return len(data) > MAX_HEAD
+            end = min(ends)
+            self.wanted = end + (awaited_body(data[:end]) if end <= MAX_HEAD else 0)
+        return len(data) >= self.wanted
+
+
+# The head's fields that say how its body comes: with a Content-Length alone,
+# in full; chunked, or only once asked for (100-continue), otherwise.
+_BODY_FRAMING_RE = re.compile(rb"\n(content-length|transfer-encoding|expect)[\t ]*:([^\r\n]*)",
+                              re.IGNORECASE)
+
+
+def awaited_body(head):
+    """The bytes of body the waiting room awaits after `head`, as it awaits
+    the head: its Content-Length when that is at most SMALL_BODY and nothing
+    else frames the body, else 0 (a thread reads it, or refuses the head).
+    So a body trickled by anyone holding a key (a search key is public) holds
+    no thread either; the JSON bodies the guard reads whole are that small."""
+    lengths = set()
+    for name, value in _BODY_FRAMING_RE.findall(head):
+        if name.lower() != b"content-length":
+            return 0
+        lengths.add(value.strip())
+    length = lengths.pop() if len(lengths) == 1 else b""
+    if not length.isdigit() or len(length) > 6:  # (int() of thousands of digits raises)
+        return 0
+    return int(length) if int(length) <= SMALL_BODY else 0
 
 
 class ConnectionReader(io.RawIOBase):
@@ -803,7 +833,8 @@ class ConnectionReader(io.RawIOBase):
 class WaitingRoom:
     """Connections waiting for their next request's head, held without a
     thread: one thread watches them all (selectors) and reads what they send
-    until a whole head is in, then hands the connection to `ready`. So no
+    until a whole head is in (with its body, when small: see awaited_body),
+    then hands the connection to `ready`. So no
     thread ever waits for a head, however slowly or long it comes (up to
     MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
     then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
@@ -908,7 +939,8 @@ class WaitingRoom:
             self._drop_what_comes(connection)
             return
         try:
-            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
+            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + SMALL_BODY + 1 -
+                                            len(connection.pending)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -918,7 +950,7 @@ class WaitingRoom:
         if data:
             connection.pending += data
             self.held += len(data)
-            if not connection.head_arrived():
+            if not connection.request_arrived():
                 return
         if not connection.pending:  # closed between requests
             self._drop(connection)
@@ -1064,7 +1096,7 @@ class KeysServer(http.server.HTTPServer):
         comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
         waiting room); others are seen out by the waiting room."""
         connection = request if isinstance(request, Connection) else Connection(request, None)
-        if connection.keep and not connection.head_arrived() and not self._ready:
+        if connection.keep and not connection.request_arrived() and not self._ready:
             self._next_request_soon(connection)
         if not connection.keep:
             try:
@@ -1073,7 +1105,7 @@ class KeysServer(http.server.HTTPServer):
                 self._close(connection.sock)
             else:
                 self.waiting_room.see_out(connection)
-        elif connection.head_arrived():
+        elif connection.request_arrived():
             with self._lock:  # taken in turn, after those already waiting
                 self._ready.append(connection)
         else:
