@@ -275,7 +275,6 @@ def key_not_found(segment):
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
 MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 
@@ -439,11 +438,12 @@ class Body:
             data.append(chunk)
         return b"".join(data)
 
-    def discard(self, deadline, limit=MAX_KEYS_BODY):
+    def discard(self, limit=MAX_KEYS_BODY):
         """Skip an unread body so the connection can serve on; False when that
-        is unwise (too big, broken, a caller still waiting for 100 Continue,
-        or one still sending at `deadline`: a trickled body must not hold a
-        worker, so the connection is closed instead)."""
+        is unwise (too big, broken, a caller still waiting for 100 Continue)
+        or impossible without waiting (the stream does not block: a body not
+        all there yet must not hold a worker, so the connection is closed
+        instead)."""
         if self.finished:
             return True
         if self.broken or (self.before_read is not None and not self.started) or \
@@ -453,7 +453,7 @@ class Body:
             size = 0
             for chunk in self.chunks():
                 size += len(chunk)
-                if size > limit or time.monotonic() > deadline:
+                if size > limit:
                     return False
         except BrokenBody:
             return False
@@ -524,7 +524,7 @@ class Response:
 MAX_HEADERS = 100       # header lines in a request head
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
-MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished heads the waiting room holds in all
+MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished requests the waiting room holds in all
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value of
@@ -664,8 +664,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         """Write a Response, framed for this hop: the one writer of answers."""
         body = self.body
         if body is not None and not body.finished:
-            self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
-            if not body.discard(time.monotonic() + DRAIN_SECONDS):
+            # only what has come already: waiting for the rest held this thread (a caller
+            # announcing a body it never sent held one a second a request); a connection
+            # with more to come is closed, and the waiting room sees it out
+            self.connection.setblocking(False)
+            if not body.discard():
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
@@ -739,28 +742,58 @@ class Connection:
     """A caller's connection between requests: its socket, the bytes of its
     next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
+    __slots__ = ("sock", "address", "pending", "scanned", "wanted", "deadline", "keep",
+                 "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
-        self.pending, self.scanned = bytearray(), 0
+        self.pending, self.scanned, self.wanted = bytearray(), 0, None
         self.deadline, self.keep = None, False
         self.closing = None  # once closing: the bytes the caller may still send, to be dropped
 
     def take_back(self, data):
         """What was read past the request just answered: the next one's start."""
-        self.pending, self.scanned = bytearray(data), 0
+        self.pending, self.scanned, self.wanted = bytearray(data), 0, None
 
-    def head_arrived(self):
-        """Has a whole head come, or more than a head may hold? Searched on
-        from where the last search stopped (a head trickled a byte at a time
-        is searched once in all, not once a byte)."""
-        data, start = self.pending, max(0, self.scanned - 2)
-        if len(data) > MAX_HEAD or data.find(b"\n\r\n", start) >= 0 or \
-                data.find(b"\n\n", start) >= 0:
-            return True
-        self.scanned = len(data)
-        return False
+    def request_arrived(self):
+        """Has a whole head come, with the small body it announces (see
+        awaited_body), or more than a head may hold? Searched on from where
+        the last search stopped (a head trickled a byte at a time is
+        searched once in all, not once a byte)."""
+        data = self.pending
+        if self.wanted is None:
+            start = max(0, self.scanned - 2)
+            ends = [end + len(blank) for blank in (b"\n\r\n", b"\n\n")
+                    for end in (data.find(blank, start),) if end >= 0]
+            if not ends:
+                self.scanned = len(data)
+                return len(data) > MAX_HEAD
+            end = min(ends)
+            self.wanted = end + (awaited_body(data[:end]) if end <= MAX_HEAD else 0)
+        return len(data) >= self.wanted
+
+
+# The head's fields that say how its body comes: with a Content-Length alone,
+# in full; chunked, or only once asked for (100-continue), otherwise.
+_BODY_FRAMING_RE = re.compile(rb"\n(content-length|transfer-encoding|expect)[\t ]*:([^\r\n]*)",
+                              re.IGNORECASE)
+
+
+def awaited_body(head):
+    """The bytes of body the waiting room awaits after `head`, as it awaits
+    the head: its Content-Length when that is at most SMALL_BODY and nothing
+    else frames the body, else 0 (a thread reads it, or refuses the head).
+    So a body trickled by anyone holding a key (a search key is public) holds
+    no thread either; the JSON bodies the guard reads whole are that small."""
+    lengths = set()
+    for name, value in _BODY_FRAMING_RE.findall(head):
+        if name.lower() != b"content-length":
+            return 0
+        lengths.add(value.strip())
+    length = lengths.pop() if len(lengths) == 1 else b""
+    if not length.isdigit() or len(length) > 6:  # (int() of thousands of digits raises)
+        return 0
+    return int(length) if int(length) <= SMALL_BODY else 0
 
 
 class ConnectionReader(io.RawIOBase):
@@ -800,7 +833,8 @@ class ConnectionReader(io.RawIOBase):
 class WaitingRoom:
     """Connections waiting for their next request's head, held without a
     thread: one thread watches them all (selectors) and reads what they send
-    until a whole head is in, then hands the connection to `ready`. So no
+    until a whole head is in (with its body, when small: see awaited_body),
+    then hands the connection to `ready`. So no
     thread ever waits for a head, however slowly or long it comes (up to
     MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
     then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
@@ -905,7 +939,8 @@ class WaitingRoom:
             self._drop_what_comes(connection)
             return
         try:
-            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
+            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + SMALL_BODY + 1 -
+                                            len(connection.pending)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -915,7 +950,7 @@ class WaitingRoom:
         if data:
             connection.pending += data
             self.held += len(data)
-            if not connection.head_arrived():
+            if not connection.request_arrived():
                 return
         if not connection.pending:  # closed between requests
             self._drop(connection)
@@ -1061,7 +1096,7 @@ class KeysServer(http.server.HTTPServer):
         comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
         waiting room); others are seen out by the waiting room."""
         connection = request if isinstance(request, Connection) else Connection(request, None)
-        if connection.keep and not connection.head_arrived() and not self._ready:
+        if connection.keep and not connection.request_arrived() and not self._ready:
             self._next_request_soon(connection)
         if not connection.keep:
             try:
@@ -1070,7 +1105,7 @@ class KeysServer(http.server.HTTPServer):
                 self._close(connection.sock)
             else:
                 self.waiting_room.see_out(connection)
-        elif connection.head_arrived():
+        elif connection.request_arrived():
             with self._lock:  # taken in turn, after those already waiting
                 self._ready.append(connection)
         else:
@@ -1238,6 +1273,12 @@ class Service:
                            % (printable(method), safe_path(uri)), "auth")
         route, index, params = found
         principal = self.gate.check(request, route.actions, index)
+        forged = next((name for name, _ in request.headers.items()
+                       if name.lower().startswith(NETWORK_HEADER_PREFIXES)), None)
+        if forged is not None:  # the guard drops them; nginx would send them with its key
+            raise refused("action", invalid_api_key(
+                "The request carries `%s`, one of the headers Meilisearch believes only from "
+                "its network peers; it is refused." % printable(forged[:100])))
         if route.handler is not Service.forward:  # nginx would send it on with the backend's key
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
@@ -1473,9 +1514,10 @@ def build_routes():
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
-              rule=Rule(SCOPED, value=check_index_creation)),
+              rule=Rule(SCOPED, value=check_new_index_uid)),
         Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
+        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",),
+              rule=Rule(SCOPED, value=check_new_index_uid), forced=force_same_on_rename),
         Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
         Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
         Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
@@ -2375,8 +2417,10 @@ def with_tenant_filter(query, rules, index):
     return dict(query, filter=fuse_filters(query.get("filter"), rule))
 
 
-def check_index_creation(principal, index, body):
-    """POST /indexes: the new index's uid must be one the key covers."""
+def check_new_index_uid(principal, index, body):
+    """POST /indexes, and PATCH /indexes/{uid} renaming an index: the new
+    uid must be one the key covers (Meilisearch checks only the old one of a
+    rename, whose documents would leave the key's indexes for any name)."""
     uid = body.get("uid") if isinstance(body, dict) else None
     if isinstance(uid, str) and not principal.may_use_index(uid):
         raise refused("index", invalid_api_key())
@@ -3130,6 +3174,17 @@ def require_master(principal, what):
                                          % what, "auth"))
 
 
+def master_if_restricted(principal, what):
+    """A check of a key about to be deleted or rotated: only the master key
+    may `what` to a key with restrictions (an admin key could delete it and
+    create it again, same uid and value, without them). The store runs it
+    under its lock, on the key as the file holds it."""
+    def check(key):
+        if key.restrictions is not None:
+            require_master(principal, what)
+    return check
+
+
 def usage_asked(query):
     """(the query without `usage`, whether `usage=true` asked GET /keys for
     each key's usage): searchkeys' one addition to Meilisearch's listing,
@@ -3177,23 +3232,20 @@ class KeysApi:
         return Response.json(200, self._write(self.store.update, segment, changes).to_json())
 
     def delete_key(self, call):
-        segment = call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # else an admin key could
-            # delete it and create it again (same uid, same value) without them
-            require_master(call.principal, "delete a key that has restrictions")
-        self._write(self.store.delete, segment)
+        self._write(self.store.delete, call.params["key"], master_if_restricted(
+            call.principal, "delete a key that has restrictions"))
         return Response(204)
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
         request, segment = call.request, call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
-            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
+        check = master_if_restricted(call.principal, "rotate a key that has restrictions")
+        check(self.store.find(segment))  # 404 (and 403) before 400, as PATCH
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
@@ -3625,19 +3677,22 @@ class KeyStore:
         return None
 
     def find(self, key_or_uid):
-        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none.
+        A key not in memory is looked for again once the file's changes are
+        taken in: one made a moment ago through another process is found (a
+        script's next request may reach another worker)."""
         self.sweep()
         try:
             uid = parse_uuid(key_or_uid)
         except ValueError:
-            key = self.by_value(key_or_uid)
-            if key is None:
-                raise key_not_found(key_or_uid)
-            return key
-        key = self._keys.get(uid)
-        if key is None:
-            raise key_not_found(uid)
-        return key
+            uid = None
+        for looked_again in (False, True):
+            key = self.by_value(key_or_uid) if uid is None else self._keys.get(uid)
+            if key is not None:
+                return key
+            if not looked_again:
+                self.refresh()
+        raise key_not_found(key_or_uid if uid is None else uid)
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
@@ -3669,10 +3724,13 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid):
-        """Delete a key."""
+    def delete(self, key_or_uid, check=None):
+        """Delete a key; `check(key)` may refuse it first, under the lock, on
+        the key as the store holds it (another process may have changed it)."""
         with self._changing():
             key = self.find(key_or_uid)
+            if check is not None:
+                check(key)
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -3682,12 +3740,15 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds):
+    def rotate(self, key_or_uid, grace_seconds, check=None):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated."""
+        changes are one write. 409 for a key already rotated. `check(key)`
+        as for delete."""
         with self._changing():
             old = self.find(key_or_uid)
+            if check is not None:
+                check(old)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
                                "its replacement is `%s`, and it stops working at %s. Rotate the "
