@@ -127,11 +127,13 @@ def test_unit_runs_the_installed_program_and_is_otherwise_the_repositorys(extrac
     unit = (extracted / UNIT).read_text().splitlines()
     assert [line for line in unit if line.startswith("ExecStart=")] == [EXEC_START]
     repo_unit = (ROOT / "webhookd.service").read_text().splitlines()
-    settings = [line for line in repo_unit
-                if "=" in line and not line.startswith(("#", "ExecStart="))]
+    # The module path the repository's unit sets is the launcher's business in the package.
+    assert "Environment=PYTHONPATH=/usr/local/lib/webhookd" in repo_unit
+    settings = [line for line in repo_unit if "=" in line
+                and not line.startswith(("#", "ExecStart=", "Environment=PYTHONPATH="))]
     packaged = [line for line in unit if "=" in line and not line.startswith("#")]
     assert [line for line in packaged if line in settings] == settings
-    assert "/usr/local/bin" not in "\n".join(unit)
+    assert "/usr/local/" not in "\n".join(unit) and "PYTHONPATH" not in "\n".join(unit)
     # The status page and run history it offers, commented out, run the installed program too.
     offered = [line for line in unit if line.startswith("#ExecStart=/")]
     assert offered == [EXEC_START.replace("ExecStart", "#ExecStart") + " -status-path /-/status "
