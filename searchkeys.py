@@ -1163,33 +1163,15 @@ class Service:
         """Send the backend what `decide` makes of the request; relay its answer.
         The backend's facts a decision needs (does the index exist, which
         indexes the key covers, a task's index) are fetched here, once."""
-        request, decision = call.request, call.decision
-        value = call.json if decision.needs_body else None
-        query = request.query
-        if decision.value_steps and decision.carrier == QUERY:
-            read = parse_search_query(query)
-            value = dict(read[0])
-        for step in decision.value_steps:
-            value = step.apply(value)
-        if decision.value_steps and decision.carrier == QUERY:
-            query = encode_search_query(query, read, value)
-        upstream = self.upstream
-        if upstream is None:
-            raise no_upstream()
-        if decision.needs_existing_index:
-            check_index_exists(upstream, call.index, 404)
-        if decision.refusal is not None:
-            raise decision.refusal
-        context = RuleContext(call.principal, call.params, query,
-                              fetch_facts(upstream, call, decision.facts))
+        request, decision, upstream = call.request, call.decision, self.upstream
+        value, query, facts = self.enforce(call, request.query, forwarding=True)
+        context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
         target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
             functools.partial(decision.answer_filter, context)
-        if decision.checks_joins:
-            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
@@ -1199,6 +1181,43 @@ class Service:
             body = self.caller_body(request.body, headers)
         return upstream.forward(call.route.method, target, headers, body,
                                 call.route.repeatable, answer_filter)
+
+    def enforce(self, call, query, forwarding):
+        """The decision's checks, in the one order both edges keep (so that
+        forwarding and `GET /authorize` give a request the same answer):
+        1. its refusal;
+        2. the request itself, pure: forwarding runs its value steps (they
+           rewrite the search value or refuse it); /authorize checks nginx
+           may forward it as sent (Decision.check_unchanged);
+        3. the backend's facts: the index exists (for a caller who may not
+           create it), the indexes searched join no documents the principal
+           may not see whole, then the facts the query steps need.
+        `query`: the query string of the request judged. Returns the search
+        value and query string to forward, and the facts."""
+        decision, upstream = call.decision, self.upstream
+        if decision.refusal is not None:
+            raise decision.refusal
+        if forwarding:
+            value, query = decision.rewrite(call.json if decision.needs_body else None, query)
+            if upstream is None:
+                raise no_upstream()
+        else:
+            decision.check_unchanged(call.route, call.principal, call.params, query)
+            value = None
+        if decision.needs_existing_index:
+            if upstream is None:
+                raise refused("action", invalid_api_key(
+                    "This API key may not create indexes, and searchkeys runs without "
+                    "--upstream, so it cannot check that the index `%s` exists; the request "
+                    "is refused." % call.index))
+            check_index_exists(upstream, call.index, 404 if forwarding else 403)
+        if decision.checks_joins:
+            if upstream is None or call.index is None and not forwarding:
+                raise scope_not_enforceable(call.route, "without --upstream, which it needs "
+                                            "to see whether the index joins others "
+                                            "(foreignKeys)")
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
+        return value, query, fetch_facts(upstream, call, decision.facts)
 
     @staticmethod
     def caller_body(body, headers):
@@ -1242,20 +1261,8 @@ class Service:
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
                            "`GET /authorize`." % (route.method, route.pattern), "auth")
-        decision = decide(route, principal, index)
-        decision.check_unchanged(route, principal, params, uri.partition("?")[2])
-        if decision.checks_joins:
-            if self.upstream is None or index is None:  # (a multi-search was refused above)
-                raise scope_not_enforceable(route, "without --upstream, which it needs to see "
-                                            "whether the index joins others (foreignKeys)")
-            check_joins(principal, fetch_joins(self.upstream, [index]))
-        if decision.needs_existing_index:
-            if self.upstream is None:
-                raise refused("action", invalid_api_key(
-                    "This API key may not create indexes, and searchkeys runs without "
-                    "--upstream, so it cannot check that the index `%s` exists; the request "
-                    "is refused." % index))
-            check_index_exists(self.upstream, index, 403)
+        self.enforce(Call(request, route, index, params, principal), uri.partition("?")[2],
+                     forwarding=False)
         return Response(204, authorize_headers(principal))
 
     def answer_health(self, call):
@@ -1362,7 +1369,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated")):
+                 "forced carrier family gated joins")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1380,16 +1387,20 @@ class Route(collections.namedtuple(
       or BODY (its JSON body);
     - `family`: what /metrics counts it under;
     - `gated`: the Gate checks its credential before the handler (/metrics
-      checks its own: its token may stand in)."""
+      checks its own: its token may stand in);
+    - `joins`: it searches documents, whose hits may carry documents of the
+      indexes the searched one joins (check_joins)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
+                joins=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
-                               route_family(pattern, handler is not Service.forward), gated)
+                               route_family(pattern, handler is not Service.forward), gated,
+                               joins)
 
     @property
     def is_meilisearch(self):
@@ -1481,17 +1492,17 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
         Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
         Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SEARCH_PARAMETERS)),
+              forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
-              repeatable=True, forced=force_facet_search),
+              repeatable=True, forced=force_facet_search, joins=True),
         Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SIMILAR_PARAMETERS)),
+              forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
               forced=REFUSED_WHEN_FORCED),
         Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
@@ -1512,7 +1523,7 @@ def build_routes():
     ] + _settings_routes() + [
         Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
               hits=cap_multi_search, searches=count_queries, repeatable=True,
-              forced=force_multi_search),
+              forced=force_multi_search, joins=True),
         Route("POST", "/swap-indexes", ("indexes.swap",),
               rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
         Route("POST", "/render-template", ("settings.get", "documents.get"),
@@ -2039,13 +2050,24 @@ class Decision(collections.namedtuple(
     def needs_body(self):
         return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
 
+    def rewrite(self, value, query):
+        """The search value and query string to forward once the value steps
+        ran on them: `value` is the JSON body's (carrier BODY) or None; a
+        GET's value is read from its query string and written back to it."""
+        if self.value_steps and self.carrier == QUERY:
+            read = parse_search_query(query)
+            value = dict(read[0])
+        for step in self.value_steps:
+            value = step.apply(value)
+        if self.value_steps and self.carrier == QUERY:
+            query = encode_search_query(query, read, value)
+        return value, query
+
     def check_unchanged(self, route, principal, params, query):
         """For `GET /authorize`, which lets nginx forward the request as sent,
         without its body or answer: raise unless the decision allows it with
         nothing to read, fetch or rewrite (the steps on its query string may
-        run: they must leave it as it is)."""
-        if self.refusal is not None:
-            raise self.refusal
+        run: they must leave it as it is). Its refusal is raised before."""
         unseen = None
         if self.value_steps and self.carrier == BODY:
             unseen = self.value_steps[0].why
@@ -2106,7 +2128,7 @@ def decide(route, principal, index):
         value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
-    checks_joins = route.family in ("search", "multi-search") and not (
+    checks_joins = route.joins and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps), route.carrier,
