@@ -3199,23 +3199,33 @@ class KeysApi:
         return Response.json(200, self._write(self.store.update, segment, changes).to_json())
 
     def delete_key(self, call):
-        segment = call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # else an admin key could
-            # delete it and create it again (same uid, same value) without them
-            require_master(call.principal, "delete a key that has restrictions")
-        self._write(self.store.delete, segment)
+        check = self._removal_check(call.principal, "delete")
+        self._write(self.store.delete, call.params["key"], check)
         return Response(204)
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
         request, segment = call.request, call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
-            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
+        check = self._removal_check(call.principal, "rotate")
+        check(self.store.find(segment))  # 404 and 403 before 400, as PATCH
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check)
+                             .to_json())
+
+    @staticmethod
+    def _removal_check(principal, what):
+        """The check of a key about to be deleted or rotated away: one with
+        restrictions, for the master key only (else an admin key could
+        delete it and create it again, same uid and value, without them).
+        The store runs it on the key as it is under its lock: another
+        process may have restricted the key since this one last looked."""
+        def check(key):
+            if key.restrictions is not None:
+                require_master(principal, "%s a key that has restrictions" % what)
+        return check
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
@@ -3691,10 +3701,12 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid):
-        """Delete a key."""
+    def delete(self, key_or_uid, check=None):
+        """Delete a key, once `check(key)` (the caller's rule) has not raised."""
         with self._changing():
             key = self.find(key_or_uid)
+            if check is not None:
+                check(key)
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -3704,12 +3716,15 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds):
+    def rotate(self, key_or_uid, grace_seconds, check=None):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
-        which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated."""
+        which keeps working for `grace_seconds`, then is removed, once
+        `check(key)` has not raised. Both changes are one write. 409 for a
+        key already rotated."""
         with self._changing():
             old = self.find(key_or_uid)
+            if check is not None:
+                check(old)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
                                "its replacement is `%s`, and it stops working at %s. Rotate the "

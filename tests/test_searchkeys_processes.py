@@ -103,6 +103,26 @@ def test_rotated_and_restricted_through_one_process_are_honoured_by_the_other_wi
     assert status == 403 and "allowedIps" in answer["message"], answer
 
 
+def test_a_key_just_restricted_through_one_process_stays_the_master_keys_to_delete(pair):
+    # only the master key deletes or rotates a key with restrictions; the other process must
+    # judge the key as the store holds it when it deletes, not as it last took it in
+    a, b, _ = pair
+    admin = create(a, actions=["keys.delete", "keys.create", "keys.get"])
+    assert within(WITHIN, lambda: works(b, admin["key"]))[0]
+    for attempt in range(4):
+        target = create(b)
+        assert within(WITHIN, lambda: call(a, "GET", "/keys/" + target["uid"])[0] == 200)[0]
+        status, _ = call(b, "PUT", "/keys/%s/restrictions" % target["uid"],
+                         {"allowedIps": ["10.0.0.0/8"]})
+        assert status == 200
+        path = "/keys/" + target["uid"] + ("/rotate" if attempt % 2 else "")
+        status, answer = call(a, "POST" if attempt % 2 else "DELETE", path, {} if attempt % 2
+                              else None, key=admin["key"])
+        assert status == 403 and "restrictions" in answer["message"], (path, status, answer)
+        assert call(b, "GET", "/keys/%s/restrictions" % target["uid"])[1]["allowedIps"] == \
+            ["10.0.0.0/8"]
+
+
 def test_200_concurrent_creates_split_across_two_processes_all_survive(pair):
     a, b, store = pair
     made, errors = [], []
