@@ -51,7 +51,6 @@ import contextlib
 import datetime
 import fcntl
 import functools
-import gc
 import hashlib
 import heapq
 import hmac
@@ -268,6 +267,10 @@ def key_not_found(segment):
     return ApiError(404, "api_key_not_found", "API key `%s` not found." % segment)
 
 
+def index_not_found(index, status=404):
+    return ApiError(status, "index_not_found", "Index `%s` not found." % index)
+
+
 # =============================================================================
 # Requests and responses: what the service reads and answers
 # =============================================================================
@@ -464,11 +467,10 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family")
+    __slots__ = ("method", "target", "headers", "body", "peer", "key", "family")
 
-    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
-        self.method, self.target, self.headers = method, target, headers
-        self.body, self.version = body, version
+    def __init__(self, method, target, headers, body, peer=None):
+        self.method, self.target, self.headers, self.body = method, target, headers, body
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
         self.family = "other"  # its route's family, for metrics (Route.family)
@@ -641,8 +643,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def do_request(self):
         """Every method's do_*: the service routes methods as upstream does."""
         self.send_answer(self.server.service.handle(Request(
-            self.command, self.path, self.headers, self.body, self.request_version,
-            self.client_address[0])))
+            self.command, self.path, self.headers, self.body, self.client_address[0])))
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
@@ -1956,7 +1957,10 @@ class Principal:
 
     def index_refusal(self, index):
         """None when the credential covers `index`, else upstream's refusal
-        (the token's rules are checked before its parent key's patterns)."""
+        (the token's rules are checked before its parent key's patterns).
+        "acces" is Meilisearch's own spelling in these three messages
+        (meilisearch/src/extractors/authentication/error.rs): clients and
+        tests match them byte for byte."""
         key, rules = self.key, self.rules
         if key is None:
             return None
@@ -2180,7 +2184,7 @@ def fetch_joins(upstream, indexes):
         status, answer = upstream.fetch_json(target)
         code = answer.get("code") if isinstance(answer, dict) else None
         if status == 404 and code == "index_not_found":
-            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index)
         if status == 404:
             joins[index] = []
         elif status == 200 and isinstance(answer, list):
@@ -2215,7 +2219,7 @@ def check_index_exists(upstream, index, missing_status):
                         "asking for index %s" % index)
     except ApiError as error:
         if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index, missing_status)
         raise
 
 
@@ -2846,10 +2850,6 @@ class RuleContext(collections.namedtuple("RuleContext", "principal params query 
     parameters, the query string, and the backend's `facts` its rule asked
     for (see fetch_facts), fetched at the edge."""
 
-    @property
-    def index(self):
-        return self.params.get("index_uid")
-
     def allowed_indexes(self):
         """The uids of the backend's indexes the principal covers."""
         return [i["uid"] for i in self.facts["covered_indexes"]]
@@ -3237,20 +3237,24 @@ class KeysApi:
 
     def get_restrictions(self, call):
         """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         return self._restrictions(200, self.store.find(call.params["key"]))
 
     def put_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
                                                    restrictions))
 
     def delete_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self._write(self.store.restrict, call.params["key"], None)
         return Response(204)
+
+    @staticmethod
+    def _require_master_for_restrictions(call):
+        require_master(call.principal, "read or change the restrictions of a key")
 
     @staticmethod
     def _restrictions(status, key):
@@ -4132,6 +4136,8 @@ NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+
+
 def _kept_headers(headers, dropped):
     """`headers` as (name, value) pairs, without the names in `dropped` and
     those the Connection header lists (hop-by-hop too)."""
@@ -4155,8 +4161,8 @@ def upstream_unreachable(upstream, reason):
 
 def no_upstream():
     return ApiError(501, "no_upstream",
-                    "The request is authorized, but searchkeys runs without --upstream: there "
-                    "is no search backend to forward it to.", "system")
+                    "searchkeys runs without --upstream: there is no search backend to "
+                    "forward the request to.", "system")
 
 
 def _readable(sock, wait=0.0):
@@ -4249,9 +4255,9 @@ class Upstream:
             headers = headers + [("Content-Length", str(len(body)))]
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
-        started = time.monotonic()
-        for attempt in (1, 2):
-            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
+        started, retried = time.monotonic(), False
+        while True:  # once more only for a reused connection the backend had closed
+            connection, reused = self._connection(not (repeatable and at_hand), retried)
             try:
                 connection.putrequest(method, self.prefix + target, skip_host=True,
                                       skip_accept_encoding=True)
@@ -4266,12 +4272,12 @@ class Upstream:
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1 and
+                if not (repeatable and at_hand and reused and not retried and
                         isinstance(exc, CLOSED_BY_BACKEND)):
                     self.metrics.backend_error(exc)
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
-        raise AssertionError("unreachable")
+                retried = True
 
     def finish(self, connection, response):
         """After a fully read answer: keep the connection for the next request."""
@@ -4378,6 +4384,8 @@ MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
 class Rate(collections.namedtuple("Rate", "count window text")):
     """`count` requests per `window` seconds, written `text` (`60/minute`)."""
 
@@ -4679,8 +4687,6 @@ class Counters:
         tat.move_to_end(counter)
         while len(tat) > self.capacity:
             tat.popitem(last=False)
-
-
 
 
 class FailureCounts:
@@ -6164,7 +6170,6 @@ def add_serve_command(commands):
     add_restriction_flags(serve)
 
 
-
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS,
@@ -6522,8 +6527,10 @@ def usage_table(keys):
     most used first; a key never used says so in its last column."""
     rows = [["NAME", "UID", "ALLOWED", "REFUSED"] + [r.upper() for r in USAGE_REASONS] +
             ["LAST USED"]]
+
     def total(key):
         return key["usage"]["allowed"] + sum(key["usage"]["refused"].values())
+
     for key in sorted(keys, key=lambda key: -total(key)):
         usage = key["usage"]
         rows.append([printable(key.get("name") or "-")[:40], key["uid"], usage["allowed"],
