@@ -70,6 +70,7 @@ import shlex
 import signal
 import stat
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -960,6 +961,28 @@ def listen_family(host):
     return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
 
 
+def bound_socket(host, port):
+    """The server's TCP socket, bound to (host, port) and not listening yet
+    (serve binds before it loads the store: a start failing on a busy port
+    leaves no store behind). Set up as HTTPServer's (SO_REUSEADDR); an IPv6
+    socket takes IPv4 callers too where the system allows it (`--host ::` is
+    then every address of both families)."""
+    family = listen_family(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class KeysServer(http.server.HTTPServer):
     """http.server's HTTPServer, with what socketserver does with a
     connection overridden: `process_request` (a new one) and
@@ -971,16 +994,20 @@ class KeysServer(http.server.HTTPServer):
     connections, slow heads and closing connections hold no thread, and a
     newcomer is served while thousands of them are open; past `max_open`
     connections the one waiting longest is closed. (ThreadingMixIn's thread
-    for each connection is what this replaces.)"""
+    for each connection is what this replaces.)
+    It serves on `sock`, a bound_socket already listening, which the
+    processes of `serve --workers` share: each has a KeysServer of its own
+    on it."""
 
-    request_queue_size = 1024
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 refuses a burst of callers
     # An optimization, measured: a thread with nothing to serve waits this long
     # for a next connection before it ends; starting a thread for each new
     # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
     thread_idle_seconds = 5.0
 
-    def __init__(self, address, service, max_connections=512, max_open=1000,
-                 bind_and_activate=True):
+    def __init__(self, sock, service, max_connections=512, max_open=1000):
+        socketserver.BaseServer.__init__(self, sock.getsockname(), KeysHandler)
+        self.socket, self.address_family = sock, sock.family
         self.service = service
         self.max_threads, self.max_open = max(1, max_connections), max_open
         self.open = self._threads = self._idle_threads = 0
@@ -988,18 +1015,6 @@ class KeysServer(http.server.HTTPServer):
         self._lock = threading.Condition()  # over all of these counts; notified when one is ready
         self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
                                         lambda: self.open > self.max_open)
-        self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler, bind_and_activate)
-
-    def server_bind(self):
-        """An IPv6 socket takes IPv4 callers too where the system allows it
-        (`--host ::` is then every address of both families)."""
-        if self.address_family == socket.AF_INET6:
-            try:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except (AttributeError, OSError):
-                pass  # IPv6 only, as the system has it
-        super().server_bind()
 
     def serve_forever(self, poll_interval=0.5):
         self.waiting_room.start()
@@ -6347,9 +6362,7 @@ def run_serve(args):
     # the port first: a start that fails on a busy port leaves no store behind; callers are
     # taken (listen) once the store is loaded
     try:
-        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
-                              bind_and_activate=False)
-        listener.server_bind()
+        sock = bound_socket(args.host, args.port)
     except OSError as exc:  # a busy port, an unknown host
         return cannot_listen(args, exc)
     try:
@@ -6361,33 +6374,29 @@ def run_serve(args):
         service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
                           args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
-        listener.server_close()
+        sock.close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
     try:
-        listener.server_activate()
+        sock.listen(KeysServer.request_queue_size)
     except OSError as exc:
-        listener.server_close()
+        sock.close()
         return cannot_listen(args, exc)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
-        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        sock.getsockname()[1], " -> " + upstream.display_url if upstream else "",
         "; %d workers" % args.workers if args.workers > 1 else ""))
-    if args.workers == 1:
-        listener.service = service
-        return serve_until_stopped(listener, store)
 
-    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
-        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
-                            bind_and_activate=False)
-        server.socket.close()
-        server.socket = listener.socket
-        return serve_until_stopped(server, store)
+    def serve_on_socket():  # in a worker: a server of its own (threads, watcher) on it
+        return serve_until_stopped(KeysServer(sock, service, args.max_connections, max_open),
+                                   store)
+    if args.workers == 1:
+        return serve_on_socket()
     try:
-        return run_workers(args.workers, serve_as_worker)
+        return run_workers(args.workers, serve_on_socket)
     finally:
-        listener.server_close()
+        sock.close()
 
 
 def cannot_listen(args, exc):
