@@ -1176,9 +1176,9 @@ class Service:
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
-        """Send the backend what `decide` makes of the request; relay its answer.
-        The backend's facts a decision needs (does the index exist, which
-        indexes the key covers, a task's index) are fetched here, once."""
+        """Send the backend what `decide` makes of the request, once `enforce`
+        has run its checks and fetched the backend's facts it needs (which
+        indexes the key covers, a task's index); relay the answer."""
         request, decision, upstream = call.request, call.decision, self.upstream
         value, query, facts = self.enforce(call, request.query, forwarding=True)
         context = RuleContext(call.principal, call.params, query, facts)
@@ -1228,6 +1228,7 @@ class Service:
                     "is refused." % call.index))
             check_index_exists(upstream, call.index, 404 if forwarding else 403)
         if decision.checks_joins:
+            # (/authorize never reads the body naming a multi-search's indexes)
             if upstream is None or call.index is None and not forwarding:
                 raise scope_not_enforceable(call.route, "without --upstream, which it needs "
                                             "to see whether the index joins others "
