@@ -51,7 +51,6 @@ import contextlib
 import datetime
 import fcntl
 import functools
-import gc
 import hashlib
 import heapq
 import hmac
@@ -71,6 +70,7 @@ import shlex
 import signal
 import stat
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -266,6 +266,10 @@ def internal_error(message):
 
 def key_not_found(segment):
     return ApiError(404, "api_key_not_found", "API key `%s` not found." % segment)
+
+
+def index_not_found(index, status=404):
+    return ApiError(status, "index_not_found", "Index `%s` not found." % index)
 
 
 # =============================================================================
@@ -464,11 +468,10 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family")
+    __slots__ = ("method", "target", "headers", "body", "peer", "key", "family")
 
-    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
-        self.method, self.target, self.headers = method, target, headers
-        self.body, self.version = body, version
+    def __init__(self, method, target, headers, body, peer=None):
+        self.method, self.target, self.headers, self.body = method, target, headers, body
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
         self.family = "other"  # its route's family, for metrics (Route.family)
@@ -641,8 +644,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
     def do_request(self):
         """Every method's do_*: the service routes methods as upstream does."""
         self.send_answer(self.server.service.handle(Request(
-            self.command, self.path, self.headers, self.body, self.request_version,
-            self.client_address[0])))
+            self.command, self.path, self.headers, self.body, self.client_address[0])))
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
@@ -994,6 +996,28 @@ def listen_family(host):
     return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
 
 
+def bound_socket(host, port):
+    """The server's TCP socket, bound to (host, port) and not listening yet
+    (serve binds before it loads the store: a start failing on a busy port
+    leaves no store behind). Set up as HTTPServer's (SO_REUSEADDR); an IPv6
+    socket takes IPv4 callers too where the system allows it (`--host ::` is
+    then every address of both families)."""
+    family = listen_family(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class KeysServer(http.server.HTTPServer):
     """http.server's HTTPServer, with what socketserver does with a
     connection overridden: `process_request` (a new one) and
@@ -1005,16 +1029,20 @@ class KeysServer(http.server.HTTPServer):
     connections, slow heads and closing connections hold no thread, and a
     newcomer is served while thousands of them are open; past `max_open`
     connections the one waiting longest is closed. (ThreadingMixIn's thread
-    for each connection is what this replaces.)"""
+    for each connection is what this replaces.)
+    It serves on `sock`, a bound_socket already listening, which the
+    processes of `serve --workers` share: each has a KeysServer of its own
+    on it."""
 
-    request_queue_size = 1024
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 refuses a burst of callers
     # An optimization, measured: a thread with nothing to serve waits this long
     # for a next connection before it ends; starting a thread for each new
     # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
     thread_idle_seconds = 5.0
 
-    def __init__(self, address, service, max_connections=512, max_open=1000,
-                 bind_and_activate=True):
+    def __init__(self, sock, service, max_connections=512, max_open=1000):
+        socketserver.BaseServer.__init__(self, sock.getsockname(), KeysHandler)
+        self.socket, self.address_family = sock, sock.family
         self.service = service
         self.max_threads, self.max_open = max(1, max_connections), max_open
         self.open = self._threads = self._idle_threads = 0
@@ -1022,18 +1050,6 @@ class KeysServer(http.server.HTTPServer):
         self._lock = threading.Condition()  # over all of these counts; notified when one is ready
         self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
                                         lambda: self.open > self.max_open)
-        self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler, bind_and_activate)
-
-    def server_bind(self):
-        """An IPv6 socket takes IPv4 callers too where the system allows it
-        (`--host ::` is then every address of both families)."""
-        if self.address_family == socket.AF_INET6:
-            try:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except (AttributeError, OSError):
-                pass  # IPv6 only, as the system has it
-        super().server_bind()
 
     def serve_forever(self, poll_interval=0.5):
         self.waiting_room.start()
@@ -1195,36 +1211,18 @@ class Service:
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
-        """Send the backend what `decide` makes of the request; relay its answer.
-        The backend's facts a decision needs (does the index exist, which
-        indexes the key covers, a task's index) are fetched here, once."""
-        request, decision = call.request, call.decision
-        value = call.json if decision.needs_body else None
-        query = request.query
-        if decision.value_steps and decision.carrier == QUERY:
-            read = parse_search_query(query)
-            value = dict(read[0])
-        for step in decision.value_steps:
-            value = step.apply(value)
-        if decision.value_steps and decision.carrier == QUERY:
-            query = encode_search_query(query, read, value)
-        upstream = self.upstream
-        if upstream is None:
-            raise no_upstream()
-        if decision.needs_existing_index:
-            check_index_exists(upstream, call.index, 404)
-        if decision.refusal is not None:
-            raise decision.refusal
-        context = RuleContext(call.principal, call.params, query,
-                              fetch_facts(upstream, call, decision.facts))
+        """Send the backend what `decide` makes of the request, once `enforce`
+        has run its checks and fetched the backend's facts it needs (which
+        indexes the key covers, a task's index); relay the answer."""
+        request, decision, upstream = call.request, call.decision, self.upstream
+        value, query, facts = self.enforce(call, request.query, forwarding=True)
+        context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
         target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
             functools.partial(decision.answer_filter, context)
-        if decision.checks_joins:
-            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
@@ -1234,6 +1232,44 @@ class Service:
             body = self.caller_body(request.body, headers)
         return upstream.forward(call.route.method, target, headers, body,
                                 call.route.repeatable, answer_filter)
+
+    def enforce(self, call, query, forwarding):
+        """The decision's checks, in the one order both edges keep (so that
+        forwarding and `GET /authorize` give a request the same answer):
+        1. its refusal;
+        2. the request itself, pure: forwarding runs its value steps (they
+           rewrite the search value or refuse it); /authorize checks nginx
+           may forward it as sent (Decision.check_unchanged);
+        3. the backend's facts: the index exists (for a caller who may not
+           create it), the indexes searched join no documents the principal
+           may not see whole, then the facts the query steps need.
+        `query`: the query string of the request judged. Returns the search
+        value and query string to forward, and the facts."""
+        decision, upstream = call.decision, self.upstream
+        if decision.refusal is not None:
+            raise decision.refusal
+        if forwarding:
+            value, query = decision.rewrite(call.json if decision.needs_body else None, query)
+            if upstream is None:
+                raise no_upstream()
+        else:
+            decision.check_unchanged(call.route, call.principal, call.params, query)
+            value = None
+        if decision.needs_existing_index:
+            if upstream is None:
+                raise refused("action", invalid_api_key(
+                    "This API key may not create indexes, and searchkeys runs without "
+                    "--upstream, so it cannot check that the index `%s` exists; the request "
+                    "is refused." % call.index))
+            check_index_exists(upstream, call.index, 404 if forwarding else 403)
+        if decision.checks_joins:
+            # (/authorize never reads the body naming a multi-search's indexes)
+            if upstream is None or call.index is None and not forwarding:
+                raise scope_not_enforceable(call.route, "without --upstream, which it needs "
+                                            "to see whether the index joins others "
+                                            "(foreignKeys)")
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
+        return value, query, fetch_facts(upstream, call, decision.facts)
 
     @staticmethod
     def caller_body(body, headers):
@@ -1283,20 +1319,8 @@ class Service:
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
                            "`GET /authorize`." % (route.method, route.pattern), "auth")
-        decision = decide(route, principal, index)
-        decision.check_unchanged(route, principal, params, uri.partition("?")[2])
-        if decision.checks_joins:
-            if self.upstream is None or index is None:  # (a multi-search was refused above)
-                raise scope_not_enforceable(route, "without --upstream, which it needs to see "
-                                            "whether the index joins others (foreignKeys)")
-            check_joins(principal, fetch_joins(self.upstream, [index]))
-        if decision.needs_existing_index:
-            if self.upstream is None:
-                raise refused("action", invalid_api_key(
-                    "This API key may not create indexes, and searchkeys runs without "
-                    "--upstream, so it cannot check that the index `%s` exists; the request "
-                    "is refused." % index))
-            check_index_exists(self.upstream, index, 403)
+        self.enforce(Call(request, route, index, params, principal), uri.partition("?")[2],
+                     forwarding=False)
         return Response(204, authorize_headers(principal))
 
     def answer_health(self, call):
@@ -1403,7 +1427,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated")):
+                 "forced carrier family gated joins")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1421,16 +1445,20 @@ class Route(collections.namedtuple(
       or BODY (its JSON body);
     - `family`: what /metrics counts it under;
     - `gated`: the Gate checks its credential before the handler (/metrics
-      checks its own: its token may stand in)."""
+      checks its own: its token may stand in);
+    - `joins`: it searches documents, whose hits may carry documents of the
+      indexes the searched one joins (check_joins)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
+                joins=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
-                               route_family(pattern, handler is not Service.forward), gated)
+                               route_family(pattern, handler is not Service.forward), gated,
+                               joins)
 
     @property
     def is_meilisearch(self):
@@ -1523,17 +1551,17 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
         Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
         Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SEARCH_PARAMETERS)),
+              forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
-              repeatable=True, forced=force_facet_search),
+              repeatable=True, forced=force_facet_search, joins=True),
         Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SIMILAR_PARAMETERS)),
+              forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
               forced=REFUSED_WHEN_FORCED),
         Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
@@ -1554,7 +1582,7 @@ def build_routes():
     ] + _settings_routes() + [
         Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
               hits=cap_multi_search, searches=count_queries, repeatable=True,
-              forced=force_multi_search),
+              forced=force_multi_search, joins=True),
         Route("POST", "/swap-indexes", ("indexes.swap",),
               rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
         Route("POST", "/render-template", ("settings.get", "documents.get"),
@@ -1987,7 +2015,10 @@ class Principal:
 
     def index_refusal(self, index):
         """None when the credential covers `index`, else upstream's refusal
-        (the token's rules are checked before its parent key's patterns)."""
+        (the token's rules are checked before its parent key's patterns).
+        "acces" is Meilisearch's own spelling in these three messages
+        (meilisearch/src/extractors/authentication/error.rs): clients and
+        tests match them byte for byte."""
         key, rules = self.key, self.rules
         if key is None:
             return None
@@ -2081,13 +2112,24 @@ class Decision(collections.namedtuple(
     def needs_body(self):
         return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
 
+    def rewrite(self, value, query):
+        """The search value and query string to forward once the value steps
+        ran on them: `value` is the JSON body's (carrier BODY) or None; a
+        GET's value is read from its query string and written back to it."""
+        if self.value_steps and self.carrier == QUERY:
+            read = parse_search_query(query)
+            value = dict(read[0])
+        for step in self.value_steps:
+            value = step.apply(value)
+        if self.value_steps and self.carrier == QUERY:
+            query = encode_search_query(query, read, value)
+        return value, query
+
     def check_unchanged(self, route, principal, params, query):
         """For `GET /authorize`, which lets nginx forward the request as sent,
         without its body or answer: raise unless the decision allows it with
         nothing to read, fetch or rewrite (the steps on its query string may
-        run: they must leave it as it is)."""
-        if self.refusal is not None:
-            raise self.refusal
+        run: they must leave it as it is). Its refusal is raised before."""
         unseen = None
         if self.value_steps and self.carrier == BODY:
             unseen = self.value_steps[0].why
@@ -2148,7 +2190,7 @@ def decide(route, principal, index):
         value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
-    checks_joins = route.family in ("search", "multi-search") and not (
+    checks_joins = route.joins and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps), route.carrier,
@@ -2200,7 +2242,7 @@ def fetch_joins(upstream, indexes):
         status, answer = upstream.fetch_json(target)
         code = answer.get("code") if isinstance(answer, dict) else None
         if status == 404 and code == "index_not_found":
-            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index)
         if status == 404:
             joins[index] = []
         elif status == 200 and isinstance(answer, list):
@@ -2235,7 +2277,7 @@ def check_index_exists(upstream, index, missing_status):
                         "asking for index %s" % index)
     except ApiError as error:
         if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index, missing_status)
         raise
 
 
@@ -2868,10 +2910,6 @@ class RuleContext(collections.namedtuple("RuleContext", "principal params query 
     parameters, the query string, and the backend's `facts` its rule asked
     for (see fetch_facts), fetched at the edge."""
 
-    @property
-    def index(self):
-        return self.params.get("index_uid")
-
     def allowed_indexes(self):
         """The uids of the backend's indexes the principal covers."""
         return [i["uid"] for i in self.facts["covered_indexes"]]
@@ -3257,20 +3295,24 @@ class KeysApi:
 
     def get_restrictions(self, call):
         """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         return self._restrictions(200, self.store.find(call.params["key"]))
 
     def put_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
                                                    restrictions))
 
     def delete_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self._write(self.store.restrict, call.params["key"], None)
         return Response(204)
+
+    @staticmethod
+    def _require_master_for_restrictions(call):
+        require_master(call.principal, "read or change the restrictions of a key")
 
     @staticmethod
     def _restrictions(status, key):
@@ -4156,6 +4198,8 @@ NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+
+
 def _kept_headers(headers, dropped):
     """`headers` as (name, value) pairs, without the names in `dropped` and
     those the Connection header lists (hop-by-hop too)."""
@@ -4179,8 +4223,8 @@ def upstream_unreachable(upstream, reason):
 
 def no_upstream():
     return ApiError(501, "no_upstream",
-                    "The request is authorized, but searchkeys runs without --upstream: there "
-                    "is no search backend to forward it to.", "system")
+                    "searchkeys runs without --upstream: there is no search backend to "
+                    "forward the request to.", "system")
 
 
 def _readable(sock, wait=0.0):
@@ -4273,9 +4317,9 @@ class Upstream:
             headers = headers + [("Content-Length", str(len(body)))]
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
-        started = time.monotonic()
-        for attempt in (1, 2):
-            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
+        started, retried = time.monotonic(), False
+        while True:  # once more only for a reused connection the backend had closed
+            connection, reused = self._connection(not (repeatable and at_hand), retried)
             try:
                 connection.putrequest(method, self.prefix + target, skip_host=True,
                                       skip_accept_encoding=True)
@@ -4290,12 +4334,12 @@ class Upstream:
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1 and
+                if not (repeatable and at_hand and reused and not retried and
                         isinstance(exc, CLOSED_BY_BACKEND)):
                     self.metrics.backend_error(exc)
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
-        raise AssertionError("unreachable")
+                retried = True
 
     def finish(self, connection, response):
         """After a fully read answer: keep the connection for the next request."""
@@ -4402,6 +4446,8 @@ MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
 class Rate(collections.namedtuple("Rate", "count window text")):
     """`count` requests per `window` seconds, written `text` (`60/minute`)."""
 
@@ -4703,8 +4749,6 @@ class Counters:
         tat.move_to_end(counter)
         while len(tat) > self.capacity:
             tat.popitem(last=False)
-
-
 
 
 class FailureCounts:
@@ -6188,7 +6232,6 @@ def add_serve_command(commands):
     add_restriction_flags(serve)
 
 
-
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS,
@@ -6366,9 +6409,7 @@ def run_serve(args):
     # the port first: a start that fails on a busy port leaves no store behind; callers are
     # taken (listen) once the store is loaded
     try:
-        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
-                              bind_and_activate=False)
-        listener.server_bind()
+        sock = bound_socket(args.host, args.port)
     except OSError as exc:  # a busy port, an unknown host
         return cannot_listen(args, exc)
     try:
@@ -6380,33 +6421,29 @@ def run_serve(args):
         service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
                           args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
-        listener.server_close()
+        sock.close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
     try:
-        listener.server_activate()
+        sock.listen(KeysServer.request_queue_size)
     except OSError as exc:
-        listener.server_close()
+        sock.close()
         return cannot_listen(args, exc)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
-        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        sock.getsockname()[1], " -> " + upstream.display_url if upstream else "",
         "; %d workers" % args.workers if args.workers > 1 else ""))
-    if args.workers == 1:
-        listener.service = service
-        return serve_until_stopped(listener, store)
 
-    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
-        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
-                            bind_and_activate=False)
-        server.socket.close()
-        server.socket = listener.socket
-        return serve_until_stopped(server, store)
+    def serve_on_socket():  # in a worker: a server of its own (threads, watcher) on it
+        return serve_until_stopped(KeysServer(sock, service, args.max_connections, max_open),
+                                   store)
+    if args.workers == 1:
+        return serve_on_socket()
     try:
-        return run_workers(args.workers, serve_as_worker)
+        return run_workers(args.workers, serve_on_socket)
     finally:
-        listener.server_close()
+        sock.close()
 
 
 def cannot_listen(args, exc):
@@ -6546,8 +6583,10 @@ def usage_table(keys):
     most used first; a key never used says so in its last column."""
     rows = [["NAME", "UID", "ALLOWED", "REFUSED"] + [r.upper() for r in USAGE_REASONS] +
             ["LAST USED"]]
+
     def total(key):
         return key["usage"]["allowed"] + sum(key["usage"]["refused"].values())
+
     for key in sorted(keys, key=lambda key: -total(key)):
         usage = key["usage"]
         rows.append([printable(key.get("name") or "-")[:40], key["uid"], usage["allowed"],

@@ -291,12 +291,15 @@ ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
 class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
     answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
-    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`."""
+    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`.
+    The indexes named in `missing` do not exist: `GET /indexes/{uid}` answers index_not_found
+    (and is recorded)."""
 
     def __init__(self):
         seen = self.seen = []
         lookups = self.lookups = []
         joins = self.joins = {}
+        missing = self.missing = set()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -310,6 +313,11 @@ class Backend:
                     answer_json(self, json.dumps(joins.get(parts[2], [])).encode())
                     return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
+                if self.command == "GET" and len(parts) == 3 and parts[2] in missing:
+                    answer_json(self, json.dumps({
+                        "message": "Index `%s` not found." % parts[2], "code": "index_not_found",
+                        "type": "invalid_request", "link": ""}).encode(), 404)
+                    return
                 answer_json(self, b'{"hits":[]}')
 
             do_GET = do_POST = do_PATCH = answer
