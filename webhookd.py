@@ -1858,8 +1858,9 @@ def read_chunked(conn, limit):
 RECV_BYTES = 1 << 16
 PARKED_HEAD_BYTES = 16384  # a head read in the WaitingRoom beyond this size counts against:
 PARKED_LARGE_BYTES = 64 << 20  # what all such heads may hold together; beyond, one is closed
-BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
-# a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
+BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace),
+# counted on what has come: a 25 MiB body on a slow link still comes (27 min), a trickled one
+# is cut off once it falls behind, not when its announced size would have been due
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
@@ -1887,16 +1888,16 @@ class Connection:
     and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
     not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
     deadline (`due`: from accept, or from the first byte of a later head), else after
-    -read-header-timeout, and for a body also at `body_due` for all of it; its writes after
-    -write-timeout."""
+    -read-header-timeout, and for a body also at `body_due` (which each byte of a `paced` body
+    moves on by 1/BODY_MIN_RATE s); its writes after -write-timeout."""
 
     __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
-                 "body_due", "outbox", "handshaking", "closing")
+                 "body_due", "paced", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
         self.limits, self.tls = server.limits, server.tls_context is not None
-        self.body_due = math.inf
+        self.body_due, self.paced = math.inf, False
         self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
         self.handshaking = self.tls
@@ -1944,6 +1945,8 @@ class Connection:
         self.sock.settimeout(due - now)
         data = self.sock.recv(RECV_BYTES)
         self.buffer += data
+        if self.paced:
+            self.body_due += len(data) / BODY_MIN_RATE
         return bool(data)
 
     def skim(self, read, seconds):
@@ -2330,17 +2333,19 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def read_body(self):
         """The body, when the App wants it: by Content-Length or chunked, capped at
-        -max-body-bytes, after `100 Continue` if the client waits for it, all of it within
-        -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-        trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
+        -max-body-bytes, after `100 Continue` if the client waits for it, each byte by
+        -read-header-timeout plus the bytes before it at BODY_MIN_RATE, so a client trickling
+        it holds a worker for -read-header-timeout or little more.  A body that breaks off or is malformed
         mid-way is logged and what came returned (as upstream: the hook runs with it)."""
         request, conn, limits = self.head, self.conn, self.server.limits
         size = body_length(request, limits.max_body)  # refused before the client sends it
         request.body_read = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.handle_expect_100()  # as Go: only when a body is announced
-        conn.body_due = time.monotonic() + limits.header_timeout + (
-            limits.max_body if size is None else size) / BODY_MIN_RATE
+        # what was read ahead with the head counts for the body, as what comes later will
+        conn.body_due = time.monotonic() + limits.header_timeout \
+            + len(conn.buffer) / BODY_MIN_RATE
+        conn.paced = True
         try:
             if size is None:
                 return read_chunked(conn, limits.max_body)
@@ -2356,7 +2361,7 @@ class HookHandler(BaseHTTPRequestHandler):
             request.body_broken = True
             return exc.partial
         finally:
-            conn.body_due = math.inf
+            conn.body_due, conn.paced = math.inf, False
 
     def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as

@@ -461,3 +461,24 @@ def test_a_hook_body_trickled_in_is_cut_off_in_bounded_time(tmp_path):
             status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
             assert (status, body) == (200, b"ping\n")
             assert answer_until_closed(slow) == b""  # cut off: too slow to get an answer
+
+
+def test_a_large_hook_body_trickled_in_is_cut_off_as_soon_as_it_falls_behind(tmp_path):
+    """The body's deadline follows what has come, not what the head announces: a body declared
+    at 20 MB but sent a byte at a time held a worker for 20 minutes (its size at 16 KiB/s),
+    so a few such clients locked every new one out for as long."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "2", "-read-header-timeout", "2")
+    with Daemon(argv, port) as daemon:
+        for encoding in (b"Content-Length: 20000000", b"Transfer-Encoding: chunked"):
+            head = b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n" % encoding
+            first = b"1000000\r\n" if b"chunked" in encoding else b""
+            with trickling(port, head, 2, first) as clients:
+                time.sleep(0.5)  # both workers are taken
+                # 10 s: a hang detector (the trickle used to hold both workers for 20 minutes)
+                status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+                assert (status, body) == (200, b"ping\n"), encoding
+                for sock in clients:
+                    assert answer_until_closed(sock) == b"", encoding  # cut off, unanswered
