@@ -5345,8 +5345,14 @@ def write_pidfile(path):
         except FileExistsError:  # a file where the folder should be: Go's words for it
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
                 from None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # a pid file often sits in a shared folder where another user may have planted a link to
+    # a file of ours (the daemon usually starts as root): never followed nor written through
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | NO_LINK, 0o600)
     with os.fdopen(fd, "w") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(errno.EMLINK, "a link to another file, not a pid file", path)
+        handle.truncate()
         handle.write(str(os.getpid()))
 
 
