@@ -5196,6 +5196,19 @@ def inherited_listeners(environ):
 # Process setup: logging, listeners, TLS, privileges, pidfile
 # ---------------------------------------------------------------------------
 
+def open_own_file(path, flags):
+    """A descriptor on the file at path (made 0600 if missing), refused if it is a link: a log
+    or pid file often sits in a folder another user can write, who could plant a symbolic or
+    hard link there to a file of the daemon's user (root's /etc/shadow) to be written
+    through."""
+    fd = os.open(path, flags | os.O_CREAT | NO_LINK, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EMLINK, "a link to another file", path)
+    return fd
+
+
 class LogFileError(Exception):
     """-logfile cannot be opened: Go's sentence, exit status 1."""
 
@@ -5206,7 +5219,7 @@ def setup_logging(opts):
     nothing then: a hooks file it cannot load went unexplained)."""
     if opts.logfile:
         try:
-            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = open_own_file(opts.logfile, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
             raise LogFileError('error opening log file "%s": %s'
                                % (opts.logfile, go_errno_text(exc, "open"))) from None
@@ -5345,13 +5358,7 @@ def write_pidfile(path):
         except FileExistsError:  # a file where the folder should be: Go's words for it
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
                 from None
-    # a pid file often sits in a shared folder where another user may have planted a link to
-    # a file of ours (the daemon usually starts as root): never followed nor written through
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | NO_LINK, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            raise OSError(errno.EMLINK, "a link to another file, not a pid file", path)
+    with os.fdopen(open_own_file(path, os.O_WRONLY), "w") as handle:
         handle.truncate()
         handle.write(str(os.getpid()))
 

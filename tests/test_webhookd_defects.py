@@ -295,3 +295,22 @@ def test_a_link_planted_at_the_pidfile_path_is_never_written_through(tmp_path):
         assert output.count("\n") == 1 and "Errno" not in output, output
         assert victim.read_text() == "precious\n", plant
         os.unlink(pidfile)
+
+
+def test_a_link_planted_at_the_logfile_path_is_never_written_through(tmp_path):
+    """-logfile in a folder another user can write: a planted symbolic or hard link had the
+    daemon (often root) append lines holding request text to the file it points at."""
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "x", "execute-command": "/bin/true"}])
+    victim = tmp_path / "victim"
+    for plant in (os.symlink, os.link):
+        victim.write_text("precious\n")
+        logfile = tmp_path / "w.log"
+        plant(victim, logfile)
+        p = webhookd("-hooks", hooks, "-ip", "127.0.0.1", "-port", support.free_port(),
+                     "-logfile", logfile)
+        output = p.stdout + p.stderr
+        assert p.returncode == 1 and 'error opening log file "%s": open %s: ' % (
+            logfile, logfile) in output, output
+        assert output.count("\n") == 1 and "Errno" not in output, output
+        assert victim.read_text() == "precious\n", plant
+        os.unlink(logfile)
