@@ -1888,16 +1888,17 @@ class Connection:
     and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
     not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
     deadline (`due`: from accept, or from the first byte of a later head), else after
-    -read-header-timeout, and for a body also at `body_due` (which each byte of a `paced` body
-    moves on by 1/BODY_MIN_RATE s); its writes after -write-timeout."""
+    -read-header-timeout, and for a body also at `body_due`, which each byte of a body being
+    paced moves on by 1/BODY_MIN_RATE s up to `body_ceiling`; its writes after
+    -write-timeout."""
 
     __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
-                 "body_due", "paced", "outbox", "handshaking", "closing")
+                 "body_due", "body_ceiling", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
         self.limits, self.tls = server.limits, server.tls_context is not None
-        self.body_due, self.paced = math.inf, False
+        self.body_due = self.body_ceiling = math.inf
         self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
         self.handshaking = self.tls
@@ -1945,8 +1946,8 @@ class Connection:
         self.sock.settimeout(due - now)
         data = self.sock.recv(RECV_BYTES)
         self.buffer += data
-        if self.paced:
-            self.body_due += len(data) / BODY_MIN_RATE
+        if self.body_ceiling != math.inf:
+            self.body_due = min(self.body_due + len(data) / BODY_MIN_RATE, self.body_ceiling)
         return bool(data)
 
     def skim(self, read, seconds):
@@ -2334,18 +2335,22 @@ class HookHandler(BaseHTTPRequestHandler):
     def read_body(self):
         """The body, when the App wants it: by Content-Length or chunked, capped at
         -max-body-bytes, after `100 Continue` if the client waits for it, each byte by
-        -read-header-timeout plus the bytes before it at BODY_MIN_RATE, so a client trickling
-        it holds a worker for -read-header-timeout or little more.  A body that breaks off or is malformed
-        mid-way is logged and what came returned (as upstream: the hook runs with it)."""
+        -read-header-timeout plus the bytes before it at BODY_MIN_RATE (all of it by then plus
+        its size, or the cap), so a client trickling it holds a worker for little more than
+        -read-header-timeout.  A body that breaks off or is malformed mid-way is logged and
+        what came returned (as upstream: the hook runs with it)."""
         request, conn, limits = self.head, self.conn, self.server.limits
         size = body_length(request, limits.max_body)  # refused before the client sends it
         request.body_read = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.handle_expect_100()  # as Go: only when a body is announced
-        # what was read ahead with the head counts for the body, as what comes later will
-        conn.body_due = time.monotonic() + limits.header_timeout \
-            + len(conn.buffer) / BODY_MIN_RATE
-        conn.paced = True
+        # what was read ahead with the head counts for the body, as what comes later will;
+        # bytes that are no body (trailers, chunk extensions) never take longer than all of it
+        now = time.monotonic()
+        conn.body_ceiling = now + limits.header_timeout + (
+            limits.max_body if size is None else size) / BODY_MIN_RATE
+        conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
+                            conn.body_ceiling)
         try:
             if size is None:
                 return read_chunked(conn, limits.max_body)
@@ -2361,7 +2366,7 @@ class HookHandler(BaseHTTPRequestHandler):
             request.body_broken = True
             return exc.partial
         finally:
-            conn.body_due, conn.paced = math.inf, False
+            conn.body_due = conn.body_ceiling = math.inf
 
     def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as

@@ -482,3 +482,38 @@ def test_a_large_hook_body_trickled_in_is_cut_off_as_soon_as_it_falls_behind(tmp
                 assert (status, body) == (200, b"ping\n"), encoding
                 for sock in clients:
                     assert answer_until_closed(sock) == b"", encoding  # cut off, unanswered
+
+
+def test_a_chunked_body_cannot_hold_a_worker_with_endless_trailers(tmp_path):
+    """Bytes that are no body (trailer lines, chunk extensions) keep a body's pace too, but
+    never beyond the time its whole size may take: a client sending trailers at a steady
+    rate forever must not hold a worker forever."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    # all of a body within 2 s + 32 KiB at 16 KiB/s = 4 s, whatever comes
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "1", "-read-header-timeout", "2",
+                      "-max-body-bytes", "32768")
+    with Daemon(argv, port) as daemon:
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n1\r\na\r\n0\r\n")
+        stop = threading.Event()
+
+        def trailers():  # ~40 KiB/s of trailer lines, for up to 15 s
+            for _ in range(150):
+                if stop.wait(0.1):
+                    return
+                with contextlib.suppress(OSError):
+                    slow.sendall(b"X-Trailer: %s\r\n" % (b"t" * 4000))
+        sender = threading.Thread(target=trailers)
+        sender.start()
+        try:
+            time.sleep(0.5)  # the only worker is taken
+            # 10 s: a hang detector (the trailers held the worker as long as they came)
+            status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+            assert (status, body) == (200, b"ping\n")
+        finally:
+            stop.set()
+            sender.join()
+            slow.close()
