@@ -1863,6 +1863,7 @@ BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-time
 # is cut off once it falls behind, not when its announced size would have been due
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
+STALLED_READ_SECONDS = 1.0  # a worker's read stalled this long gives way to waiting connections
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
 # ... or this much: a client that sent a head of a few times the limit (Go's, 1 MiB) in one go
 # still gets its 431 rather than a reset caused by its unread end
@@ -1937,14 +1938,22 @@ class Connection:
 
     def fill(self):
         """One recv into the buffer, before the read deadline: False at end of stream;
-        socket.timeout once the deadline has passed."""
+        socket.timeout once the deadline has passed, or once the client has kept a worker
+        waiting STALLED_READ_SECONDS while other connections wait for one."""
         now = time.monotonic()
         due = min(self.due if self.due is not None else now + self.limits.header_timeout,
                   self.body_due)
-        if due <= now:
-            raise socket.timeout("timed out")
-        self.sock.settimeout(due - now)
-        data = self.sock.recv(RECV_BYTES)
+        while True:
+            if due <= now:
+                raise socket.timeout("timed out")
+            self.sock.settimeout(min(due - now, STALLED_READ_SECONDS))
+            try:
+                data = self.sock.recv(RECV_BYTES)
+                break
+            except socket.timeout:
+                if self.server.room.workers.saturated():
+                    raise
+            now = time.monotonic()
         self.buffer += data
         if self.body_ceiling != math.inf:
             self.body_due = min(self.body_due + len(data) / BODY_MIN_RATE, self.body_ceiling)

@@ -517,3 +517,34 @@ def test_a_chunked_body_cannot_hold_a_worker_with_endless_trailers(tmp_path):
             stop.set()
             sender.join()
             slow.close()
+
+
+def test_bodies_that_never_come_give_way_when_every_worker_is_taken(tmp_path):
+    """Expect: 100-continue, then no body: each such client held a worker for all of
+    -read-header-timeout, so as many of them as -max-connections, renewed as they were cut
+    off, locked every new client out.  While clients wait for a worker, a read that stalls
+    for a second gives way."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "2", "-read-header-timeout", "30")
+    with Daemon(argv, port) as daemon:
+        stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                             b"Expect: 100-continue\r\n\r\n")
+                assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n")
+            # 10 s: a hang detector (they used to hold both workers for 30 s)
+            status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+            assert (status, body) == (200, b"ping\n")
+        finally:
+            for sock in stalled:
+                sock.close()
+        # without clients waiting for a worker, a body may pause as long as it may
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+                         b"Connection: close\r\n\r\n")
+            time.sleep(2.5)
+            answer = exchange(sock, b"x")
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"ping\n"), answer
