@@ -1858,10 +1858,12 @@ def read_chunked(conn, limit):
 RECV_BYTES = 1 << 16
 PARKED_HEAD_BYTES = 16384  # a head read in the WaitingRoom beyond this size counts against:
 PARKED_LARGE_BYTES = 64 << 20  # what all such heads may hold together; beyond, one is closed
-BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
-# a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
+BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace),
+# counted on what has come: a 25 MiB body on a slow link still comes (27 min), a trickled one
+# is cut off once it falls behind, not when its announced size would have been due
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
+STALLED_READ_SECONDS = 1.0  # a worker's read stalled this long gives way to waiting connections
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
 # ... or this much: a client that sent a head of a few times the limit (Go's, 1 MiB) in one go
 # still gets its 431 rather than a reset caused by its unread end
@@ -1887,16 +1889,17 @@ class Connection:
     and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
     not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
     deadline (`due`: from accept, or from the first byte of a later head), else after
-    -read-header-timeout, and for a body also at `body_due` for all of it; its writes after
+    -read-header-timeout, and for a body also at `body_due`, which each byte of a body being
+    paced moves on by 1/BODY_MIN_RATE s up to `body_ceiling`; its writes after
     -write-timeout."""
 
     __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
-                 "body_due", "outbox", "handshaking", "closing")
+                 "body_due", "body_ceiling", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
         self.limits, self.tls = server.limits, server.tls_context is not None
-        self.body_due = math.inf
+        self.body_due = self.body_ceiling = math.inf
         self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
         self.handshaking = self.tls
@@ -1935,15 +1938,25 @@ class Connection:
 
     def fill(self):
         """One recv into the buffer, before the read deadline: False at end of stream;
-        socket.timeout once the deadline has passed."""
+        socket.timeout once the deadline has passed, or once the client has kept a worker
+        waiting STALLED_READ_SECONDS while other connections wait for one."""
         now = time.monotonic()
         due = min(self.due if self.due is not None else now + self.limits.header_timeout,
                   self.body_due)
-        if due <= now:
-            raise socket.timeout("timed out")
-        self.sock.settimeout(due - now)
-        data = self.sock.recv(RECV_BYTES)
+        while True:
+            if due <= now:
+                raise socket.timeout("timed out")
+            self.sock.settimeout(min(due - now, STALLED_READ_SECONDS))
+            try:
+                data = self.sock.recv(RECV_BYTES)
+                break
+            except socket.timeout:
+                if self.server.room.workers.saturated():
+                    raise
+            now = time.monotonic()
         self.buffer += data
+        if self.body_ceiling != math.inf:
+            self.body_due = min(self.body_due + len(data) / BODY_MIN_RATE, self.body_ceiling)
         return bool(data)
 
     def skim(self, read, seconds):
@@ -2330,17 +2343,23 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def read_body(self):
         """The body, when the App wants it: by Content-Length or chunked, capped at
-        -max-body-bytes, after `100 Continue` if the client waits for it, all of it within
-        -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-        trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
-        mid-way is logged and what came returned (as upstream: the hook runs with it)."""
+        -max-body-bytes, after `100 Continue` if the client waits for it, each byte by
+        -read-header-timeout plus the bytes before it at BODY_MIN_RATE (all of it by then plus
+        its size, or the cap), so a client trickling it holds a worker for little more than
+        -read-header-timeout.  A body that breaks off or is malformed mid-way is logged and
+        what came returned (as upstream: the hook runs with it)."""
         request, conn, limits = self.head, self.conn, self.server.limits
         size = body_length(request, limits.max_body)  # refused before the client sends it
         request.body_read = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.handle_expect_100()  # as Go: only when a body is announced
-        conn.body_due = time.monotonic() + limits.header_timeout + (
+        # what was read ahead with the head counts for the body, as what comes later will;
+        # bytes that are no body (trailers, chunk extensions) never take longer than all of it
+        now = time.monotonic()
+        conn.body_ceiling = now + limits.header_timeout + (
             limits.max_body if size is None else size) / BODY_MIN_RATE
+        conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
+                            conn.body_ceiling)
         try:
             if size is None:
                 return read_chunked(conn, limits.max_body)
@@ -2356,7 +2375,7 @@ class HookHandler(BaseHTTPRequestHandler):
             request.body_broken = True
             return exc.partial
         finally:
-            conn.body_due = math.inf
+            conn.body_due = conn.body_ceiling = math.inf
 
     def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as
@@ -5191,6 +5210,19 @@ def inherited_listeners(environ):
 # Process setup: logging, listeners, TLS, privileges, pidfile
 # ---------------------------------------------------------------------------
 
+def open_own_file(path, flags):
+    """A descriptor on the file at path (made 0600 if missing), refused if it is a link: a log
+    or pid file often sits in a folder another user can write, who could plant a symbolic or
+    hard link there to a file of the daemon's user (root's /etc/shadow) to be written
+    through."""
+    fd = os.open(path, flags | os.O_CREAT | NO_LINK, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EMLINK, "a link to another file", path)
+    return fd
+
+
 class LogFileError(Exception):
     """-logfile cannot be opened: Go's sentence, exit status 1."""
 
@@ -5201,7 +5233,7 @@ def setup_logging(opts):
     nothing then: a hooks file it cannot load went unexplained)."""
     if opts.logfile:
         try:
-            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = open_own_file(opts.logfile, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
             raise LogFileError('error opening log file "%s": %s'
                                % (opts.logfile, go_errno_text(exc, "open"))) from None
@@ -5340,8 +5372,8 @@ def write_pidfile(path):
         except FileExistsError:  # a file where the folder should be: Go's words for it
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
                 from None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
+    with os.fdopen(open_own_file(path, os.O_WRONLY), "w") as handle:
+        handle.truncate()
         handle.write(str(os.getpid()))
 
 
