@@ -3993,12 +3993,17 @@ def explain_leaf(node):
     return "%s %s" % (where, "held" if node["result"] else "did not hold")
 
 
+def explain_text(node):
+    """A node's own line: a match's explanation, or the combinator and its size."""
+    if node["rule"] in ("match", "none"):
+        return explain_leaf(node)
+    return "%s (%d rules)" % (node["rule"], node.get("of", 1))
+
+
 def explain_lines(node, depth=0):
     """The tree as indented text lines (-explain; the page shows the same as a list)."""
     mark = "yes" if node.get("result") else "no "
-    text = explain_leaf(node) if node["rule"] in ("match", "none") else "%s (%d rules)" % (
-        node["rule"], node.get("of", 1))
-    lines = ["%s[%s] %s" % ("  " * depth, mark, text)]
+    lines = ["%s[%s] %s" % ("  " * depth, mark, explain_text(node))]
     for child in node.get("rules", ()):
         lines.extend(explain_lines(child, depth + 1))
     if node.get("of", 0) > len(node.get("rules", ())):
@@ -6318,8 +6323,7 @@ class RunsHtml:
         if not isinstance(node, dict) or not isinstance(node.get("rule"), str):
             return '<p class="muted">not recorded</p>'
         try:
-            text = explain_leaf(node) if node["rule"] in ("match", "none") else \
-                "%s (%d rules)" % (node["rule"], node.get("of", 1))
+            text = explain_text(node)
         except (KeyError, TypeError, ValueError):
             text = node["rule"]
         result = node.get("result")
