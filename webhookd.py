@@ -458,13 +458,11 @@ def go_value_type(flag, convert):
 
 
 class GoFlagParser(argparse.ArgumentParser):
-    """argparse with Go's usage text and error sentences."""
+    """argparse with Go's error sentences (usage_text writes Go's usage: -h never reaches
+    argparse)."""
 
     def error(self, message):
         raise UsageError(re.sub(r"^argument -[\w-]+: ", "", message))
-
-    def format_help(self):
-        return usage_text(self.prog)
 
 
 def build_parser(program):
@@ -1800,10 +1798,6 @@ class StreamedBody:
 HOP_BY_HOP = frozenset(("Content-Length", "Transfer-Encoding", "Connection"))
 
 
-def status_line(status):
-    return "%d %s" % (status, GO_STATUS_TEXT.get(status, "status code %d" % status))
-
-
 def clean_path(path):
     """Go's path.Clean, keeping a trailing slash, as gorilla/mux does before routing."""
     if path.startswith("/") and "//" not in path and "/." not in path:
@@ -1957,12 +1951,12 @@ class Connection:
         self.scanned = 0
         return data
 
-    def fill(self, until=None):
-        """One recv into the buffer, before the read deadline (or `until`, if sooner): False at
-        end of stream; socket.timeout once the deadline has passed."""
+    def fill(self):
+        """One recv into the buffer, before the read deadline: False at end of stream;
+        socket.timeout once the deadline has passed."""
         now = time.monotonic()
         due = min(self.due if self.due is not None else now + self.limits.header_timeout,
-                  self.body_due, until or math.inf)
+                  self.body_due)
         if due <= now:
             raise socket.timeout("timed out")
         self.sock.settimeout(due - now)
@@ -4359,12 +4353,6 @@ class Running:
                 self.runner.stop(proc)
                 self.result = CommandResult(True, proc.wait(), timed_out=timed_out)
             self.clean_up()
-
-    def collect(self, keep=True):
-        """Run to the end: the result, with the whole output in it if `keep`."""
-        chunks = [chunk for chunk in self.output() if keep]
-        self.result.output = b"".join(chunks)
-        return self.result
 
     def clean_up(self):
         self.fed.set()

@@ -492,19 +492,26 @@ def invocation(argv, env_pairs=(), file_pairs=(), cwd=None):
     return w.Invocation(argv[0].decode(), argv, list(env_pairs), list(file_pairs), cwd, [])
 
 
+def collected(running):
+    """Run a Running to its end: its result, with the whole output in it."""
+    output = b"".join(running.output())
+    running.result.output = output
+    return running.result
+
+
 def test_runner_collects_streams_and_times_out(tmp_path):
     runner = w.Runner()
-    result = runner.start(invocation(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]),
-                          "r").collect()
+    result = collected(runner.start(
+        invocation(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]), "r"))
     assert (result.started, result.returncode, result.output) == (True, 3, b"out\nerr\n")
     running = runner.start(invocation(["/bin/sh", "-c", "printf a; sleep 0.1; printf b"]), "r")
     assert b"".join(running.output()) == b"ab" and running.result.ok  # as it comes
     started = time.monotonic()
-    result = runner.start(invocation(["/bin/sh", "-c", "echo begun; sleep 30"]), "r",
-                          timeout=0.3).collect()
+    result = collected(runner.start(invocation(["/bin/sh", "-c", "echo begun; sleep 30"]), "r",
+                                    timeout=0.3))
     assert result.timed_out and result.output == b"begun\n" and time.monotonic() - started < 5
-    result = runner.start(invocation(["/bin/sleep", "30"]), "r", timeout=0.2,
-                          capture=False).collect()
+    result = collected(runner.start(invocation(["/bin/sleep", "30"]), "r", timeout=0.2,
+                                    capture=False))
     assert (result.timed_out, result.returncode) == (True, -15)
     assert not runner.processes and not runner.active
     missing = runner.start(invocation([str(tmp_path / "nothing")]), "r")
@@ -515,7 +522,7 @@ def test_runner_collects_streams_and_times_out(tmp_path):
 def test_runner_environment_last_definition_wins_in_its_position(tmp_path):
     # defect 5: as Go's exec, a name set twice keeps the last value, in the last position
     pairs = [("HOOK_A", b"first"), ("HOOK_B", b"b"), ("HOOK_A", b"second")]
-    result = w.Runner().start(invocation(["/usr/bin/env"], env_pairs=pairs), "r").collect()
+    result = collected(w.Runner().start(invocation(["/usr/bin/env"], env_pairs=pairs), "r"))
     names = [line.split(b"=")[0] for line in result.output.splitlines()]
     assert b"HOOK_A=second" in result.output.splitlines()
     assert b"HOOK_A=first" not in result.output.splitlines()
@@ -525,7 +532,7 @@ def test_runner_environment_last_definition_wins_in_its_position(tmp_path):
 def test_runner_removes_temp_files_and_passes_their_paths(tmp_path):
     inv = invocation(["/bin/sh", "-c", 'cat "$PAYLOAD"; echo; echo "$PAYLOAD"'],
                      file_pairs=[("PAYLOAD", b"secret body")], cwd=str(tmp_path))
-    result = w.Runner().start(inv, "r").collect()
+    result = collected(w.Runner().start(inv, "r"))
     body, path = result.output.decode().splitlines()
     assert body == "secret body" and os.path.dirname(path) == str(tmp_path)
     assert not os.listdir(tmp_path)
