@@ -3880,10 +3880,12 @@ def rules_satisfied(hook, request, trace=None):
 
 # What a refused delivery shows (its record, the status page, -explain): every node evaluated,
 # true or false, with the value each match saw, cut to EXPLAIN_VALUE_CHARS.  Never a secret:
-# a signature shows only whether its header came and its length, and a `value` compared with a
-# header or a parameter named like a credential shows the same.
+# a signature shows only whether its header came and its length, and so does a value compared
+# with a header or a parameter named like a credential, or with a whole body, query or header
+# set (which may hold one).
 
 EXPLAIN_VALUE_CHARS = 120
+WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
 SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
                          re.IGNORECASE)
 
@@ -3938,8 +3940,8 @@ def explain_value(node, rule, value, err):
             node["length"] = len(value)
     elif err is not None:
         node["present"] = False
-    elif kind == "value" and (canonical_header(arg.name) in SENSITIVE_HEADERS
-                              or SECRET_NAME.search(arg.name)):
+    elif arg.source in WHOLE_SOURCES or canonical_header(arg.name) in SENSITIVE_HEADERS \
+            or SECRET_NAME.search(arg.name):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = cut(value)
@@ -3965,8 +3967,13 @@ def explain_summary(node):
 
 def explain_leaf(node):
     kind = node.get("type")
-    where = "%s `%s`" % (node["source"], node["name"]) if "source" in node else \
-        "header `%s`" % node["header"] if "header" in node else kind or node["rule"]
+    if "source" in node:
+        where = "%s `%s`" % (node["source"], node["name"]) if node.get("name") else \
+            node["source"]
+    elif "header" in node:
+        where = "header `%s`" % node["header"]
+    else:
+        where = kind or node["rule"]
     if node["rule"] in ("and", "or", "not"):
         return "`%s` %s" % (node["rule"], "held" if node["result"] else "did not hold")
     if node["rule"] == "none":

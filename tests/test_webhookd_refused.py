@@ -219,6 +219,31 @@ def test_explain_evaluates_a_saved_request_without_running_anything(tmp_path):
     assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
 
 
+def test_explain_never_shows_what_may_be_a_secret(tmp_path):
+    bearer = "Bearer " + TOKEN
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        {"id": "h", "execute-command": "/bin/true", "trigger-rule": {"or": [
+            {"match": {"type": "regex", "regex": "^Bearer x", "parameter": {
+                "source": "header", "name": "Authorization"}}},
+            {"match": {"type": "regex", "regex": "never", "parameter": {
+                "source": "entire-headers"}}},
+            {"match": {"type": "value", "value": "other", "parameter": {
+                "source": "payload", "name": "repository.api_key"}}},
+            {"match": {"type": "regex", "regex": "never", "parameter": {
+                "source": "raw-request-body"}}}]}}])
+    body = json.dumps({"repository": {"api_key": "sk-" + TOKEN}}).encode()
+    result = explain(hooks, "h", b"POST /hooks/h HTTP/1.1\r\nHost: a\r\nAuthorization: %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (bearer.encode(), len(body), body))
+    out = result.stdout.decode()
+    assert result.returncode == 1 and TOKEN not in out and "^Bearer x" not in out, out
+    assert "header `Authorization` (%d characters) did not match" % len(bearer) in out
+    assert "payload `repository.api_key` (%d characters) did not match" % (
+        len(TOKEN) + 3) in out
+    assert "  [no ] entire-headers (" in out and "  [no ] raw-request-body (" in out, out
+    assert out.count("did not match") == 4, out
+
+
 # ---------------------------------------------------------------------------------------------
 # Several secrets; Standard Webhooks
 # ---------------------------------------------------------------------------------------------
