@@ -477,7 +477,7 @@ def test_build_invocation(tmp_path):
     assert inv.argv == [b"/bin/echo", b"main", b""]
     assert inv.env_pairs == [("HOOK_x.y", "\ufffd".encode()), ("BRANCH", b"main")]
     assert inv.file_pairs == [("HOOK_F", b"hi")] and len(inv.messages) == 2
-    written = w.write_temp_files(inv, "r")
+    written = w.write_temp_files(inv, "rid")
     try:
         (envname, path), = written
         assert envname == "HOOK_F" and os.path.isabs(path) and path[-9:].isdigit()
