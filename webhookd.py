@@ -6073,7 +6073,8 @@ vertical-align:top;white-space:nowrap}
 td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
 .state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
 .s-failed,.s-timed-out,.s-killed,.s-interrupted,.s-refused,.bad{color:#dc2626}
-ul.rules{list-style:none;margin:0;padding-left:1.2rem}main>ul.rules{padding-left:0}.muted{color:var(--muted)}
+.muted{color:var(--muted)}
+ul.rules{list-style:none;margin:0;padding-left:1.2rem}main>ul.rules{padding-left:0}
 form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
 label{display:flex;flex-direction:column;font-size:.85rem}
 input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
