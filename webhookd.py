@@ -639,11 +639,12 @@ def read_template_file(name, path):
                                                     TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
-def expand_template(text, filename, environ=None, empty=None):
+def expand_template(text, filename, environ=None, empty=None, expanded=None):
     """Expand `{{ getenv "X" }}`, `{{ cat "PATH" }}`, `{{ credential "NAME" }}` (each optionally
     `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error.  Each
     action that gave "" (an unset variable, a missing file) is added to the list `empty` as
-    `line:column: action`, if one is given."""
+    `line:column: action`, if one is given; each value to the list `expanded` (the secrets a
+    run's record masks), if one is given."""
     environ = os.environ if environ is None else environ
     out, pos = [], 0
     for match in TEMPLATE_ACTION.finditer(text):
@@ -665,6 +666,8 @@ def expand_template(text, filename, environ=None, empty=None):
             raise HooksFileError("%s:%d:%d: template: %s" % (filename, line, col, exc)) from None
         if not value and empty is not None:
             empty.append("%d:%d: %s" % (line, col, match.group(0)))
+        if value and expanded is not None:
+            expanded.append(value)
         out.append(js_escape(value) if call.group(3) else value)
         pos = match.end()
         if match.group(3):
@@ -721,9 +724,10 @@ HOOK_FIELDS = {
     "command-timeout": ("command_timeout", "posnumber"),
     "stream-command-output": ("stream_output", "bool"),
     "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
+    "mask": ("mask", "masks"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
-         "headers": (), "strlist": (), "rule": None}
+         "headers": (), "strlist": (), "rule": None, "masks": ()}
 
 
 class Problems:
@@ -1083,6 +1087,14 @@ def parse_field(kind, value, where, problems):
     expect(value, list, where)
     if kind == "strlist":
         return tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+    if kind == "masks":
+        patterns = tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+        for i, pattern in enumerate(patterns):
+            if mask_pattern_length(pattern) is None:
+                raise HooksFileError("%s[%d]: not a mask pattern (ASCII characters, classes "
+                                     "[...], \\d \\w \\s and ., each optionally {N} times: "
+                                     "one fixed length, at most %d)" % (where, i, MASK_LONGEST))
+        return patterns
     headers = []
     for i, item in enumerate(value):
         here = "%s[%d]" % (where, i)
@@ -1108,6 +1120,7 @@ class Hook:
                 problems.file_error(exc)
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
+        self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
         unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
@@ -1139,6 +1152,117 @@ def rule_parameters(rule):
         else:
             pending.extend(node[1])
     return frozenset(headers), frozenset(params)
+
+
+def compares_a_secret(arg):
+    """Whether what a rule compares with this parameter may be a secret: a credential-like
+    header or name, or a whole body, query or header set (which may hold one)."""
+    return arg.source in WHOLE_SOURCES or canonical_header(arg.name) in SENSITIVE_HEADERS \
+        or SECRET_NAME.search(arg.name) is not None
+
+
+WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
+SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
+                         re.IGNORECASE)
+
+
+def rule_secrets(rule):
+    """The secrets a trigger rule holds: every `secret`, and the `value` a match compares with
+    a parameter that may hold a secret."""
+    found, pending = [], [rule]
+    while pending:
+        node = pending.pop()
+        if node is None or node[0] == "none":
+            continue
+        if node[0] == "match":
+            match = node[1]
+            found.extend(secret for secret in match.secrets if secret)
+            if match.type == "value" and compares_a_secret(match.parameter):
+                found.append(match.value)
+        elif node[0] == "not":
+            pending.append(node[1])
+        else:
+            pending.extend(node[1])
+    return found
+
+
+# What a run's record shows (its output, arguments and environment; the log's argv and output)
+# never holds a secret of its hooks file: each is replaced with MASKED.  A hook's `mask` adds
+# patterns of one fixed length, so that matching stays linear in the text: at each position at
+# most MASK_LONGEST characters are looked at, with no backtracking.
+
+MASKED = b"********"
+MASK_MIN_CHARS = 4  # shorter values (a getenv'd "1") would garble the output, and guard nothing
+MASK_LONGEST = 1024
+MASK_ATOM = re.compile(r"(?:\\[dws]|\\[^A-Za-z0-9]|\[\^?\]?(?:[^\]\\]|\\[^A-Za-z0-9]|\\[dws])*\]"
+                       r"|[^\\\[\]{}()|*+?^$])(?:\{([0-9]{1,4})\})?")
+
+
+def mask_pattern_length(pattern):
+    """The one length a `mask` pattern matches, or None if it is not a mask pattern: ASCII
+    literals, classes `[...]`, `\\d \\w \\s .`, each optionally `{N}` times; no alternation,
+    group or open repetition."""
+    if not pattern.isascii():
+        return None
+    pos = length = 0
+    while pos < len(pattern):
+        atom = MASK_ATOM.match(pattern, pos)
+        if atom is None:
+            return None
+        length, pos = length + int(atom.group(1) or 1), atom.end()
+    try:
+        re.compile(pattern.encode())
+    except re.error:
+        return None
+    return length if 0 < length <= MASK_LONGEST else None
+
+
+class Masker:
+    """A hook's secrets (literals of at least MASK_MIN_CHARS) and `mask` patterns, replaced with
+    MASKED in bytes, text, or a stream of chunks (stream())."""
+
+    def __init__(self, literals=(), patterns=()):
+        literals = sorted({text.encode("utf-8", "surrogateescape") for text in literals
+                           if len(text) >= MASK_MIN_CHARS}, key=len, reverse=True)
+        parts = [re.escape(literal) for literal in literals] + [p.encode() for p in patterns]
+        self.regex = re.compile(b"|".join(parts)) if parts else None
+        self.longest = max([len(literal) for literal in literals]
+                           + [mask_pattern_length(p) for p in patterns], default=0)
+
+    def bytes(self, data):
+        return data if self.regex is None else self.regex.sub(MASKED, data)
+
+    def text(self, text):
+        if self.regex is None:
+            return text
+        return self.bytes(text.encode("utf-8", "surrogateescape")).decode(
+            "utf-8", "surrogateescape")
+
+    def stream(self):
+        """feed(chunk, last=False) -> the masked bytes that are certain: a secret split between
+        two chunks is masked too (at most `longest` - 1 bytes wait for the next, or `last`)."""
+        pending = b""
+
+        def feed(chunk, last=False):
+            nonlocal pending
+            if self.regex is None:
+                return chunk
+            data, pending = pending + chunk, b""
+            certain = len(data) if last else max(0, len(data) - self.longest + 1)
+            shown, pos = [], 0
+            for found in self.regex.finditer(data):
+                if found.start() >= certain:  # might grow into a longer secret: next time
+                    break
+                shown += [data[pos:found.start()], MASKED]
+                pos = found.end()
+            certain = max(certain, pos)
+            shown.append(data[pos:certain])
+            pending = data[certain:]
+            return b"".join(shown)
+        return feed
+
+
+NO_MASK = Masker()
 
 
 def redact_target(target, names):
@@ -1229,12 +1353,12 @@ def read_bytes(path):
 def parse_hooks_file(raw, path, template=False):
     """Template-expand and parse the bytes of one hooks file: (hooks, Problems)."""
     text = raw.decode("utf-8", "surrogateescape")
-    empty_actions = []
+    empty_actions, expanded = [], []
     warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
                             "any command as webhookd (chmod go-w)" % (path, writable))
                 for writable in writable_by_others(path)]
     if template:
-        text = expand_template(text, path, empty=empty_actions)
+        text = expand_template(text, path, empty=empty_actions, expanded=expanded)
     else:
         action = TEMPLATE_FUNCTION_USE.search(text)
         if action:
@@ -1251,6 +1375,10 @@ def parse_hooks_file(raw, path, template=False):
         exc.items.extend(warnings)
         raise
     problems.items.extend(warnings)
+    # every secret of the file is masked in every hook's runs: one hook may pass another's
+    secrets = expanded + [secret for hook in hooks for secret in rule_secrets(hook.trigger_rule)]
+    for hook in hooks:
+        hook.masker = Masker(secrets, hook.mask)
     return hooks, problems
 
 
@@ -2804,8 +2932,9 @@ class Hooks:
         held = invocation.size() if invocation and mode == "background" else 0
         if mode == "background" and not self.background.reserve(held):
             return None
+        shown = invocation.shown() if invocation is not None and self.runs.keep else None
         run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
+                      self.runs.open(hook.id, request, shown))
         run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
@@ -2837,10 +2966,13 @@ class Hooks:
 
     def run_output(self, run, running, began, keep):
         kept = [] if keep else None
+        masked = run.hook.masker.stream()  # what the record keeps; the answer stays Go's
         try:
             for chunk in running.output():
                 if run.record is not None:
-                    self.runs.output(run.record, chunk)
+                    shown = masked(chunk)
+                    if shown:
+                        self.runs.output(run.record, shown)
                 if kept is not None:
                     kept.append(chunk)
                 yield chunk
@@ -2855,6 +2987,9 @@ class Hooks:
                 self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
                                        time.monotonic() - began if result.started else None)
                 if run.record is not None:
+                    rest = masked(b"", last=True)
+                    if rest:
+                        self.runs.output(run.record, rest)
                     self.runs.ended(run.record, result, stopping)
             finally:
                 run.gate.leave()
@@ -2950,7 +3085,7 @@ def log_result(hook, rid, result, output_collected):
     else:
         if output_collected:
             log.info("[%s] command output: %s", rid,
-                     result.output.decode("utf-8", "replace"))
+                     hook.masker.bytes(result.output).decode("utf-8", "replace"))
         if result.timed_out:
             log.info("[%s] error occurred: command timed out after %gs; process group "
                      "stopped", rid, hook.command_timeout)
@@ -3885,11 +4020,6 @@ def rules_satisfied(hook, request, trace=None):
 # set (which may hold one).
 
 EXPLAIN_VALUE_CHARS = 120
-WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
-SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
-                         re.IGNORECASE)
-
-
 SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
 
 
@@ -3940,8 +4070,7 @@ def explain_value(node, rule, value, err):
             node["length"] = len(value)
     elif err is not None:
         node["present"] = False
-    elif arg.source in WHOLE_SOURCES or canonical_header(arg.name) in SENSITIVE_HEADERS \
-            or SECRET_NAME.search(arg.name):
+    elif compares_a_secret(arg):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = cut(value)
@@ -4026,10 +4155,23 @@ PIPE_WRITE_BYTES = 65536  # one write to a command's stdin: a pipe's usual capac
 class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
-    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None):
+    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None,
+                 masker=None):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
+        self.masker = masker or NO_MASK  # the hook's: what the log and the record show
+
+    def shown(self):
+        """What a run's record shows of it: `arguments` (argv, the command first) and
+        `environment` (each variable the hook sets, with its value; for a pass-file-to-command
+        variable, the file's size), masked, each value cut."""
+        def text(data):
+            return cut(self.masker.bytes(data).decode("utf-8", "surrogateescape"))
+        environment = {name: text(value) for name, value in self.env_pairs}
+        environment.update((name, "(a file of %d bytes)" % len(data))
+                           for name, data in self.file_pairs)
+        return {"arguments": [text(arg) for arg in self.argv], "environment": environment}
 
     def size(self):
         """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
@@ -4117,7 +4259,8 @@ def build_invocation(hook, request):
                 messages.append("error decoding string [%s]" % error)
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
-                      messages, request.raw_body if hook.payload_to_stdin else None)
+                      messages, request.raw_body if hook.payload_to_stdin else None,
+                      hook.masker)
 
 
 def write_temp_files(invocation, request_id):
@@ -4280,7 +4423,8 @@ class Runner:
                 log.info("[%s] writing env %s file %s", request_id, envname, path)
             log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
                      "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
-                     invocation.executable, go_quote_list(invocation.argv),
+                     invocation.executable,
+                     go_quote_list([invocation.masker.bytes(arg) for arg in invocation.argv]),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
         proc = subprocess.Popen(
@@ -4504,7 +4648,8 @@ RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs
 RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
-              "output_truncated", "storage_error", "reason", "rules")
+              "output_truncated", "storage_error", "reason", "rules", "arguments",
+              "environment")
 
 
 def new_run_id(now):
@@ -4551,8 +4696,9 @@ class RunRecord:
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
         self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
-        if self.rules is not None:  # a refused delivery: its explained rules, written once
-            self.text_bytes += len(json.dumps([self.reason, self.rules]))
+        if self.rules is not None or self.arguments is not None:  # written once, never grow
+            self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
+                                               self.environment]))
 
     @property
     def bucket(self):
@@ -4590,16 +4736,17 @@ class RunStore:
 
     # -- the run path --------------------------------------------------------
 
-    def open(self, hook_id, request):
+    def open(self, hook_id, request, shown=None):
         """A queued record for a run about to be triggered by request (None when -runs-keep
-        is 0: no history).  With -runs-dir it is written before its id is handed out, so a
-        daemon killed at once (kill -9) finds it `interrupted` on restart."""
+        is 0: no history), with what it shows of its invocation (Invocation.shown).  With
+        -runs-dir it is written before its id is handed out, so a daemon killed at once
+        (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
-        record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "queued",
-                            "queued_at": iso_time(now), "remote_addr": request.remote_addr,
-                            "request_id": request.id})
+        record = RunRecord(dict(shown or {}, id=new_run_id(now), hook=hook_id, state="queued",
+                                queued_at=iso_time(now), remote_addr=request.remote_addr,
+                                request_id=request.id))
         record.cap, record.tail = self.max_output, bytearray()
         record.version = 1
         written = self.files is not None and self.files.write_new(record)
@@ -6199,6 +6346,14 @@ class RunsHtml:
                  ("Request id", html_text(record["request_id"] or "-")),
                  ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
                                             if record["output_truncated"] else ""))]
+        arguments, environment = record["arguments"], record["environment"]
+        if isinstance(arguments, list):  # (a record from -runs-dir may be hand-edited)
+            facts.append(("Command", '<code>%s</code>' % html_text(
+                " ".join(shlex.quote(str(arg)) for arg in arguments))))
+        if isinstance(environment, dict) and environment:
+            facts.append(("Environment", "<br>".join(
+                "<code>%s=%s</code>" % (html_text(name), html_text(shlex.quote(str(value))))
+                for name, value in sorted(environment.items()))))
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
