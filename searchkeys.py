@@ -1470,6 +1470,10 @@ def build_routes():
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
               handler=on_keys_api(KeysApi.rotate_key)),
         Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("POST", "/keys/{key}/revoke-tokens", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_tokens)),
+        Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_token)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -1830,6 +1834,10 @@ class Guard:
                 key = self.store.by_uid(claims["apiKeyUid"])
                 if key is None:
                     raise invalid_api_key()
+                revoked = key.revocation and key.revocation.refusal(claims, token)
+                if revoked:
+                    revoked.key = key
+                    raise revoked
         if rules is None:
             key = self.store.by_value(token)
             if key is None:
@@ -2892,10 +2900,11 @@ def scope_not_enforceable(route, where):
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
-# Why the guard refused a request. A key's usage counts the first eight (a
+# Why the guard refused a request. A key's usage counts the first ten (a
 # refusal that names a key); metrics count them all, with "credential" (no
 # key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
-USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced")
+USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced",
+                 "revoked", "concurrency")
 REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
@@ -3173,6 +3182,30 @@ class KeysApi:
         grace = validate_rotation(parse_json_body(data) if data else {})
         return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
 
+    def revoke_tokens(self, call):
+        """POST /keys/{key}/revoke-tokens: every tenant token the key signed
+        before `issuedBefore` (default: now) stops working. The body is optional."""
+        request = call.request
+        data = request.body.read(MAX_KEYS_BODY)
+        if data:
+            check_content_type(request.headers.get("Content-Type"))
+        self.store.find(call.params["key"])  # 404 before 400, as PATCH
+        before = validate_revoke_tokens(parse_json_body(data) if data else {}, time.time_ns())
+        key = self._write(self.store.revoke_tokens, call.params["key"], before)
+        return self._revocation(key)
+
+    def revoke_token(self, call):
+        """POST /keys/{key}/revoke-token: one tenant token of the key stops
+        working (it is denied until its exp)."""
+        key = self.store.find(call.params["key"])
+        token, exp = validate_revoke_token(call.request.read_json_body(), key)
+        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp))
+
+    @staticmethod
+    def _revocation(key):
+        return Response.json(200, dict({"uid": key.uid},
+                                       **(key.revocation or NO_REVOCATION).to_json()))
+
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
         `lastUsedAt` and `unsaved`, the part only this process has counted."""
@@ -3239,10 +3272,10 @@ class ApiKey:
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
                  "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions", "retirement")
+                 "restrictions", "retirement", "revocation")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, restrictions=None, retirement=None):
+                 updated_ns, value, restrictions=None, retirement=None, revocation=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -3257,6 +3290,7 @@ class ApiKey:
         self._stored = None  # stored_json(), once computed
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
         self.retirement = retirement  # Retirement of a rotated key, or None
+        self.revocation = revocation  # TokenRevocation of its tenant tokens, or None
 
     def is_expired(self, now_ns=None):
         deadlines = [self.expires_at.ns] if self.expires_at is not None else []
@@ -3274,16 +3308,25 @@ class ApiKey:
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
                       self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions, retirement=self.retirement)
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
 
     def with_restrictions(self, restrictions):
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions, retirement=self.retirement)
+                      restrictions=restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
+
+    def with_revocation(self, revocation):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=revocation)
 
     def successor(self, uid, value, now_ns):
         """The key a rotation makes: a new uid and value, all else the same
-        (restrictions as they are, whatever fields they hold)."""
+        (restrictions as they are, whatever fields they hold; no revocation:
+        the old key's tokens do not verify with the new value)."""
         return ApiKey(uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, now_ns, now_ns, value, restrictions=self.restrictions)
 
@@ -3291,7 +3334,7 @@ class ApiKey:
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
                       restrictions=self.restrictions,
-                      retirement=Retirement(at_ns, replaced_by))
+                      retirement=Retirement(at_ns, replaced_by), revocation=self.revocation)
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -3333,6 +3376,8 @@ class ApiKey:
         if self.retirement is not None:
             record["retiresAt"] = self.retirement.at_ns
             record["replacedBy"] = self.retirement.replaced_by
+        if self.revocation is not None:
+            record["tokenRevocation"] = self.revocation.to_record()
         return record
 
     @classmethod
@@ -3369,7 +3414,8 @@ class ApiKey:
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
                    derive(uid) if derive is not None else None,
                    stored_restrictions(record.get("restrictions"), uid),
-                   Retirement.from_record(record, uid))
+                   Retirement.from_record(record, uid),
+                   TokenRevocation.from_record(record.get("tokenRevocation"), uid))
 
 
 class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
@@ -3388,6 +3434,68 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
         return cls(at_ns, replaced_by)
 
 
+MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
+
+
+class TokenRevocation(collections.namedtuple("TokenRevocation", "issued_before denied")):
+    """What is revoked of a key's tenant tokens: every token issued (`iat`,
+    Unix seconds) before `issued_before` (None: none), and the tokens of
+    `denied` ({SHA-256 of the token, hex: its exp}) until their exp."""
+
+    def refusal(self, claims, token):
+        """None, or the ApiError for a token (`claims` verified) this revokes."""
+        if self.issued_before is not None and (
+                claims["iat"] is None or claims["iat"] < self.issued_before):
+            return refused("revoked", invalid_api_key(
+                "This tenant token was revoked: its API key's tokens issued before %s no "
+                "longer work%s." % (format_timestamp(self.issued_before * 10 ** 9),
+                                    "" if claims["iat"] is not None else
+                                    " (a token without `iat` counts as issued before)")))
+        if self.denied and token_digest(token) in self.denied:
+            return refused("revoked", invalid_api_key("This tenant token was revoked."))
+        return None
+
+    def pruned(self, now):
+        """This revocation without the denied tokens expired at `now`
+        (Unix seconds), or None when nothing is left of it."""
+        denied = {digest: exp for digest, exp in self.denied.items() if exp >= now}
+        if self.issued_before is None and not denied:
+            return None
+        return TokenRevocation(self.issued_before, denied)
+
+    def to_json(self):
+        return {"issuedBefore": None if self.issued_before is None else
+                format_timestamp(self.issued_before * 10 ** 9),
+                "revokedTokens": len(self.denied)}
+
+    def to_record(self):
+        return {"issuedBefore": self.issued_before, "denied": dict(self.denied)}
+
+    @classmethod
+    def from_record(cls, record, uid):
+        if record is None:
+            return None
+        try:
+            issued_before, denied = record["issuedBefore"], record["denied"]
+            if record.keys() != {"issuedBefore", "denied"} or not (
+                    issued_before is None or type(issued_before) is int) \
+                    or not all(_SHA256_HEX_RE.match(d) and type(exp) is int
+                               for d, exp in denied.items()):
+                raise ValueError
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ValueError("bad tokenRevocation in key %s" % uid)
+        return cls(issued_before, dict(denied))
+
+
+NO_REVOCATION = TokenRevocation(None, {})
+_SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def token_digest(token):
+    """How a revoked token is kept: its SHA-256 (hex), never the token."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @functools.lru_cache(maxsize=4096)
 def _valid_stored_actions(actions):
     # cached: a large store has few distinct action lists
@@ -3401,7 +3509,8 @@ def _valid_stored_indexes(indexes):
 
 _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
                             "createdAt", "updatedAt"))
-_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
+_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy",
+                                     "tokenRevocation"))
 
 
 class KeyStore:
@@ -3681,6 +3790,32 @@ class KeyStore:
             else:
                 self._commit_all([new], (old.uid,))
             return new
+
+    def revoke_tokens(self, key_or_uid, issued_before):
+        """Revoke the key's tenant tokens issued before `issued_before` (Unix
+        seconds; a later revocation's time wins over an earlier one's)."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = key.revocation or NO_REVOCATION
+            before = max(issued_before, old.issued_before or issued_before)
+            self._commit(key.with_revocation(
+                TokenRevocation(before, old.denied).pruned(int(time.time()))))
+            return self._keys[key.uid]
+
+    def revoke_token(self, key_or_uid, token, exp):
+        """Deny one tenant token of the key (verified by the caller) until its `exp`."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = (key.revocation or NO_REVOCATION).pruned(int(time.time())) or NO_REVOCATION
+            denied = dict(old.denied)
+            denied[token_digest(token)] = exp
+            if len(denied) > MAX_REVOKED_TOKENS:
+                raise ApiError(400, "too_many_revoked_tokens", "API key `%s` already has %d "
+                               "tokens revoked that have not expired: revoke all its tokens "
+                               "issued before a time with `POST /keys/%s/revoke-tokens` instead."
+                               % (key.uid, MAX_REVOKED_TOKENS, key.uid))
+            self._commit(key.with_revocation(TokenRevocation(old.issued_before, denied)))
+            return self._keys[key.uid]
 
     def sweep(self):
         """Remove the rotated keys whose grace period is over (they are
@@ -5008,6 +5143,60 @@ def validate_rotation(body):
     return grace
 
 
+REVOKE_TOKENS_FIELDS = ("issuedBefore",)
+REVOKE_TOKEN_FIELDS = ("token",)
+
+
+def validate_revoke_tokens(body, now_ns):
+    """A POST /keys/{k}/revoke-tokens body -> the Unix second before which
+    the key's tokens are revoked: `issuedBefore` (RFC 3339, not in the
+    future) or now, rounded up (a token's `iat` is whole seconds: one signed
+    in the same second as the revocation is revoked too)."""
+    before_ns = now_ns
+    for name, value in require_object(body).items():
+        if name not in REVOKE_TOKENS_FIELDS:
+            raise unknown_field(name, REVOKE_TOKENS_FIELDS)
+        if value is None:
+            continue
+        instant = parse_expires_at(value) if isinstance(value, str) else None
+        if instant is None or instant.ns > now_ns:
+            raise invalid_value("invalid_revocation_issued_before", ".issuedBefore",
+                                "expected an RFC 3339 date (e.g. `2030-01-31T00:00:00Z`) not in "
+                                "the future, or null for now, but found %s"
+                                % describe_json(value))
+        before_ns = instant.ns
+    return -(-before_ns // 10 ** 9)
+
+
+def validate_revoke_token(body, key):
+    """A POST /keys/{k}/revoke-token body -> (the token, its exp): a tenant
+    token `key` signed that has not expired and has an `exp` (a token
+    without one would have to be denied forever)."""
+    code = "invalid_revocation_token"
+    for name in require_object(body):
+        if name not in REVOKE_TOKEN_FIELDS:
+            raise unknown_field(name, REVOKE_TOKEN_FIELDS)
+    token = body.get("token")
+    if not isinstance(token, str):
+        raise wrong_type(code, ".token", "a tenant token (a string)", token)
+    try:
+        claims = verify_tenant_token(token, key.value)
+    except NotATenantToken:
+        raise invalid_value(code, ".token", "this is not a tenant token (a JWT).")
+    except TenantTokenError as exc:
+        raise invalid_value(code, ".token", "this is not a tenant token of API key `%s` that "
+                            "works: %s" % (key.uid, exc))
+    if claims["apiKeyUid"] != key.uid:
+        raise invalid_value(code, ".token", "this tenant token was signed by another API key "
+                            "(`%s`)." % claims["apiKeyUid"])
+    if claims["exp"] is None:
+        raise invalid_value(code, ".token", "this tenant token has no `exp`, so it cannot be "
+                            "revoked singly (it would have to be denied forever): revoke "
+                            "every token of API key `%s` issued before now with `POST "
+                            "/keys/%s/revoke-tokens`, or rotate the key." % (key.uid, key.uid))
+    return token, claims["exp"]
+
+
 USIZE_MAX = 2 ** 64 - 1
 U32_MAX = 2 ** 32 - 1  # task and batch uids
 
@@ -5528,7 +5717,19 @@ def _check_claims(part):
     for field in ("searchRules", "apiKeyUid"):
         if field not in claims:
             raise part.missing(field)
+    claims["iat"] = _issued_at(part)
     return claims
+
+
+def _issued_at(part):
+    """The token's `iat` in Unix seconds, or None (none, more than one, not
+    a number). Meilisearch ignores it; searchkeys' revocation reads it, and
+    one it cannot read counts as revoked (see token_refusal)."""
+    values = [value for name, value, _, _, _ in part.members if name == "iat"]
+    if len(values) != 1 or isinstance(values[0], bool) \
+            or not isinstance(values[0], (int, float)) or values[0] != values[0]:
+        return None
+    return values[0]
 
 
 def _audience_error(part):
@@ -5548,7 +5749,7 @@ def decode_tenant_token(token):
     """Read a tenant token without checking its signature.
 
     Returns (algorithm, claims, signed_part, signature, refusal): claims
-    hold `searchRules`, `exp` and `apiKeyUid`; refusal is what jsonwebtoken
+    hold `searchRules`, `exp`, `apiKeyUid` and `iat` (None when unreadable); refusal is what jsonwebtoken
     says of the registered claims once the signature is good, or None. Raises
     NotATenantToken when `token` does not have the three JWT parts, and
     TenantTokenError (the detail of "Could not decode tenant token, ...")
@@ -5587,16 +5788,20 @@ def _jwt_signature(algorithm, secret, signed_part):
     return b64url_encode(_jwt_digest(algorithm, secret, signed_part))
 
 
-def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256"):
+def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256",
+                      issued_at=None):
     """Mint a tenant token for the key `api_key` (its 64-hex value) of uid
-    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime."""
+    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime.
+    `iat` is `issued_at` (Unix seconds), or now: a revocation of the key's
+    tokens issued before some time reads it."""
     if algorithm not in JWT_HASHES:
         raise ValueError("algorithm must be one of %s" % ", ".join(JWT_HASHES))
     if isinstance(expires_at, datetime.datetime):
         expires_at = int(expires_at.timestamp())
     header = b64url_encode(compact_json({"alg": algorithm, "typ": "JWT"}).encode())
     claims = {"searchRules": search_rules, "apiKeyUid": parse_uuid(api_key_uid),
-              "exp": expires_at}
+              "exp": expires_at,
+              "iat": int(time.time()) if issued_at is None else issued_at}
     payload = b64url_encode(compact_json(claims).encode())
     signed_part = header + "." + payload
     return signed_part + "." + _jwt_signature(algorithm, api_key, signed_part)
@@ -6118,6 +6323,18 @@ def build_parser():
     rotate.add_argument("--grace", metavar="DURATION",
                         help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
                              "seconds, 0 to 30 days (default 5m)")
+    revoke = key_commands.add_parser(
+        "revoke-tokens", parents=[common], help="revoke every tenant token a key signed "
+                                                "before a time (searchkeys only)")
+    revoke.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke.add_argument("--before", metavar="TIME",
+                        help="RFC 3339 date; tokens whose `iat` is earlier (or that have none) "
+                             "stop working (default: now)")
+    revoke_one = key_commands.add_parser(
+        "revoke-token", parents=[common], help="revoke one tenant token of a key until it "
+                                               "expires (searchkeys only)")
+    revoke_one.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke_one.add_argument("token", metavar="TOKEN", help="the tenant token (it needs an `exp`)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -6397,6 +6614,12 @@ def run_keys(args):
         return run_restrict(client, args)
     elif command == "rotate":
         key = rotate_key(client, args.key_or_uid, args.grace)
+    elif command == "revoke-tokens":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-tokens",
+                                           {"issuedBefore": args.before}), [])
+    elif command == "revoke-token":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-token",
+                                           {"token": args.token}), [])
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
@@ -6511,7 +6734,8 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
-        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules"))
+        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules",
+                               "token", "before"))
         if args.command == "keys":
             check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
@@ -6524,6 +6748,10 @@ def check_client_args(parser, args):
                 args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "restrict":
             args.restrictions = restrictions_from_args(args)
+        elif args.command == "keys" and args.keys_command == "revoke-tokens" \
+                and args.before is not None and parse_expires_at(args.before) is None:
+            raise ValueError("--before `%s` is not a date: write it as RFC 3339, e.g. "
+                             "2030-01-31T00:00:00Z" % args.before)
         elif args.command == "keys" and args.keys_command == "rotate" \
                 and args.grace is not None:
             try:

@@ -22,7 +22,8 @@ from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, scra
 from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, tenant_token
 from test_searchkeys_restrictions import backend  # noqa: F401 - fixture
 
-REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced"]
+REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced", "revoked",
+           "concurrency"]
 EXPIRED_UID = "11111111-2222-4333-8444-555555555555"
 
 
@@ -102,7 +103,8 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         assert shown["uid"] == key["uid"]
         assert shown["allowed"] == 3 + answers.count(200)
         assert shown["refused"] == {"action": 1, "index": 1, "expiry": 0, "rate": answers.count(429),
-                                    "referrer": 1, "ip": 1, "hits": 1, "forced": 0}
+                                    "referrer": 1, "ip": 1, "hits": 1, "forced": 0,
+                                    "revoked": 0, "concurrency": 0}
         last = datetime.datetime.strptime(shown["lastUsedAt"][:19] + "+0000", "%Y-%m-%dT%H:%M:%S%z")
         assert before - datetime.timedelta(seconds=1) <= last <= after
         assert shown["lastUsedAt"].endswith("Z")
