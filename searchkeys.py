@@ -464,7 +464,8 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family")
+    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family",
+                 "place")
 
     def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
         self.method, self.target, self.headers = method, target, headers
@@ -472,6 +473,7 @@ class Request:
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
         self.family = "other"  # its route's family, for metrics (Route.family)
+        self.place = None  # its Place among its key's searches at once (Gate.enter), if any
 
     @property
     def path(self):
@@ -639,10 +641,17 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def do_request(self):
-        """Every method's do_*: the service routes methods as upstream does."""
-        self.send_answer(self.server.service.handle(Request(
+        """Every method's do_*: the service routes methods as upstream does.
+        A streamed answer is closed even when its head could not be sent
+        (its backend connection, and its key's search place, go back)."""
+        response = self.server.service.handle(Request(
             self.command, self.path, self.headers, self.body, self.request_version,
-            self.client_address[0])))
+            self.client_address[0]))
+        try:
+            self.send_answer(response)
+        finally:
+            if response.stream is not None:
+                response.stream.close()
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
@@ -1136,6 +1145,11 @@ class Service:
             self.log("searchkeys: internal error on %s %s: %s: %s" % (
                 printable(request.method), safe_path(request.target), type(exc).__name__, exc))
             response = Response.error(internal_error("An internal error occurred."))
+        if request.place is not None:  # held until the answer has gone
+            if response.stream is None:
+                request.place.leave()
+            else:
+                response.stream = LeavingStream(response.stream, request.place)
         if request.headers.get("Origin") and not any(
                 name.lower() == "access-control-allow-origin" for name, _ in response.headers):
             response.headers.append(("Access-Control-Allow-Origin", "*"))
@@ -1192,6 +1206,8 @@ class Service:
             check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
+        if decision.concurrent is not None:
+            self.gate.enter(request, call.principal, decision.concurrent)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
         if decision.needs_body:
             body = compact_json(value).encode()
@@ -1655,6 +1671,17 @@ class TooManyRequests(ApiError):
         self.headers += NOT_CACHEABLE
 
 
+class TooManySearches(ApiError):
+    """429 for a key running its maxConcurrentSearches already (Meilisearch
+    answers its own full search queue with this code, as a 503)."""
+
+    def __init__(self, most):
+        super().__init__(429, "too_many_search_requests", "Too many searches with this API key "
+                         "at the same time: %d (its `maxConcurrentSearches` restriction). Retry "
+                         "after 1s." % most, "system")
+        self.headers = [("Retry-After", "1")] + NOT_CACHEABLE
+
+
 def too_many_failures(wait, throttle):
     return refused("throttled", TooManyRequests(
         "Too many failed authentications from your address; retry later.", wait, throttle))
@@ -1667,7 +1694,8 @@ NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 # The refusal reason (see USAGE_REASONS) of each restriction.
 RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
-                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced",
+                       "maxConcurrentSearches": "concurrency"}
 
 
 def restriction_refused(field, what):
@@ -1694,6 +1722,7 @@ class Gate:
         self.limits = limits or Limits()
         self.counters = Counters(self.limits.max_clients)
         self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
+        self.searching = Searching()
 
     def client(self, request):
         trusted = self.limits.trusted_proxies
@@ -1747,6 +1776,15 @@ class Gate:
             raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
         for _ in range(searches - 1):
             self._take(wanted)
+
+    def enter(self, request, principal, most):
+        """Take one of the `most` places the key has for searches at once
+        (in this process), until the request's answer has gone (see
+        Service.handle, which gives it back); 429 when all are taken."""
+        uid = principal.key.uid
+        if not self.searching.enter(uid, most):
+            raise refused("concurrency", TooManySearches(most))
+        request.place = Place(self.searching, uid)
 
     @staticmethod
     def _rates(key, address):
@@ -2026,7 +2064,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins")):
+                    "answer_filter searches checks_joins concurrent")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2041,7 +2079,10 @@ class Decision(collections.namedtuple(
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
     - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins)."""
+      foreignKeys) documents the principal may not see whole (check_joins);
+    - `concurrent`: the searches the key may run at once (its
+      maxConcurrentSearches), this one holding a place until its answer
+      has gone, or None."""
 
     @property
     def needs_body(self):
@@ -2059,6 +2100,8 @@ class Decision(collections.namedtuple(
             unseen = self.value_steps[0].why
         elif self.searches is not None:
             unseen = "rateLimit"
+        elif self.concurrent is not None:  # nginx never says when the answer has gone
+            unseen = "maxConcurrentSearches"
         elif self.facts or self.answer_filter is not None:
             unseen = SCOPE
         elif self.value_steps:
@@ -2114,11 +2157,13 @@ def decide(route, principal, index):
         value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
-    checks_joins = route.family in ("search", "multi-search") and not (
+    searching = route.family in ("search", "multi-search")
+    checks_joins = searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
+    concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins)
+                    answer_filter, searches, checks_joins, concurrent)
 
 
 def check_joins(principal, joins):
@@ -4443,7 +4488,8 @@ class Upstream:
 # =============================================================================
 
 RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
-                      "forcedParameters")
+                      "forcedParameters", "maxConcurrentSearches")
+MAX_CONCURRENT_SEARCHES = 10000  # the largest maxConcurrentSearches
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
@@ -4609,11 +4655,13 @@ def counter_client(address):
 class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json")
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json",
+                 "max_concurrent")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None, forced=None):
+                 source=None, forced=None, max_concurrent=None):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.max_concurrent = max_concurrent  # searches at once with the key, in this process
         self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
@@ -4647,13 +4695,10 @@ class Restrictions:
                                                referrer_pattern)
         ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
         forced = _validate_forced_parameters(fields.get("forcedParameters"))
-        max_hits = fields.get("maxHitsPerQuery")
-        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
-            if type(max_hits) is not int:
-                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                 "a positive integer", max_hits)
-            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                "`%d` is not 1 or more." % max_hits)
+        max_hits = _validate_count("maxHitsPerQuery", fields.get("maxHitsPerQuery"))
+        max_concurrent = _validate_count("maxConcurrentSearches",
+                                         fields.get("maxConcurrentSearches"),
+                                         MAX_CONCURRENT_SEARCHES)
         if rate is not None:
             fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
         else:
@@ -4661,7 +4706,21 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields, forced)
+                   ips and list(ips), max_hits, fields, forced, max_concurrent)
+
+
+def _validate_count(field, value, maximum=None):
+    """A restriction that is a count, 1 or more (to `maximum`), or None."""
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise wrong_type(code, "." + field, "a positive integer", value)
+    if value < 1:
+        raise invalid_value(code, "." + field, "`%d` is not 1 or more." % value)
+    if maximum is not None and value > maximum:
+        raise invalid_value(code, "." + field, "`%d` is more than %d." % (value, maximum))
+    return value
 
 
 def stored_restrictions(record, uid):
@@ -4757,6 +4816,67 @@ class Counters:
             tat.popitem(last=False)
 
 
+
+
+class Searching:
+    """The searches running with each key in this process (uid -> count;
+    a key running none has no entry, so it holds one per search at most)."""
+
+    def __init__(self):
+        self._running = {}
+        self._lock = threading.Lock()
+
+    def enter(self, uid, most):
+        """Count one more search with key `uid`, unless `most` are running: whether it may run."""
+        with self._lock:
+            running = self._running.get(uid, 0)
+            if running >= most:
+                return False
+            self._running[uid] = running + 1
+            return True
+
+    def leave(self, uid):
+        with self._lock:
+            running = self._running.pop(uid) - 1
+            if running:
+                self._running[uid] = running
+
+    def running(self, uid):
+        return self._running.get(uid, 0)
+
+
+class Place:
+    """One search's place among its key's (Searching.enter), given back
+    once, by `leave`, whatever happened to the search."""
+
+    __slots__ = ("searching", "uid")
+
+    def __init__(self, searching, uid):
+        self.searching, self.uid = searching, uid
+
+    def leave(self):
+        searching, self.searching = self.searching, None
+        if searching is not None:
+            searching.leave(self.uid)
+
+
+class LeavingStream:
+    """A streamed answer (see Response) whose Place is given back when it is
+    closed: written whole, broken off, or never started."""
+
+    __slots__ = ("stream", "place")
+
+    def __init__(self, stream, place):
+        self.stream, self.place = stream, place
+
+    def __iter__(self):
+        return iter(self.stream)
+
+    def close(self):
+        try:
+            self.stream.close()
+        finally:
+            self.place.leave()
 
 
 class FailureCounts:
@@ -6021,6 +6141,9 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--ip", action="append", metavar="CIDR",
                           help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
     restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--max-concurrent", type=int, metavar="N",
+                          help="searches with the key at once, per searchkeys process; more "
+                               "get 429 (1 to %d)" % MAX_CONCURRENT_SEARCHES)
     restrict.add_argument("--filter", action="append", metavar="INDEX=FILTER",
                           help="a filter AND-ed to every search on the indexes of the pattern "
                                "INDEX (`*` at its end for any text), e.g. "
@@ -6053,6 +6176,10 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    if args.max_concurrent is not None:
+        if not 1 <= args.max_concurrent <= MAX_CONCURRENT_SEARCHES:
+            raise ValueError("--max-concurrent must be 1 to %d" % MAX_CONCURRENT_SEARCHES)
+        body["maxConcurrentSearches"] = args.max_concurrent
     forced = forced_parameters_from_args(args)
     if forced:
         body["forcedParameters"] = forced
