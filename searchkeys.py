@@ -1154,6 +1154,8 @@ class Service:
                 name.lower() == "access-control-allow-origin" for name, _ in response.headers):
             response.headers.append(("Access-Control-Allow-Origin", "*"))
         self.metrics.count(request.family, response.status, reason)
+        if reason == "expiry" and request.key is not None:
+            self.metrics.expired_key_used(request.key.uid)
         if request.key is not None:
             self.store.usage.count(request.key.uid, reason, time.time_ns())
         return response
@@ -1286,7 +1288,8 @@ class Service:
         if token is None or scheme != "Bearer" or not hmac.compare_digest(
                 given.encode("utf-8", "replace"), token):
             self.gate.check(request, call.route.actions, None)
-        text = self.metrics.render(len(self.store), len(self.gate.counters))
+        text = self.metrics.render(len(self.store), len(self.gate.counters), len(
+            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
@@ -2954,6 +2957,10 @@ REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
+EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
+DAY_NS = 86400 * 10 ** 9
+EXPIRY_CHECK_SECONDS = 60.0  # how often serve looks for keys expiring soon, to log them
+MAX_EXPIRED_SEEN = 100000  # expired keys remembered as used, for their first-use counter
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -3091,12 +3098,20 @@ class Metrics:
         self._latency = [0] * (len(self.BUCKETS) + 1)  # per bucket, the last one +Inf
         self._latency_sum = 0.0
         self._backend_errors = dict.fromkeys(BACKEND_ERRORS, 0)
+        self._expired_seen = set()  # uids of the expired keys used (at most MAX_EXPIRED_SEEN)
 
     def count(self, family, status, reason):
         with self._lock:
             self._requests[family, status] = self._requests.get((family, status), 0) + 1
             if reason is not None:
                 self._refusals[reason] += 1
+
+    def expired_key_used(self, uid):
+        """A request with the expired key `uid`: counted the first time only."""
+        with self._lock:
+            if uid in self._expired_seen or len(self._expired_seen) >= MAX_EXPIRED_SEEN:
+                return
+            self._expired_seen.add(uid)
 
     def observe_backend(self, seconds):
         """One backend answer's head arrived `seconds` after the request was sent."""
@@ -3114,12 +3129,13 @@ class Metrics:
         with self._lock:
             self._backend_errors[kind] += 1
 
-    def render(self, keys, rate_clients):
-        """The exposition text, with the gauges given (keys stored, rate-limit table size)."""
+    def render(self, keys, rate_clients, expiring):
+        """The exposition text, with the gauges given (keys stored, rate-limit
+        table size, keys expiring within EXPIRY_WARNING_DAYS)."""
         with self._lock:
             requests, refusals = sorted(self._requests.items()), dict(self._refusals)
             latency, latency_sum = list(self._latency), self._latency_sum
-            errors = dict(self._backend_errors)
+            errors, expired_used = dict(self._backend_errors), len(self._expired_seen)
         out = []
 
         def family(name, kind, text, samples):
@@ -3144,10 +3160,39 @@ class Metrics:
         family("rate_limit_clients", "gauge", "Rate-limit counters held (at most --max-clients).",
                [("rate_limit_clients", "", rate_clients)])
         family("keys", "gauge", "API keys stored.", [("keys", "", keys)])
+        family("keys_expiring", "gauge", "API keys that stop working within %d days."
+               % EXPIRY_WARNING_DAYS, [("keys_expiring", "", expiring)])
+        family("expired_keys_used_total", "counter", "Expired API keys used (each counted at "
+               "its first refused use in this process).",
+               [("expired_keys_used_total", "", expired_used)])
         family("build_info", "gauge", "The searchkeys version and Python running it.",
                [("build_info", '{version="%s",python="%s"}' % (
                    __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
         return "".join(out)
+
+
+class ExpiryWarnings:
+    """One log line a day per key that stops working within
+    EXPIRY_WARNING_DAYS (in this process: each of --workers logs its own)."""
+
+    def __init__(self):
+        self._warned = {}  # uid -> when it was last logged (ns)
+
+    def lines(self, keys, now_ns):
+        """The lines to log now for `keys` (those expiring soon)."""
+        warned = {uid: at for uid, at in self._warned.items() if now_ns - at < DAY_NS}
+        lines = []
+        for key in keys:
+            if key.uid in warned:
+                continue
+            warned[key.uid] = now_ns
+            lines.append("searchkeys: warning: key %s%s stops working at %s (in %.1f days)%s" % (
+                key.uid, " (%s)" % printable(key.name) if key.name else "",
+                format_timestamp(key.end_ns), (key.end_ns - now_ns) / DAY_NS,
+                ": it is being rotated" if key.retirement is not None else
+                ": rotate it or give its clients another key"))
+        self._warned = warned
+        return lines
 
 
 # =============================================================================
@@ -3338,12 +3383,17 @@ class ApiKey:
         self.revocation = revocation  # TokenRevocation of its tenant tokens, or None
 
     def is_expired(self, now_ns=None):
+        end = self.end_ns
+        return end is not None and (time.time_ns() if now_ns is None else now_ns) >= end
+
+    @property
+    def end_ns(self):
+        """When it stops working: its expiresAt or, rotated, its retiresAt
+        (the earlier), or None: never."""
         deadlines = [self.expires_at.ns] if self.expires_at is not None else []
         if self.retirement is not None:
             deadlines.append(self.retirement.at_ns)
-        if not deadlines:
-            return False
-        return (time.time_ns() if now_ns is None else now_ns) >= min(deadlines)
+        return min(deadlines) if deadlines else None
 
     def expires_at_text(self):
         return format_rfc3339(self.expires_at) if self.expires_at else None
@@ -3770,6 +3820,11 @@ class KeyStore:
         if key is None:
             raise key_not_found(uid)
         return key
+
+    def expiring(self, within_ns, now_ns):
+        """The keys that stop working within `within_ns` of `now_ns` (not before it)."""
+        return [key for key in list(self._keys.values())
+                if key.end_ns is not None and now_ns < key.end_ns <= now_ns + within_ns]
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
@@ -5234,12 +5289,30 @@ MAX_GRACE = 30 * 86400
 _GRACE_RE = re.compile(r"([0-9]{1,7})([smhd]?)\Z")
 
 
+MAX_EXPIRING = 3650 * 86400  # the longest `keys list --expiring`
+
+
+def duration_seconds(text):
+    """`30s`, `5m`, `1h`, `2d` or whole seconds -> seconds, or None."""
+    match = _GRACE_RE.match(text)
+    return int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+
+
+def parse_duration(text, option, maximum):
+    """A command line duration (`30m`, `12h`, `7d`, or seconds) -> seconds,
+    at most `maximum`; ValueError naming `option`."""
+    seconds = duration_seconds(text)
+    if seconds is None or seconds > maximum:
+        raise ValueError("%s `%s`: expected a duration such as `30m`, `12h` or `7d` (or whole "
+                         "seconds), at most %d days" % (option, text, maximum // 86400))
+    return seconds
+
+
 def parse_grace(value):
     """`30s`, `5m`, `1h`, `2d` or whole seconds (`90` or 90), 0 to 30 days -> seconds;
     ValueError saying what is accepted."""
     if isinstance(value, str):
-        match = _GRACE_RE.match(value)
-        seconds = int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+        seconds = duration_seconds(value)
     else:
         seconds = value if type(value) is int else None
     if seconds is None or not 0 <= seconds <= MAX_GRACE:
@@ -6059,6 +6132,17 @@ class Client:
         return self.request("POST", _key_path(key_or_uid) + "/rotate",
                             None if grace is None else {"grace": grace})
 
+    def all_keys(self, page=1000):
+        """Every key (GET /keys, page by page)."""
+        keys, offset = [], 0
+        while True:
+            listing = self.list_keys(offset, page)
+            results = listing.get("results") or []
+            keys += results
+            offset += len(results)
+            if not results or offset >= listing.get("total", 0):
+                return keys
+
     def keys_with_usage(self, page=1000):
         """Every key with its `usage`, page by page: searchkeys' GET
         /keys?usage=true. A server without it (Meilisearch answers 400 to
@@ -6431,6 +6515,10 @@ def build_parser():
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
     listing.add_argument("--offset", type=int, help="keys to skip (0)")
     listing.add_argument("--limit", type=int, help="keys to list at most (20)")
+    listing.add_argument("--expiring", metavar="DURATION",
+                         help="only the keys that stop working within DURATION (30m, 12h, 7d "
+                              "or seconds), soonest first: every key is read, so --offset and "
+                              "--limit do not apply")
     get = key_commands.add_parser("get", parents=[common], help="show one key")
     get.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
     update = key_commands.add_parser("update", parents=[common],
@@ -6539,10 +6627,17 @@ def read_token_file(path):
 
 def keep_store(store, stop):
     """serve's store keeper, until the Event `stop` is set: takes in what
-    other processes wrote every STORE_POLL_SECONDS and saves the usage
-    counts every USAGE_FLUSH_SECONDS."""
-    flushed = time.monotonic()
-    while not stop.wait(STORE_POLL_SECONDS):
+    other processes wrote every STORE_POLL_SECONDS, saves the usage
+    counts every USAGE_FLUSH_SECONDS, and looks for keys expiring soon
+    every EXPIRY_CHECK_SECONDS (ExpiryWarnings)."""
+    flushed, checked, warnings = time.monotonic(), None, ExpiryWarnings()
+    while True:
+        if checked is None or time.monotonic() - checked >= EXPIRY_CHECK_SECONDS:
+            now, checked = time.time_ns(), time.monotonic()
+            for line in warnings.lines(store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, now), now):
+                store.log(line)
+        if stop.wait(STORE_POLL_SECONDS):
+            return
         store.refresh()
         if time.monotonic() - flushed >= USAGE_FLUSH_SECONDS:
             store.flush_usage()
@@ -6728,6 +6823,9 @@ def run_keys(args):
                                 description=args.description, uid=args.uid)
         if args.preset == "search" and not args.no_restrictions:
             restrict_created_key(client, key)
+    elif command == "list" and args.expiring is not None:
+        listing = expiring_keys(client.all_keys(), args.expiring, time.time())
+        return _print(args, listing, [k.get("key") for k in listing["results"]])
     elif command == "list":
         listing = client.list_keys(args.offset, args.limit)
         return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
@@ -6754,6 +6852,19 @@ def run_keys(args):
         client.delete_key(args.key_or_uid)
         return 0
     return _print(args, key, [key.get("key")])
+
+
+def expiring_keys(keys, within, now):
+    """`keys list --expiring`: the keys (GET /keys results) that stop working
+    (expiresAt, or retiresAt of a rotated key on searchkeys) within `within`
+    seconds of `now`, soonest first, as a listing."""
+    def end(key):
+        ends = [parse_expires_at(key[field]) for field in ("expiresAt", "retiresAt")
+                if isinstance(key.get(field), str)]
+        return min((instant.ns for instant in ends if instant is not None), default=None)
+    soon = sorted((end(key), position, key) for position, key in enumerate(keys)
+                  if end(key) is not None and now * 10 ** 9 < end(key) <= (now + within) * 10 ** 9)
+    return {"results": [key for _, _, key in soon], "total": len(soon)}
 
 
 def usage_table(keys):
@@ -6889,6 +7000,8 @@ def check_client_args(parser, args):
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
+            if args.expiring is not None:
+                args.expiring = parse_duration(args.expiring, "--expiring", MAX_EXPIRING)
         elif args.command == "token":
             args.uid = check_uid(args.uid)
             try:
