@@ -142,11 +142,13 @@ def wait_for(condition, what):
         time.sleep(0.02)
 
 
-def metric(daemon, name):
+def metric(daemon, name, labels):
+    """The value of metric `name` with `labels` ({label: value}) in /metrics, or None."""
     status, _, data = daemon.request("GET", "/metrics", None, ADMIN)
     assert status == 200
+    sample = name + "{%s}" % ",".join('%s="%s"' % item for item in labels.items())
     for line in data.decode().splitlines():
-        if line.startswith(name + " "):
+        if line.startswith(sample + " "):
             return float(line.split()[1])
     return None
 
@@ -171,7 +173,7 @@ def test_one_search_more_than_allowed_gets_429_and_is_counted(guard, backend, ro
     assert search(guard, key, route)[0] == 200  # the places came back
     status, usage = api(guard, "GET", "/keys/%s/usage" % key["uid"])
     assert usage["refused"]["concurrency"] == 1 and usage["allowed"] == 3, usage
-    assert metric(guard, 'searchkeys_refusals_total{reason="concurrency"}') == 1
+    assert metric(guard, "searchkeys_refusals_total", {"reason": "concurrency"}) == 1
 
 
 def test_a_search_failing_at_the_backend_gives_its_place_back(guard, backend):
