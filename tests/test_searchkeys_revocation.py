@@ -15,37 +15,11 @@ import time
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, serve_in_thread
+from support import SEARCHKEYS, Daemon, free_port, python_cmd
+from test_searchkeys_restrictions import backend  # noqa: F401 (the stand-in backend fixture)
 
 MASTER = "revocation-test-master-key-0123"
 ADMIN = {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"}
-
-
-def _backend():
-    import http.server
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def answer(self):
-            length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
-            answer_json(self, b"[]" if self.path.endswith("/foreign-keys") else b'{"hits":[]}')
-
-        do_GET = do_POST = answer
-
-        def log_message(self, *args):
-            pass
-    return serve_in_thread(Handler)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    server = _backend()
-    yield server
-    server.shutdown()
-    server.server_close()
 
 
 def serve(backend, store=None):
