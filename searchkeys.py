@@ -1157,7 +1157,8 @@ class Service:
         if reason == "expiry" and request.key is not None:
             self.metrics.expired_key_used(request.key.uid)
         if request.key is not None:
-            self.store.usage.count(request.key.uid, reason, time.time_ns())
+            self.store.usage.count(request.key.uid, reason, time.time_ns(),
+                                   from_browser(request.headers))
         return response
 
     def dispatch(self, request):
@@ -1715,6 +1716,42 @@ def authorize_headers(principal):
     return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
 
 
+BROWSER_SIGNALS = ("Origin", "Sec-Fetch-Mode", "Referer")  # headers browsers send, tools not
+
+
+def from_browser(headers):
+    """Does the request carry a browser's signals? (Any of BROWSER_SIGNALS,
+    whatever its value: a header a client can forge counts against it.)"""
+    return any(headers.get(name) is not None for name in BROWSER_SIGNALS)
+
+
+def browser_refusal(principal, headers):
+    """The refusal of an admin credential sent from a browser (admin keys
+    belong on servers: meilisearch #2369), or None. Refused: the master key,
+    and an API key holding any action beyond `search` unless its
+    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    if principal.rules is not None or not from_browser(headers):
+        return None
+    key = principal.key
+    if key is None:
+        if principal is not MASTER:
+            return None
+        what = "The master key"
+    else:
+        beyond = [action for action in key.actions if action != "search"]
+        if not beyond or (key.restrictions is not None and key.restrictions.allow_browser):
+            return None
+        what = "This API key holds actions beyond `search` (%s): it" % backticked(beyond)
+    error = ApiError(403, "api_key_not_for_browsers", "%s must not be used from a browser (the "
+                     "request has an `Origin`, `Referer` or `Sec-Fetch-Mode` header). Keep admin "
+                     "keys on servers; give browsers a key holding only `search`, or a tenant "
+                     "token%s." % (what, "" if key is None else ", or mark this key "
+                                   "`allowBrowser: true` with `PUT /keys/%s/restrictions` if a "
+                                   "browser must use it" % key.uid), "auth")
+    error.key, error.headers = key, NOT_CACHEABLE
+    return refused("browser", error)
+
+
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
     throttle get 429 before their credential is looked at; an authorized
@@ -1753,6 +1790,9 @@ class Gate:
                 raise too_many_failures(throttle.window, throttle)
             raise
         key = request.key = principal.key
+        refusal = browser_refusal(principal, request.headers)
+        if refusal is not None:
+            raise refusal
         restrictions = key.restrictions if key is not None else None
         if restrictions is None:
             return principal
@@ -1860,7 +1900,7 @@ class Guard:
                 raise missing_master_key()
             return OPEN
         if hmac.compare_digest(self._master_bytes, token.encode()):
-            return OPEN
+            return MASTER
         rules = None
         key = None
         if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
@@ -2027,6 +2067,7 @@ class Principal:
 
 
 OPEN = Principal()
+MASTER = Principal()  # the master key: OPEN's rights, but a credential (see browser_refusal)
 
 
 def search_rule_patterns(rules):
@@ -2948,13 +2989,14 @@ def scope_not_enforceable(route, where):
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
-# Why the guard refused a request. A key's usage counts the first ten (a
+# Why the guard refused a request. A key's usage counts the first eleven (a
 # refusal that names a key); metrics count them all, with "credential" (no
 # key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
 USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced",
-                 "revoked", "concurrency")
+                 "revoked", "concurrency", "browser")
 REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
+_USAGE_TIMES = len(_USAGE_SLOT)  # then two times (ns, 0: never): seen from a browser, last used
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
 EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
@@ -2978,23 +3020,27 @@ class Usage:
         self._lock = threading.Lock()
         self._saved = {}   # uid -> counts: the store file's totals, as last read or written
         self._counts = {}  # uid -> counts of this process, not saved yet
-        # counts: [allowed, one per USAGE_REASONS..., last used ns]
+        # counts: [allowed, one per USAGE_REASONS..., seen from a browser ns, last used ns]
 
     @property
     def changed(self):
         """Whether there are counts to save."""
         return bool(self._counts)
 
-    def count(self, uid, reason, now_ns):
+    def count(self, uid, reason, now_ns, browser=False):
+        """One request with key `uid`: allowed (reason None) or refused for
+        `reason`; `browser`: it came with a browser's signals."""
         slot = _USAGE_SLOT.get(reason)
         if slot is None:  # not a refusal of this key's
             return
         with self._lock:
             counts = self._counts.get(uid)
             if counts is None:
-                counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
+                counts = self._counts[uid] = [0] * (_USAGE_TIMES + 2)
             counts[slot] += 1
             counts[-1] = now_ns
+            if browser:
+                counts[-2] = now_ns
 
     def forget(self, uid):
         with self._lock:
@@ -3006,15 +3052,17 @@ class Usage:
         of key `uid`: the saved totals plus this process's unsaved counts."""
         with self._lock:
             counts = _added(self._saved.get(uid), self._counts.get(uid))
-        return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
-                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
+        return {"allowed": counts[0],
+                "refused": dict(zip(USAGE_REASONS, counts[1:_USAGE_TIMES])),
+                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None,
+                "seenFromBrowserAt": format_timestamp(counts[-2]) if counts[-2] else None}
 
     def unsaved(self, uid):
         """The part of key `uid`'s usage only this process has counted yet:
         `allowed` and `refused` (all reasons)."""
         with self._lock:
-            counts = self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1)
-        return {"allowed": counts[0], "refused": sum(counts[1:-1])}
+            counts = self._counts.get(uid) or [0] * (_USAGE_TIMES + 2)
+        return {"allowed": counts[0], "refused": sum(counts[1:_USAGE_TIMES])}
 
     def take(self, keep):
         """(the totals to save, for the uids `keep(uid)` holds (a deleted
@@ -3060,23 +3108,27 @@ class Usage:
 
 def usage_section(totals):
     """Usage totals as the store file holds them (reasons with no refusal left out)."""
-    return {uid: {"allowed": counts[0],
-                  "refused": {reason: n for reason, n in zip(USAGE_REASONS, counts[1:-1]) if n},
-                  "lastUsedAt": counts[-1]}
+    return {uid: dict({"allowed": counts[0],
+                       "refused": {reason: n for reason, n in zip(USAGE_REASONS,
+                                                                  counts[1:_USAGE_TIMES]) if n},
+                       "lastUsedAt": counts[-1]},
+                      **({"seenFromBrowserAt": counts[-2]} if counts[-2] else {}))
             for uid, counts in totals.items()}
 
 
 def _added(counts, more):
     """Two usage counts of a key added up (the later last use kept); either may be None."""
     if counts is None or more is None:
-        return list(counts or more or [0] * (len(_USAGE_SLOT) + 1))
-    return [a + b for a, b in zip(counts[:-1], more[:-1])] + [max(counts[-1], more[-1])]
+        return list(counts or more or [0] * (_USAGE_TIMES + 2))
+    return [a + b for a, b in zip(counts[:_USAGE_TIMES], more[:_USAGE_TIMES])] + \
+        [max(a, b) for a, b in zip(counts[_USAGE_TIMES:], more[_USAGE_TIMES:])]
 
 
 def _usage_counts(record):
     """A stored usage record -> counts; ValueError (or TypeError) if it is not one."""
     allowed, refusals, last = record["allowed"], record["refused"], record["lastUsedAt"]
     counts = [allowed] + [refusals.pop(reason, 0) for reason in USAGE_REASONS]
+    counts.append(record.get("seenFromBrowserAt", 0))
     counts.append(0 if last is None else last)
     if refusals or any(type(n) is not int or n < 0 for n in counts):
         raise ValueError("not usage counts")
@@ -4543,7 +4595,7 @@ class Upstream:
 # =============================================================================
 
 RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
-                      "forcedParameters", "maxConcurrentSearches")
+                      "forcedParameters", "maxConcurrentSearches", "allowBrowser")
 MAX_CONCURRENT_SEARCHES = 10000  # the largest maxConcurrentSearches
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
@@ -4711,12 +4763,13 @@ class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
     __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json",
-                 "max_concurrent")
+                 "max_concurrent", "allow_browser")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None, forced=None, max_concurrent=None):
+                 source=None, forced=None, max_concurrent=None, allow_browser=False):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
         self.max_concurrent = max_concurrent  # searches at once with the key, in this process
+        self.allow_browser = allow_browser  # may be used from browsers though it holds more
         self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
@@ -4754,6 +4807,12 @@ class Restrictions:
         max_concurrent = _validate_count("maxConcurrentSearches",
                                          fields.get("maxConcurrentSearches"),
                                          MAX_CONCURRENT_SEARCHES)
+        allow_browser = fields.pop("allowBrowser", False)
+        if type(allow_browser) is not bool:
+            raise wrong_type("invalid_restrictions_allow_browser", ".allowBrowser", "a boolean",
+                             allow_browser)
+        if allow_browser:
+            fields["allowBrowser"] = True  # false is the default: not kept
         if rate is not None:
             fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
         else:
@@ -4761,7 +4820,7 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields, forced, max_concurrent)
+                   ips and list(ips), max_hits, fields, forced, max_concurrent, allow_browser)
 
 
 def _validate_count(field, value, maximum=None):
@@ -6132,6 +6191,27 @@ class Client:
         return self.request("POST", _key_path(key_or_uid) + "/rotate",
                             None if grace is None else {"grace": grace})
 
+    def list_keys_seen_from_browsers(self, offset=None, limit=None):
+        """GET /keys, each key used from a browser flagged with its
+        `seenFromBrowserAt` (searchkeys' usage, for the master key; from a
+        Meilisearch, or with another key, the plain listing)."""
+        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+        try:
+            listing = self.request("GET", "/keys?" + urllib.parse.urlencode(
+                [("usage", "true")] + params))
+            results = listing["results"]
+            usages = [key.pop("usage") for key in results]
+            for key, usage in zip(results, usages):
+                if usage.get("seenFromBrowserAt"):
+                    key["seenFromBrowserAt"] = usage["seenFromBrowserAt"]
+            return listing
+        except ClientError as exc:
+            if exc.status not in (400, 403):
+                raise
+        except (TypeError, KeyError, AttributeError):
+            pass
+        return self.list_keys(offset, limit)
+
     def all_keys(self, page=1000):
         """Every key (GET /keys, page by page)."""
         keys, offset = [], 0
@@ -6238,6 +6318,10 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--force", action="append", metavar="INDEX=JSON",
                           help="other search parameters forced on INDEX, as a JSON object, "
                                "e.g. 'movies={\"facets\": [\"genre\"]}' (repeatable)")
+    restrict.add_argument("--allow-browser", action="store_true",
+                          help="let browsers use the key although it holds actions beyond "
+                               "search (an admin page's key); without it such a key sent from a "
+                               "browser gets 403")
     restrict.add_argument("--clear", action="store_true", help="remove every restriction")
 
 
@@ -6260,6 +6344,8 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    if args.allow_browser:
+        body["allowBrowser"] = True
     if args.max_concurrent is not None:
         if not 1 <= args.max_concurrent <= MAX_CONCURRENT_SEARCHES:
             raise ValueError("--max-concurrent must be 1 to %d" % MAX_CONCURRENT_SEARCHES)
@@ -6827,7 +6913,7 @@ def run_keys(args):
         listing = expiring_keys(client.all_keys(), args.expiring, time.time())
         return _print(args, listing, [k.get("key") for k in listing["results"]])
     elif command == "list":
-        listing = client.list_keys(args.offset, args.limit)
+        listing = client.list_keys_seen_from_browsers(args.offset, args.limit)
         return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
     elif command == "get":
         key = client.get_key(args.key_or_uid)

@@ -9,7 +9,7 @@ from test_searchkeys_cli import MASTER, api, cli, cli_at, server  # noqa: F401 -
 
 SEARCH_PRESET = {"rateLimit": {"perIp": "120/minute"}, "allowedReferrers": None,
                  "allowedIps": None, "maxHitsPerQuery": 100, "forcedParameters": None,
-                 "maxConcurrentSearches": None}
+                 "maxConcurrentSearches": None, "allowBrowser": None}
 
 
 def create_search_key(server, *extra):

@@ -23,7 +23,7 @@ TOKEN = "scrape-token-abcdef0123456789"
 FAMILIES = {"search", "multi-search", "documents", "settings", "indexes", "tasks", "keys",
             "authorize", "health", "metrics", "other"}
 REASONS = {"action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced", "revoked",
-           "concurrency", "credential", "throttled"}
+           "concurrency", "browser", "credential", "throttled"}
 
 
 @pytest.fixture(scope="module")
