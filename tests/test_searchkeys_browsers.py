@@ -4,42 +4,24 @@ beyond `search` is refused (403 `api_key_not_for_browsers`), unless the key's re
 `allowBrowser: true`; counted by reason in usage and metrics; `keys list` flags the keys seen
 from browsers. Black-box: `searchkeys.py serve` on a free loopback port in front of a stand-in
 backend, real HTTP, and the client CLI."""
-import base64
-import hashlib
-import hmac
 import json
 import subprocess
 import sys
 
 import pytest
 
-from support import SEARCHKEYS, Daemon, free_port, python_cmd
-from test_searchkeys_restrictions import backend  # noqa: F401 (the stand-in backend fixture)
+from support import SEARCHKEYS
+from test_searchkeys_restrictions import (  # noqa: F401 (backend: the stand-in's fixture)
+    ADMIN, MASTER, backend, new_key, serve, tenant_token)
 
-MASTER = "browsers-test-master-key-0123456"
-ADMIN = {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"}
 SIGNALS = [{"Origin": "https://shop.example"}, {"Referer": "https://shop.example/admin"},
            {"Sec-Fetch-Mode": "cors"}, {"Origin": "null"}]
 
 
 @pytest.fixture(scope="module")
 def guard(backend):  # noqa: F811
-    port = free_port()
-    with Daemon(python_cmd(SEARCHKEYS, "serve", "--port", port, "--master-key", MASTER,
-                           "--upstream", backend.url), port, timeout=30.0) as daemon:
+    with serve(backend) as daemon:
         yield daemon
-
-
-def new_key(daemon, actions, restrictions=None):
-    status, _, data = daemon.request("POST", "/keys", json.dumps(
-        {"actions": actions, "indexes": ["*"], "expiresAt": None}), ADMIN)
-    assert status == 201, data
-    key = json.loads(data)
-    if restrictions is not None:
-        status, _, data = daemon.request("PUT", "/keys/%s/restrictions" % key["uid"],
-                                         json.dumps(restrictions), ADMIN)
-        assert status == 200, data
-    return key
 
 
 def search(daemon, credential, headers=None):
@@ -49,25 +31,16 @@ def search(daemon, credential, headers=None):
     return status, json.loads(data)
 
 
-def tenant_token(key):
-    def b64(data):
-        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-    signing = b64(b'{"alg":"HS256","typ":"JWT"}') + "." + b64(json.dumps(
-        {"searchRules": ["*"], "apiKeyUid": key["uid"]}).encode())
-    return signing + "." + b64(hmac.new(key["key"].encode(), signing.encode(),
-                                        hashlib.sha256).digest())
-
-
 @pytest.mark.parametrize("signal", SIGNALS)
 def test_an_admin_key_from_a_browser_is_refused(guard, signal):
-    admin = new_key(guard, ["search", "documents.add"])
+    admin = new_key(guard, None, ["search", "documents.add"])
     assert search(guard, admin["key"])[0] == 200  # from a server: as before
     status, error = search(guard, admin["key"], signal)
     assert status == 403 and error["code"] == "api_key_not_for_browsers", error
     assert error["type"] == "auth" and "`documents.add`" in error["message"]
     assert "allowBrowser" in error["message"] and admin["uid"] in error["message"]
     status, _, data = guard.request("GET", "/keys", None, dict(signal, Authorization="Bearer " +
-                                                               new_key(guard, ["*"])["key"]))
+                                                               new_key(guard, None, ["*"])["key"]))
     assert status == 403 and json.loads(data)["code"] == "api_key_not_for_browsers"
 
 
@@ -83,13 +56,13 @@ def test_the_master_key_from_a_browser_is_refused(guard, signal):
 
 def test_search_keys_and_tenant_tokens_work_from_browsers(guard):
     signal = {"Origin": "https://shop.example", "Sec-Fetch-Mode": "cors"}
-    assert search(guard, new_key(guard, ["search"])["key"], signal)[0] == 200
-    admin = new_key(guard, ["*"])
+    assert search(guard, new_key(guard, None, ["search"])["key"], signal)[0] == 200
+    admin = new_key(guard, None, ["*"])
     assert search(guard, tenant_token(admin), signal)[0] == 200  # a token only ever searches
 
 
 def test_a_key_marked_allow_browser_works_from_browsers(guard):
-    admin = new_key(guard, ["*"], {"allowBrowser": True})
+    admin = new_key(guard, {"allowBrowser": True}, ["*"])
     signal = {"Origin": "https://admin.example"}
     assert search(guard, admin["key"], signal)[0] == 200
     status, _, data = guard.request("GET", "/keys/%s/restrictions" % admin["uid"], None, ADMIN)
@@ -100,7 +73,7 @@ def test_a_key_marked_allow_browser_works_from_browsers(guard):
 
 
 def test_authorize_refuses_an_admin_key_from_a_browser(guard):
-    admin = new_key(guard, ["search", "settings.get"])
+    admin = new_key(guard, None, ["search", "settings.get"])
     headers = {"Authorization": "Bearer " + admin["key"], "X-Original-Method": "GET",
                "X-Original-URI": "/indexes/movies/settings"}
     assert guard.request("GET", "/authorize", None, headers)[0] == 204
@@ -111,8 +84,8 @@ def test_authorize_refuses_an_admin_key_from_a_browser(guard):
 
 
 def test_refusals_are_counted_and_keys_list_flags_keys_seen_from_browsers(guard):
-    admin, public, quiet = new_key(guard, ["*"]), new_key(guard, ["search"]), \
-        new_key(guard, ["search"])
+    admin, public, quiet = new_key(guard, None, ["*"]), new_key(guard, None, ["search"]), \
+        new_key(guard, None, ["search"])
     signal = {"Origin": "https://shop.example"}
     assert search(guard, admin["key"], signal)[0] == 403
     assert search(guard, public["key"], signal)[0] == 200
@@ -133,7 +106,7 @@ def test_refusals_are_counted_and_keys_list_flags_keys_seen_from_browsers(guard)
 
 
 def test_cli_restrict_allow_browser(guard):
-    admin = new_key(guard, ["*"])
+    admin = new_key(guard, None, ["*"])
     done = subprocess.run([sys.executable, str(SEARCHKEYS), "keys", "restrict", admin["uid"],
                            "--allow-browser", "--url", "http://127.0.0.1:%d" % guard.port,
                            "--key", MASTER], capture_output=True, text=True, timeout=30)
