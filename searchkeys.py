@@ -4955,9 +4955,6 @@ class Searching:
             if running:
                 self._running[uid] = running
 
-    def running(self, uid):
-        return self._running.get(uid, 0)
-
 
 class Place:
     """One search's place among its key's (Searching.enter), given back
