@@ -1264,7 +1264,7 @@ class Service:
         decision = decide(route, principal, index)
         decision.check_unchanged(route, principal, params, uri.partition("?")[2])
         if decision.checks_joins:
-            if self.upstream is None:
+            if self.upstream is None or index is None:  # (a multi-search was refused above)
                 raise scope_not_enforceable(route, "without --upstream, which it needs to see "
                                             "whether the index joins others (foreignKeys)")
             check_joins(principal, fetch_joins(self.upstream, [index]))
@@ -2237,11 +2237,18 @@ def searched_indexes(call):
                    and isinstance(q.get("indexUid"), str)} if isinstance(queries, list) else ())
 
 
+MAX_JOIN_LOOKUPS = 20  # distinct indexes whose foreignKeys one search request may need
+
+
 def fetch_joins(upstream, indexes):
     """{index: its foreignKeys setting} from the backend. Its index_not_found
     is relayed; a backend without the route (another 404: an older
     Meilisearch) joins nothing; anything else but the setting (a list) fails
     closed (a --upstream-key without settings.get gets 403 here)."""
+    if len(indexes) > MAX_JOIN_LOOKUPS:  # one request must not make hundreds of the backend
+        raise refused("index", invalid_api_key(
+            "This API key may search at most %d indexes in one request (searchkeys looks at "
+            "each one's `foreignKeys`); the request is refused." % MAX_JOIN_LOOKUPS))
     joins = {}
     for index in indexes:
         target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")

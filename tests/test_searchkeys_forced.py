@@ -493,5 +493,14 @@ def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guar
                     {"q": "x"})[0] == 403  # not covered: the index check, not the joins
         assert send(guard, backend, forced["key"], "POST", "/indexes/books/search",
                     {"q": "x"})[0] == 200
+        # one lookup an index: a multi-search may not make hundreds of them
+        backend.lookups.clear()
+        many = {"queries": [{"indexUid": "i%d" % n} for n in range(21)]}
+        status, answer, sent = send(guard, backend, forced["key"], "POST", "/multi-search", many)
+        assert status == 403 and "at most 20 indexes" in answer["message"] and sent is None
+        assert backend.lookups == []
+        many["queries"].pop()
+        assert send(guard, backend, forced["key"], "POST", "/multi-search", many)[0] == 200
+        assert sorted(backend.lookups) == sorted("i%d" % n for n in range(20))
     finally:
         backend.joins.clear()
