@@ -1650,8 +1650,9 @@ def path_segments(raw_path):
 
 
 # =============================================================================
-# Gate: client address -> brute-force throttle -> Guard -> the key's
-# restrictions (IPs, rates, referrers)
+# Gate: client address -> brute-force throttle -> Guard -> admin credentials
+# from browsers -> the key's restrictions (IPs, rates, referrers; searches at
+# once, entered by the forwarding edge)
 # =============================================================================
 
 
@@ -1754,8 +1755,11 @@ def browser_refusal(principal, headers):
 
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
-    throttle get 429 before their credential is looked at; an authorized
-    key's (or tenant token's parent key's) restrictions are then applied."""
+    throttle get 429 before their credential is looked at; an admin
+    credential sent from a browser is refused (browser_refusal); an
+    authorized key's (or tenant token's parent key's) restrictions are then
+    applied, and a search enters the key's places (`enter`, for
+    Decision.concurrent)."""
 
     def __init__(self, guard, limits=None):
         self.guard = guard
