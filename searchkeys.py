@@ -1919,7 +1919,8 @@ class Guard:
                 key = self.store.by_uid(claims["apiKeyUid"])
                 if key is None:
                     raise invalid_api_key()
-                revoked = key.revocation and key.revocation.refusal(claims, token)
+                revoked = key.revocation and key.revocation.refusal(claims, token,
+                                                                    int(time.time()))
                 if revoked:
                     revoked.key = key
                     raise revoked
@@ -3593,6 +3594,7 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
 
 
 MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
+IAT_LEEWAY = 60  # seconds a token's iat may be ahead of this clock (the signer's may be)
 
 
 class TokenRevocation(collections.namedtuple("TokenRevocation", "issued_before denied")):
@@ -3600,14 +3602,19 @@ class TokenRevocation(collections.namedtuple("TokenRevocation", "issued_before d
     Unix seconds) before `issued_before` (None: none), and the tokens of
     `denied` ({SHA-256 of the token, hex: its exp}) until their exp."""
 
-    def refusal(self, claims, token):
-        """None, or the ApiError for a token (`claims` verified) this revokes."""
-        if self.issued_before is not None and (
-                claims["iat"] is None or claims["iat"] < self.issued_before):
+    def refusal(self, claims, token, now):
+        """None, or the ApiError for a token (`claims` verified) this revokes
+        at `now` (Unix seconds). An `iat` in the future (past IAT_LEEWAY)
+        counts as none: a token signed to outlive every revocation by time
+        is revoked by the first."""
+        iat = claims["iat"]
+        if iat is not None and iat > now + IAT_LEEWAY:
+            iat = None
+        if self.issued_before is not None and (iat is None or iat < self.issued_before):
             return refused("revoked", invalid_api_key(
                 "This tenant token was revoked: its API key's tokens issued before %s no "
                 "longer work%s." % (format_timestamp(self.issued_before * 10 ** 9),
-                                    "" if claims["iat"] is not None else
+                                    "" if iat is not None else
                                     " (a token without `iat` counts as issued before)")))
         if self.denied and token_digest(token) in self.denied:
             return refused("revoked", invalid_api_key("This tenant token was revoked."))

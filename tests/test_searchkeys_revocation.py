@@ -115,6 +115,17 @@ def test_without_a_time_every_token_so_far_is_revoked_and_a_token_without_iat_to
     assert not works(guard, token(key))  # without iat: counts as issued before
 
 
+def test_a_token_claiming_to_be_issued_in_the_future_is_revoked_too(guard):
+    key = new_key(guard)
+    now = int(time.time())
+    ahead, skewed = token(key, iat=now + 10 * 365 * 86400), token(key, iat=now + 30)
+    assert works(guard, ahead) and works(guard, skewed)
+    assert api(guard, "POST", "/keys/%s/revoke-tokens" % key["uid"],
+               {"issuedBefore": stamp(now - 3600)})[0] == 200
+    assert not works(guard, ahead)  # an iat past the leeway counts as none
+    assert works(guard, skewed)     # a signer's clock a little ahead is fine
+
+
 @pytest.mark.parametrize("body, code", [
     ({"issuedBefore": "yesterday"}, "invalid_revocation_issued_before"),
     ({"issuedBefore": stamp(time.time() + 86400)}, "invalid_revocation_issued_before"),
