@@ -468,13 +468,14 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "peer", "key", "family")
+    __slots__ = ("method", "target", "headers", "body", "peer", "key", "family", "place")
 
     def __init__(self, method, target, headers, body, peer=None):
         self.method, self.target, self.headers, self.body = method, target, headers, body
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
         self.family = "other"  # its route's family, for metrics (Route.family)
+        self.place = None  # its Place among its key's searches at once (Gate.enter), if any
 
     @property
     def path(self):
@@ -642,9 +643,16 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def do_request(self):
-        """Every method's do_*: the service routes methods as upstream does."""
-        self.send_answer(self.server.service.handle(Request(
-            self.command, self.path, self.headers, self.body, self.client_address[0])))
+        """Every method's do_*: the service routes methods as upstream does.
+        A streamed answer is closed even when its head could not be sent
+        (its backend connection, and its key's search place, go back)."""
+        response = self.server.service.handle(Request(
+            self.command, self.path, self.headers, self.body, self.client_address[0]))
+        try:
+            self.send_answer(response)
+        finally:
+            if response.stream is not None:
+                response.stream.close()
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
@@ -1187,12 +1195,20 @@ class Service:
             self.log("searchkeys: internal error on %s %s: %s: %s" % (
                 printable(request.method), safe_path(request.target), type(exc).__name__, exc))
             response = Response.error(internal_error("An internal error occurred."))
+        if request.place is not None:  # held until the answer has gone
+            if response.stream is None:
+                request.place.leave()
+            else:
+                response.stream = LeavingStream(response.stream, request.place)
         if request.headers.get("Origin") and not any(
                 name.lower() == "access-control-allow-origin" for name, _ in response.headers):
             response.headers.append(("Access-Control-Allow-Origin", "*"))
         self.metrics.count(request.family, response.status, reason)
+        if reason == "expiry" and request.key is not None:
+            self.metrics.expired_key_used(request.key.uid)
         if request.key is not None:
-            self.store.usage.count(request.key.uid, reason, time.time_ns())
+            self.store.usage.count(request.key.uid, reason, time.time_ns(),
+                                   from_browser(request.headers))
         return response
 
     def dispatch(self, request):
@@ -1225,6 +1241,8 @@ class Service:
             functools.partial(decision.answer_filter, context)
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
+        if decision.concurrent is not None:
+            self.gate.enter(request, call.principal, decision.concurrent)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
         if decision.needs_body:
             body = compact_json(value).encode()
@@ -1335,7 +1353,8 @@ class Service:
         if token is None or scheme != "Bearer" or not hmac.compare_digest(
                 given.encode("utf-8", "replace"), token):
             self.gate.check(request, call.route.actions, None)
-        text = self.metrics.render(len(self.store), len(self.gate.counters))
+        text = self.metrics.render(len(self.store), len(self.gate.counters), len(
+            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
@@ -1539,6 +1558,10 @@ def build_routes():
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
               handler=on_keys_api(KeysApi.rotate_key)),
         Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("POST", "/keys/{key}/revoke-tokens", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_tokens)),
+        Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_token)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -1696,8 +1719,9 @@ def path_segments(raw_path):
 
 
 # =============================================================================
-# Gate: client address -> brute-force throttle -> Guard -> the key's
-# restrictions (IPs, rates, referrers)
+# Gate: client address -> brute-force throttle -> Guard -> admin credentials
+# from browsers -> the key's restrictions (IPs, rates, referrers; searches at
+# once, entered by the forwarding edge)
 # =============================================================================
 
 
@@ -1721,6 +1745,17 @@ class TooManyRequests(ApiError):
         self.headers += NOT_CACHEABLE
 
 
+class TooManySearches(ApiError):
+    """429 for a key running its maxConcurrentSearches already (Meilisearch
+    answers its own full search queue with this code, as a 503)."""
+
+    def __init__(self, most):
+        super().__init__(429, "too_many_search_requests", "Too many searches with this API key "
+                         "at the same time: %d (its `maxConcurrentSearches` restriction). Retry "
+                         "after 1s." % most, "system")
+        self.headers = [("Retry-After", "1")] + NOT_CACHEABLE
+
+
 def too_many_failures(wait, throttle):
     return refused("throttled", TooManyRequests(
         "Too many failed authentications from your address; retry later.", wait, throttle))
@@ -1733,7 +1768,8 @@ NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 # The refusal reason (see USAGE_REASONS) of each restriction.
 RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
-                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced",
+                       "maxConcurrentSearches": "concurrency"}
 
 
 def restriction_refused(field, what):
@@ -1750,16 +1786,56 @@ def authorize_headers(principal):
     return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
 
 
+BROWSER_SIGNALS = ("Origin", "Sec-Fetch-Mode", "Referer")  # headers browsers send, tools not
+
+
+def from_browser(headers):
+    """Does the request carry a browser's signals? (Any of BROWSER_SIGNALS,
+    whatever its value: a header a client can forge counts against it.)"""
+    return any(headers.get(name) is not None for name in BROWSER_SIGNALS)
+
+
+def browser_refusal(principal, headers):
+    """The refusal of an admin credential sent from a browser (admin keys
+    belong on servers: meilisearch #2369), or None. Refused: the master key,
+    and an API key holding any action beyond `search` unless its
+    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    if principal.rules is not None or not from_browser(headers):
+        return None
+    key = principal.key
+    if key is None:
+        if principal is not MASTER:
+            return None
+        what = "The master key"
+    else:
+        beyond = [action for action in key.actions if action != "search"]
+        if not beyond or (key.restrictions is not None and key.restrictions.allow_browser):
+            return None
+        what = "This API key holds actions beyond `search` (%s): it" % backticked(beyond)
+    error = ApiError(403, "api_key_not_for_browsers", "%s must not be used from a browser (the "
+                     "request has an `Origin`, `Referer` or `Sec-Fetch-Mode` header). Keep admin "
+                     "keys on servers; give browsers a key holding only `search`, or a tenant "
+                     "token%s." % (what, "" if key is None else ", or mark this key "
+                                   "`allowBrowser: true` with `PUT /keys/%s/restrictions` if a "
+                                   "browser must use it" % key.uid), "auth")
+    error.key, error.headers = key, NOT_CACHEABLE
+    return refused("browser", error)
+
+
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
-    throttle get 429 before their credential is looked at; an authorized
-    key's (or tenant token's parent key's) restrictions are then applied."""
+    throttle get 429 before their credential is looked at; an admin
+    credential sent from a browser is refused (browser_refusal); an
+    authorized key's (or tenant token's parent key's) restrictions are then
+    applied, and a search enters the key's places (`enter`, for
+    Decision.concurrent)."""
 
     def __init__(self, guard, limits=None):
         self.guard = guard
         self.limits = limits or Limits()
         self.counters = Counters(self.limits.max_clients)
         self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
+        self.searching = Searching()
 
     def client(self, request):
         trusted = self.limits.trusted_proxies
@@ -1787,6 +1863,9 @@ class Gate:
                 raise too_many_failures(throttle.window, throttle)
             raise
         key = request.key = principal.key
+        refusal = browser_refusal(principal, request.headers)
+        if refusal is not None:
+            raise refusal
         restrictions = key.restrictions if key is not None else None
         if restrictions is None:
             return principal
@@ -1813,6 +1892,15 @@ class Gate:
             raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
         for _ in range(searches - 1):
             self._take(wanted)
+
+    def enter(self, request, principal, most):
+        """Take one of the `most` places the key has for searches at once
+        (in this process), until the request's answer has gone (see
+        Service.handle, which gives it back); 429 when all are taken."""
+        uid = principal.key.uid
+        if not self.searching.enter(uid, most):
+            raise refused("concurrency", TooManySearches(most))
+        request.place = Place(self.searching, uid)
 
     @staticmethod
     def _rates(key, address):
@@ -1885,7 +1973,7 @@ class Guard:
                 raise missing_master_key()
             return OPEN
         if hmac.compare_digest(self._master_bytes, token.encode()):
-            return OPEN
+            return MASTER
         rules = None
         key = None
         if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
@@ -1900,6 +1988,11 @@ class Guard:
                 key = self.store.by_uid(claims["apiKeyUid"])
                 if key is None:
                     raise invalid_api_key()
+                revoked = key.revocation and key.revocation.refusal(claims, token,
+                                                                    int(time.time()))
+                if revoked:
+                    revoked.key = key
+                    raise revoked
         if rules is None:
             key = self.store.by_value(token)
             if key is None:
@@ -2051,6 +2144,7 @@ class Principal:
 
 
 OPEN = Principal()
+MASTER = Principal()  # the master key: OPEN's rights, but a credential (see browser_refusal)
 
 
 def search_rule_patterns(rules):
@@ -2091,7 +2185,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins")):
+                    "answer_filter searches checks_joins concurrent")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2106,7 +2200,10 @@ class Decision(collections.namedtuple(
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
     - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins)."""
+      foreignKeys) documents the principal may not see whole (check_joins);
+    - `concurrent`: the searches the key may run at once (its
+      maxConcurrentSearches), this one holding a place until its answer
+      has gone, or None."""
 
     @property
     def needs_body(self):
@@ -2135,6 +2232,8 @@ class Decision(collections.namedtuple(
             unseen = self.value_steps[0].why
         elif self.searches is not None:
             unseen = "rateLimit"
+        elif self.concurrent is not None:  # nginx never says when the answer has gone
+            unseen = "maxConcurrentSearches"
         elif self.facts or self.answer_filter is not None:
             unseen = SCOPE
         elif self.value_steps:
@@ -2190,11 +2289,13 @@ def decide(route, principal, index):
         value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
-    checks_joins = route.joins and not (
+    searching = route.joins  # the routes that run searches, whose hits may hydrate joins
+    checks_joins = searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
+    concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins)
+                    answer_filter, searches, checks_joins, concurrent)
 
 
 def check_joins(principal, joins):
@@ -2996,14 +3097,20 @@ def scope_not_enforceable(route, where):
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
-# Why the guard refused a request. A key's usage counts the first eight (a
+# Why the guard refused a request. A key's usage counts the first eleven (a
 # refusal that names a key); metrics count them all, with "credential" (no
 # key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
-USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced")
+USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced",
+                 "revoked", "concurrency", "browser")
 REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
+_USAGE_TIMES = len(_USAGE_SLOT)  # then two times (ns, 0: never): seen from a browser, last used
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
+EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
+DAY_NS = 86400 * 10 ** 9
+EXPIRY_CHECK_SECONDS = 60.0  # how often serve looks for keys expiring soon, to log them
+MAX_EXPIRED_SEEN = 100000  # expired keys remembered as used, for their first-use counter
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -3021,23 +3128,27 @@ class Usage:
         self._lock = threading.Lock()
         self._saved = {}   # uid -> counts: the store file's totals, as last read or written
         self._counts = {}  # uid -> counts of this process, not saved yet
-        # counts: [allowed, one per USAGE_REASONS..., last used ns]
+        # counts: [allowed, one per USAGE_REASONS..., seen from a browser ns, last used ns]
 
     @property
     def changed(self):
         """Whether there are counts to save."""
         return bool(self._counts)
 
-    def count(self, uid, reason, now_ns):
+    def count(self, uid, reason, now_ns, browser=False):
+        """One request with key `uid`: allowed (reason None) or refused for
+        `reason`; `browser`: it came with a browser's signals."""
         slot = _USAGE_SLOT.get(reason)
         if slot is None:  # not a refusal of this key's
             return
         with self._lock:
             counts = self._counts.get(uid)
             if counts is None:
-                counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
+                counts = self._counts[uid] = [0] * (_USAGE_TIMES + 2)
             counts[slot] += 1
             counts[-1] = now_ns
+            if browser:
+                counts[-2] = now_ns
 
     def forget(self, uid):
         with self._lock:
@@ -3049,15 +3160,17 @@ class Usage:
         of key `uid`: the saved totals plus this process's unsaved counts."""
         with self._lock:
             counts = _added(self._saved.get(uid), self._counts.get(uid))
-        return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
-                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
+        return {"allowed": counts[0],
+                "refused": dict(zip(USAGE_REASONS, counts[1:_USAGE_TIMES])),
+                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None,
+                "seenFromBrowserAt": format_timestamp(counts[-2]) if counts[-2] else None}
 
     def unsaved(self, uid):
         """The part of key `uid`'s usage only this process has counted yet:
         `allowed` and `refused` (all reasons)."""
         with self._lock:
-            counts = self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1)
-        return {"allowed": counts[0], "refused": sum(counts[1:-1])}
+            counts = self._counts.get(uid) or [0] * (_USAGE_TIMES + 2)
+        return {"allowed": counts[0], "refused": sum(counts[1:_USAGE_TIMES])}
 
     def take(self, keep):
         """(the totals to save, for the uids `keep(uid)` holds (a deleted
@@ -3103,23 +3216,27 @@ class Usage:
 
 def usage_section(totals):
     """Usage totals as the store file holds them (reasons with no refusal left out)."""
-    return {uid: {"allowed": counts[0],
-                  "refused": {reason: n for reason, n in zip(USAGE_REASONS, counts[1:-1]) if n},
-                  "lastUsedAt": counts[-1]}
+    return {uid: dict({"allowed": counts[0],
+                       "refused": {reason: n for reason, n in zip(USAGE_REASONS,
+                                                                  counts[1:_USAGE_TIMES]) if n},
+                       "lastUsedAt": counts[-1]},
+                      **({"seenFromBrowserAt": counts[-2]} if counts[-2] else {}))
             for uid, counts in totals.items()}
 
 
 def _added(counts, more):
     """Two usage counts of a key added up (the later last use kept); either may be None."""
     if counts is None or more is None:
-        return list(counts or more or [0] * (len(_USAGE_SLOT) + 1))
-    return [a + b for a, b in zip(counts[:-1], more[:-1])] + [max(counts[-1], more[-1])]
+        return list(counts or more or [0] * (_USAGE_TIMES + 2))
+    return [a + b for a, b in zip(counts[:_USAGE_TIMES], more[:_USAGE_TIMES])] + \
+        [max(a, b) for a, b in zip(counts[_USAGE_TIMES:], more[_USAGE_TIMES:])]
 
 
 def _usage_counts(record):
     """A stored usage record -> counts; ValueError (or TypeError) if it is not one."""
     allowed, refusals, last = record["allowed"], record["refused"], record["lastUsedAt"]
     counts = [allowed] + [refusals.pop(reason, 0) for reason in USAGE_REASONS]
+    counts.append(record.get("seenFromBrowserAt", 0))
     counts.append(0 if last is None else last)
     if refusals or any(type(n) is not int or n < 0 for n in counts):
         raise ValueError("not usage counts")
@@ -3141,12 +3258,20 @@ class Metrics:
         self._latency = [0] * (len(self.BUCKETS) + 1)  # per bucket, the last one +Inf
         self._latency_sum = 0.0
         self._backend_errors = dict.fromkeys(BACKEND_ERRORS, 0)
+        self._expired_seen = set()  # uids of the expired keys used (at most MAX_EXPIRED_SEEN)
 
     def count(self, family, status, reason):
         with self._lock:
             self._requests[family, status] = self._requests.get((family, status), 0) + 1
             if reason is not None:
                 self._refusals[reason] += 1
+
+    def expired_key_used(self, uid):
+        """A request with the expired key `uid`: counted the first time only."""
+        with self._lock:
+            if uid in self._expired_seen or len(self._expired_seen) >= MAX_EXPIRED_SEEN:
+                return
+            self._expired_seen.add(uid)
 
     def observe_backend(self, seconds):
         """One backend answer's head arrived `seconds` after the request was sent."""
@@ -3164,12 +3289,13 @@ class Metrics:
         with self._lock:
             self._backend_errors[kind] += 1
 
-    def render(self, keys, rate_clients):
-        """The exposition text, with the gauges given (keys stored, rate-limit table size)."""
+    def render(self, keys, rate_clients, expiring):
+        """The exposition text, with the gauges given (keys stored, rate-limit
+        table size, keys expiring within EXPIRY_WARNING_DAYS)."""
         with self._lock:
             requests, refusals = sorted(self._requests.items()), dict(self._refusals)
             latency, latency_sum = list(self._latency), self._latency_sum
-            errors = dict(self._backend_errors)
+            errors, expired_used = dict(self._backend_errors), len(self._expired_seen)
         out = []
 
         def family(name, kind, text, samples):
@@ -3194,10 +3320,39 @@ class Metrics:
         family("rate_limit_clients", "gauge", "Rate-limit counters held (at most --max-clients).",
                [("rate_limit_clients", "", rate_clients)])
         family("keys", "gauge", "API keys stored.", [("keys", "", keys)])
+        family("keys_expiring", "gauge", "API keys that stop working within %d days."
+               % EXPIRY_WARNING_DAYS, [("keys_expiring", "", expiring)])
+        family("expired_keys_used_total", "counter", "Expired API keys used (each counted at "
+               "its first refused use in this process).",
+               [("expired_keys_used_total", "", expired_used)])
         family("build_info", "gauge", "The searchkeys version and Python running it.",
                [("build_info", '{version="%s",python="%s"}' % (
                    __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
         return "".join(out)
+
+
+class ExpiryWarnings:
+    """One log line a day per key that stops working within
+    EXPIRY_WARNING_DAYS (in this process: each of --workers logs its own)."""
+
+    def __init__(self):
+        self._warned = {}  # uid -> when it was last logged (ns)
+
+    def lines(self, keys, now_ns):
+        """The lines to log now for `keys` (those expiring soon)."""
+        warned = {uid: at for uid, at in self._warned.items() if now_ns - at < DAY_NS}
+        lines = []
+        for key in keys:
+            if key.uid in warned:
+                continue
+            warned[key.uid] = now_ns
+            lines.append("searchkeys: warning: key %s%s stops working at %s (in %.1f days)%s" % (
+                key.uid, " (%s)" % printable(key.name) if key.name else "",
+                format_timestamp(key.end_ns), (key.end_ns - now_ns) / DAY_NS,
+                ": it is being rotated" if key.retirement is not None else
+                ": rotate it or give its clients another key"))
+        self._warned = warned
+        return lines
 
 
 # =============================================================================
@@ -3285,6 +3440,30 @@ class KeysApi:
         grace = validate_rotation(parse_json_body(data) if data else {})
         return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
 
+    def revoke_tokens(self, call):
+        """POST /keys/{key}/revoke-tokens: every tenant token the key signed
+        before `issuedBefore` (default: now) stops working. The body is optional."""
+        request = call.request
+        data = request.body.read(MAX_KEYS_BODY)
+        if data:
+            check_content_type(request.headers.get("Content-Type"))
+        self.store.find(call.params["key"])  # 404 before 400, as PATCH
+        before = validate_revoke_tokens(parse_json_body(data) if data else {}, time.time_ns())
+        key = self._write(self.store.revoke_tokens, call.params["key"], before)
+        return self._revocation(key)
+
+    def revoke_token(self, call):
+        """POST /keys/{key}/revoke-token: one tenant token of the key stops
+        working (it is denied until its exp)."""
+        key = self.store.find(call.params["key"])
+        token, exp = validate_revoke_token(call.request.read_json_body(), key)
+        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp))
+
+    @staticmethod
+    def _revocation(key):
+        return Response.json(200, dict({"uid": key.uid},
+                                       **(key.revocation or NO_REVOCATION).to_json()))
+
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
         `lastUsedAt` and `unsaved`, the part only this process has counted."""
@@ -3355,10 +3534,10 @@ class ApiKey:
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
                  "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions", "retirement")
+                 "restrictions", "retirement", "revocation")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, restrictions=None, retirement=None):
+                 updated_ns, value, restrictions=None, retirement=None, revocation=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -3373,14 +3552,20 @@ class ApiKey:
         self._stored = None  # stored_json(), once computed
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
         self.retirement = retirement  # Retirement of a rotated key, or None
+        self.revocation = revocation  # TokenRevocation of its tenant tokens, or None
 
     def is_expired(self, now_ns=None):
+        end = self.end_ns
+        return end is not None and (time.time_ns() if now_ns is None else now_ns) >= end
+
+    @property
+    def end_ns(self):
+        """When it stops working: its expiresAt or, rotated, its retiresAt
+        (the earlier), or None: never."""
         deadlines = [self.expires_at.ns] if self.expires_at is not None else []
         if self.retirement is not None:
             deadlines.append(self.retirement.at_ns)
-        if not deadlines:
-            return False
-        return (time.time_ns() if now_ns is None else now_ns) >= min(deadlines)
+        return min(deadlines) if deadlines else None
 
     def expires_at_text(self):
         return format_rfc3339(self.expires_at) if self.expires_at else None
@@ -3390,16 +3575,25 @@ class ApiKey:
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
                       self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions, retirement=self.retirement)
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
 
     def with_restrictions(self, restrictions):
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions, retirement=self.retirement)
+                      restrictions=restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
+
+    def with_revocation(self, revocation):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=revocation)
 
     def successor(self, uid, value, now_ns):
         """The key a rotation makes: a new uid and value, all else the same
-        (restrictions as they are, whatever fields they hold)."""
+        (restrictions as they are, whatever fields they hold; no revocation:
+        the old key's tokens do not verify with the new value)."""
         return ApiKey(uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, now_ns, now_ns, value, restrictions=self.restrictions)
 
@@ -3407,7 +3601,7 @@ class ApiKey:
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
                       restrictions=self.restrictions,
-                      retirement=Retirement(at_ns, replaced_by))
+                      retirement=Retirement(at_ns, replaced_by), revocation=self.revocation)
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -3449,6 +3643,8 @@ class ApiKey:
         if self.retirement is not None:
             record["retiresAt"] = self.retirement.at_ns
             record["replacedBy"] = self.retirement.replaced_by
+        if self.revocation is not None:
+            record["tokenRevocation"] = self.revocation.to_record()
         return record
 
     @classmethod
@@ -3485,7 +3681,8 @@ class ApiKey:
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
                    derive(uid) if derive is not None else None,
                    stored_restrictions(record.get("restrictions"), uid),
-                   Retirement.from_record(record, uid))
+                   Retirement.from_record(record, uid),
+                   TokenRevocation.from_record(record.get("tokenRevocation"), uid))
 
 
 class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
@@ -3504,6 +3701,74 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
         return cls(at_ns, replaced_by)
 
 
+MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
+IAT_LEEWAY = 60  # seconds a token's iat may be ahead of this clock (the signer's may be)
+
+
+class TokenRevocation(collections.namedtuple("TokenRevocation", "issued_before denied")):
+    """What is revoked of a key's tenant tokens: every token issued (`iat`,
+    Unix seconds) before `issued_before` (None: none), and the tokens of
+    `denied` ({SHA-256 of the token, hex: its exp}) until their exp."""
+
+    def refusal(self, claims, token, now):
+        """None, or the ApiError for a token (`claims` verified) this revokes
+        at `now` (Unix seconds). An `iat` in the future (past IAT_LEEWAY)
+        counts as none: a token signed to outlive every revocation by time
+        is revoked by the first."""
+        iat = claims["iat"]
+        if iat is not None and iat > now + IAT_LEEWAY:
+            iat = None
+        if self.issued_before is not None and (iat is None or iat < self.issued_before):
+            return refused("revoked", invalid_api_key(
+                "This tenant token was revoked: its API key's tokens issued before %s no "
+                "longer work%s." % (format_timestamp(self.issued_before * 10 ** 9),
+                                    "" if iat is not None else
+                                    " (a token without `iat` counts as issued before)")))
+        if self.denied and token_digest(token) in self.denied:
+            return refused("revoked", invalid_api_key("This tenant token was revoked."))
+        return None
+
+    def pruned(self, now):
+        """This revocation without the denied tokens expired at `now`
+        (Unix seconds), or None when nothing is left of it."""
+        denied = {digest: exp for digest, exp in self.denied.items() if exp >= now}
+        if self.issued_before is None and not denied:
+            return None
+        return TokenRevocation(self.issued_before, denied)
+
+    def to_json(self):
+        return {"issuedBefore": None if self.issued_before is None else
+                format_timestamp(self.issued_before * 10 ** 9),
+                "revokedTokens": len(self.denied)}
+
+    def to_record(self):
+        return {"issuedBefore": self.issued_before, "denied": dict(self.denied)}
+
+    @classmethod
+    def from_record(cls, record, uid):
+        if record is None:
+            return None
+        try:
+            issued_before, denied = record["issuedBefore"], record["denied"]
+            if record.keys() != {"issuedBefore", "denied"} or not (
+                    issued_before is None or type(issued_before) is int) \
+                    or not all(_SHA256_HEX_RE.match(d) and type(exp) is int
+                               for d, exp in denied.items()):
+                raise ValueError
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ValueError("bad tokenRevocation in key %s" % uid)
+        return cls(issued_before, dict(denied))
+
+
+NO_REVOCATION = TokenRevocation(None, {})
+_SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def token_digest(token):
+    """How a revoked token is kept: its SHA-256 (hex), never the token."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @functools.lru_cache(maxsize=4096)
 def _valid_stored_actions(actions):
     # cached: a large store has few distinct action lists
@@ -3517,7 +3782,8 @@ def _valid_stored_indexes(indexes):
 
 _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
                             "createdAt", "updatedAt"))
-_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
+_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy",
+                                     "tokenRevocation"))
 
 
 class KeyStore:
@@ -3736,6 +4002,11 @@ class KeyStore:
                 self.refresh()
         raise key_not_found(key_or_uid if uid is None else uid)
 
+    def expiring(self, within_ns, now_ns):
+        """The keys that stop working within `within_ns` of `now_ns` (not before it)."""
+        return [key for key in list(self._keys.values())
+                if key.end_ns is not None and now_ns < key.end_ns <= now_ns + within_ns]
+
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
         self.sweep()
@@ -3806,6 +4077,32 @@ class KeyStore:
             else:
                 self._commit_all([new], (old.uid,))
             return new
+
+    def revoke_tokens(self, key_or_uid, issued_before):
+        """Revoke the key's tenant tokens issued before `issued_before` (Unix
+        seconds; a later revocation's time wins over an earlier one's)."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = key.revocation or NO_REVOCATION
+            before = max(issued_before, old.issued_before or issued_before)
+            self._commit(key.with_revocation(
+                TokenRevocation(before, old.denied).pruned(int(time.time()))))
+            return self._keys[key.uid]
+
+    def revoke_token(self, key_or_uid, token, exp):
+        """Deny one tenant token of the key (verified by the caller) until its `exp`."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = (key.revocation or NO_REVOCATION).pruned(int(time.time())) or NO_REVOCATION
+            denied = dict(old.denied)
+            denied[token_digest(token)] = exp
+            if len(denied) > MAX_REVOKED_TOKENS:
+                raise ApiError(400, "too_many_revoked_tokens", "API key `%s` already has %d "
+                               "tokens revoked that have not expired: revoke all its tokens "
+                               "issued before a time with `POST /keys/%s/revoke-tokens` instead."
+                               % (key.uid, MAX_REVOKED_TOKENS, key.uid))
+            self._commit(key.with_revocation(TokenRevocation(old.issued_before, denied)))
+            return self._keys[key.uid]
 
     def sweep(self):
         """Remove the rotated keys whose grace period is over (they are
@@ -4435,7 +4732,8 @@ class Upstream:
 # =============================================================================
 
 RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
-                      "forcedParameters")
+                      "forcedParameters", "maxConcurrentSearches", "allowBrowser")
+MAX_CONCURRENT_SEARCHES = 10000  # the largest maxConcurrentSearches
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
@@ -4603,11 +4901,14 @@ def counter_client(address):
 class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json")
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json",
+                 "max_concurrent", "allow_browser")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None, forced=None):
+                 source=None, forced=None, max_concurrent=None, allow_browser=False):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.max_concurrent = max_concurrent  # searches at once with the key, in this process
+        self.allow_browser = allow_browser  # may be used from browsers though it holds more
         self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
@@ -4641,13 +4942,16 @@ class Restrictions:
                                                referrer_pattern)
         ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
         forced = _validate_forced_parameters(fields.get("forcedParameters"))
-        max_hits = fields.get("maxHitsPerQuery")
-        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
-            if type(max_hits) is not int:
-                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                 "a positive integer", max_hits)
-            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                "`%d` is not 1 or more." % max_hits)
+        max_hits = _validate_count("maxHitsPerQuery", fields.get("maxHitsPerQuery"))
+        max_concurrent = _validate_count("maxConcurrentSearches",
+                                         fields.get("maxConcurrentSearches"),
+                                         MAX_CONCURRENT_SEARCHES)
+        allow_browser = fields.pop("allowBrowser", False)
+        if type(allow_browser) is not bool:
+            raise wrong_type("invalid_restrictions_allow_browser", ".allowBrowser", "a boolean",
+                             allow_browser)
+        if allow_browser:
+            fields["allowBrowser"] = True  # false is the default: not kept
         if rate is not None:
             fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
         else:
@@ -4655,7 +4959,21 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields, forced)
+                   ips and list(ips), max_hits, fields, forced, max_concurrent, allow_browser)
+
+
+def _validate_count(field, value, maximum=None):
+    """A restriction that is a count, 1 or more (to `maximum`), or None."""
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise wrong_type(code, "." + field, "a positive integer", value)
+    if value < 1:
+        raise invalid_value(code, "." + field, "`%d` is not 1 or more." % value)
+    if maximum is not None and value > maximum:
+        raise invalid_value(code, "." + field, "`%d` is more than %d." % (value, maximum))
+    return value
 
 
 def stored_restrictions(record, uid):
@@ -4749,6 +5067,66 @@ class Counters:
         tat.move_to_end(counter)
         while len(tat) > self.capacity:
             tat.popitem(last=False)
+
+
+
+
+class Searching:
+    """The searches running with each key in this process (uid -> count;
+    a key running none has no entry, so it holds one per search at most)."""
+
+    def __init__(self):
+        self._running = {}
+        self._lock = threading.Lock()
+
+    def enter(self, uid, most):
+        """Count one more search with key `uid`, unless `most` are running: whether it may run."""
+        with self._lock:
+            running = self._running.get(uid, 0)
+            if running >= most:
+                return False
+            self._running[uid] = running + 1
+            return True
+
+    def leave(self, uid):
+        with self._lock:
+            running = self._running.pop(uid) - 1
+            if running:
+                self._running[uid] = running
+
+
+class Place:
+    """One search's place among its key's (Searching.enter), given back
+    once, by `leave`, whatever happened to the search."""
+
+    __slots__ = ("searching", "uid")
+
+    def __init__(self, searching, uid):
+        self.searching, self.uid = searching, uid
+
+    def leave(self):
+        searching, self.searching = self.searching, None
+        if searching is not None:
+            searching.leave(self.uid)
+
+
+class LeavingStream:
+    """A streamed answer (see Response) whose Place is given back when it is
+    closed: written whole, broken off, or never started."""
+
+    __slots__ = ("stream", "place")
+
+    def __init__(self, stream, place):
+        self.stream, self.place = stream, place
+
+    def __iter__(self):
+        return iter(self.stream)
+
+    def close(self):
+        try:
+            self.stream.close()
+        finally:
+            self.place.leave()
 
 
 class FailureCounts:
@@ -5106,12 +5484,30 @@ MAX_GRACE = 30 * 86400
 _GRACE_RE = re.compile(r"([0-9]{1,7})([smhd]?)\Z")
 
 
+MAX_EXPIRING = 3650 * 86400  # the longest `keys list --expiring`
+
+
+def duration_seconds(text):
+    """`30s`, `5m`, `1h`, `2d` or whole seconds -> seconds, or None."""
+    match = _GRACE_RE.match(text)
+    return int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+
+
+def parse_duration(text, option, maximum):
+    """A command line duration (`30m`, `12h`, `7d`, or seconds) -> seconds,
+    at most `maximum`; ValueError naming `option`."""
+    seconds = duration_seconds(text)
+    if seconds is None or seconds > maximum:
+        raise ValueError("%s `%s`: expected a duration such as `30m`, `12h` or `7d` (or whole "
+                         "seconds), at most %d days" % (option, text, maximum // 86400))
+    return seconds
+
+
 def parse_grace(value):
     """`30s`, `5m`, `1h`, `2d` or whole seconds (`90` or 90), 0 to 30 days -> seconds;
     ValueError saying what is accepted."""
     if isinstance(value, str):
-        match = _GRACE_RE.match(value)
-        seconds = int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+        seconds = duration_seconds(value)
     else:
         seconds = value if type(value) is int else None
     if seconds is None or not 0 <= seconds <= MAX_GRACE:
@@ -5133,6 +5529,60 @@ def validate_rotation(body):
                 raise invalid_value("invalid_rotation_grace", ".grace", "%s, but found %s"
                                     % (exc, describe_json(value)))
     return grace
+
+
+REVOKE_TOKENS_FIELDS = ("issuedBefore",)
+REVOKE_TOKEN_FIELDS = ("token",)
+
+
+def validate_revoke_tokens(body, now_ns):
+    """A POST /keys/{k}/revoke-tokens body -> the Unix second before which
+    the key's tokens are revoked: `issuedBefore` (RFC 3339, not in the
+    future) or now, rounded up (a token's `iat` is whole seconds: one signed
+    in the same second as the revocation is revoked too)."""
+    before_ns = now_ns
+    for name, value in require_object(body).items():
+        if name not in REVOKE_TOKENS_FIELDS:
+            raise unknown_field(name, REVOKE_TOKENS_FIELDS)
+        if value is None:
+            continue
+        instant = parse_expires_at(value) if isinstance(value, str) else None
+        if instant is None or instant.ns > now_ns:
+            raise invalid_value("invalid_revocation_issued_before", ".issuedBefore",
+                                "expected an RFC 3339 date (e.g. `2030-01-31T00:00:00Z`) not in "
+                                "the future, or null for now, but found %s"
+                                % describe_json(value))
+        before_ns = instant.ns
+    return -(-before_ns // 10 ** 9)
+
+
+def validate_revoke_token(body, key):
+    """A POST /keys/{k}/revoke-token body -> (the token, its exp): a tenant
+    token `key` signed that has not expired and has an `exp` (a token
+    without one would have to be denied forever)."""
+    code = "invalid_revocation_token"
+    for name in require_object(body):
+        if name not in REVOKE_TOKEN_FIELDS:
+            raise unknown_field(name, REVOKE_TOKEN_FIELDS)
+    token = body.get("token")
+    if not isinstance(token, str):
+        raise wrong_type(code, ".token", "a tenant token (a string)", token)
+    try:
+        claims = verify_tenant_token(token, key.value)
+    except NotATenantToken:
+        raise invalid_value(code, ".token", "this is not a tenant token (a JWT).")
+    except TenantTokenError as exc:
+        raise invalid_value(code, ".token", "this is not a tenant token of API key `%s` that "
+                            "works: %s" % (key.uid, exc))
+    if claims["apiKeyUid"] != key.uid:
+        raise invalid_value(code, ".token", "this tenant token was signed by another API key "
+                            "(`%s`)." % claims["apiKeyUid"])
+    if claims["exp"] is None:
+        raise invalid_value(code, ".token", "this tenant token has no `exp`, so it cannot be "
+                            "revoked singly (it would have to be denied forever): revoke "
+                            "every token of API key `%s` issued before now with `POST "
+                            "/keys/%s/revoke-tokens`, or rotate the key." % (key.uid, key.uid))
+    return token, claims["exp"]
 
 
 USIZE_MAX = 2 ** 64 - 1
@@ -5655,7 +6105,19 @@ def _check_claims(part):
     for field in ("searchRules", "apiKeyUid"):
         if field not in claims:
             raise part.missing(field)
+    claims["iat"] = _issued_at(part)
     return claims
+
+
+def _issued_at(part):
+    """The token's `iat` in Unix seconds, or None (none, more than one, not
+    a number). Meilisearch ignores it; searchkeys' revocation reads it, and
+    one it cannot read counts as revoked (see token_refusal)."""
+    values = [value for name, value, _, _, _ in part.members if name == "iat"]
+    if len(values) != 1 or isinstance(values[0], bool) \
+            or not isinstance(values[0], (int, float)) or values[0] != values[0]:
+        return None
+    return values[0]
 
 
 def _audience_error(part):
@@ -5675,7 +6137,7 @@ def decode_tenant_token(token):
     """Read a tenant token without checking its signature.
 
     Returns (algorithm, claims, signed_part, signature, refusal): claims
-    hold `searchRules`, `exp` and `apiKeyUid`; refusal is what jsonwebtoken
+    hold `searchRules`, `exp`, `apiKeyUid` and `iat` (None when unreadable); refusal is what jsonwebtoken
     says of the registered claims once the signature is good, or None. Raises
     NotATenantToken when `token` does not have the three JWT parts, and
     TenantTokenError (the detail of "Could not decode tenant token, ...")
@@ -5714,16 +6176,20 @@ def _jwt_signature(algorithm, secret, signed_part):
     return b64url_encode(_jwt_digest(algorithm, secret, signed_part))
 
 
-def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256"):
+def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256",
+                      issued_at=None):
     """Mint a tenant token for the key `api_key` (its 64-hex value) of uid
-    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime."""
+    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime.
+    `iat` is `issued_at` (Unix seconds), or now: a revocation of the key's
+    tokens issued before some time reads it."""
     if algorithm not in JWT_HASHES:
         raise ValueError("algorithm must be one of %s" % ", ".join(JWT_HASHES))
     if isinstance(expires_at, datetime.datetime):
         expires_at = int(expires_at.timestamp())
     header = b64url_encode(compact_json({"alg": algorithm, "typ": "JWT"}).encode())
     claims = {"searchRules": search_rules, "apiKeyUid": parse_uuid(api_key_uid),
-              "exp": expires_at}
+              "exp": expires_at,
+              "iat": int(time.time()) if issued_at is None else issued_at}
     payload = b64url_encode(compact_json(claims).encode())
     signed_part = header + "." + payload
     return signed_part + "." + _jwt_signature(algorithm, api_key, signed_part)
@@ -5861,6 +6327,38 @@ class Client:
         return self.request("POST", _key_path(key_or_uid) + "/rotate",
                             None if grace is None else {"grace": grace})
 
+    def list_keys_seen_from_browsers(self, offset=None, limit=None):
+        """GET /keys, each key used from a browser flagged with its
+        `seenFromBrowserAt` (searchkeys' usage, for the master key; from a
+        Meilisearch, or with another key, the plain listing)."""
+        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+        try:
+            listing = self.request("GET", "/keys?" + urllib.parse.urlencode(
+                [("usage", "true")] + params))
+            results = listing["results"]
+            usages = [key.pop("usage") for key in results]
+            for key, usage in zip(results, usages):
+                if usage.get("seenFromBrowserAt"):
+                    key["seenFromBrowserAt"] = usage["seenFromBrowserAt"]
+            return listing
+        except ClientError as exc:
+            if exc.status not in (400, 403):
+                raise
+        except (TypeError, KeyError, AttributeError):
+            pass
+        return self.list_keys(offset, limit)
+
+    def all_keys(self, page=1000):
+        """Every key (GET /keys, page by page)."""
+        keys, offset = [], 0
+        while True:
+            listing = self.list_keys(offset, page)
+            results = listing.get("results") or []
+            keys += results
+            offset += len(results)
+            if not results or offset >= listing.get("total", 0):
+                return keys
+
     def keys_with_usage(self, page=1000):
         """Every key with its `usage`, page by page: searchkeys' GET
         /keys?usage=true. A server without it (Meilisearch answers 400 to
@@ -5943,6 +6441,9 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--ip", action="append", metavar="CIDR",
                           help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
     restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--max-concurrent", type=int, metavar="N",
+                          help="searches with the key at once, per searchkeys process; more "
+                               "get 429 (1 to %d)" % MAX_CONCURRENT_SEARCHES)
     restrict.add_argument("--filter", action="append", metavar="INDEX=FILTER",
                           help="a filter AND-ed to every search on the indexes of the pattern "
                                "INDEX (`*` at its end for any text), e.g. "
@@ -5953,6 +6454,10 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--force", action="append", metavar="INDEX=JSON",
                           help="other search parameters forced on INDEX, as a JSON object, "
                                "e.g. 'movies={\"facets\": [\"genre\"]}' (repeatable)")
+    restrict.add_argument("--allow-browser", action="store_true",
+                          help="let browsers use the key although it holds actions beyond "
+                               "search (an admin page's key); without it such a key sent from a "
+                               "browser gets 403")
     restrict.add_argument("--clear", action="store_true", help="remove every restriction")
 
 
@@ -5975,6 +6480,12 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    if args.allow_browser:
+        body["allowBrowser"] = True
+    if args.max_concurrent is not None:
+        if not 1 <= args.max_concurrent <= MAX_CONCURRENT_SEARCHES:
+            raise ValueError("--max-concurrent must be 1 to %d" % MAX_CONCURRENT_SEARCHES)
+        body["maxConcurrentSearches"] = args.max_concurrent
     forced = forced_parameters_from_args(args)
     if forced:
         body["forcedParameters"] = forced
@@ -6277,6 +6788,10 @@ def build_parser():
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
     listing.add_argument("--offset", type=int, help="keys to skip (0)")
     listing.add_argument("--limit", type=int, help="keys to list at most (20)")
+    listing.add_argument("--expiring", metavar="DURATION",
+                         help="only the keys that stop working within DURATION (30m, 12h, 7d "
+                              "or seconds), soonest first: every key is read, so --offset and "
+                              "--limit do not apply")
     get = key_commands.add_parser("get", parents=[common], help="show one key")
     get.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
     update = key_commands.add_parser("update", parents=[common],
@@ -6296,6 +6811,18 @@ def build_parser():
     rotate.add_argument("--grace", metavar="DURATION",
                         help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
                              "seconds, 0 to 30 days (default 5m)")
+    revoke = key_commands.add_parser(
+        "revoke-tokens", parents=[common], help="revoke every tenant token a key signed "
+                                                "before a time (searchkeys only)")
+    revoke.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke.add_argument("--before", metavar="TIME",
+                        help="RFC 3339 date; tokens whose `iat` is earlier (or that have none) "
+                             "stop working (default: now)")
+    revoke_one = key_commands.add_parser(
+        "revoke-token", parents=[common], help="revoke one tenant token of a key until it "
+                                               "expires (searchkeys only)")
+    revoke_one.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke_one.add_argument("token", metavar="TOKEN", help="the tenant token (it needs an `exp`)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -6373,10 +6900,17 @@ def read_token_file(path):
 
 def keep_store(store, stop):
     """serve's store keeper, until the Event `stop` is set: takes in what
-    other processes wrote every STORE_POLL_SECONDS and saves the usage
-    counts every USAGE_FLUSH_SECONDS."""
-    flushed = time.monotonic()
-    while not stop.wait(STORE_POLL_SECONDS):
+    other processes wrote every STORE_POLL_SECONDS, saves the usage
+    counts every USAGE_FLUSH_SECONDS, and looks for keys expiring soon
+    every EXPIRY_CHECK_SECONDS (ExpiryWarnings)."""
+    flushed, checked, warnings = time.monotonic(), None, ExpiryWarnings()
+    while True:
+        if checked is None or time.monotonic() - checked >= EXPIRY_CHECK_SECONDS:
+            now, checked = time.time_ns(), time.monotonic()
+            for line in warnings.lines(store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, now), now):
+                store.log(line)
+        if stop.wait(STORE_POLL_SECONDS):
+            return
         store.refresh()
         if time.monotonic() - flushed >= USAGE_FLUSH_SECONDS:
             store.flush_usage()
@@ -6556,8 +7090,11 @@ def run_keys(args):
                                 description=args.description, uid=args.uid)
         if args.preset == "search" and not args.no_restrictions:
             restrict_created_key(client, key)
+    elif command == "list" and args.expiring is not None:
+        listing = expiring_keys(client.all_keys(), args.expiring, time.time())
+        return _print(args, listing, [k.get("key") for k in listing["results"]])
     elif command == "list":
-        listing = client.list_keys(args.offset, args.limit)
+        listing = client.list_keys_seen_from_browsers(args.offset, args.limit)
         return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
     elif command == "get":
         key = client.get_key(args.key_or_uid)
@@ -6569,6 +7106,12 @@ def run_keys(args):
         return run_restrict(client, args)
     elif command == "rotate":
         key = rotate_key(client, args.key_or_uid, args.grace)
+    elif command == "revoke-tokens":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-tokens",
+                                           {"issuedBefore": args.before}), [])
+    elif command == "revoke-token":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-token",
+                                           {"token": args.token}), [])
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
@@ -6576,6 +7119,19 @@ def run_keys(args):
         client.delete_key(args.key_or_uid)
         return 0
     return _print(args, key, [key.get("key")])
+
+
+def expiring_keys(keys, within, now):
+    """`keys list --expiring`: the keys (GET /keys results) that stop working
+    (expiresAt, or retiresAt of a rotated key on searchkeys) within `within`
+    seconds of `now`, soonest first, as a listing."""
+    def end(key):
+        ends = [parse_expires_at(key[field]) for field in ("expiresAt", "retiresAt")
+                if isinstance(key.get(field), str)]
+        return min((instant.ns for instant in ends if instant is not None), default=None)
+    soon = sorted((end(key), position, key) for position, key in enumerate(keys)
+                  if end(key) is not None and now * 10 ** 9 < end(key) <= (now + within) * 10 ** 9)
+    return {"results": [key for _, _, key in soon], "total": len(soon)}
 
 
 def usage_table(keys):
@@ -6685,7 +7241,8 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
-        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules"))
+        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules",
+                               "token", "before"))
         if args.command == "keys":
             check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
@@ -6698,6 +7255,10 @@ def check_client_args(parser, args):
                 args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "restrict":
             args.restrictions = restrictions_from_args(args)
+        elif args.command == "keys" and args.keys_command == "revoke-tokens" \
+                and args.before is not None and parse_expires_at(args.before) is None:
+            raise ValueError("--before `%s` is not a date: write it as RFC 3339, e.g. "
+                             "2030-01-31T00:00:00Z" % args.before)
         elif args.command == "keys" and args.keys_command == "rotate" \
                 and args.grace is not None:
             try:
@@ -6708,6 +7269,8 @@ def check_client_args(parser, args):
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
+            if args.expiring is not None:
+                args.expiring = parse_duration(args.expiring, "--expiring", MAX_EXPIRING)
         elif args.command == "token":
             args.uid = check_uid(args.uid)
             try:

@@ -167,13 +167,14 @@ def test_restrictions_validate_like_meilisearch():
                                        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50})
     assert value.to_json() == {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
                                "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50,
-                               "forcedParameters": None}
+                               "forcedParameters": None, "maxConcurrentSearches": None,
+                               "allowBrowser": None}
     assert sk.Restrictions.from_json({}) is None
     assert sk.Restrictions.from_json({"rateLimit": {"perIp": None}, "allowedIps": None}) is None
     cases = [
         ({"rateLimits": {}}, "bad_request", "Unknown field `rateLimits`: did you mean "
          "`rateLimit`? expected one of `rateLimit`, `allowedReferrers`, `allowedIps`, "
-         "`maxHitsPerQuery`, `forcedParameters`"),
+         "`maxHitsPerQuery`, `forcedParameters`, `maxConcurrentSearches`, `allowBrowser`"),
         ({"rateLimit": "60/minute"}, "invalid_restrictions_rate_limit",
          "Invalid value type at `.rateLimit`: expected an object, but found a string: "
          "`\"60/minute\"`"),
@@ -493,11 +494,13 @@ def test_restrictions_api_keeps_the_keys_contract(guard):
     key = new_key(guard, None)
     path = "/keys/%s/restrictions" % key["uid"]
     nulls = {"rateLimit": None, "allowedReferrers": None, "allowedIps": None,
-             "maxHitsPerQuery": None, "forcedParameters": None}
+             "maxHitsPerQuery": None, "forcedParameters": None,
+             "maxConcurrentSearches": None, "allowBrowser": None}
     assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == nulls
     wanted = {"rateLimit": {"perIp": "60/minute", "perKey": "10000/hour"},
               "allowedReferrers": ["https://example.com/*"], "allowedIps": ["10.0.0.0/8"],
-              "maxHitsPerQuery": 50, "forcedParameters": {"movies": {"filter": "a = 1"}}}
+              "maxHitsPerQuery": 50, "forcedParameters": {"movies": {"filter": "a = 1"}},
+              "maxConcurrentSearches": 8, "allowBrowser": True}
     status, _, data = guard.request("PUT", "/keys/%s/restrictions" % key["key"],
                                     json.dumps(wanted), ADMIN)
     assert status == 200 and json.loads(data) == wanted
@@ -605,7 +608,8 @@ def test_cli_restrict_sets_shows_and_clears(guard):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
         "rateLimit": {"perIp": "120/minute"}, "allowedReferrers": ["https://example.com/*"],
-        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50, "forcedParameters": None}
+        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50, "forcedParameters": None,
+        "maxConcurrentSearches": None, "allowBrowser": None}
     shown = subprocess.run(base, capture_output=True, text=True, timeout=30)
     assert json.loads(shown.stdout)["maxHitsPerQuery"] == 50
     bad = subprocess.run(base + ["--rate", "60/min"], capture_output=True, text=True, timeout=30)
