@@ -51,7 +51,6 @@ import contextlib
 import datetime
 import fcntl
 import functools
-import gc
 import hashlib
 import heapq
 import hmac
@@ -71,6 +70,7 @@ import shlex
 import signal
 import stat
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -268,6 +268,10 @@ def key_not_found(segment):
     return ApiError(404, "api_key_not_found", "API key `%s` not found." % segment)
 
 
+def index_not_found(index, status=404):
+    return ApiError(status, "index_not_found", "Index `%s` not found." % index)
+
+
 # =============================================================================
 # Requests and responses: what the service reads and answers
 # =============================================================================
@@ -275,7 +279,6 @@ def key_not_found(segment):
 SMALL_BODY = 64 * 1024  # bodies up to this size are read whole (and retried if safe)
 MAX_HEAD = 128 * 1024   # bytes in a request head, as actix-http
 CLIENT_TIMEOUT = 30.0   # seconds a caller may stay silent mid-request or between requests
-DRAIN_SECONDS = 1.0     # seconds an answered request's unread body may take to be skipped
 MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT has passed
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 
@@ -439,11 +442,12 @@ class Body:
             data.append(chunk)
         return b"".join(data)
 
-    def discard(self, deadline, limit=MAX_KEYS_BODY):
+    def discard(self, limit=MAX_KEYS_BODY):
         """Skip an unread body so the connection can serve on; False when that
-        is unwise (too big, broken, a caller still waiting for 100 Continue,
-        or one still sending at `deadline`: a trickled body must not hold a
-        worker, so the connection is closed instead)."""
+        is unwise (too big, broken, a caller still waiting for 100 Continue)
+        or impossible without waiting (the stream does not block: a body not
+        all there yet must not hold a worker, so the connection is closed
+        instead)."""
         if self.finished:
             return True
         if self.broken or (self.before_read is not None and not self.started) or \
@@ -453,7 +457,7 @@ class Body:
             size = 0
             for chunk in self.chunks():
                 size += len(chunk)
-                if size > limit or time.monotonic() > deadline:
+                if size > limit:
                     return False
         except BrokenBody:
             return False
@@ -464,14 +468,14 @@ class Request:
     """One request as the service sees it: method, target (origin form is
     checked by the service), headers (`get`, `get_all`), body."""
 
-    __slots__ = ("method", "target", "headers", "body", "version", "peer", "key", "family")
+    __slots__ = ("method", "target", "headers", "body", "peer", "key", "family", "place")
 
-    def __init__(self, method, target, headers, body, version="HTTP/1.1", peer=None):
-        self.method, self.target, self.headers = method, target, headers
-        self.body, self.version = body, version
+    def __init__(self, method, target, headers, body, peer=None):
+        self.method, self.target, self.headers, self.body = method, target, headers, body
         self.peer = peer  # the socket's remote address (see Gate.client)
         self.key = None  # the API key it was made with, once known: its usage counts
         self.family = "other"  # its route's family, for metrics (Route.family)
+        self.place = None  # its Place among its key's searches at once (Gate.enter), if any
 
     @property
     def path(self):
@@ -524,7 +528,7 @@ class Response:
 MAX_HEADERS = 100       # header lines in a request head
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
-MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished heads the waiting room holds in all
+MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished requests the waiting room holds in all
 OPEN_FILES_WANTED = 16384  # the open-files limit serve asks for: thousands of idle connections
 _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # Header lines as every party reads them alike: a token, a colon, a value of
@@ -639,10 +643,16 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def do_request(self):
-        """Every method's do_*: the service routes methods as upstream does."""
-        self.send_answer(self.server.service.handle(Request(
-            self.command, self.path, self.headers, self.body, self.request_version,
-            self.client_address[0])))
+        """Every method's do_*: the service routes methods as upstream does.
+        A streamed answer is closed even when its head could not be sent
+        (its backend connection, and its key's search place, go back)."""
+        response = self.server.service.handle(Request(
+            self.command, self.path, self.headers, self.body, self.client_address[0]))
+        try:
+            self.send_answer(response)
+        finally:
+            if response.stream is not None:
+                response.stream.close()
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
@@ -664,8 +674,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         """Write a Response, framed for this hop: the one writer of answers."""
         body = self.body
         if body is not None and not body.finished:
-            self.connection.settimeout(DRAIN_SECONDS)  # each read, and all of them below
-            if not body.discard(time.monotonic() + DRAIN_SECONDS):
+            # only what has come already: waiting for the rest held this thread (a caller
+            # announcing a body it never sent held one a second a request); a connection
+            # with more to come is closed, and the waiting room sees it out
+            self.connection.setblocking(False)
+            if not body.discard():
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
@@ -739,28 +752,58 @@ class Connection:
     """A caller's connection between requests: its socket, the bytes of its
     next request read so far, and when that request's head must be in."""
 
-    __slots__ = ("sock", "address", "pending", "scanned", "deadline", "keep", "closing")
+    __slots__ = ("sock", "address", "pending", "scanned", "wanted", "deadline", "keep",
+                 "closing")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
-        self.pending, self.scanned = bytearray(), 0
+        self.pending, self.scanned, self.wanted = bytearray(), 0, None
         self.deadline, self.keep = None, False
         self.closing = None  # once closing: the bytes the caller may still send, to be dropped
 
     def take_back(self, data):
         """What was read past the request just answered: the next one's start."""
-        self.pending, self.scanned = bytearray(data), 0
+        self.pending, self.scanned, self.wanted = bytearray(data), 0, None
 
-    def head_arrived(self):
-        """Has a whole head come, or more than a head may hold? Searched on
-        from where the last search stopped (a head trickled a byte at a time
-        is searched once in all, not once a byte)."""
-        data, start = self.pending, max(0, self.scanned - 2)
-        if len(data) > MAX_HEAD or data.find(b"\n\r\n", start) >= 0 or \
-                data.find(b"\n\n", start) >= 0:
-            return True
-        self.scanned = len(data)
-        return False
+    def request_arrived(self):
+        """Has a whole head come, with the small body it announces (see
+        awaited_body), or more than a head may hold? Searched on from where
+        the last search stopped (a head trickled a byte at a time is
+        searched once in all, not once a byte)."""
+        data = self.pending
+        if self.wanted is None:
+            start = max(0, self.scanned - 2)
+            ends = [end + len(blank) for blank in (b"\n\r\n", b"\n\n")
+                    for end in (data.find(blank, start),) if end >= 0]
+            if not ends:
+                self.scanned = len(data)
+                return len(data) > MAX_HEAD
+            end = min(ends)
+            self.wanted = end + (awaited_body(data[:end]) if end <= MAX_HEAD else 0)
+        return len(data) >= self.wanted
+
+
+# The head's fields that say how its body comes: with a Content-Length alone,
+# in full; chunked, or only once asked for (100-continue), otherwise.
+_BODY_FRAMING_RE = re.compile(rb"\n(content-length|transfer-encoding|expect)[\t ]*:([^\r\n]*)",
+                              re.IGNORECASE)
+
+
+def awaited_body(head):
+    """The bytes of body the waiting room awaits after `head`, as it awaits
+    the head: its Content-Length when that is at most SMALL_BODY and nothing
+    else frames the body, else 0 (a thread reads it, or refuses the head).
+    So a body trickled by anyone holding a key (a search key is public) holds
+    no thread either; the JSON bodies the guard reads whole are that small."""
+    lengths = set()
+    for name, value in _BODY_FRAMING_RE.findall(head):
+        if name.lower() != b"content-length":
+            return 0
+        lengths.add(value.strip())
+    length = lengths.pop() if len(lengths) == 1 else b""
+    if not length.isdigit() or len(length) > 6:  # (int() of thousands of digits raises)
+        return 0
+    return int(length) if int(length) <= SMALL_BODY else 0
 
 
 class ConnectionReader(io.RawIOBase):
@@ -800,7 +843,8 @@ class ConnectionReader(io.RawIOBase):
 class WaitingRoom:
     """Connections waiting for their next request's head, held without a
     thread: one thread watches them all (selectors) and reads what they send
-    until a whole head is in, then hands the connection to `ready`. So no
+    until a whole head is in (with its body, when small: see awaited_body),
+    then hands the connection to `ready`. So no
     thread ever waits for a head, however slowly or long it comes (up to
     MAX_HEAD bytes). A connection has CLIENT_TIMEOUT for its head in total,
     then is closed; while `crowded()`, or the heads held pass MAX_HEADS_HELD
@@ -905,7 +949,8 @@ class WaitingRoom:
             self._drop_what_comes(connection)
             return
         try:
-            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + 1 - len(connection.pending)))
+            data = connection.sock.recv(min(SMALL_BODY, MAX_HEAD + SMALL_BODY + 1 -
+                                            len(connection.pending)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -915,7 +960,7 @@ class WaitingRoom:
         if data:
             connection.pending += data
             self.held += len(data)
-            if not connection.head_arrived():
+            if not connection.request_arrived():
                 return
         if not connection.pending:  # closed between requests
             self._drop(connection)
@@ -959,6 +1004,28 @@ def listen_family(host):
     return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
 
 
+def bound_socket(host, port):
+    """The server's TCP socket, bound to (host, port) and not listening yet
+    (serve binds before it loads the store: a start failing on a busy port
+    leaves no store behind). Set up as HTTPServer's (SO_REUSEADDR); an IPv6
+    socket takes IPv4 callers too where the system allows it (`--host ::` is
+    then every address of both families)."""
+    family = listen_family(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except (AttributeError, OSError):
+                pass  # IPv6 only, as the system has it
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class KeysServer(http.server.HTTPServer):
     """http.server's HTTPServer, with what socketserver does with a
     connection overridden: `process_request` (a new one) and
@@ -970,16 +1037,20 @@ class KeysServer(http.server.HTTPServer):
     connections, slow heads and closing connections hold no thread, and a
     newcomer is served while thousands of them are open; past `max_open`
     connections the one waiting longest is closed. (ThreadingMixIn's thread
-    for each connection is what this replaces.)"""
+    for each connection is what this replaces.)
+    It serves on `sock`, a bound_socket already listening, which the
+    processes of `serve --workers` share: each has a KeysServer of its own
+    on it."""
 
-    request_queue_size = 1024
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 refuses a burst of callers
     # An optimization, measured: a thread with nothing to serve waits this long
     # for a next connection before it ends; starting a thread for each new
     # connection cost ~200 µs of CPU a request (~300 -> ~550 µs for a /health).
     thread_idle_seconds = 5.0
 
-    def __init__(self, address, service, max_connections=512, max_open=1000,
-                 bind_and_activate=True):
+    def __init__(self, sock, service, max_connections=512, max_open=1000):
+        socketserver.BaseServer.__init__(self, sock.getsockname(), KeysHandler)
+        self.socket, self.address_family = sock, sock.family
         self.service = service
         self.max_threads, self.max_open = max(1, max_connections), max_open
         self.open = self._threads = self._idle_threads = 0
@@ -987,18 +1058,6 @@ class KeysServer(http.server.HTTPServer):
         self._lock = threading.Condition()  # over all of these counts; notified when one is ready
         self.waiting_room = WaitingRoom(self._head_in, lambda c: self._close(c.sock),
                                         lambda: self.open > self.max_open)
-        self.address_family = listen_family(address[0])
-        super().__init__(address, KeysHandler, bind_and_activate)
-
-    def server_bind(self):
-        """An IPv6 socket takes IPv4 callers too where the system allows it
-        (`--host ::` is then every address of both families)."""
-        if self.address_family == socket.AF_INET6:
-            try:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except (AttributeError, OSError):
-                pass  # IPv6 only, as the system has it
-        super().server_bind()
 
     def serve_forever(self, poll_interval=0.5):
         self.waiting_room.start()
@@ -1061,7 +1120,7 @@ class KeysServer(http.server.HTTPServer):
         comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
         waiting room); others are seen out by the waiting room."""
         connection = request if isinstance(request, Connection) else Connection(request, None)
-        if connection.keep and not connection.head_arrived() and not self._ready:
+        if connection.keep and not connection.request_arrived() and not self._ready:
             self._next_request_soon(connection)
         if not connection.keep:
             try:
@@ -1070,7 +1129,7 @@ class KeysServer(http.server.HTTPServer):
                 self._close(connection.sock)
             else:
                 self.waiting_room.see_out(connection)
-        elif connection.head_arrived():
+        elif connection.request_arrived():
             with self._lock:  # taken in turn, after those already waiting
                 self._ready.append(connection)
         else:
@@ -1136,12 +1195,20 @@ class Service:
             self.log("searchkeys: internal error on %s %s: %s: %s" % (
                 printable(request.method), safe_path(request.target), type(exc).__name__, exc))
             response = Response.error(internal_error("An internal error occurred."))
+        if request.place is not None:  # held until the answer has gone
+            if response.stream is None:
+                request.place.leave()
+            else:
+                response.stream = LeavingStream(response.stream, request.place)
         if request.headers.get("Origin") and not any(
                 name.lower() == "access-control-allow-origin" for name, _ in response.headers):
             response.headers.append(("Access-Control-Allow-Origin", "*"))
         self.metrics.count(request.family, response.status, reason)
+        if reason == "expiry" and request.key is not None:
+            self.metrics.expired_key_used(request.key.uid)
         if request.key is not None:
-            self.store.usage.count(request.key.uid, reason, time.time_ns())
+            self.store.usage.count(request.key.uid, reason, time.time_ns(),
+                                   from_browser(request.headers))
         return response
 
     def dispatch(self, request):
@@ -1160,38 +1227,22 @@ class Service:
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
-        """Send the backend what `decide` makes of the request; relay its answer.
-        The backend's facts a decision needs (does the index exist, which
-        indexes the key covers, a task's index) are fetched here, once."""
-        request, decision = call.request, call.decision
-        value = call.json if decision.needs_body else None
-        query = request.query
-        if decision.value_steps and decision.carrier == QUERY:
-            read = parse_search_query(query)
-            value = dict(read[0])
-        for step in decision.value_steps:
-            value = step.apply(value)
-        if decision.value_steps and decision.carrier == QUERY:
-            query = encode_search_query(query, read, value)
-        upstream = self.upstream
-        if upstream is None:
-            raise no_upstream()
-        if decision.needs_existing_index:
-            check_index_exists(upstream, call.index, 404)
-        if decision.refusal is not None:
-            raise decision.refusal
-        context = RuleContext(call.principal, call.params, query,
-                              fetch_facts(upstream, call, decision.facts))
+        """Send the backend what `decide` makes of the request, once `enforce`
+        has run its checks and fetched the backend's facts it needs (which
+        indexes the key covers, a task's index); relay the answer."""
+        request, decision, upstream = call.request, call.decision, self.upstream
+        value, query, facts = self.enforce(call, request.query, forwarding=True)
+        context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
         target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
             functools.partial(decision.answer_filter, context)
-        if decision.checks_joins:
-            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
         self.gate.charge(request, call.principal,
                          decision.searches(value) if decision.searches is not None else 1)
+        if decision.concurrent is not None:
+            self.gate.enter(request, call.principal, decision.concurrent)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
         if decision.needs_body:
             body = compact_json(value).encode()
@@ -1199,6 +1250,44 @@ class Service:
             body = self.caller_body(request.body, headers)
         return upstream.forward(call.route.method, target, headers, body,
                                 call.route.repeatable, answer_filter)
+
+    def enforce(self, call, query, forwarding):
+        """The decision's checks, in the one order both edges keep (so that
+        forwarding and `GET /authorize` give a request the same answer):
+        1. its refusal;
+        2. the request itself, pure: forwarding runs its value steps (they
+           rewrite the search value or refuse it); /authorize checks nginx
+           may forward it as sent (Decision.check_unchanged);
+        3. the backend's facts: the index exists (for a caller who may not
+           create it), the indexes searched join no documents the principal
+           may not see whole, then the facts the query steps need.
+        `query`: the query string of the request judged. Returns the search
+        value and query string to forward, and the facts."""
+        decision, upstream = call.decision, self.upstream
+        if decision.refusal is not None:
+            raise decision.refusal
+        if forwarding:
+            value, query = decision.rewrite(call.json if decision.needs_body else None, query)
+            if upstream is None:
+                raise no_upstream()
+        else:
+            decision.check_unchanged(call.route, call.principal, call.params, query)
+            value = None
+        if decision.needs_existing_index:
+            if upstream is None:
+                raise refused("action", invalid_api_key(
+                    "This API key may not create indexes, and searchkeys runs without "
+                    "--upstream, so it cannot check that the index `%s` exists; the request "
+                    "is refused." % call.index))
+            check_index_exists(upstream, call.index, 404 if forwarding else 403)
+        if decision.checks_joins:
+            # (/authorize never reads the body naming a multi-search's indexes)
+            if upstream is None or call.index is None and not forwarding:
+                raise scope_not_enforceable(call.route, "without --upstream, which it needs "
+                                            "to see whether the index joins others "
+                                            "(foreignKeys)")
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
+        return value, query, fetch_facts(upstream, call, decision.facts)
 
     @staticmethod
     def caller_body(body, headers):
@@ -1238,24 +1327,18 @@ class Service:
                            % (printable(method), safe_path(uri)), "auth")
         route, index, params = found
         principal = self.gate.check(request, route.actions, index)
+        forged = next((name for name, _ in request.headers.items()
+                       if name.lower().startswith(NETWORK_HEADER_PREFIXES)), None)
+        if forged is not None:  # the guard drops them; nginx would send them with its key
+            raise refused("action", invalid_api_key(
+                "The request carries `%s`, one of the headers Meilisearch believes only from "
+                "its network peers; it is refused." % printable(forged[:100])))
         if route.handler is not Service.forward:  # nginx would send it on with the backend's key
             raise ApiError(403, "unknown_route", "`%s %s` is answered by searchkeys itself, "
                            "never by Meilisearch: route it to searchkeys, not through "
                            "`GET /authorize`." % (route.method, route.pattern), "auth")
-        decision = decide(route, principal, index)
-        decision.check_unchanged(route, principal, params, uri.partition("?")[2])
-        if decision.checks_joins:
-            if self.upstream is None or index is None:  # (a multi-search was refused above)
-                raise scope_not_enforceable(route, "without --upstream, which it needs to see "
-                                            "whether the index joins others (foreignKeys)")
-            check_joins(principal, fetch_joins(self.upstream, [index]))
-        if decision.needs_existing_index:
-            if self.upstream is None:
-                raise refused("action", invalid_api_key(
-                    "This API key may not create indexes, and searchkeys runs without "
-                    "--upstream, so it cannot check that the index `%s` exists; the request "
-                    "is refused." % index))
-            check_index_exists(self.upstream, index, 403)
+        self.enforce(Call(request, route, index, params, principal), uri.partition("?")[2],
+                     forwarding=False)
         return Response(204, authorize_headers(principal))
 
     def answer_health(self, call):
@@ -1270,7 +1353,8 @@ class Service:
         if token is None or scheme != "Bearer" or not hmac.compare_digest(
                 given.encode("utf-8", "replace"), token):
             self.gate.check(request, call.route.actions, None)
-        text = self.metrics.render(len(self.store), len(self.gate.counters))
+        text = self.metrics.render(len(self.store), len(self.gate.counters), len(
+            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())))
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
@@ -1362,7 +1446,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated")):
+                 "forced carrier family gated joins")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1380,16 +1464,20 @@ class Route(collections.namedtuple(
       or BODY (its JSON body);
     - `family`: what /metrics counts it under;
     - `gated`: the Gate checks its credential before the handler (/metrics
-      checks its own: its token may stand in)."""
+      checks its own: its token may stand in);
+    - `joins`: it searches documents, whose hits may carry documents of the
+      indexes the searched one joins (check_joins)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
-                searches=None, repeatable=None, creates_index=False, forced=None, gated=True):
+                searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
+                joins=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
-                               route_family(pattern, handler is not Service.forward), gated)
+                               route_family(pattern, handler is not Service.forward), gated,
+                               joins)
 
     @property
     def is_meilisearch(self):
@@ -1470,28 +1558,33 @@ def build_routes():
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
               handler=on_keys_api(KeysApi.rotate_key)),
         Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("POST", "/keys/{key}/revoke-tokens", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_tokens)),
+        Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
+              handler=on_keys_api(KeysApi.revoke_token)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
-              rule=Rule(SCOPED, value=check_index_creation)),
+              rule=Rule(SCOPED, value=check_new_index_uid)),
         Route("GET", "/indexes/{index_uid}", ("indexes.get",)),
-        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",), forced=force_same_on_rename),
+        Route("PATCH", "/indexes/{index_uid}", ("indexes.update",),
+              rule=Rule(SCOPED, value=check_new_index_uid), forced=force_same_on_rename),
         Route("DELETE", "/indexes/{index_uid}", ("indexes.delete",)),
         Route("GET", "/indexes/{index_uid}/stats", ("stats.get",)),
         Route("POST", "/indexes/{index_uid}/fields", ("fields.post",)),
         Route("POST", "/indexes/{index_uid}/compact", ("indexes.compact",)),
         Route("GET", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/search", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SEARCH_PARAMETERS)),
+              forced=force_search_on(SEARCH_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/facet-search", ("search",), rule=SEARCH_RULE,
-              repeatable=True, forced=force_facet_search),
+              repeatable=True, forced=force_facet_search, joins=True),
         Route("GET", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
-              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS)),
+              hits=cap_search_object, forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
-              forced=force_search_on(SIMILAR_PARAMETERS)),
+              forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
         Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
               forced=REFUSED_WHEN_FORCED),
         Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
@@ -1512,7 +1605,7 @@ def build_routes():
     ] + _settings_routes() + [
         Route("POST", "/multi-search", ("search",), rule=Rule(SCOPED, value=scope_multi_search),
               hits=cap_multi_search, searches=count_queries, repeatable=True,
-              forced=force_multi_search),
+              forced=force_multi_search, joins=True),
         Route("POST", "/swap-indexes", ("indexes.swap",),
               rule=Rule(SCOPED, value=check_index_swap), forced=force_same_on_swap),
         Route("POST", "/render-template", ("settings.get", "documents.get"),
@@ -1626,8 +1719,9 @@ def path_segments(raw_path):
 
 
 # =============================================================================
-# Gate: client address -> brute-force throttle -> Guard -> the key's
-# restrictions (IPs, rates, referrers)
+# Gate: client address -> brute-force throttle -> Guard -> admin credentials
+# from browsers -> the key's restrictions (IPs, rates, referrers; searches at
+# once, entered by the forwarding edge)
 # =============================================================================
 
 
@@ -1651,6 +1745,17 @@ class TooManyRequests(ApiError):
         self.headers += NOT_CACHEABLE
 
 
+class TooManySearches(ApiError):
+    """429 for a key running its maxConcurrentSearches already (Meilisearch
+    answers its own full search queue with this code, as a 503)."""
+
+    def __init__(self, most):
+        super().__init__(429, "too_many_search_requests", "Too many searches with this API key "
+                         "at the same time: %d (its `maxConcurrentSearches` restriction). Retry "
+                         "after 1s." % most, "system")
+        self.headers = [("Retry-After", "1")] + NOT_CACHEABLE
+
+
 def too_many_failures(wait, throttle):
     return refused("throttled", TooManyRequests(
         "Too many failed authentications from your address; retry later.", wait, throttle))
@@ -1663,7 +1768,8 @@ NOT_CACHEABLE = [("Cache-Control", "no-store")]
 
 # The refusal reason (see USAGE_REASONS) of each restriction.
 RESTRICTION_REASONS = {"allowedIps": "ip", "allowedReferrers": "referrer", "rateLimit": "rate",
-                       "maxHitsPerQuery": "hits", "forcedParameters": "forced"}
+                       "maxHitsPerQuery": "hits", "forcedParameters": "forced",
+                       "maxConcurrentSearches": "concurrency"}
 
 
 def restriction_refused(field, what):
@@ -1680,16 +1786,56 @@ def authorize_headers(principal):
     return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
 
 
+BROWSER_SIGNALS = ("Origin", "Sec-Fetch-Mode", "Referer")  # headers browsers send, tools not
+
+
+def from_browser(headers):
+    """Does the request carry a browser's signals? (Any of BROWSER_SIGNALS,
+    whatever its value: a header a client can forge counts against it.)"""
+    return any(headers.get(name) is not None for name in BROWSER_SIGNALS)
+
+
+def browser_refusal(principal, headers):
+    """The refusal of an admin credential sent from a browser (admin keys
+    belong on servers: meilisearch #2369), or None. Refused: the master key,
+    and an API key holding any action beyond `search` unless its
+    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    if principal.rules is not None or not from_browser(headers):
+        return None
+    key = principal.key
+    if key is None:
+        if principal is not MASTER:
+            return None
+        what = "The master key"
+    else:
+        beyond = [action for action in key.actions if action != "search"]
+        if not beyond or (key.restrictions is not None and key.restrictions.allow_browser):
+            return None
+        what = "This API key holds actions beyond `search` (%s): it" % backticked(beyond)
+    error = ApiError(403, "api_key_not_for_browsers", "%s must not be used from a browser (the "
+                     "request has an `Origin`, `Referer` or `Sec-Fetch-Mode` header). Keep admin "
+                     "keys on servers; give browsers a key holding only `search`, or a tenant "
+                     "token%s." % (what, "" if key is None else ", or mark this key "
+                                   "`allowBrowser: true` with `PUT /keys/%s/restrictions` if a "
+                                   "browser must use it" % key.uid), "auth")
+    error.key, error.headers = key, NOT_CACHEABLE
+    return refused("browser", error)
+
+
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
-    throttle get 429 before their credential is looked at; an authorized
-    key's (or tenant token's parent key's) restrictions are then applied."""
+    throttle get 429 before their credential is looked at; an admin
+    credential sent from a browser is refused (browser_refusal); an
+    authorized key's (or tenant token's parent key's) restrictions are then
+    applied, and a search enters the key's places (`enter`, for
+    Decision.concurrent)."""
 
     def __init__(self, guard, limits=None):
         self.guard = guard
         self.limits = limits or Limits()
         self.counters = Counters(self.limits.max_clients)
         self.failures = FailureCounts(self.limits.throttle, self.limits.max_clients)
+        self.searching = Searching()
 
     def client(self, request):
         trusted = self.limits.trusted_proxies
@@ -1717,6 +1863,9 @@ class Gate:
                 raise too_many_failures(throttle.window, throttle)
             raise
         key = request.key = principal.key
+        refusal = browser_refusal(principal, request.headers)
+        if refusal is not None:
+            raise refusal
         restrictions = key.restrictions if key is not None else None
         if restrictions is None:
             return principal
@@ -1743,6 +1892,15 @@ class Gate:
             raise restriction_refused("rateLimit", "for %d searches in one request" % searches)
         for _ in range(searches - 1):
             self._take(wanted)
+
+    def enter(self, request, principal, most):
+        """Take one of the `most` places the key has for searches at once
+        (in this process), until the request's answer has gone (see
+        Service.handle, which gives it back); 429 when all are taken."""
+        uid = principal.key.uid
+        if not self.searching.enter(uid, most):
+            raise refused("concurrency", TooManySearches(most))
+        request.place = Place(self.searching, uid)
 
     @staticmethod
     def _rates(key, address):
@@ -1815,7 +1973,7 @@ class Guard:
                 raise missing_master_key()
             return OPEN
         if hmac.compare_digest(self._master_bytes, token.encode()):
-            return OPEN
+            return MASTER
         rules = None
         key = None
         if action in TENANT_TOKEN_ACTIONS and "." in token:  # API keys are plain hex
@@ -1830,6 +1988,11 @@ class Guard:
                 key = self.store.by_uid(claims["apiKeyUid"])
                 if key is None:
                     raise invalid_api_key()
+                revoked = key.revocation and key.revocation.refusal(claims, token,
+                                                                    int(time.time()))
+                if revoked:
+                    revoked.key = key
+                    raise revoked
         if rules is None:
             key = self.store.by_value(token)
             if key is None:
@@ -1945,7 +2108,10 @@ class Principal:
 
     def index_refusal(self, index):
         """None when the credential covers `index`, else upstream's refusal
-        (the token's rules are checked before its parent key's patterns)."""
+        (the token's rules are checked before its parent key's patterns).
+        "acces" is Meilisearch's own spelling in these three messages
+        (meilisearch/src/extractors/authentication/error.rs): clients and
+        tests match them byte for byte."""
         key, rules = self.key, self.rules
         if key is None:
             return None
@@ -1978,6 +2144,7 @@ class Principal:
 
 
 OPEN = Principal()
+MASTER = Principal()  # the master key: OPEN's rights, but a credential (see browser_refusal)
 
 
 def search_rule_patterns(rules):
@@ -2018,7 +2185,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins")):
+                    "answer_filter searches checks_joins concurrent")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2033,24 +2200,40 @@ class Decision(collections.namedtuple(
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
     - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins)."""
+      foreignKeys) documents the principal may not see whole (check_joins);
+    - `concurrent`: the searches the key may run at once (its
+      maxConcurrentSearches), this one holding a place until its answer
+      has gone, or None."""
 
     @property
     def needs_body(self):
         return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
 
+    def rewrite(self, value, query):
+        """The search value and query string to forward once the value steps
+        ran on them: `value` is the JSON body's (carrier BODY) or None; a
+        GET's value is read from its query string and written back to it."""
+        if self.value_steps and self.carrier == QUERY:
+            read = parse_search_query(query)
+            value = dict(read[0])
+        for step in self.value_steps:
+            value = step.apply(value)
+        if self.value_steps and self.carrier == QUERY:
+            query = encode_search_query(query, read, value)
+        return value, query
+
     def check_unchanged(self, route, principal, params, query):
         """For `GET /authorize`, which lets nginx forward the request as sent,
         without its body or answer: raise unless the decision allows it with
         nothing to read, fetch or rewrite (the steps on its query string may
-        run: they must leave it as it is)."""
-        if self.refusal is not None:
-            raise self.refusal
+        run: they must leave it as it is). Its refusal is raised before."""
         unseen = None
         if self.value_steps and self.carrier == BODY:
             unseen = self.value_steps[0].why
         elif self.searches is not None:
             unseen = "rateLimit"
+        elif self.concurrent is not None:  # nginx never says when the answer has gone
+            unseen = "maxConcurrentSearches"
         elif self.facts or self.answer_filter is not None:
             unseen = SCOPE
         elif self.value_steps:
@@ -2106,11 +2289,13 @@ def decide(route, principal, index):
         value_steps.append(Step("maxHitsPerQuery", functools.partial(cap_hits, route, cap)))
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
-    checks_joins = route.family in ("search", "multi-search") and not (
+    searching = route.joins  # the routes that run searches, whose hits may hydrate joins
+    checks_joins = searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
+    concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins)
+                    answer_filter, searches, checks_joins, concurrent)
 
 
 def check_joins(principal, joins):
@@ -2158,7 +2343,7 @@ def fetch_joins(upstream, indexes):
         status, answer = upstream.fetch_json(target)
         code = answer.get("code") if isinstance(answer, dict) else None
         if status == 404 and code == "index_not_found":
-            raise ApiError(404, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index)
         if status == 404:
             joins[index] = []
         elif status == 200 and isinstance(answer, list):
@@ -2193,7 +2378,7 @@ def check_index_exists(upstream, index, missing_status):
                         "asking for index %s" % index)
     except ApiError as error:
         if error.status == 404:
-            raise ApiError(missing_status, "index_not_found", "Index `%s` not found." % index)
+            raise index_not_found(index, missing_status)
         raise
 
 
@@ -2375,8 +2560,10 @@ def with_tenant_filter(query, rules, index):
     return dict(query, filter=fuse_filters(query.get("filter"), rule))
 
 
-def check_index_creation(principal, index, body):
-    """POST /indexes: the new index's uid must be one the key covers."""
+def check_new_index_uid(principal, index, body):
+    """POST /indexes, and PATCH /indexes/{uid} renaming an index: the new
+    uid must be one the key covers (Meilisearch checks only the old one of a
+    rename, whose documents would leave the key's indexes for any name)."""
     uid = body.get("uid") if isinstance(body, dict) else None
     if isinstance(uid, str) and not principal.may_use_index(uid):
         raise refused("index", invalid_api_key())
@@ -2824,10 +3011,6 @@ class RuleContext(collections.namedtuple("RuleContext", "principal params query 
     parameters, the query string, and the backend's `facts` its rule asked
     for (see fetch_facts), fetched at the edge."""
 
-    @property
-    def index(self):
-        return self.params.get("index_uid")
-
     def allowed_indexes(self):
         """The uids of the backend's indexes the principal covers."""
         return [i["uid"] for i in self.facts["covered_indexes"]]
@@ -2914,14 +3097,20 @@ def scope_not_enforceable(route, where):
 # Usage per key and server metrics: counted in memory on each answer
 # =============================================================================
 
-# Why the guard refused a request. A key's usage counts the first eight (a
+# Why the guard refused a request. A key's usage counts the first eleven (a
 # refusal that names a key); metrics count them all, with "credential" (no
 # key, an unknown one, a bad tenant token) and "throttled" (--throttle-failures).
-USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced")
+USAGE_REASONS = ("action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced",
+                 "revoked", "concurrency", "browser")
 REFUSAL_REASONS = USAGE_REASONS + ("credential", "throttled")
 _USAGE_SLOT = dict(zip((None,) + USAGE_REASONS, itertools.count()))  # allowed is slot 0
+_USAGE_TIMES = len(_USAGE_SLOT)  # then two times (ns, 0: never): seen from a browser, last used
 USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
+EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
+DAY_NS = 86400 * 10 ** 9
+EXPIRY_CHECK_SECONDS = 60.0  # how often serve looks for keys expiring soon, to log them
+MAX_EXPIRED_SEEN = 100000  # expired keys remembered as used, for their first-use counter
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -2939,23 +3128,27 @@ class Usage:
         self._lock = threading.Lock()
         self._saved = {}   # uid -> counts: the store file's totals, as last read or written
         self._counts = {}  # uid -> counts of this process, not saved yet
-        # counts: [allowed, one per USAGE_REASONS..., last used ns]
+        # counts: [allowed, one per USAGE_REASONS..., seen from a browser ns, last used ns]
 
     @property
     def changed(self):
         """Whether there are counts to save."""
         return bool(self._counts)
 
-    def count(self, uid, reason, now_ns):
+    def count(self, uid, reason, now_ns, browser=False):
+        """One request with key `uid`: allowed (reason None) or refused for
+        `reason`; `browser`: it came with a browser's signals."""
         slot = _USAGE_SLOT.get(reason)
         if slot is None:  # not a refusal of this key's
             return
         with self._lock:
             counts = self._counts.get(uid)
             if counts is None:
-                counts = self._counts[uid] = [0] * (len(_USAGE_SLOT) + 1)
+                counts = self._counts[uid] = [0] * (_USAGE_TIMES + 2)
             counts[slot] += 1
             counts[-1] = now_ns
+            if browser:
+                counts[-2] = now_ns
 
     def forget(self, uid):
         with self._lock:
@@ -2967,15 +3160,17 @@ class Usage:
         of key `uid`: the saved totals plus this process's unsaved counts."""
         with self._lock:
             counts = _added(self._saved.get(uid), self._counts.get(uid))
-        return {"allowed": counts[0], "refused": dict(zip(USAGE_REASONS, counts[1:-1])),
-                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None}
+        return {"allowed": counts[0],
+                "refused": dict(zip(USAGE_REASONS, counts[1:_USAGE_TIMES])),
+                "lastUsedAt": format_timestamp(counts[-1]) if counts[-1] else None,
+                "seenFromBrowserAt": format_timestamp(counts[-2]) if counts[-2] else None}
 
     def unsaved(self, uid):
         """The part of key `uid`'s usage only this process has counted yet:
         `allowed` and `refused` (all reasons)."""
         with self._lock:
-            counts = self._counts.get(uid) or [0] * (len(_USAGE_SLOT) + 1)
-        return {"allowed": counts[0], "refused": sum(counts[1:-1])}
+            counts = self._counts.get(uid) or [0] * (_USAGE_TIMES + 2)
+        return {"allowed": counts[0], "refused": sum(counts[1:_USAGE_TIMES])}
 
     def take(self, keep):
         """(the totals to save, for the uids `keep(uid)` holds (a deleted
@@ -3021,23 +3216,27 @@ class Usage:
 
 def usage_section(totals):
     """Usage totals as the store file holds them (reasons with no refusal left out)."""
-    return {uid: {"allowed": counts[0],
-                  "refused": {reason: n for reason, n in zip(USAGE_REASONS, counts[1:-1]) if n},
-                  "lastUsedAt": counts[-1]}
+    return {uid: dict({"allowed": counts[0],
+                       "refused": {reason: n for reason, n in zip(USAGE_REASONS,
+                                                                  counts[1:_USAGE_TIMES]) if n},
+                       "lastUsedAt": counts[-1]},
+                      **({"seenFromBrowserAt": counts[-2]} if counts[-2] else {}))
             for uid, counts in totals.items()}
 
 
 def _added(counts, more):
     """Two usage counts of a key added up (the later last use kept); either may be None."""
     if counts is None or more is None:
-        return list(counts or more or [0] * (len(_USAGE_SLOT) + 1))
-    return [a + b for a, b in zip(counts[:-1], more[:-1])] + [max(counts[-1], more[-1])]
+        return list(counts or more or [0] * (_USAGE_TIMES + 2))
+    return [a + b for a, b in zip(counts[:_USAGE_TIMES], more[:_USAGE_TIMES])] + \
+        [max(a, b) for a, b in zip(counts[_USAGE_TIMES:], more[_USAGE_TIMES:])]
 
 
 def _usage_counts(record):
     """A stored usage record -> counts; ValueError (or TypeError) if it is not one."""
     allowed, refusals, last = record["allowed"], record["refused"], record["lastUsedAt"]
     counts = [allowed] + [refusals.pop(reason, 0) for reason in USAGE_REASONS]
+    counts.append(record.get("seenFromBrowserAt", 0))
     counts.append(0 if last is None else last)
     if refusals or any(type(n) is not int or n < 0 for n in counts):
         raise ValueError("not usage counts")
@@ -3059,12 +3258,20 @@ class Metrics:
         self._latency = [0] * (len(self.BUCKETS) + 1)  # per bucket, the last one +Inf
         self._latency_sum = 0.0
         self._backend_errors = dict.fromkeys(BACKEND_ERRORS, 0)
+        self._expired_seen = set()  # uids of the expired keys used (at most MAX_EXPIRED_SEEN)
 
     def count(self, family, status, reason):
         with self._lock:
             self._requests[family, status] = self._requests.get((family, status), 0) + 1
             if reason is not None:
                 self._refusals[reason] += 1
+
+    def expired_key_used(self, uid):
+        """A request with the expired key `uid`: counted the first time only."""
+        with self._lock:
+            if uid in self._expired_seen or len(self._expired_seen) >= MAX_EXPIRED_SEEN:
+                return
+            self._expired_seen.add(uid)
 
     def observe_backend(self, seconds):
         """One backend answer's head arrived `seconds` after the request was sent."""
@@ -3082,12 +3289,13 @@ class Metrics:
         with self._lock:
             self._backend_errors[kind] += 1
 
-    def render(self, keys, rate_clients):
-        """The exposition text, with the gauges given (keys stored, rate-limit table size)."""
+    def render(self, keys, rate_clients, expiring):
+        """The exposition text, with the gauges given (keys stored, rate-limit
+        table size, keys expiring within EXPIRY_WARNING_DAYS)."""
         with self._lock:
             requests, refusals = sorted(self._requests.items()), dict(self._refusals)
             latency, latency_sum = list(self._latency), self._latency_sum
-            errors = dict(self._backend_errors)
+            errors, expired_used = dict(self._backend_errors), len(self._expired_seen)
         out = []
 
         def family(name, kind, text, samples):
@@ -3112,10 +3320,39 @@ class Metrics:
         family("rate_limit_clients", "gauge", "Rate-limit counters held (at most --max-clients).",
                [("rate_limit_clients", "", rate_clients)])
         family("keys", "gauge", "API keys stored.", [("keys", "", keys)])
+        family("keys_expiring", "gauge", "API keys that stop working within %d days."
+               % EXPIRY_WARNING_DAYS, [("keys_expiring", "", expiring)])
+        family("expired_keys_used_total", "counter", "Expired API keys used (each counted at "
+               "its first refused use in this process).",
+               [("expired_keys_used_total", "", expired_used)])
         family("build_info", "gauge", "The searchkeys version and Python running it.",
                [("build_info", '{version="%s",python="%s"}' % (
                    __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
         return "".join(out)
+
+
+class ExpiryWarnings:
+    """One log line a day per key that stops working within
+    EXPIRY_WARNING_DAYS (in this process: each of --workers logs its own)."""
+
+    def __init__(self):
+        self._warned = {}  # uid -> when it was last logged (ns)
+
+    def lines(self, keys, now_ns):
+        """The lines to log now for `keys` (those expiring soon)."""
+        warned = {uid: at for uid, at in self._warned.items() if now_ns - at < DAY_NS}
+        lines = []
+        for key in keys:
+            if key.uid in warned:
+                continue
+            warned[key.uid] = now_ns
+            lines.append("searchkeys: warning: key %s%s stops working at %s (in %.1f days)%s" % (
+                key.uid, " (%s)" % printable(key.name) if key.name else "",
+                format_timestamp(key.end_ns), (key.end_ns - now_ns) / DAY_NS,
+                ": it is being rotated" if key.retirement is not None else
+                ": rotate it or give its clients another key"))
+        self._warned = warned
+        return lines
 
 
 # =============================================================================
@@ -3128,6 +3365,17 @@ def require_master(principal, what):
     if principal.key is not None:
         raise refused("action", ApiError(403, "invalid_api_key", "Only the master key can %s."
                                          % what, "auth"))
+
+
+def master_if_restricted(principal, what):
+    """A check of a key about to be deleted or rotated: only the master key
+    may `what` to a key with restrictions (an admin key could delete it and
+    create it again, same uid and value, without them). The store runs it
+    under its lock, on the key as the file holds it."""
+    def check(key):
+        if key.restrictions is not None:
+            require_master(principal, what)
+    return check
 
 
 def usage_asked(query):
@@ -3177,23 +3425,44 @@ class KeysApi:
         return Response.json(200, self._write(self.store.update, segment, changes).to_json())
 
     def delete_key(self, call):
-        segment = call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # else an admin key could
-            # delete it and create it again (same uid, same value) without them
-            require_master(call.principal, "delete a key that has restrictions")
-        self._write(self.store.delete, segment)
+        self._write(self.store.delete, call.params["key"], master_if_restricted(
+            call.principal, "delete a key that has restrictions"))
         return Response(204)
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
         request, segment = call.request, call.params["key"]
-        if self.store.find(segment).restrictions is not None:  # 404 before 400, as PATCH
-            require_master(call.principal, "rotate a key that has restrictions")  # (see delete)
+        check = master_if_restricted(call.principal, "rotate a key that has restrictions")
+        check(self.store.find(segment))  # 404 (and 403) before 400, as PATCH
         data = request.body.read(MAX_KEYS_BODY)
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
+
+    def revoke_tokens(self, call):
+        """POST /keys/{key}/revoke-tokens: every tenant token the key signed
+        before `issuedBefore` (default: now) stops working. The body is optional."""
+        request = call.request
+        data = request.body.read(MAX_KEYS_BODY)
+        if data:
+            check_content_type(request.headers.get("Content-Type"))
+        self.store.find(call.params["key"])  # 404 before 400, as PATCH
+        before = validate_revoke_tokens(parse_json_body(data) if data else {}, time.time_ns())
+        key = self._write(self.store.revoke_tokens, call.params["key"], before)
+        return self._revocation(key)
+
+    def revoke_token(self, call):
+        """POST /keys/{key}/revoke-token: one tenant token of the key stops
+        working (it is denied until its exp)."""
+        key = self.store.find(call.params["key"])
+        token, exp = validate_revoke_token(call.request.read_json_body(), key)
+        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp))
+
+    @staticmethod
+    def _revocation(key):
+        return Response.json(200, dict({"uid": key.uid},
+                                       **(key.revocation or NO_REVOCATION).to_json()))
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
@@ -3205,20 +3474,24 @@ class KeysApi:
 
     def get_restrictions(self, call):
         """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         return self._restrictions(200, self.store.find(call.params["key"]))
 
     def put_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
                                                    restrictions))
 
     def delete_restrictions(self, call):
-        require_master(call.principal, "read or change the restrictions of a key")
+        self._require_master_for_restrictions(call)
         self._write(self.store.restrict, call.params["key"], None)
         return Response(204)
+
+    @staticmethod
+    def _require_master_for_restrictions(call):
+        require_master(call.principal, "read or change the restrictions of a key")
 
     @staticmethod
     def _restrictions(status, key):
@@ -3261,10 +3534,10 @@ class ApiKey:
 
     __slots__ = ("uid", "name", "description", "actions", "indexes", "expires_at",
                  "created_ns", "updated_ns", "value", "grants", "is_global", "_stored",
-                 "restrictions", "retirement")
+                 "restrictions", "retirement", "revocation")
 
     def __init__(self, uid, name, description, actions, indexes, expires_at, created_ns,
-                 updated_ns, value, restrictions=None, retirement=None):
+                 updated_ns, value, restrictions=None, retirement=None, revocation=None):
         self.uid = uid
         self.name = name
         self.description = description
@@ -3279,14 +3552,20 @@ class ApiKey:
         self._stored = None  # stored_json(), once computed
         self.restrictions = restrictions  # Restrictions, or None: kept off the /keys API
         self.retirement = retirement  # Retirement of a rotated key, or None
+        self.revocation = revocation  # TokenRevocation of its tenant tokens, or None
 
     def is_expired(self, now_ns=None):
+        end = self.end_ns
+        return end is not None and (time.time_ns() if now_ns is None else now_ns) >= end
+
+    @property
+    def end_ns(self):
+        """When it stops working: its expiresAt or, rotated, its retiresAt
+        (the earlier), or None: never."""
         deadlines = [self.expires_at.ns] if self.expires_at is not None else []
         if self.retirement is not None:
             deadlines.append(self.retirement.at_ns)
-        if not deadlines:
-            return False
-        return (time.time_ns() if now_ns is None else now_ns) >= min(deadlines)
+        return min(deadlines) if deadlines else None
 
     def expires_at_text(self):
         return format_rfc3339(self.expires_at) if self.expires_at else None
@@ -3296,16 +3575,25 @@ class ApiKey:
         return ApiKey(self.uid, changes.get("name", self.name),
                       changes.get("description", self.description), self.actions,
                       self.indexes, self.expires_at, self.created_ns, updated_ns, self.value,
-                      restrictions=self.restrictions, retirement=self.retirement)
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
 
     def with_restrictions(self, restrictions):
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
-                      restrictions=restrictions, retirement=self.retirement)
+                      restrictions=restrictions, retirement=self.retirement,
+                      revocation=self.revocation)
+
+    def with_revocation(self, revocation):
+        return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
+                      self.expires_at, self.created_ns, self.updated_ns, self.value,
+                      restrictions=self.restrictions, retirement=self.retirement,
+                      revocation=revocation)
 
     def successor(self, uid, value, now_ns):
         """The key a rotation makes: a new uid and value, all else the same
-        (restrictions as they are, whatever fields they hold)."""
+        (restrictions as they are, whatever fields they hold; no revocation:
+        the old key's tokens do not verify with the new value)."""
         return ApiKey(uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, now_ns, now_ns, value, restrictions=self.restrictions)
 
@@ -3313,7 +3601,7 @@ class ApiKey:
         return ApiKey(self.uid, self.name, self.description, self.actions, self.indexes,
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
                       restrictions=self.restrictions,
-                      retirement=Retirement(at_ns, replaced_by))
+                      retirement=Retirement(at_ns, replaced_by), revocation=self.revocation)
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -3355,6 +3643,8 @@ class ApiKey:
         if self.retirement is not None:
             record["retiresAt"] = self.retirement.at_ns
             record["replacedBy"] = self.retirement.replaced_by
+        if self.revocation is not None:
+            record["tokenRevocation"] = self.revocation.to_record()
         return record
 
     @classmethod
@@ -3391,7 +3681,8 @@ class ApiKey:
         return cls(uid, name, description, actions, indexes, expires_at, created, updated,
                    derive(uid) if derive is not None else None,
                    stored_restrictions(record.get("restrictions"), uid),
-                   Retirement.from_record(record, uid))
+                   Retirement.from_record(record, uid),
+                   TokenRevocation.from_record(record.get("tokenRevocation"), uid))
 
 
 class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
@@ -3410,6 +3701,74 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
         return cls(at_ns, replaced_by)
 
 
+MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
+IAT_LEEWAY = 60  # seconds a token's iat may be ahead of this clock (the signer's may be)
+
+
+class TokenRevocation(collections.namedtuple("TokenRevocation", "issued_before denied")):
+    """What is revoked of a key's tenant tokens: every token issued (`iat`,
+    Unix seconds) before `issued_before` (None: none), and the tokens of
+    `denied` ({SHA-256 of the token, hex: its exp}) until their exp."""
+
+    def refusal(self, claims, token, now):
+        """None, or the ApiError for a token (`claims` verified) this revokes
+        at `now` (Unix seconds). An `iat` in the future (past IAT_LEEWAY)
+        counts as none: a token signed to outlive every revocation by time
+        is revoked by the first."""
+        iat = claims["iat"]
+        if iat is not None and iat > now + IAT_LEEWAY:
+            iat = None
+        if self.issued_before is not None and (iat is None or iat < self.issued_before):
+            return refused("revoked", invalid_api_key(
+                "This tenant token was revoked: its API key's tokens issued before %s no "
+                "longer work%s." % (format_timestamp(self.issued_before * 10 ** 9),
+                                    "" if iat is not None else
+                                    " (a token without `iat` counts as issued before)")))
+        if self.denied and token_digest(token) in self.denied:
+            return refused("revoked", invalid_api_key("This tenant token was revoked."))
+        return None
+
+    def pruned(self, now):
+        """This revocation without the denied tokens expired at `now`
+        (Unix seconds), or None when nothing is left of it."""
+        denied = {digest: exp for digest, exp in self.denied.items() if exp >= now}
+        if self.issued_before is None and not denied:
+            return None
+        return TokenRevocation(self.issued_before, denied)
+
+    def to_json(self):
+        return {"issuedBefore": None if self.issued_before is None else
+                format_timestamp(self.issued_before * 10 ** 9),
+                "revokedTokens": len(self.denied)}
+
+    def to_record(self):
+        return {"issuedBefore": self.issued_before, "denied": dict(self.denied)}
+
+    @classmethod
+    def from_record(cls, record, uid):
+        if record is None:
+            return None
+        try:
+            issued_before, denied = record["issuedBefore"], record["denied"]
+            if record.keys() != {"issuedBefore", "denied"} or not (
+                    issued_before is None or type(issued_before) is int) \
+                    or not all(_SHA256_HEX_RE.match(d) and type(exp) is int
+                               for d, exp in denied.items()):
+                raise ValueError
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ValueError("bad tokenRevocation in key %s" % uid)
+        return cls(issued_before, dict(denied))
+
+
+NO_REVOCATION = TokenRevocation(None, {})
+_SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def token_digest(token):
+    """How a revoked token is kept: its SHA-256 (hex), never the token."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @functools.lru_cache(maxsize=4096)
 def _valid_stored_actions(actions):
     # cached: a large store has few distinct action lists
@@ -3423,7 +3782,8 @@ def _valid_stored_indexes(indexes):
 
 _RECORD_FIELDS = frozenset(("uid", "name", "description", "actions", "indexes", "expiresAt",
                             "createdAt", "updatedAt"))
-_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy"))
+_OPTIONAL_RECORD_FIELDS = frozenset(("restrictions", "retiresAt", "replacedBy",
+                                     "tokenRevocation"))
 
 
 class KeyStore:
@@ -3625,19 +3985,27 @@ class KeyStore:
         return None
 
     def find(self, key_or_uid):
-        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none."""
+        """Resolve a /keys/{key_or_uid} path segment; 404 ApiError if none.
+        A key not in memory is looked for again once the file's changes are
+        taken in: one made a moment ago through another process is found (a
+        script's next request may reach another worker)."""
         self.sweep()
         try:
             uid = parse_uuid(key_or_uid)
         except ValueError:
-            key = self.by_value(key_or_uid)
-            if key is None:
-                raise key_not_found(key_or_uid)
-            return key
-        key = self._keys.get(uid)
-        if key is None:
-            raise key_not_found(uid)
-        return key
+            uid = None
+        for looked_again in (False, True):
+            key = self.by_value(key_or_uid) if uid is None else self._keys.get(uid)
+            if key is not None:
+                return key
+            if not looked_again:
+                self.refresh()
+        raise key_not_found(key_or_uid if uid is None else uid)
+
+    def expiring(self, within_ns, now_ns):
+        """The keys that stop working within `within_ns` of `now_ns` (not before it)."""
+        return [key for key in list(self._keys.values())
+                if key.end_ns is not None and now_ns < key.end_ns <= now_ns + within_ns]
 
     def page(self, offset, limit):
         """(keys newest first, skipping `offset`, at most `limit`; total)."""
@@ -3669,10 +4037,13 @@ class KeyStore:
             self._commit(key)
             return key
 
-    def delete(self, key_or_uid):
-        """Delete a key."""
+    def delete(self, key_or_uid, check=None):
+        """Delete a key; `check(key)` may refuse it first, under the lock, on
+        the key as the store holds it (another process may have changed it)."""
         with self._changing():
             key = self.find(key_or_uid)
+            if check is not None:
+                check(key)
             self._commit(None, removed=key.uid)
 
     def restrict(self, key_or_uid, restrictions):
@@ -3682,12 +4053,15 @@ class KeyStore:
             self._commit(key.with_restrictions(restrictions))
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds):
+    def rotate(self, key_or_uid, grace_seconds, check=None):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
-        changes are one write. 409 for a key already rotated."""
+        changes are one write. 409 for a key already rotated. `check(key)`
+        as for delete."""
         with self._changing():
             old = self.find(key_or_uid)
+            if check is not None:
+                check(old)
             if old.retirement is not None:
                 raise ApiError(409, "api_key_already_rotated", "API key `%s` was already rotated: "
                                "its replacement is `%s`, and it stops working at %s. Rotate the "
@@ -3703,6 +4077,32 @@ class KeyStore:
             else:
                 self._commit_all([new], (old.uid,))
             return new
+
+    def revoke_tokens(self, key_or_uid, issued_before):
+        """Revoke the key's tenant tokens issued before `issued_before` (Unix
+        seconds; a later revocation's time wins over an earlier one's)."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = key.revocation or NO_REVOCATION
+            before = max(issued_before, old.issued_before or issued_before)
+            self._commit(key.with_revocation(
+                TokenRevocation(before, old.denied).pruned(int(time.time()))))
+            return self._keys[key.uid]
+
+    def revoke_token(self, key_or_uid, token, exp):
+        """Deny one tenant token of the key (verified by the caller) until its `exp`."""
+        with self._changing():
+            key = self.find(key_or_uid)
+            old = (key.revocation or NO_REVOCATION).pruned(int(time.time())) or NO_REVOCATION
+            denied = dict(old.denied)
+            denied[token_digest(token)] = exp
+            if len(denied) > MAX_REVOKED_TOKENS:
+                raise ApiError(400, "too_many_revoked_tokens", "API key `%s` already has %d "
+                               "tokens revoked that have not expired: revoke all its tokens "
+                               "issued before a time with `POST /keys/%s/revoke-tokens` instead."
+                               % (key.uid, MAX_REVOKED_TOKENS, key.uid))
+            self._commit(key.with_revocation(TokenRevocation(old.issued_before, denied)))
+            return self._keys[key.uid]
 
     def sweep(self):
         """Remove the rotated keys whose grace period is over (they are
@@ -4095,6 +4495,8 @@ NETWORK_HEADER_PREFIXES = ("x-meili-proxy-", "meili-proxy-")
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 NOT_RELAYED_FILTERED = NOT_RELAYED | {"content-encoding"}
 MAX_UPSTREAM_JSON = 256 * 1024 * 1024  # backend answers the handler rules read whole
+
+
 def _kept_headers(headers, dropped):
     """`headers` as (name, value) pairs, without the names in `dropped` and
     those the Connection header lists (hop-by-hop too)."""
@@ -4118,8 +4520,8 @@ def upstream_unreachable(upstream, reason):
 
 def no_upstream():
     return ApiError(501, "no_upstream",
-                    "The request is authorized, but searchkeys runs without --upstream: there "
-                    "is no search backend to forward it to.", "system")
+                    "searchkeys runs without --upstream: there is no search backend to "
+                    "forward the request to.", "system")
 
 
 def _readable(sock, wait=0.0):
@@ -4212,9 +4614,9 @@ class Upstream:
             headers = headers + [("Content-Length", str(len(body)))]
         elif chunked:
             headers = headers + [("Transfer-Encoding", "chunked")]
-        started = time.monotonic()
-        for attempt in (1, 2):
-            connection, reused = self._connection(not (repeatable and at_hand), attempt == 2)
+        started, retried = time.monotonic(), False
+        while True:  # once more only for a reused connection the backend had closed
+            connection, reused = self._connection(not (repeatable and at_hand), retried)
             try:
                 connection.putrequest(method, self.prefix + target, skip_host=True,
                                       skip_accept_encoding=True)
@@ -4229,12 +4631,12 @@ class Upstream:
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if not (repeatable and at_hand and reused and attempt == 1 and
+                if not (repeatable and at_hand and reused and not retried and
                         isinstance(exc, CLOSED_BY_BACKEND)):
                     self.metrics.backend_error(exc)
                     raise UpstreamError("%s: %s" % (type(exc).__name__, exc) if str(exc)
                                         else type(exc).__name__)
-        raise AssertionError("unreachable")
+                retried = True
 
     def finish(self, connection, response):
         """After a fully read answer: keep the connection for the next request."""
@@ -4330,7 +4732,8 @@ class Upstream:
 # =============================================================================
 
 RESTRICTION_FIELDS = ("rateLimit", "allowedReferrers", "allowedIps", "maxHitsPerQuery",
-                      "forcedParameters")
+                      "forcedParameters", "maxConcurrentSearches", "allowBrowser")
+MAX_CONCURRENT_SEARCHES = 10000  # the largest maxConcurrentSearches
 RATE_FIELDS = ("perIp", "perKey")
 RATE_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 _RATE_RE = re.compile(r"([1-9][0-9]{0,8})/(second|minute|hour|day)\Z")
@@ -4341,6 +4744,8 @@ MAX_REFERRER = 4096  # bytes of an Origin or Referer looked at (browsers send at
 # typing fires a query per keystroke (bursts up to the limit are let through),
 # and no results page needs more than 100 hits.
 RESTRICTION_PRESETS = {"search": {"rateLimit": {"perIp": "120/minute"}, "maxHitsPerQuery": 100}}
+
+
 class Rate(collections.namedtuple("Rate", "count window text")):
     """`count` requests per `window` seconds, written `text` (`60/minute`)."""
 
@@ -4496,11 +4901,14 @@ def counter_client(address):
 class Restrictions:
     """What one key's restrictions allow, parsed once (immutable)."""
 
-    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json")
+    __slots__ = ("per_ip", "per_key", "referrers", "ips", "max_hits", "forced", "_json",
+                 "max_concurrent", "allow_browser")
 
     def __init__(self, per_ip=None, per_key=None, referrers=None, ips=None, max_hits=None,
-                 source=None, forced=None):
+                 source=None, forced=None, max_concurrent=None, allow_browser=False):
         self.per_ip, self.per_key, self.max_hits = per_ip, per_key, max_hits
+        self.max_concurrent = max_concurrent  # searches at once with the key, in this process
+        self.allow_browser = allow_browser  # may be used from browsers though it holds more
         self.forced = forced  # index pattern -> forced search parameters, or None
         self.referrers = None if referrers is None else [referrer_pattern(p) for p in referrers]
         self.ips = None if ips is None else [ip_range(r) for r in ips]
@@ -4534,13 +4942,16 @@ class Restrictions:
                                                referrer_pattern)
         ips = _validate_restriction_list("allowedIps", fields.get("allowedIps"), ip_range)
         forced = _validate_forced_parameters(fields.get("forcedParameters"))
-        max_hits = fields.get("maxHitsPerQuery")
-        if max_hits is not None and (type(max_hits) is not int or max_hits < 1):
-            if type(max_hits) is not int:
-                raise wrong_type("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                 "a positive integer", max_hits)
-            raise invalid_value("invalid_restrictions_max_hits_per_query", ".maxHitsPerQuery",
-                                "`%d` is not 1 or more." % max_hits)
+        max_hits = _validate_count("maxHitsPerQuery", fields.get("maxHitsPerQuery"))
+        max_concurrent = _validate_count("maxConcurrentSearches",
+                                         fields.get("maxConcurrentSearches"),
+                                         MAX_CONCURRENT_SEARCHES)
+        allow_browser = fields.pop("allowBrowser", False)
+        if type(allow_browser) is not bool:
+            raise wrong_type("invalid_restrictions_allow_browser", ".allowBrowser", "a boolean",
+                             allow_browser)
+        if allow_browser:
+            fields["allowBrowser"] = True  # false is the default: not kept
         if rate is not None:
             fields["rateLimit"] = {n: rate[n].text for n in RATE_FIELDS if rate[n]}
         else:
@@ -4548,7 +4959,21 @@ class Restrictions:
         if not fields:
             return None
         return cls(rate and rate["perIp"], rate and rate["perKey"], referrers and list(referrers),
-                   ips and list(ips), max_hits, fields, forced)
+                   ips and list(ips), max_hits, fields, forced, max_concurrent, allow_browser)
+
+
+def _validate_count(field, value, maximum=None):
+    """A restriction that is a count, 1 or more (to `maximum`), or None."""
+    code = "invalid_restrictions_" + re.sub("([A-Z])", r"_\1", field).lower()
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise wrong_type(code, "." + field, "a positive integer", value)
+    if value < 1:
+        raise invalid_value(code, "." + field, "`%d` is not 1 or more." % value)
+    if maximum is not None and value > maximum:
+        raise invalid_value(code, "." + field, "`%d` is more than %d." % (value, maximum))
+    return value
 
 
 def stored_restrictions(record, uid):
@@ -4644,6 +5069,64 @@ class Counters:
             tat.popitem(last=False)
 
 
+
+
+class Searching:
+    """The searches running with each key in this process (uid -> count;
+    a key running none has no entry, so it holds one per search at most)."""
+
+    def __init__(self):
+        self._running = {}
+        self._lock = threading.Lock()
+
+    def enter(self, uid, most):
+        """Count one more search with key `uid`, unless `most` are running: whether it may run."""
+        with self._lock:
+            running = self._running.get(uid, 0)
+            if running >= most:
+                return False
+            self._running[uid] = running + 1
+            return True
+
+    def leave(self, uid):
+        with self._lock:
+            running = self._running.pop(uid) - 1
+            if running:
+                self._running[uid] = running
+
+
+class Place:
+    """One search's place among its key's (Searching.enter), given back
+    once, by `leave`, whatever happened to the search."""
+
+    __slots__ = ("searching", "uid")
+
+    def __init__(self, searching, uid):
+        self.searching, self.uid = searching, uid
+
+    def leave(self):
+        searching, self.searching = self.searching, None
+        if searching is not None:
+            searching.leave(self.uid)
+
+
+class LeavingStream:
+    """A streamed answer (see Response) whose Place is given back when it is
+    closed: written whole, broken off, or never started."""
+
+    __slots__ = ("stream", "place")
+
+    def __init__(self, stream, place):
+        self.stream, self.place = stream, place
+
+    def __iter__(self):
+        return iter(self.stream)
+
+    def close(self):
+        try:
+            self.stream.close()
+        finally:
+            self.place.leave()
 
 
 class FailureCounts:
@@ -5001,12 +5484,30 @@ MAX_GRACE = 30 * 86400
 _GRACE_RE = re.compile(r"([0-9]{1,7})([smhd]?)\Z")
 
 
+MAX_EXPIRING = 3650 * 86400  # the longest `keys list --expiring`
+
+
+def duration_seconds(text):
+    """`30s`, `5m`, `1h`, `2d` or whole seconds -> seconds, or None."""
+    match = _GRACE_RE.match(text)
+    return int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+
+
+def parse_duration(text, option, maximum):
+    """A command line duration (`30m`, `12h`, `7d`, or seconds) -> seconds,
+    at most `maximum`; ValueError naming `option`."""
+    seconds = duration_seconds(text)
+    if seconds is None or seconds > maximum:
+        raise ValueError("%s `%s`: expected a duration such as `30m`, `12h` or `7d` (or whole "
+                         "seconds), at most %d days" % (option, text, maximum // 86400))
+    return seconds
+
+
 def parse_grace(value):
     """`30s`, `5m`, `1h`, `2d` or whole seconds (`90` or 90), 0 to 30 days -> seconds;
     ValueError saying what is accepted."""
     if isinstance(value, str):
-        match = _GRACE_RE.match(value)
-        seconds = int(match.group(1)) * GRACE_UNITS[match.group(2)] if match else None
+        seconds = duration_seconds(value)
     else:
         seconds = value if type(value) is int else None
     if seconds is None or not 0 <= seconds <= MAX_GRACE:
@@ -5028,6 +5529,60 @@ def validate_rotation(body):
                 raise invalid_value("invalid_rotation_grace", ".grace", "%s, but found %s"
                                     % (exc, describe_json(value)))
     return grace
+
+
+REVOKE_TOKENS_FIELDS = ("issuedBefore",)
+REVOKE_TOKEN_FIELDS = ("token",)
+
+
+def validate_revoke_tokens(body, now_ns):
+    """A POST /keys/{k}/revoke-tokens body -> the Unix second before which
+    the key's tokens are revoked: `issuedBefore` (RFC 3339, not in the
+    future) or now, rounded up (a token's `iat` is whole seconds: one signed
+    in the same second as the revocation is revoked too)."""
+    before_ns = now_ns
+    for name, value in require_object(body).items():
+        if name not in REVOKE_TOKENS_FIELDS:
+            raise unknown_field(name, REVOKE_TOKENS_FIELDS)
+        if value is None:
+            continue
+        instant = parse_expires_at(value) if isinstance(value, str) else None
+        if instant is None or instant.ns > now_ns:
+            raise invalid_value("invalid_revocation_issued_before", ".issuedBefore",
+                                "expected an RFC 3339 date (e.g. `2030-01-31T00:00:00Z`) not in "
+                                "the future, or null for now, but found %s"
+                                % describe_json(value))
+        before_ns = instant.ns
+    return -(-before_ns // 10 ** 9)
+
+
+def validate_revoke_token(body, key):
+    """A POST /keys/{k}/revoke-token body -> (the token, its exp): a tenant
+    token `key` signed that has not expired and has an `exp` (a token
+    without one would have to be denied forever)."""
+    code = "invalid_revocation_token"
+    for name in require_object(body):
+        if name not in REVOKE_TOKEN_FIELDS:
+            raise unknown_field(name, REVOKE_TOKEN_FIELDS)
+    token = body.get("token")
+    if not isinstance(token, str):
+        raise wrong_type(code, ".token", "a tenant token (a string)", token)
+    try:
+        claims = verify_tenant_token(token, key.value)
+    except NotATenantToken:
+        raise invalid_value(code, ".token", "this is not a tenant token (a JWT).")
+    except TenantTokenError as exc:
+        raise invalid_value(code, ".token", "this is not a tenant token of API key `%s` that "
+                            "works: %s" % (key.uid, exc))
+    if claims["apiKeyUid"] != key.uid:
+        raise invalid_value(code, ".token", "this tenant token was signed by another API key "
+                            "(`%s`)." % claims["apiKeyUid"])
+    if claims["exp"] is None:
+        raise invalid_value(code, ".token", "this tenant token has no `exp`, so it cannot be "
+                            "revoked singly (it would have to be denied forever): revoke "
+                            "every token of API key `%s` issued before now with `POST "
+                            "/keys/%s/revoke-tokens`, or rotate the key." % (key.uid, key.uid))
+    return token, claims["exp"]
 
 
 USIZE_MAX = 2 ** 64 - 1
@@ -5550,7 +6105,19 @@ def _check_claims(part):
     for field in ("searchRules", "apiKeyUid"):
         if field not in claims:
             raise part.missing(field)
+    claims["iat"] = _issued_at(part)
     return claims
+
+
+def _issued_at(part):
+    """The token's `iat` in Unix seconds, or None (none, more than one, not
+    a number). Meilisearch ignores it; searchkeys' revocation reads it, and
+    one it cannot read counts as revoked (see token_refusal)."""
+    values = [value for name, value, _, _, _ in part.members if name == "iat"]
+    if len(values) != 1 or isinstance(values[0], bool) \
+            or not isinstance(values[0], (int, float)) or values[0] != values[0]:
+        return None
+    return values[0]
 
 
 def _audience_error(part):
@@ -5570,7 +6137,7 @@ def decode_tenant_token(token):
     """Read a tenant token without checking its signature.
 
     Returns (algorithm, claims, signed_part, signature, refusal): claims
-    hold `searchRules`, `exp` and `apiKeyUid`; refusal is what jsonwebtoken
+    hold `searchRules`, `exp`, `apiKeyUid` and `iat` (None when unreadable); refusal is what jsonwebtoken
     says of the registered claims once the signature is good, or None. Raises
     NotATenantToken when `token` does not have the three JWT parts, and
     TenantTokenError (the detail of "Could not decode tenant token, ...")
@@ -5609,16 +6176,20 @@ def _jwt_signature(algorithm, secret, signed_part):
     return b64url_encode(_jwt_digest(algorithm, secret, signed_part))
 
 
-def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256"):
+def sign_tenant_token(api_key, api_key_uid, search_rules, expires_at=None, algorithm="HS256",
+                      issued_at=None):
     """Mint a tenant token for the key `api_key` (its 64-hex value) of uid
-    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime."""
+    `api_key_uid`. `expires_at`: None, Unix seconds, or an aware datetime.
+    `iat` is `issued_at` (Unix seconds), or now: a revocation of the key's
+    tokens issued before some time reads it."""
     if algorithm not in JWT_HASHES:
         raise ValueError("algorithm must be one of %s" % ", ".join(JWT_HASHES))
     if isinstance(expires_at, datetime.datetime):
         expires_at = int(expires_at.timestamp())
     header = b64url_encode(compact_json({"alg": algorithm, "typ": "JWT"}).encode())
     claims = {"searchRules": search_rules, "apiKeyUid": parse_uuid(api_key_uid),
-              "exp": expires_at}
+              "exp": expires_at,
+              "iat": int(time.time()) if issued_at is None else issued_at}
     payload = b64url_encode(compact_json(claims).encode())
     signed_part = header + "." + payload
     return signed_part + "." + _jwt_signature(algorithm, api_key, signed_part)
@@ -5756,6 +6327,38 @@ class Client:
         return self.request("POST", _key_path(key_or_uid) + "/rotate",
                             None if grace is None else {"grace": grace})
 
+    def list_keys_seen_from_browsers(self, offset=None, limit=None):
+        """GET /keys, each key used from a browser flagged with its
+        `seenFromBrowserAt` (searchkeys' usage, for the master key; from a
+        Meilisearch, or with another key, the plain listing)."""
+        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+        try:
+            listing = self.request("GET", "/keys?" + urllib.parse.urlencode(
+                [("usage", "true")] + params))
+            results = listing["results"]
+            usages = [key.pop("usage") for key in results]
+            for key, usage in zip(results, usages):
+                if usage.get("seenFromBrowserAt"):
+                    key["seenFromBrowserAt"] = usage["seenFromBrowserAt"]
+            return listing
+        except ClientError as exc:
+            if exc.status not in (400, 403):
+                raise
+        except (TypeError, KeyError, AttributeError):
+            pass
+        return self.list_keys(offset, limit)
+
+    def all_keys(self, page=1000):
+        """Every key (GET /keys, page by page)."""
+        keys, offset = [], 0
+        while True:
+            listing = self.list_keys(offset, page)
+            results = listing.get("results") or []
+            keys += results
+            offset += len(results)
+            if not results or offset >= listing.get("total", 0):
+                return keys
+
     def keys_with_usage(self, page=1000):
         """Every key with its `usage`, page by page: searchkeys' GET
         /keys?usage=true. A server without it (Meilisearch answers 400 to
@@ -5838,6 +6441,9 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--ip", action="append", metavar="CIDR",
                           help="allowed client range, e.g. 10.0.0.0/8 (repeatable)")
     restrict.add_argument("--max-hits", type=int, metavar="N", help="hits per query at most")
+    restrict.add_argument("--max-concurrent", type=int, metavar="N",
+                          help="searches with the key at once, per searchkeys process; more "
+                               "get 429 (1 to %d)" % MAX_CONCURRENT_SEARCHES)
     restrict.add_argument("--filter", action="append", metavar="INDEX=FILTER",
                           help="a filter AND-ed to every search on the indexes of the pattern "
                                "INDEX (`*` at its end for any text), e.g. "
@@ -5848,6 +6454,10 @@ def add_restrict_command(key_commands, common):
     restrict.add_argument("--force", action="append", metavar="INDEX=JSON",
                           help="other search parameters forced on INDEX, as a JSON object, "
                                "e.g. 'movies={\"facets\": [\"genre\"]}' (repeatable)")
+    restrict.add_argument("--allow-browser", action="store_true",
+                          help="let browsers use the key although it holds actions beyond "
+                               "search (an admin page's key); without it such a key sent from a "
+                               "browser gets 403")
     restrict.add_argument("--clear", action="store_true", help="remove every restriction")
 
 
@@ -5870,6 +6480,12 @@ def restrictions_from_args(args):
         if args.max_hits < 1:
             raise ValueError("--max-hits must be 1 or more")
         body["maxHitsPerQuery"] = args.max_hits
+    if args.allow_browser:
+        body["allowBrowser"] = True
+    if args.max_concurrent is not None:
+        if not 1 <= args.max_concurrent <= MAX_CONCURRENT_SEARCHES:
+            raise ValueError("--max-concurrent must be 1 to %d" % MAX_CONCURRENT_SEARCHES)
+        body["maxConcurrentSearches"] = args.max_concurrent
     forced = forced_parameters_from_args(args)
     if forced:
         body["forcedParameters"] = forced
@@ -6127,7 +6743,6 @@ def add_serve_command(commands):
     add_restriction_flags(serve)
 
 
-
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS,
@@ -6173,6 +6788,10 @@ def build_parser():
     listing = key_commands.add_parser("list", parents=[common], help="list keys")
     listing.add_argument("--offset", type=int, help="keys to skip (0)")
     listing.add_argument("--limit", type=int, help="keys to list at most (20)")
+    listing.add_argument("--expiring", metavar="DURATION",
+                         help="only the keys that stop working within DURATION (30m, 12h, 7d "
+                              "or seconds), soonest first: every key is read, so --offset and "
+                              "--limit do not apply")
     get = key_commands.add_parser("get", parents=[common], help="show one key")
     get.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
     update = key_commands.add_parser("update", parents=[common],
@@ -6192,6 +6811,18 @@ def build_parser():
     rotate.add_argument("--grace", metavar="DURATION",
                         help="how long the old key keeps working: 30s, 5m, 1h, 2d or "
                              "seconds, 0 to 30 days (default 5m)")
+    revoke = key_commands.add_parser(
+        "revoke-tokens", parents=[common], help="revoke every tenant token a key signed "
+                                                "before a time (searchkeys only)")
+    revoke.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke.add_argument("--before", metavar="TIME",
+                        help="RFC 3339 date; tokens whose `iat` is earlier (or that have none) "
+                             "stop working (default: now)")
+    revoke_one = key_commands.add_parser(
+        "revoke-token", parents=[common], help="revoke one tenant token of a key until it "
+                                               "expires (searchkeys only)")
+    revoke_one.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
+    revoke_one.add_argument("token", metavar="TOKEN", help="the tenant token (it needs an `exp`)")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -6269,10 +6900,17 @@ def read_token_file(path):
 
 def keep_store(store, stop):
     """serve's store keeper, until the Event `stop` is set: takes in what
-    other processes wrote every STORE_POLL_SECONDS and saves the usage
-    counts every USAGE_FLUSH_SECONDS."""
-    flushed = time.monotonic()
-    while not stop.wait(STORE_POLL_SECONDS):
+    other processes wrote every STORE_POLL_SECONDS, saves the usage
+    counts every USAGE_FLUSH_SECONDS, and looks for keys expiring soon
+    every EXPIRY_CHECK_SECONDS (ExpiryWarnings)."""
+    flushed, checked, warnings = time.monotonic(), None, ExpiryWarnings()
+    while True:
+        if checked is None or time.monotonic() - checked >= EXPIRY_CHECK_SECONDS:
+            now, checked = time.time_ns(), time.monotonic()
+            for line in warnings.lines(store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, now), now):
+                store.log(line)
+        if stop.wait(STORE_POLL_SECONDS):
+            return
         store.refresh()
         if time.monotonic() - flushed >= USAGE_FLUSH_SECONDS:
             store.flush_usage()
@@ -6305,9 +6943,7 @@ def run_serve(args):
     # the port first: a start that fails on a busy port leaves no store behind; callers are
     # taken (listen) once the store is loaded
     try:
-        listener = KeysServer((args.host, args.port), None, args.max_connections, max_open,
-                              bind_and_activate=False)
-        listener.server_bind()
+        sock = bound_socket(args.host, args.port)
     except OSError as exc:  # a busy port, an unknown host
         return cannot_listen(args, exc)
     try:
@@ -6319,33 +6955,29 @@ def run_serve(args):
         service = Service(store, master_key, upstream, _log_to_stderr, limits, metrics,
                           args.metrics_token)
     except (StoreError, StoreWriteError, ValueError) as exc:
-        listener.server_close()
+        sock.close()
         _log_to_stderr("searchkeys: cannot start: %s" % exc)
         return 1
     try:
-        listener.server_activate()
+        sock.listen(KeysServer.request_queue_size)
     except OSError as exc:
-        listener.server_close()
+        sock.close()
         return cannot_listen(args, exc)
     _log_to_stderr("searchkeys: %d keys%s; listening on http://%s:%d%s%s" % (
         len(store), " in " + args.store if args.store else " in memory",
         "[%s]" % args.host if ":" in args.host else args.host,
-        listener.server_address[1], " -> " + upstream.display_url if upstream else "",
+        sock.getsockname()[1], " -> " + upstream.display_url if upstream else "",
         "; %d workers" % args.workers if args.workers > 1 else ""))
-    if args.workers == 1:
-        listener.service = service
-        return serve_until_stopped(listener, store)
 
-    def serve_as_worker():  # a server of its own (threads, watcher) on the shared socket
-        server = KeysServer(listener.server_address, service, args.max_connections, max_open,
-                            bind_and_activate=False)
-        server.socket.close()
-        server.socket = listener.socket
-        return serve_until_stopped(server, store)
+    def serve_on_socket():  # in a worker: a server of its own (threads, watcher) on it
+        return serve_until_stopped(KeysServer(sock, service, args.max_connections, max_open),
+                                   store)
+    if args.workers == 1:
+        return serve_on_socket()
     try:
-        return run_workers(args.workers, serve_as_worker)
+        return run_workers(args.workers, serve_on_socket)
     finally:
-        listener.server_close()
+        sock.close()
 
 
 def cannot_listen(args, exc):
@@ -6458,8 +7090,11 @@ def run_keys(args):
                                 description=args.description, uid=args.uid)
         if args.preset == "search" and not args.no_restrictions:
             restrict_created_key(client, key)
+    elif command == "list" and args.expiring is not None:
+        listing = expiring_keys(client.all_keys(), args.expiring, time.time())
+        return _print(args, listing, [k.get("key") for k in listing["results"]])
     elif command == "list":
-        listing = client.list_keys(args.offset, args.limit)
+        listing = client.list_keys_seen_from_browsers(args.offset, args.limit)
         return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
     elif command == "get":
         key = client.get_key(args.key_or_uid)
@@ -6471,6 +7106,12 @@ def run_keys(args):
         return run_restrict(client, args)
     elif command == "rotate":
         key = rotate_key(client, args.key_or_uid, args.grace)
+    elif command == "revoke-tokens":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-tokens",
+                                           {"issuedBefore": args.before}), [])
+    elif command == "revoke-token":
+        return _print(args, client.request("POST", _key_path(args.key_or_uid) + "/revoke-token",
+                                           {"token": args.token}), [])
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
@@ -6480,13 +7121,28 @@ def run_keys(args):
     return _print(args, key, [key.get("key")])
 
 
+def expiring_keys(keys, within, now):
+    """`keys list --expiring`: the keys (GET /keys results) that stop working
+    (expiresAt, or retiresAt of a rotated key on searchkeys) within `within`
+    seconds of `now`, soonest first, as a listing."""
+    def end(key):
+        ends = [parse_expires_at(key[field]) for field in ("expiresAt", "retiresAt")
+                if isinstance(key.get(field), str)]
+        return min((instant.ns for instant in ends if instant is not None), default=None)
+    soon = sorted((end(key), position, key) for position, key in enumerate(keys)
+                  if end(key) is not None and now * 10 ** 9 < end(key) <= (now + within) * 10 ** 9)
+    return {"results": [key for _, _, key in soon], "total": len(soon)}
+
+
 def usage_table(keys):
     """The usage of `keys` (GET /keys?usage=true results) as a text table,
     most used first; a key never used says so in its last column."""
     rows = [["NAME", "UID", "ALLOWED", "REFUSED"] + [r.upper() for r in USAGE_REASONS] +
             ["LAST USED"]]
+
     def total(key):
         return key["usage"]["allowed"] + sum(key["usage"]["refused"].values())
+
     for key in sorted(keys, key=lambda key: -total(key)):
         usage = key["usage"]
         rows.append([printable(key.get("name") or "-")[:40], key["uid"], usage["allowed"],
@@ -6585,7 +7241,8 @@ def check_client_args(parser, args):
     args.key = getattr(args, "key", None) or os.environ.get("MEILI_MASTER_KEY")
     args.quiet = getattr(args, "quiet", False)
     try:
-        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules"))
+        check_text_args(args, ("key", "name", "description", "key_or_uid", "api_key", "rules",
+                               "token", "before"))
         if args.command == "keys":
             check_connection_args(args)
         if args.command == "keys" and args.keys_command == "create":
@@ -6598,6 +7255,10 @@ def check_client_args(parser, args):
                 args.uid = check_uid(args.uid)
         elif args.command == "keys" and args.keys_command == "restrict":
             args.restrictions = restrictions_from_args(args)
+        elif args.command == "keys" and args.keys_command == "revoke-tokens" \
+                and args.before is not None and parse_expires_at(args.before) is None:
+            raise ValueError("--before `%s` is not a date: write it as RFC 3339, e.g. "
+                             "2030-01-31T00:00:00Z" % args.before)
         elif args.command == "keys" and args.keys_command == "rotate" \
                 and args.grace is not None:
             try:
@@ -6608,6 +7269,8 @@ def check_client_args(parser, args):
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
+            if args.expiring is not None:
+                args.expiring = parse_duration(args.expiring, "--expiring", MAX_EXPIRING)
         elif args.command == "token":
             args.uid = check_uid(args.uid)
             try:

@@ -46,6 +46,7 @@ import fcntl
 import functools
 import hmac
 import html
+import io
 import ipaddress
 import itertools
 import json
@@ -59,6 +60,7 @@ import re
 import resource
 import select
 import selectors
+import shlex
 import signal
 import socket
 import socketserver
@@ -302,6 +304,9 @@ FLAGS = [
     Flag("cert", "string", "cert.pem", "path to the HTTPS certificate pem file"),
     Flag("cipher-suites", "string", "", "comma-separated list of supported TLS cipher suites"),
     Flag("debug", "bool", False, "show debug output"),
+    Flag("explain", "string", "", "webhookd: read one raw HTTP request (head and body) on "
+         "stdin and print how this hook's trigger rules judge it, each rule true or false with "
+         "the value it saw, running nothing; exit 0 if they hold, 1 if not"),
     Flag("header", "list", None, "response header to return, specified in format name=value, "
          "use multiple times to set multiple headers"),
     Flag("hooks", "list", None, "path to the json file containing defined hooks the webhook "
@@ -677,11 +682,12 @@ def read_template_file(name, path):
                                                     TEMPLATE_FILE_MAX_BYTES >> 10))
 
 
-def expand_template(text, filename, environ=None, empty=None):
+def expand_template(text, filename, environ=None, empty=None, expanded=None):
     """Expand `{{ getenv "X" }}`, `{{ cat "PATH" }}`, `{{ credential "NAME" }}` (each optionally
     `| js`, and with Go's `{{-`/`-}}` whitespace trimming); any other action is an error.  Each
     action that gave "" (an unset variable, a missing file) is added to the list `empty` as
-    `line:column: action`, if one is given."""
+    `line:column: action`, if one is given; each value to the list `expanded` (the secrets a
+    run's record masks), if one is given."""
     environ = os.environ if environ is None else environ
     out, pos = [], 0
     for match in TEMPLATE_ACTION.finditer(text):
@@ -703,6 +709,8 @@ def expand_template(text, filename, environ=None, empty=None):
             raise HooksFileError("%s:%d:%d: template: %s" % (filename, line, col, exc)) from None
         if not value and empty is not None:
             empty.append("%d:%d: %s" % (line, col, match.group(0)))
+        if value and expanded is not None:
+            expanded.append(value)
         out.append(js_escape(value) if call.group(3) else value)
         pos = match.end()
         if match.group(3):
@@ -727,12 +735,14 @@ SOURCES = ("header", "url", "query", "payload", "string", "raw-request-body", "r
            "entire-payload", "entire-query", "entire-headers")
 MATCH_TYPES = ("value", "regex", "payload-hmac-sha1", "payload-hmac-sha256", "payload-hmac-sha512",
                "payload-hash-sha1", "payload-hash-sha256", "payload-hash-sha512", "ip-whitelist",
-               "scalr-signature")
+               "scalr-signature", "standard-webhooks")
 HMAC_TYPES = {"payload-hmac-sha1": ("sha1", "sha1="), "payload-hash-sha1": ("sha1", "sha1="),
               "payload-hmac-sha256": ("sha256", "sha256="),
               "payload-hash-sha256": ("sha256", "sha256="),
               "payload-hmac-sha512": ("sha512", "sha512="),
               "payload-hash-sha512": ("sha512", "sha512=")}
+# ours: match types whose `secret` may be a list (any one of them signs), while a sender rotates
+SECRET_LIST_TYPES = frozenset(HMAC_TYPES) | {"standard-webhooks"}
 
 # hook field -> (attribute, kind); the last four are ours and ignored by upstream.
 HOOK_FIELDS = {
@@ -757,9 +767,10 @@ HOOK_FIELDS = {
     "command-timeout": ("command_timeout", "posnumber"),
     "stream-command-output": ("stream_output", "bool"),
     "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
+    "mask": ("mask", "masks"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
-         "headers": (), "strlist": (), "rule": None}
+         "headers": (), "strlist": (), "rule": None, "masks": ()}
 
 
 class Problems:
@@ -908,13 +919,15 @@ class Argument:
 
 
 class MatchRule:
-    """A `match` rule; `regex` is compiled at load (a bad pattern is an error at evaluation)."""
+    """A `match` rule; `regex` is compiled at load (a bad pattern is an error at evaluation);
+    `secrets`: the secret, or the several a list gave (ours, on SECRET_LIST_TYPES)."""
 
-    __slots__ = ("type", "value", "regex", "secret", "ip_range", "parameter", "compiled",
+    __slots__ = ("type", "value", "regex", "secrets", "ip_range", "parameter", "compiled",
                  "regex_error")
 
     def __init__(self, type, value="", regex="", secret="", ip_range="", parameter=None):
-        self.type, self.value, self.regex, self.secret = type, value, regex, secret
+        self.type, self.value, self.regex = type, value, regex
+        self.secrets = (secret,) if isinstance(secret, str) else tuple(secret)
         self.ip_range, self.parameter = ip_range, parameter or Argument("", "")
         self.compiled, self.regex_error = None, None
         if type == "regex":
@@ -1002,33 +1015,46 @@ def parse_rule(obj, where, problems):
 def parse_match(raw, where, problems):
     obj = fold_keys(raw, MATCH_FIELDS, where, problems)
     fields = {key: as_string(obj.get(key), "%s.%s" % (where, key))
-              for key in ("type", "value", "regex", "secret", "ip-range")}
+              for key in ("type", "value", "regex", "ip-range")}
+    kind, secret = fields["type"], obj.get("secret")
+    if isinstance(secret, list) and kind in SECRET_LIST_TYPES:
+        secret = tuple(as_string(item, "%s.secret[%d]" % (where, i))
+                       for i, item in enumerate(secret))
+        if not secret:
+            problems.error(where + ".secret", "an empty list of secrets")
+    else:
+        secret = as_string(secret, where + ".secret")
     parameter = obj.get("parameter")
     parameter = (parse_argument(parameter, where + ".parameter", problems)
                  if parameter is not None else None)
-    rule = MatchRule(fields["type"], fields["value"], fields["regex"], fields["secret"],
-                     fields["ip-range"], parameter)
-    kind = rule.type
+    rule = MatchRule(kind, fields["value"], fields["regex"], secret, fields["ip-range"],
+                     parameter)
     if kind not in MATCH_TYPES:
         problems.error(where, "unknown match type %r%s" % (kind, did_you_mean(kind, MATCH_TYPES)))
     if rule.regex_error:
         problems.error(where, rule.regex_error)
     if kind.startswith("payload-hash-"):
         problems.warn(where, "deprecated type %r, use %r" % (kind, kind.replace("hash", "hmac")))
-    checked = "secret" if kind in HMAC_TYPES or kind == "scalr-signature" else \
+    checked = "secret" if kind in SECRET_LIST_TYPES or kind == "scalr-signature" else \
         "value" if kind == "value" else None
-    if checked and not fields[checked] and problems.empty_actions:
+    empty = checked == "secret" and not all(rule.secrets) or checked == "value" and not rule.value
+    if empty and problems.empty_actions:
         # most likely an unset variable or a missing file: an empty value matches any request
         # that sends the parameter empty, so the hook is not served
         problems.refuse("%s.%s" % (where, checked), "empty after template expansion (in "
                         "this file %s gave \"\")" % ", ".join(problems.empty_actions[:3]))
-    elif checked == "secret" and not rule.secret:
+    elif empty and checked == "secret":
         problems.error(where, "empty secret (every request would get 500)")
-    for field in ("secret", "value"):
-        if is_shipped_placeholder(obj.get(field)):
+    if kind == "standard-webhooks":
+        for secret in rule.secrets:
+            if secret and standard_webhooks_key(secret) is None:
+                problems.error(where + ".secret", "not a whsec_ secret (base64 after whsec_)")
+    for field, text in [("secret", secret) for secret in rule.secrets] + [
+            ("value", obj.get("value"))]:
+        if is_shipped_placeholder(text):
             problems.refuse("%s.%s" % (where, field), "a placeholder from the example file "
                             "(replace-with-...), not a secret: set a real one")
-        elif looks_like_placeholder(obj.get(field)):
+        elif looks_like_placeholder(text):
             problems.warn(where, "the %s looks like an example placeholder: set a real one" % field)
     if isinstance(obj.get("value"), bool):
         warn_yaml_boolean(raw, where, problems)
@@ -1036,7 +1062,7 @@ def parse_match(raw, where, problems):
         for cidr in rule.ip_range.split():
             if parse_cidr(cidr) is None:
                 problems.error(where, "invalid ip range %r" % cidr)
-    if kind not in ("ip-whitelist", "scalr-signature") and parameter is None:
+    if kind not in ("ip-whitelist", "scalr-signature", "standard-webhooks") and parameter is None:
         problems.error(where, "match without a parameter")
     return rule
 
@@ -1104,6 +1130,14 @@ def parse_field(kind, value, where, problems):
     expect(value, list, where)
     if kind == "strlist":
         return tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+    if kind == "masks":
+        patterns = tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+        for i, pattern in enumerate(patterns):
+            if mask_pattern_length(pattern) is None:
+                raise HooksFileError("%s[%d]: not a mask pattern (ASCII characters, classes "
+                                     "[...], \\d \\w \\s and ., each optionally {N} times: "
+                                     "one fixed length, at most %d)" % (where, i, MASK_LONGEST))
+        return patterns
     headers = []
     for i, item in enumerate(value):
         here = "%s[%d]" % (where, i)
@@ -1129,6 +1163,7 @@ class Hook:
                 problems.file_error(exc)
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
+        self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
         unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
@@ -1160,6 +1195,117 @@ def rule_parameters(rule):
         else:
             pending.extend(node[1])
     return frozenset(headers), frozenset(params)
+
+
+def compares_a_secret(arg):
+    """Whether what a rule compares with this parameter may be a secret: a credential-like
+    header or name, or a whole body, query or header set (which may hold one)."""
+    return arg.source in WHOLE_SOURCES or canonical_header(arg.name) in SENSITIVE_HEADERS \
+        or SECRET_NAME.search(arg.name) is not None
+
+
+WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
+SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
+                         re.IGNORECASE)
+
+
+def rule_secrets(rule):
+    """The secrets a trigger rule holds: every `secret`, and the `value` a match compares with
+    a parameter that may hold a secret."""
+    found, pending = [], [rule]
+    while pending:
+        node = pending.pop()
+        if node is None or node[0] == "none":
+            continue
+        if node[0] == "match":
+            match = node[1]
+            found.extend(secret for secret in match.secrets if secret)
+            if match.type == "value" and compares_a_secret(match.parameter):
+                found.append(match.value)
+        elif node[0] == "not":
+            pending.append(node[1])
+        else:
+            pending.extend(node[1])
+    return found
+
+
+# What a run's record shows (its output, arguments and environment; the log's argv and output)
+# never holds a secret of its hooks file: each is replaced with MASKED.  A hook's `mask` adds
+# patterns of one fixed length, so that matching stays linear in the text: at each position at
+# most MASK_LONGEST characters are looked at, with no backtracking.
+
+MASKED = b"********"
+MASK_MIN_CHARS = 4  # shorter values (a getenv'd "1") would garble the output, and guard nothing
+MASK_LONGEST = 1024
+MASK_ATOM = re.compile(r"(?:\\[dws]|\\[^A-Za-z0-9]|\[\^?\]?(?:[^\]\\]|\\[^A-Za-z0-9]|\\[dws])*\]"
+                       r"|[^\\\[\]{}()|*+?^$])(?:\{([0-9]{1,4})\})?")
+
+
+def mask_pattern_length(pattern):
+    """The one length a `mask` pattern matches, or None if it is not a mask pattern: ASCII
+    literals, classes `[...]`, `\\d \\w \\s .`, each optionally `{N}` times; no alternation,
+    group or open repetition."""
+    if not pattern.isascii():
+        return None
+    pos = length = 0
+    while pos < len(pattern):
+        atom = MASK_ATOM.match(pattern, pos)
+        if atom is None:
+            return None
+        length, pos = length + int(atom.group(1) or 1), atom.end()
+    try:
+        re.compile(pattern.encode())
+    except re.error:
+        return None
+    return length if 0 < length <= MASK_LONGEST else None
+
+
+class Masker:
+    """A hook's secrets (literals of at least MASK_MIN_CHARS) and `mask` patterns, replaced with
+    MASKED in bytes, text, or a stream of chunks (stream())."""
+
+    def __init__(self, literals=(), patterns=()):
+        literals = sorted({text.encode("utf-8", "surrogateescape") for text in literals
+                           if len(text) >= MASK_MIN_CHARS}, key=len, reverse=True)
+        parts = [re.escape(literal) for literal in literals] + [p.encode() for p in patterns]
+        self.regex = re.compile(b"|".join(parts)) if parts else None
+        self.longest = max([len(literal) for literal in literals]
+                           + [mask_pattern_length(p) for p in patterns], default=0)
+
+    def bytes(self, data):
+        return data if self.regex is None else self.regex.sub(MASKED, data)
+
+    def text(self, text):
+        if self.regex is None:
+            return text
+        return self.bytes(text.encode("utf-8", "surrogateescape")).decode(
+            "utf-8", "surrogateescape")
+
+    def stream(self):
+        """feed(chunk, last=False) -> the masked bytes that are certain: a secret split between
+        two chunks is masked too (at most `longest` - 1 bytes wait for the next, or `last`)."""
+        pending = b""
+
+        def feed(chunk, last=False):
+            nonlocal pending
+            if self.regex is None:
+                return chunk
+            data, pending = pending + chunk, b""
+            certain = len(data) if last else max(0, len(data) - self.longest + 1)
+            shown, pos = [], 0
+            for found in self.regex.finditer(data):
+                if found.start() >= certain:  # might grow into a longer secret: next time
+                    break
+                shown += [data[pos:found.start()], MASKED]
+                pos = found.end()
+            certain = max(certain, pos)
+            shown.append(data[pos:certain])
+            pending = data[certain:]
+            return b"".join(shown)
+        return feed
+
+
+NO_MASK = Masker()
 
 
 def redact_target(target, names):
@@ -1250,12 +1396,12 @@ def read_bytes(path):
 def parse_hooks_file(raw, path, template=False):
     """Template-expand and parse the bytes of one hooks file: (hooks, Problems)."""
     text = raw.decode("utf-8", "surrogateescape")
-    empty_actions = []
+    empty_actions, expanded = [], []
     warnings = [("warning", "%s: %s is writable by group or others: a local user could run "
                             "any command as webhookd (chmod go-w)" % (path, writable))
                 for writable in writable_by_others(path)]
     if template:
-        text = expand_template(text, path, empty=empty_actions)
+        text = expand_template(text, path, empty=empty_actions, expanded=expanded)
     else:
         action = TEMPLATE_FUNCTION_USE.search(text)
         if action:
@@ -1272,6 +1418,10 @@ def parse_hooks_file(raw, path, template=False):
         exc.items.extend(warnings)
         raise
     problems.items.extend(warnings)
+    # every secret of the file is masked in every hook's runs: one hook may pass another's
+    secrets = expanded + [secret for hook in hooks for secret in rule_secrets(hook.trigger_rule)]
+    for hook in hooks:
+        hook.masker = Masker(secrets, hook.mask)
     return hooks, problems
 
 
@@ -1541,6 +1691,11 @@ class Registry:
             hf.error = "%s: file removed" % hf.path
             self._publish()
             self.last_load = time.time()
+
+    def file_of(self, hook_id):
+        """The path of the hooks file that serves hook_id, or None."""
+        return next((hf.path for hf in self.files if any(h.id == hook_id for h in hf.hooks)),
+                    None)
 
     def status(self):
         files = [{"path": hf.path, "hooks": [h.id for h in hf.hooks], "loaded": hf.error is None,
@@ -1906,10 +2061,12 @@ def read_chunked(conn, limit):
 RECV_BYTES = 1 << 16
 PARKED_HEAD_BYTES = 16384  # a head read in the WaitingRoom beyond this size counts against:
 PARKED_LARGE_BYTES = 64 << 20  # what all such heads may hold together; beyond, one is closed
-BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace):
-# a 25 MiB body on a slow link still comes (27 min), a trickled one holds a worker that long
+BODY_MIN_RATE = 16 << 10  # bytes/s a body must average (after -read-header-timeout's grace),
+# counted on what has come: a 25 MiB body on a slow link still comes (27 min), a trickled one
+# is cut off once it falls behind, not when its announced size would have been due
 SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as Go; else closed
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
+STALLED_READ_SECONDS = 1.0  # a worker's read stalled this long gives way to waiting connections
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
 # Read on at most this much too: a client that sent a head of a few times the limit (Go's,
 # 1 MiB) in one go still gets its 431 rather than a reset caused by its unread end.
@@ -1935,16 +2092,17 @@ class Connection:
     and while a worker serves it) and the answer not yet sent (`outbox`: a client that does
     not read it waits in the WaitingRoom too).  A worker's reads time out at the head's
     deadline (`due`: from accept, or from the first byte of a later head), else after
-    -read-header-timeout, and for a body also at `body_due` for all of it; its writes after
+    -read-header-timeout, and for a body also at `body_due`, which each byte of a body being
+    paced moves on by 1/BODY_MIN_RATE s up to `body_ceiling`; its writes after
     -write-timeout."""
 
     __slots__ = ("sock", "address", "server", "limits", "tls", "buffer", "scanned", "due",
-                 "body_due", "outbox", "handshaking", "closing")
+                 "body_due", "body_ceiling", "outbox", "handshaking", "closing")
 
     def __init__(self, sock, address, server, due):
         self.sock, self.address, self.server, self.due = sock, address, server, due
         self.limits, self.tls = server.limits, server.tls_context is not None
-        self.body_due = math.inf
+        self.body_due = self.body_ceiling = math.inf
         self.buffer, self.outbox = bytearray(), bytearray()
         self.scanned = 0  # the start of the buffer known to hold no head end
         self.handshaking = self.tls
@@ -1985,15 +2143,25 @@ class Connection:
 
     def fill(self):
         """One recv into the buffer, before the read deadline: False at end of stream;
-        socket.timeout once the deadline has passed."""
+        socket.timeout once the deadline has passed, or once the client has kept a worker
+        waiting STALLED_READ_SECONDS while other connections wait for one."""
         now = time.monotonic()
         due = min(self.due if self.due is not None else now + self.limits.header_timeout,
                   self.body_due)
-        if due <= now:
-            raise socket.timeout("timed out")
-        self.sock.settimeout(due - now)
-        data = self.sock.recv(RECV_BYTES)
+        while True:
+            if due <= now:
+                raise socket.timeout("timed out")
+            self.sock.settimeout(min(due - now, STALLED_READ_SECONDS))
+            try:
+                data = self.sock.recv(RECV_BYTES)
+                break
+            except socket.timeout:
+                if self.server.room.workers.saturated():
+                    raise
+            now = time.monotonic()
         self.buffer += data
+        if self.body_ceiling != math.inf:
+            self.body_due = min(self.body_due + len(data) / BODY_MIN_RATE, self.body_ceiling)
         return bool(data)
 
     def skim(self, read, seconds):
@@ -2290,7 +2458,8 @@ class BodyReader:
     handler: read() takes it by Content-Length or chunked, capped at -max-body-bytes, after
     `100 Continue` (send_continue) if the client waits for it, all of it within
     -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
-    trickling it holds a worker for a bounded time.  A body that breaks off or is malformed
+    trickling it holds a worker for a bounded time (each byte by -read-header-timeout plus
+    the bytes before it at BODY_MIN_RATE).  A body that breaks off or is malformed
     mid-way is logged and what came returned (as upstream: the hook runs with it), and
     `broken` set; `consumed` once read() was called (else the handler reads past it)."""
 
@@ -2307,8 +2476,13 @@ class BodyReader:
         self.consumed = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.send_continue()  # as Go: only when a body is announced
-        conn.body_due = time.monotonic() + limits.header_timeout + (
+        # what was read ahead with the head counts for the body, as what comes later will;
+        # bytes that are no body (trailers, chunk extensions) never take longer than all of it
+        now = time.monotonic()
+        conn.body_ceiling = now + limits.header_timeout + (
             limits.max_body if size is None else size) / BODY_MIN_RATE
+        conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
+                            conn.body_ceiling)
         try:
             if size is None:
                 return read_chunked(conn, limits.max_body)
@@ -2324,7 +2498,7 @@ class BodyReader:
             self.broken = True
             return exc.partial
         finally:
-            conn.body_due = math.inf
+            conn.body_due = conn.body_ceiling = math.inf
 
 
 class HookHandler(BaseHTTPRequestHandler):
@@ -2765,14 +2939,7 @@ class App:
             log.debug("[%s] request dump: %s %s %s %r (%d byte body)", rid, request.method,
                       redact_target(request.target, hook.secret_params), request.version,
                       shown, len(body))
-        query, query_ok = parse_query(request.raw_query)
-        hook_request = HookRequest(rid, request.method, request.client,
-                                   {k: v[0] for k, v in request.headers.items()
-                                    if k not in ("Host", "Transfer-Encoding")},
-                                   query, body,
-                                   hook.incoming_content_type or request.get("Content-Type"))
-        hook_request.query_ok = query_ok
-        return hook_request
+        return HookRequest.of(request, hook, body)
 
 
 class Hooks:
@@ -2799,9 +2966,14 @@ class Hooks:
         for message in messages:
             log.info("[%s] %s", rid, message)
 
-        satisfied, error, note = rules_satisfied(hook, request)
+        trace = [] if self.runs.keep else None  # explained only where it can be kept
+        satisfied, error, note = rules_satisfied(hook, request, trace)
         if note:
             log.info("[%s] %s", rid, note)
+        if error is not None or not satisfied:
+            self.metrics.refused(hook.id)
+            if trace:
+                self.runs.refused(hook.id, request, trace[0])
         if error is not None:
             log.info("[%s] error evaluating hook: %s", rid, error)
             return Response(500, MSG_RULES_ERROR, headers)
@@ -2852,8 +3024,9 @@ class Hooks:
         held = invocation.size() if invocation and mode == "background" else 0
         if mode == "background" and not self.background.reserve(held):
             return None
+        shown = invocation.shown() if invocation is not None and self.runs.keep else None
         run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request))
+                      self.runs.open(hook.id, request, shown))
         run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
@@ -2885,10 +3058,13 @@ class Hooks:
 
     def run_output(self, run, running, began, keep):
         kept = [] if keep else None
+        masked = run.hook.masker.stream()  # what the record keeps; the answer stays Go's
         try:
             for chunk in running.output():
                 if run.record is not None:
-                    self.runs.output(run.record, chunk)
+                    shown = masked(chunk)
+                    if shown:
+                        self.runs.output(run.record, shown)
                 if kept is not None:
                     kept.append(chunk)
                 yield chunk
@@ -2903,6 +3079,9 @@ class Hooks:
                 self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
                                        time.monotonic() - began if result.started else None)
                 if run.record is not None:
+                    rest = masked(b"", last=True)
+                    if rest:
+                        self.runs.output(run.record, rest)
                     self.runs.ended(run.record, result, stopping)
             finally:
                 run.gate.leave()
@@ -2999,7 +3178,7 @@ def log_result(hook, rid, result, output_collected):
     else:
         if output_collected:
             log.info("[%s] command output: %s", rid,
-                     result.output.decode("utf-8", "replace"))
+                     hook.masker.bytes(result.output).decode("utf-8", "replace"))
         if result.timed_out:
             log.info("[%s] error occurred: command timed out after %gs; process group "
                      "stopped", rid, hook.command_timeout)
@@ -3567,6 +3746,17 @@ class HookRequest:
         self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
 
+    @classmethod
+    def of(cls, request, hook, body):
+        """The HookRequest of an HTTP Request (its id and client set) and its body."""
+        query, query_ok = parse_query(request.raw_query)
+        hook_request = cls(request.id, request.method, request.client,
+                           {k: v[0] for k, v in request.headers.items()
+                            if k not in ("Host", "Transfer-Encoding")},
+                           query, body, hook.incoming_content_type or request.get("Content-Type"))
+        hook_request.query_ok = query_ok
+        return hook_request
+
 
 def parse_payload(request, hook, multipart_content_type):
     """Fill request.payload from the body as upstream does; returns log messages.
@@ -3668,12 +3858,27 @@ def apply_json_parameters(hook, request):
 # Rule evaluation (pure)
 # ---------------------------------------------------------------------------
 
-def evaluate(rule, request):
-    """Evaluate a rule tree exactly as upstream: returns (satisfied, error or None)."""
+def evaluate(rule, request, trace=None):
+    """Evaluate a rule tree exactly as upstream: returns (satisfied, error or None).  With
+    `trace` (a list), the node is explained there too (see explain_node): what an operator
+    reads about a refused delivery, and what -explain prints."""
+    if trace is None:
+        return evaluate_node(rule, request, None)
+    node = explain_node(rule)
+    trace.append(node)
+    ok, err = evaluate_node(rule, request, node)
+    node["result"] = bool(ok)
+    if err is not None and "error" not in node:
+        node["error"] = explain_error(err)
+    return ok, err
+
+
+def evaluate_node(rule, request, node):
     kind = rule[0]
+    children = None if node is None or kind in ("match", "none") else node.setdefault("rules", [])
     if kind == "and":
         for sub in rule[1]:
-            ok, err = evaluate(sub, request)
+            ok, err = evaluate(sub, request, children)
             if err is not None:
                 return False, err
             if not ok:
@@ -3681,7 +3886,7 @@ def evaluate(rule, request):
         return True, None
     if kind == "or":
         for sub in rule[1]:
-            ok, err = evaluate(sub, request)
+            ok, err = evaluate(sub, request, children)
             if err is not None and not isinstance(err, ParameterNodeError):
                 if not (request.allow_signature_errors and isinstance(err, SignatureError)):
                     return False, err
@@ -3689,20 +3894,30 @@ def evaluate(rule, request):
                 return True, None
         return False, None
     if kind == "not":
-        ok, err = evaluate(rule[1], request)
+        ok, err = evaluate(rule[1], request, children)
         return not ok, err
     if kind == "match":
-        return evaluate_match(rule[1], request)
+        return evaluate_match(rule[1], request, node)
     return False, None
 
 
-def evaluate_match(rule, request):
+def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
+        if node is not None:
+            node.update(value=cut(request.remote_addr), wanted=cut(rule.ip_range))
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
-        return check_scalr_signature(request, rule.secret, time.time())
+        if node is not None:
+            explain_signature(node, request.headers, "X-Signature")
+        return check_scalr_signature(request, rule.secrets[0], time.time())
+    if kind == "standard-webhooks":
+        if node is not None:
+            explain_signature(node, request.headers, "Webhook-Signature")
+        return check_standard_webhooks(request, rule.secrets, time.time())
     value, err = get_argument(rule.parameter, request)
+    if node is not None:
+        explain_value(node, rule, value, err)
     if err is not None:
         return False, err
     if kind == "value":
@@ -3718,7 +3933,11 @@ def evaluate_match(rule, request):
             log.warning("warn: use of deprecated option %s; use %s instead",
                         kind, kind.replace("hash", "hmac"))
         algorithm, prefix = HMAC_TYPES[kind]
-        err = check_payload_signature(request.body, rule.secret, value, algorithm, prefix)
+        err = None
+        for secret in rule.secrets:  # each secret while a sender rotates (ours: a list)
+            err = check_payload_signature(request.body, secret, value, algorithm, prefix)
+            if err is None or not isinstance(err, SignatureError):
+                break
         return err is None, err
     return False, None
 
@@ -3831,17 +4050,189 @@ def check_scalr_signature(request, secret, now):
     return True, None
 
 
-def rules_satisfied(hook, request):
-    """Returns (satisfied, error to answer 500 with or None, message to log or None)."""
+STANDARD_WEBHOOKS_TOLERANCE = 300  # seconds a Standard Webhooks timestamp may be off, as theirs
+
+
+def standard_webhooks_key(secret):
+    """The HMAC key of a Standard Webhooks secret (`whsec_` + base64), or None."""
+    try:
+        return base64.b64decode(secret[6:] if secret.startswith("whsec_") else secret,
+                                validate=True) or None
+    except (binascii.Error, ValueError):
+        return None
+
+
+def check_standard_webhooks(request, secrets, now):
+    """The Standard Webhooks signature (standardwebhooks.com): `webhook-signature` holds
+    space-separated `v1,<base64 HMAC-SHA256 of "<webhook-id>.<webhook-timestamp>.<body>">`,
+    one of which must be made with one of the secrets; the timestamp within 5 minutes."""
+    headers = request.headers
+    names = ("Webhook-Id", "Webhook-Timestamp", "Webhook-Signature")
+    if not all(name in headers for name in names):
+        return False, None
+    msg_id, stamp, given = (headers[name] for name in names)
+    if not is_ascii_digits(stamp) or len(stamp) > 12:
+        return False, SignatureError("invalid webhook-timestamp")
+    if abs(now - int(stamp)) > STANDARD_WEBHOOKS_TOLERANCE:
+        return False, SignatureError("invalid payload signature outdated")
+    signed = b"%s.%s.%s" % (msg_id.encode("utf-8", "surrogateescape"), stamp.encode(),
+                            request.body)
+    offered = [part[3:].encode("utf-8", "surrogateescape") for part in given.split(" ")
+               if part.startswith("v1,")][:16]  # bounded work per request
+    for secret in secrets:
+        key = standard_webhooks_key(secret)
+        if key is None:
+            return False, RuleError("signature validation secret is not a whsec_ secret")
+        expected = base64.b64encode(hmac.new(key, signed, "sha256").digest())
+        matched = False
+        for signature in offered:  # each compared in full: constant time per signature
+            matched |= hmac.compare_digest(signature, expected)
+        if matched:
+            return True, None
+    return False, SignatureError("invalid payload signature <redacted>")
+
+
+def rules_satisfied(hook, request, trace=None):
+    """Returns (satisfied, error to answer 500 with or None, message to log or None); with
+    `trace` (a list), the explained tree is its one item."""
     if hook.trigger_rule is None:
         return True, None, None
     request.allow_signature_errors = hook.signature_soft_failures
-    ok, err = evaluate(hook.trigger_rule, request)
+    ok, err = evaluate(hook.trigger_rule, request, trace)
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
         return ok, None, "parameter node not found: %s" % err
     return False, err, None
+
+
+# What a refused delivery shows (its record, the status page, -explain): every node evaluated,
+# true or false, with the value each match saw, cut to EXPLAIN_VALUE_CHARS.  Never a secret:
+# a signature shows only whether its header came and its length, and so does a value compared
+# with a header or a parameter named like a credential, or with a whole body, query or header
+# set (which may hold one).
+
+EXPLAIN_VALUE_CHARS = 120
+SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
+
+
+def cut(text):
+    """A value as shown: control characters and bytes that are not UTF-8 as `\\xNN` (a
+    terminal reading -explain or -runs obeys none), at most EXPLAIN_VALUE_CHARS characters,
+    and how long it was."""
+    shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
+                                text[:EXPLAIN_VALUE_CHARS])
+    if len(text) <= EXPLAIN_VALUE_CHARS:
+        return shown
+    return "%s... (%d characters)" % (shown, len(text))
+
+
+def explain_node(rule):
+    node = {"rule": rule[0]}
+    if rule[0] in ("and", "or"):
+        node["of"] = len(rule[1])
+    elif rule[0] == "match":
+        match = rule[1]
+        node["type"] = match.type
+        if match.parameter.source:
+            node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
+    return node
+
+
+def explain_error(err):
+    if isinstance(err, ParameterNodeError):
+        return "parameter not found"
+    if isinstance(err, SignatureError):
+        return "signature did not match" if "<redacted>" in str(err) else cut(str(err))
+    return cut(str(err))
+
+
+def explain_signature(node, headers, name):
+    node["header"] = name
+    node["present"] = name in headers
+    if name in headers:
+        node["length"] = len(headers[name])
+
+
+def explain_value(node, rule, value, err):
+    """What a match with a parameter saw (its value), and what it wanted."""
+    kind, arg = rule.type, rule.parameter
+    if kind in SECRET_LIST_TYPES:
+        node["present"] = err is None
+        if err is None:
+            node["length"] = len(value)
+    elif err is not None:
+        node["present"] = False
+    elif compares_a_secret(arg):
+        node["present"], node["length"], node["hidden"] = True, len(value), True
+    else:
+        node["value"] = cut(value)
+        node["wanted"] = cut(rule.value if kind == "value" else rule.regex)
+
+
+def explain_summary(node):
+    """One line for a refused delivery: `rule 2 of `and` - payload `ref` was `refs/heads/dev`,
+    wanted `refs/heads/main``."""
+    path = []
+    while node["rule"] in ("and", "or", "not") and node.get("rules"):
+        children = node["rules"]
+        if node["rule"] == "or":
+            path.append("no rule of `or` held (%d)" % node["of"])
+            break
+        if node["rule"] == "and":
+            path.append("rule %d of `and`" % len(children))
+        else:
+            path.append("`not`")
+        node = children[-1]
+    return " - ".join(path + [explain_leaf(node)])
+
+
+def explain_leaf(node):
+    kind = node.get("type")
+    if "source" in node:
+        where = "%s `%s`" % (node["source"], node["name"]) if node.get("name") else \
+            node["source"]
+    elif "header" in node:
+        where = "header `%s`" % node["header"]
+    else:
+        where = kind or node["rule"]
+    if node["rule"] in ("and", "or", "not"):
+        return "`%s` %s" % (node["rule"], "held" if node["result"] else "did not hold")
+    if node["rule"] == "none":
+        return "a rule without and/or/not/match never holds"
+    if node.get("present") is False:
+        return "%s was missing" % where
+    if "error" in node:
+        return "%s: %s%s" % (where, node["error"], " (%d characters)" % node["length"]
+                             if "length" in node else "")
+    if "value" in node:
+        return "%s was `%s`, %s `%s`" % (where, node["value"], "wanted a match of"
+                                         if kind == "regex" else "wanted"
+                                         if kind != "ip-whitelist" else "allowed",
+                                         node["wanted"])
+    if "length" in node:
+        return "%s (%d characters) %s" % (where, node["length"], "matched" if node["result"]
+                                          else "did not match")
+    return "%s %s" % (where, "held" if node["result"] else "did not hold")
+
+
+def explain_text(node):
+    """A node's own line: a match's explanation, or the combinator and its size."""
+    if node["rule"] in ("match", "none"):
+        return explain_leaf(node)
+    return "%s (%d rules)" % (node["rule"], node.get("of", 1))
+
+
+def explain_lines(node, depth=0):
+    """The tree as indented text lines (-explain; the page shows the same as a list)."""
+    mark = "yes" if node.get("result") else "no "
+    lines = ["%s[%s] %s" % ("  " * depth, mark, explain_text(node))]
+    for child in node.get("rules", ()):
+        lines.extend(explain_lines(child, depth + 1))
+    if node.get("of", 0) > len(node.get("rules", ())):
+        lines.append("%s(%d more not evaluated)" % ("  " * (depth + 1),
+                                                   node["of"] - len(node["rules"])))
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -3857,10 +4248,23 @@ PIPE_WRITE_BYTES = 65536  # one write to a command's stdin: a pipe's usual capac
 class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
-    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None):
+    def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None,
+                 masker=None):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
+        self.masker = masker or NO_MASK  # the hook's: what the log and the record show
+
+    def shown(self):
+        """What a run's record shows of it: `arguments` (argv, the command first) and
+        `environment` (each variable the hook sets, with its value; for a pass-file-to-command
+        variable, the file's size), masked, each value cut."""
+        def text(data):
+            return cut(self.masker.bytes(data).decode("utf-8", "surrogateescape"))
+        environment = {name: text(value) for name, value in self.env_pairs}
+        environment.update((name, "(a file of %d bytes)" % len(data))
+                           for name, data in self.file_pairs)
+        return {"arguments": [text(arg) for arg in self.argv], "environment": environment}
 
     def size(self):
         """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
@@ -3948,7 +4352,8 @@ def build_invocation(hook, request):
                 messages.append("error decoding string [%s]" % error)
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
-                      messages, request.raw_body if hook.payload_to_stdin else None)
+                      messages, request.raw_body if hook.payload_to_stdin else None,
+                      hook.masker)
 
 
 def write_temp_files(invocation, request_id):
@@ -4111,7 +4516,8 @@ class Runner:
                 log.info("[%s] writing env %s file %s", request_id, envname, path)
             log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
                      "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
-                     invocation.executable, go_quote_list(invocation.argv),
+                     invocation.executable,
+                     go_quote_list([invocation.masker.bytes(arg) for arg in invocation.argv]),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
         proc = subprocess.Popen(
@@ -4325,7 +4731,8 @@ class HookGate:
 # as `<id>.json` + `<id>.log` files written by one thread of their own, so a slow or full disk
 # never holds up a trigger: the record then says what was not saved.
 
-RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted")
+RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted",
+              "refused")
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
@@ -4334,7 +4741,8 @@ RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs
 RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before writing them
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
-              "output_truncated", "storage_error")
+              "output_truncated", "storage_error", "reason", "rules", "arguments",
+              "environment")
 
 
 def new_run_id(now):
@@ -4381,6 +4789,15 @@ class RunRecord:
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
         self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
+        if self.rules is not None or self.arguments is not None:  # written once, never grow
+            self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
+                                               self.environment]))
+
+    @property
+    def bucket(self):
+        """What -runs-keep counts it among: its hook's runs, or its hook's refusals (so that
+        refused deliveries, which anyone can send, never push a hook's runs out)."""
+        return self.hook if self.state != "refused" else (self.hook, "refused")
 
     def as_dict(self):
         return {name: getattr(self, name) for name in RUN_FIELDS}
@@ -4399,7 +4816,7 @@ class RunStore:
         self.keep, self.max_bytes, self.max_output = keep, max_bytes, max(1, max_output)
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
-        self.by_hook = {}  # hook id -> deque of its RunRecords, in creation order
+        self.by_hook = {}  # RunRecord.bucket -> deque of its records, in creation order
         self.size = 0
         self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
@@ -4412,26 +4829,44 @@ class RunStore:
 
     # -- the run path --------------------------------------------------------
 
-    def open(self, hook_id, request):
+    def open(self, hook_id, request, shown=None):
         """A queued record for a run about to be triggered by request (None when -runs-keep
-        is 0: no history).  With -runs-dir it is written before its id is handed out, so a
-        daemon killed at once (kill -9) finds it `interrupted` on restart."""
+        is 0: no history), with what it shows of its invocation (Invocation.shown).  With
+        -runs-dir it is written before its id is handed out, so a daemon killed at once
+        (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
-        record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "queued",
-                            "queued_at": iso_time(now), "remote_addr": request.remote_addr,
-                            "request_id": request.id})
+        record = RunRecord(dict(shown or {}, id=new_run_id(now), hook=hook_id, state="queued",
+                                queued_at=iso_time(now), remote_addr=request.remote_addr,
+                                request_id=request.id))
         record.cap, record.tail = self.max_output, bytearray()
         record.version = 1
         written = self.files is not None and self.files.write_new(record)
         with self.changed:
             self._add(record)
-            self._retain(record.hook)
+            self._retain(record.bucket)
             if written:
                 record.saved_version = record.version
             elif self.files is not None:
                 self.files.put("record", record)
+        return record
+
+    def refused(self, hook_id, request, rules):
+        """Keep a delivery the hook's rules refused, with its explained rules (None when
+        -runs-keep is 0).  Written to -runs-dir in the background: no id is handed out."""
+        if not self.keep:
+            return None
+        now = time.time()
+        record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "refused",
+                            "queued_at": iso_time(now), "ended_at": iso_time(now),
+                            "remote_addr": request.remote_addr, "request_id": request.id,
+                            "reason": explain_summary(rules), "rules": rules})
+        record.cap, record.tail = self.max_output, bytearray()
+        with self.changed:
+            self._add(record)
+            self._save(record)
+            self._retain(record.bucket)
         return record
 
     def started(self, record):
@@ -4463,7 +4898,7 @@ class RunStore:
             started = record.started_ts
             record.duration_ms = None if started is None else int((now - started) * 1000)
             self._save(record)
-            self._retain(record.hook)  # it may be dropped now, if beyond -runs-keep
+            self._retain(record.bucket)  # it may be dropped now, if beyond -runs-keep
             self.changed.notify_all()
 
     # -- reading -------------------------------------------------------------
@@ -4488,6 +4923,8 @@ class RunStore:
         last = {}
         with self.changed:
             for record in self.records.values():
+                if record.state == "refused":
+                    continue
                 last[record.hook] = {name: getattr(record, name) for name in (
                     "id", "state", "exit_code", "signal", "queued_at", "started_at",
                     "ended_at", "duration_ms")}
@@ -4534,29 +4971,32 @@ class RunStore:
 
     def _add(self, record):
         self.records[record.id] = record
-        self.by_hook.setdefault(record.hook, deque()).append(record)
+        self.by_hook.setdefault(record.bucket, deque()).append(record)
         self.size += record.kept_bytes
 
-    def _retain(self, hook_id):
-        """Drop the oldest ended runs beyond -runs-keep for this hook and -runs-max-bytes."""
-        of_hook = self.by_hook.get(hook_id, ())
+    def _retain(self, bucket):
+        """Drop the oldest ended runs beyond -runs-keep in this bucket (a hook's runs, or its
+        refusals) and, beyond -runs-max-bytes, the oldest refusals first, then runs."""
+        of_hook = self.by_hook.get(bucket, ())
         excess = len(of_hook) - self.keep
         for record in list(itertools.islice(of_hook, 0, max(0, excess))):
             if record.state in RUN_ENDED:
                 self._drop(record)
-        if self.size > self.max_bytes:
+        for droppable in ({"refused"}, RUN_ENDED):
+            if self.size <= self.max_bytes:
+                break
             for record in list(self.records.values()):
                 if self.size <= self.max_bytes:
                     break
-                if record.state in RUN_ENDED:
+                if record.state in droppable:
                     self._drop(record)
 
     def _drop(self, record):
         del self.records[record.id]
-        of_hook = self.by_hook[record.hook]
+        of_hook = self.by_hook[record.bucket]
         of_hook.remove(record)  # the oldest, near the left end
         if not of_hook:
-            del self.by_hook[record.hook]
+            del self.by_hook[record.bucket]
         self.size -= record.kept_bytes
         if self.files is not None:
             self.files.put("delete", record)
@@ -4575,8 +5015,8 @@ class RunStore:
                 self._add(record)
                 if record.version:
                     self.files.put("record", record)
-            for hook_id in {r.hook for r in loaded}:
-                self._retain(hook_id)
+            for bucket in {r.bucket for r in loaded}:
+                self._retain(bucket)
 
 
 class RunFiles:
@@ -4970,7 +5410,8 @@ class StatusSite:
         if len(parts) == 2:
             return self.output(request, record)
         if as_html:
-            return self.html.run(record.as_dict(), self.store.read_output(record)[0])
+            return self.html.run(record.as_dict(), self.store.read_output(record)[0],
+                                 self.registry.file_of(record.hook))
         return json_response(200, record.as_dict())
 
     def listing(self, raw_query, as_html=False, details=None):
@@ -5096,10 +5537,15 @@ class Metrics:
         self.answers = {}  # status code -> answers sent
         self.runs = {}  # (hook id, final state) -> runs
         self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
+        self.refusals = {}  # hook id -> deliveries its rules refused
 
     def answered(self, status):
         with self.lock:
             self.answers[status] = self.answers.get(status, 0) + 1
+
+    def refused(self, hook_id):
+        with self.lock:
+            self.refusals[hook_id] = self.refusals.get(hook_id, 0) + 1
 
     def run_ended(self, hook_id, state, seconds):
         """A run of the hook ended in `state` after `seconds` (None: it never started)."""
@@ -5117,6 +5563,7 @@ class Metrics:
         """The exposition text: bytes."""
         with self.lock:
             answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
+            refusals = sorted(self.refusals.items())
             durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
         queued = background.jobs.qsize() + sum(len(gate.waiting)
                                                for gate in list(registry.gates.values()))
@@ -5145,6 +5592,10 @@ class Metrics:
         lines += metric_family("runs_total", "counter", "Runs ended, by hook and final state.",
                                [("", metric_labels(hook=hook_id, state=state), count)
                                 for (hook_id, state), count in runs])
+        lines += metric_family("refused_total", "counter", "Requests to a hook that its "
+                               "trigger rules refused (not satisfied, or a signature that did "
+                               "not match), by hook.", [("", metric_labels(hook=hook_id), count)
+                                                         for hook_id, count in refusals])
         lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
                                "ran, by hook (runs whose command never started are left out).",
                                [sample for hook_id, counts in durations
@@ -5248,6 +5699,19 @@ def go_log_line(message):
     return "[webhook] %s %s" % (time.strftime(GO_LOG_TIME), message)
 
 
+def open_own_file(path, flags):
+    """A descriptor on the file at path (made 0600 if missing), refused if it is a link: a log
+    or pid file often sits in a folder another user can write, who could plant a symbolic or
+    hard link there to a file of the daemon's user (root's /etc/shadow) to be written
+    through."""
+    fd = os.open(path, flags | os.O_CREAT | NO_LINK, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EMLINK, "a link to another file", path)
+    return fd
+
+
 class LogFileError(Exception):
     """-logfile cannot be opened: Go's sentence, exit status 1."""
 
@@ -5258,7 +5722,7 @@ def setup_logging(opts):
     nothing then: a hooks file it cannot load went unexplained)."""
     if opts.logfile:
         try:
-            fd = os.open(opts.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = open_own_file(opts.logfile, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
             raise LogFileError('error opening log file "%s": %s'
                                % (opts.logfile, go_errno_text(exc, "open"))) from None
@@ -5396,8 +5860,8 @@ def write_pidfile(path):
         except FileExistsError:  # a file where the folder should be: Go's words for it
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) \
                 from None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
+    with os.fdopen(open_own_file(path, os.O_WRONLY), "w") as handle:
+        handle.truncate()
         handle.write(str(os.getpid()))
 
 
@@ -5549,6 +6013,70 @@ def run_validate(opts):
     return 1 if errors else 0
 
 
+def explain_command(opts, stdin=None, out=None):
+    """-explain HOOK-ID: how the hook's rules, as its hooks file says now, judge the raw HTTP
+    request on stdin (as the daemon would read it, from 127.0.0.1); nothing runs.  Exit 0 if
+    they hold, 1 if not, 2 (one sentence) for input that is not that."""
+    stdin, out = stdin or sys.stdin.buffer, out or sys.stdout
+    hook = None
+    try:
+        for path in opts.hooks or ():
+            hook = hook or next((h for h in read_hooks_file(path, opts.template)[0]
+                                 if h.id == opts.explain), None)
+        if hook is None:
+            raise ValueError("no hook %s in %s" % (json.dumps(opts.explain), ", ".join(
+                opts.hooks or ["the hooks files (none given: -hooks FILE)"])))
+        request, body = read_saved_request(stdin, opts.max_body_bytes)
+        request.id, request.peer = "explain", "127.0.0.1:0"
+        request.client = request.peer
+        hook_request = HookRequest.of(request, hook, body)
+        for message in parse_payload(hook_request, hook, request.get("Content-Type")) + \
+                apply_json_parameters(hook, hook_request):
+            out.write("note: %s\n" % message)
+    except (HooksFileError, ValueError, MultipartError) as exc:
+        sys.stderr.write("cannot explain: %s\n" % exc)
+        return 2
+    if hook.trigger_rule is None:
+        out.write("hook %s has no trigger-rule: every request triggers it\n" % hook.id)
+        return 0
+    trace = []
+    satisfied, error, note = rules_satisfied(hook, hook_request, trace)
+    for line in explain_lines(trace[0]):
+        out.write(line + "\n")
+    if error is None and satisfied:
+        out.write("the rules hold: hook %s would run\n" % hook.id)
+        return 0
+    out.write("refused: %s\n" % explain_summary(trace[0]))
+    return 1
+
+
+def read_saved_request(stdin, max_body):
+    """(Request, body) of the raw HTTP request a file holds, read with the daemon's checks;
+    ValueError saying what is wrong with it."""
+    max_body = max_body if max_body > 0 else sys.maxsize
+    data = stdin.read(min(MAX_HEADER_BYTES + max_body + RECV_BYTES, sys.maxsize))
+    end = head_end(data)
+    if end < 0 or end > MAX_HEADER_BYTES:
+        raise ValueError("standard input holds no HTTP request head (a request line, headers "
+                         "and a blank line, at most %d bytes)" % MAX_HEADER_BYTES)
+    try:
+        request = parse_head(data[:end])
+        request.raw_query = request.target.partition("?")[2]
+        size = body_length(request, max_body)
+        rest = data[end:]
+        if size is None:
+            return request, read_chunked(io.BytesIO(rest), max_body)
+    except BadRequest as exc:
+        raise ValueError("the request is malformed: %s" % exc) from None
+    except (BodyError, ConnectionResetError) as exc:
+        raise ValueError("the request's chunked body is malformed or cut short: %s"
+                         % exc) from None
+    if len(rest) < size:
+        raise ValueError("the body is shorter than its Content-Length (%d of %d bytes)"
+                         % (len(rest), size))
+    return request, rest[:size]
+
+
 # The operator's view from a shell: -runs lists, -runs-follow ID prints (and follows) output.
 
 def runs_command(opts, out=None):
@@ -5577,9 +6105,10 @@ def runs_command(opts, out=None):
                                                    "MS", "HOOK"))
     for r in records:
         exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
-        out.write("%-26s %-12s %-20s %5s %10s  %s\n" % (
+        out.write("%-26s %-12s %-20s %5s %10s  %s%s\n" % (
             r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook")))
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"),
+            "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else ""))
     out.flush()
     return 0
 
@@ -5691,6 +6220,8 @@ def main(argv=None):
         return 0
     if opts.validate:
         return run_validate(opts)
+    if opts.explain:
+        return explain_command(opts)
     problem = check_flags(opts)
     if problem:
         print("error: " + problem)
@@ -5822,7 +6353,9 @@ th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid var(--line);
 vertical-align:top;white-space:nowrap}
 td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
 .state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
-.s-failed,.s-timed-out,.s-killed,.s-interrupted,.bad{color:#dc2626}.muted{color:var(--muted)}
+.s-failed,.s-timed-out,.s-killed,.s-interrupted,.s-refused,.bad{color:#dc2626}
+.muted{color:var(--muted)}
+ul.rules{list-style:none;margin:0;padding-left:1.2rem}main>ul.rules{padding-left:0}
 form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
 label{display:flex;flex-direction:column;font-size:.85rem}
 input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
@@ -5930,8 +6463,12 @@ class RunsHtml:
         parts.append(self.runs(runs, chosen))
         return self.page(200, "webhookd" if details else "webhookd runs", "\n".join(parts))
 
-    def run(self, record, output):
-        """A run's record and its kept output; followed live while the run goes on."""
+    def run(self, record, output, hooks_file=None):
+        """A run's record and its kept output; followed live while the run goes on.  A refused
+        delivery: why (its rules, explained) and how to check a request again (-explain with
+        `hooks_file`, the file serving the hook now)."""
+        if record["state"] == "refused":
+            return self.refusal(record, hooks_file)
         live = record["state"] not in RUN_ENDED
         facts = [("Hook", self.link(self.hook_url(record["hook"]), record["hook"])),
                  ("State", self.state(record)), ("Exit", self.exit(record)),
@@ -5943,6 +6480,14 @@ class RunsHtml:
                  ("Request id", html_text(record["request_id"] or "-")),
                  ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
                                             if record["output_truncated"] else ""))]
+        arguments, environment = record["arguments"], record["environment"]
+        if isinstance(arguments, list):  # (a record from -runs-dir may be hand-edited)
+            facts.append(("Command", '<code>%s</code>' % html_text(
+                " ".join(shlex.quote(str(arg)) for arg in arguments))))
+        if isinstance(environment, dict) and environment:
+            facts.append(("Environment", "<br>".join(
+                "<code>%s=%s</code>" % (html_text(name), html_text(shlex.quote(str(value))))
+                for name, value in sorted(environment.items()))))
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
@@ -5959,6 +6504,23 @@ class RunsHtml:
                    ' data-live="%s" data-keep="%d"' % (raw, RUNS_PAGE_OUTPUT) if live else "",
                    html_text(output.decode("utf-8", "replace"))))
         return self.page(200, "webhookd run %s" % record["id"], body, script=True)
+
+    def refusal(self, record, hooks_file):
+        facts = [("Hook", self.link(self.hook_url(record["hook"]), record["hook"])),
+                 ("State", self.state(record)), ("When", self.when(record["queued_at"])),
+                 ("From", html_text(record["remote_addr"] or "-")),
+                 ("Request id", html_text(record["request_id"] or "-")),
+                 ("Why", '<span class="bad">%s</span>' % html_text(record["reason"] or "-"))]
+        command = "webhookd.py -hooks %s -explain %s < saved-request" % (
+            shlex.quote(hooks_file or "HOOKS-FILE"), shlex.quote(record["hook"]))
+        body = ('%s\n<main id="run"><h1>Refused delivery %s</h1>\n%s\n<h2>Trigger rules</h2>'
+                '\n%s\n<h2>Check a request again</h2><p>With the request saved as a file (its '
+                'head and body, as the sender shows a delivery), this evaluates the rules of the '
+                'hooks file as it is now, without running anything, and prints the same tree '
+                '(exit 0 if they hold):</p>\n<pre id="explain">%s</pre></main>'
+                % (self.nav(), html_text(record["id"]), self.facts(facts),
+                   self.rule_tree(record["rules"]), html_text(command)))
+        return self.page(200, "webhookd refused delivery %s" % record["id"], body)
 
     def refused(self, health, token):
         """401 with a Basic challenge where the token is the way in; else the health alone
@@ -6031,12 +6593,31 @@ class RunsHtml:
                 % (html_text(hook or ""), states, limit))
         rows = [(self.link(self.run_url(run["id"]), run["id"]),
                  self.link(self.hook_url(run["hook"]), run["hook"]), self.state(run),
-                 self.when(run["queued_at"]), self.how_long(run["duration_ms"]), self.exit(run))
+                 self.when(run["queued_at"]), self.how_long(run["duration_ms"]),
+                 '<td class="text">refused: %s' % html_text(run["reason"] or "-")
+                 if run["state"] == "refused" else self.exit(run))
                 for run in runs]
         return self.table("Runs", ("Run", "Hook", "State", "Queued", "Took", "Exit"), rows,
                           "No run matches.", form)
 
     # -- pieces --------------------------------------------------------------
+
+    def rule_tree(self, node):
+        """An explained rule tree (explain_node) as nested lists; a record read from
+        -runs-dir may hold anything, so what is not a node is left out."""
+        if not isinstance(node, dict) or not isinstance(node.get("rule"), str):
+            return '<p class="muted">not recorded</p>'
+        try:
+            text = explain_text(node)
+        except (KeyError, TypeError, ValueError):
+            text = node["rule"]
+        result = node.get("result")
+        children = node.get("rules") if isinstance(node.get("rules"), list) else []
+        more = node.get("of", 0) - len(children) if isinstance(node.get("of"), int) else 0
+        return ('<ul class="rules"><li><span class="%s">%s</span> %s%s%s</li></ul>' % (
+            "good" if result else "bad", "true" if result else "false", html_text(text),
+            "".join(self.rule_tree(child) for child in children),
+            '<p class="muted">%d more not evaluated</p>' % more if more > 0 else ""))
 
     def nav(self):
         return '<nav><a href="%s">webhookd status</a> &middot; <a href="%s/runs">all runs</a>' \

@@ -127,11 +127,13 @@ def test_unit_runs_the_installed_program_and_is_otherwise_the_repositorys(extrac
     unit = (extracted / UNIT).read_text().splitlines()
     assert [line for line in unit if line.startswith("ExecStart=")] == [EXEC_START]
     repo_unit = (ROOT / "webhookd.service").read_text().splitlines()
-    settings = [line for line in repo_unit
-                if "=" in line and not line.startswith(("#", "ExecStart="))]
+    # The module path the repository's unit sets is the launcher's business in the package.
+    assert "Environment=PYTHONPATH=/usr/local/lib/webhookd" in repo_unit
+    settings = [line for line in repo_unit if "=" in line
+                and not line.startswith(("#", "ExecStart=", "Environment=PYTHONPATH="))]
     packaged = [line for line in unit if "=" in line and not line.startswith("#")]
     assert [line for line in packaged if line in settings] == settings
-    assert "/usr/local/bin" not in "\n".join(unit)
+    assert "/usr/local/" not in "\n".join(unit) and "PYTHONPATH" not in "\n".join(unit)
     # The status page and run history it offers, commented out, run the installed program too.
     offered = [line for line in unit if line.startswith("#ExecStart=/")]
     assert offered == [EXEC_START.replace("ExecStart", "#ExecStart") + " -status-path /-/status "
@@ -489,7 +491,10 @@ def test_searchkeys_unit_has_its_own_user_state_directory_credentials_and_the_sa
     # Every setting of the repository unit's sandbox, with a user of its own instead of a
     # dynamic one and credentials instead of an environment file.
     repo = unit_settings((ROOT / "searchkeys.service").read_text())
-    left_out = {"DynamicUser", "EnvironmentFile", "ExecStart", "ConditionPathExists"}
+    # (WorkingDirectory: the repository unit finds its module there; the package's launcher
+    # finds it next to itself.)
+    left_out = {"DynamicUser", "EnvironmentFile", "ExecStart", "ConditionPathExists",
+                "WorkingDirectory"}
     missing = [setting for setting in repo if setting[0] not in left_out and setting not in settings]
     assert not missing, missing
     assert ("DynamicUser", "yes") not in settings

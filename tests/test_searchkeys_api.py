@@ -1190,9 +1190,11 @@ def test_route_table(srv, keycache, route):
         check_error(srv.call(method, path, body, key=scoped_star), 403, "invalid_api_key",
                     INVALID_KEY, "auth")
         return
-    if template == "/render-template":
-        return  # the handler checks an index named inside the body: not modelled here
     scoped = keycache(grant, ["movies*"])
+    if template in ("/render-template", "/chats/w1/chat/completions"):
+        # the guard cannot hold a scoped key to its indexes there: refused, before the 501
+        check_error(srv.call(method, path, body, key=scoped), 403, "invalid_api_key")
+        return
     check_no_upstream(srv.call(method, path, body, key=scoped))
     check_no_upstream(srv.call(method, path, body, key=scoped_star))
     if kind == "index":
@@ -1261,6 +1263,16 @@ def test_render_template_needs_both_actions(srv, keycache):
                                key=keycache(["documents.get", "settings.get"])))
 
 
+def test_a_scoped_key_on_render_template_is_refused_before_the_missing_upstream(srv):
+    # the refusal needs no backend: forwarding answers it before its 501, as /authorize does
+    key = srv.create(actions=["settings.get", "documents.get"], indexes=["movies"])["key"]
+    forwarded = srv.call("POST", "/render-template", {}, key=key)
+    status, _, body = authorize(srv, "POST", "/render-template", key)
+    assert forwarded[0] == status == 403, (forwarded, body)
+    assert forwarded[1] == json.loads(body), (forwarded, body)
+    assert forwarded[1]["code"] == "invalid_api_key" and "cannot enforce" in body.decode()
+
+
 def test_handler_checked_bodies(srv, keycache):
     """MK §8: POST /indexes checks the body uid; multi-search and swap-indexes each index."""
     create = keycache(["indexes.create"], ["movies*"])
@@ -1321,7 +1333,11 @@ def test_tenant_token_accepted_on_search_routes(srv, parent, alg):
 def test_tenant_token_chat_completions(srv):
     chat = srv.create(actions=["chatCompletions"], indexes=["*"])
     tok = mint(chat["key"], {"searchRules": ["*"], "apiKeyUid": chat["uid"]})
-    check_no_upstream(srv.call("POST", "/chats/w/chat/completions", {}, key=tok))
+    # Meilisearch accepts the token there; the guard cannot hold the chat's searches to its
+    # rules, so it refuses it (before the 501 of a guard without --upstream), as
+    # GET /authorize does: the refusal names the route's scope, not the token
+    status, body = srv.call("POST", "/chats/w/chat/completions", {}, key=tok)
+    assert status == 403 and "cannot enforce that scope" in body["message"], body
 
 
 def test_tenant_token_refused_elsewhere(srv):

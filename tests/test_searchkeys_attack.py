@@ -57,10 +57,12 @@ KEY_FIELDS = ["name", "description", "key", "uid", "actions", "indexes", "expire
               "updatedAt"]
 
 # code -> (HTTP status, type), from meilisearch-keys.md section 2 (and searchkeys.md's no_upstream,
-# and the /authorize extension unknown_route).
+# the /authorize extension unknown_route, and api_key_not_for_browsers: an admin credential sent
+# with a browser's Origin, Referer or Sec-Fetch-Mode).
 ERROR_CODES = {
     "missing_authorization_header": (401, "auth"), "invalid_api_key": (403, "auth"),
     "missing_master_key": (401, "auth"), "unknown_route": (403, "auth"),
+    "api_key_not_for_browsers": (403, "auth"),
     "api_key_not_found": (404, "invalid_request"), "api_key_already_exists": (409, "invalid_request"),
     "index_scoped_api_key_with_global_action": (400, "invalid_request"),
     "missing_api_key_actions": (400, "invalid_request"), "missing_api_key_indexes": (400, "invalid_request"),

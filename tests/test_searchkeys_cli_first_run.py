@@ -8,7 +8,8 @@ import support
 from test_searchkeys_cli import MASTER, api, cli, cli_at, server  # noqa: F401 - fixture
 
 SEARCH_PRESET = {"rateLimit": {"perIp": "120/minute"}, "allowedReferrers": None,
-                 "allowedIps": None, "maxHitsPerQuery": 100, "forcedParameters": None}
+                 "allowedIps": None, "maxHitsPerQuery": 100, "forcedParameters": None,
+                 "maxConcurrentSearches": None, "allowBrowser": None}
 
 
 def create_search_key(server, *extra):

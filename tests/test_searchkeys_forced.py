@@ -486,12 +486,40 @@ def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
                          ("/indexes/movies-fr/settings/embedders", embedders)):
         status, error, seen = send(guard, backend, key["key"], "PATCH", target, body)
         assert status == 403 and error["code"] == "forbidden_by_restriction", target
-        assert seen is None or seen[0] == "GET", seen  # only the index's existence was asked
+        assert seen is None, seen  # refused before the index's existence is asked
     kept = {"embedders": None, "distinctAttribute": "id"}
     for target, body in (("/indexes/movies/settings", kept),
                          ("/indexes/books/settings/embedders", embedders)):
         status, _, seen = send(guard, backend, key["key"], "PATCH", target, body)
         assert status == 200 and seen == ("PATCH", target, body)
+
+
+def test_the_refusal_comes_before_the_index_existence_check_in_both_edges(guard, backend):
+    # a key that may not create indexes: a settings write on a missing index must find it
+    # first; the embedders refusal (forced parameters) needs no backend and comes first, in
+    # forwarding as in GET /authorize
+    key = new_key(guard, {"forcedParameters": FORCED}, actions=("settings.update",))
+    backend.missing.add("movies-gone")
+    try:
+        target = "/indexes/movies-gone/settings/embedders"
+        status, error, seen = send(guard, backend, key["key"], "PATCH", target, {})
+        assert (status, error["code"], seen) == (403, "forbidden_by_restriction", None), error
+        status, _, data = guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + key["key"], "X-Original-Method": "PATCH",
+            "X-Original-URI": target})
+        assert (status, json.loads(data)["code"]) == (403, "forbidden_by_restriction"), data
+        assert backend.seen == []
+        # without the refusal, both edges answer the missing index
+        target = "/indexes/movies-gone/settings/synonyms"
+        status, error, seen = send(guard, backend, key["key"], "PUT", target, {})
+        assert (status, error["code"]) == (404, "index_not_found"), error
+        assert seen == ("GET", "/indexes/movies-gone", None)
+        status, _, data = guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + key["key"], "X-Original-Method": "PUT",
+            "X-Original-URI": target})
+        assert (status, json.loads(data)["code"]) == (403, "index_not_found"), data
+    finally:
+        backend.missing.discard("movies-gone")
 
 
 def test_the_network_is_refused(guard, backend):

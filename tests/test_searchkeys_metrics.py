@@ -22,8 +22,8 @@ parser = pytest.importorskip(
 TOKEN = "scrape-token-abcdef0123456789"
 FAMILIES = {"search", "multi-search", "documents", "settings", "indexes", "tasks", "keys",
             "authorize", "health", "metrics", "other"}
-REASONS = {"action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced",
-           "credential", "throttled"}
+REASONS = {"action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced", "revoked",
+           "concurrency", "browser", "credential", "throttled"}
 
 
 @pytest.fixture(scope="module")

@@ -167,13 +167,14 @@ def test_restrictions_validate_like_meilisearch():
                                        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50})
     assert value.to_json() == {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
                                "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50,
-                               "forcedParameters": None}
+                               "forcedParameters": None, "maxConcurrentSearches": None,
+                               "allowBrowser": None}
     assert sk.Restrictions.from_json({}) is None
     assert sk.Restrictions.from_json({"rateLimit": {"perIp": None}, "allowedIps": None}) is None
     cases = [
         ({"rateLimits": {}}, "bad_request", "Unknown field `rateLimits`: did you mean "
          "`rateLimit`? expected one of `rateLimit`, `allowedReferrers`, `allowedIps`, "
-         "`maxHitsPerQuery`, `forcedParameters`"),
+         "`maxHitsPerQuery`, `forcedParameters`, `maxConcurrentSearches`, `allowBrowser`"),
         ({"rateLimit": "60/minute"}, "invalid_restrictions_rate_limit",
          "Invalid value type at `.rateLimit`: expected an object, but found a string: "
          "`\"60/minute\"`"),
@@ -291,12 +292,15 @@ ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
 class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
     answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
-    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`."""
+    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`.
+    The indexes named in `missing` do not exist: `GET /indexes/{uid}` answers index_not_found
+    (and is recorded)."""
 
     def __init__(self):
         seen = self.seen = []
         lookups = self.lookups = []
         joins = self.joins = {}
+        missing = self.missing = set()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -310,6 +314,11 @@ class Backend:
                     answer_json(self, json.dumps(joins.get(parts[2], [])).encode())
                     return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
+                if self.command == "GET" and len(parts) == 3 and parts[2] in missing:
+                    answer_json(self, json.dumps({
+                        "message": "Index `%s` not found." % parts[2], "code": "index_not_found",
+                        "type": "invalid_request", "link": ""}).encode(), 404)
+                    return
                 answer_json(self, b'{"hits":[]}')
 
             do_GET = do_POST = do_PATCH = answer
@@ -485,11 +494,13 @@ def test_restrictions_api_keeps_the_keys_contract(guard):
     key = new_key(guard, None)
     path = "/keys/%s/restrictions" % key["uid"]
     nulls = {"rateLimit": None, "allowedReferrers": None, "allowedIps": None,
-             "maxHitsPerQuery": None, "forcedParameters": None}
+             "maxHitsPerQuery": None, "forcedParameters": None,
+             "maxConcurrentSearches": None, "allowBrowser": None}
     assert json.loads(guard.request("GET", path, None, ADMIN)[2]) == nulls
     wanted = {"rateLimit": {"perIp": "60/minute", "perKey": "10000/hour"},
               "allowedReferrers": ["https://example.com/*"], "allowedIps": ["10.0.0.0/8"],
-              "maxHitsPerQuery": 50, "forcedParameters": {"movies": {"filter": "a = 1"}}}
+              "maxHitsPerQuery": 50, "forcedParameters": {"movies": {"filter": "a = 1"}},
+              "maxConcurrentSearches": 8, "allowBrowser": True}
     status, _, data = guard.request("PUT", "/keys/%s/restrictions" % key["key"],
                                     json.dumps(wanted), ADMIN)
     assert status == 200 and json.loads(data) == wanted
@@ -597,7 +608,8 @@ def test_cli_restrict_sets_shows_and_clears(guard):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
         "rateLimit": {"perIp": "120/minute"}, "allowedReferrers": ["https://example.com/*"],
-        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50, "forcedParameters": None}
+        "allowedIps": ["10.0.0.0/8"], "maxHitsPerQuery": 50, "forcedParameters": None,
+        "maxConcurrentSearches": None, "allowBrowser": None}
     shown = subprocess.run(base, capture_output=True, text=True, timeout=30)
     assert json.loads(shown.stdout)["maxHitsPerQuery"] == 50
     bad = subprocess.run(base + ["--rate", "60/min"], capture_output=True, text=True, timeout=30)

@@ -289,3 +289,23 @@ def test_authorize_needs_the_original_method(guard, seen):
         "Authorization": "Bearer " + reader["key"], "X-Original-URI": "/indexes/movies/documents",
         "X-Original-Method": "GET"})
     assert status == 204
+
+
+def test_an_index_scoped_key_renames_its_index_only_to_a_name_it_covers(guard, seen):
+    """PATCH /indexes/{uid} with a new `uid` renames the index (Meilisearch checks only that the
+    key may update the old one): a key held to `movies` could move it under any name, e.g. one a
+    public search key covers, as it may not create (POST /indexes) nor swap (POST /swap-indexes)
+    an index of a name outside its own."""
+    key = new_key(guard, None, actions=["indexes.update", "indexes.create"],
+                  indexes=["movies", "films*"])
+    for uid in ("secret", "public-movies", "film"):
+        assert call(guard, key, "PATCH", "/indexes/movies", {"uid": uid})[0] == 403, uid
+        assert call(guard, key, "POST", "/swap-indexes", [
+            {"indexes": ["movies", uid], "rename": True}])[0] == 403, uid
+    assert seen.seen == []
+    for body in ({"uid": "films-2024"}, {"primaryKey": "id"}, {"uid": None, "primaryKey": "id"}):
+        assert call(guard, key, "PATCH", "/indexes/movies", body)[0] == 200, body
+        assert seen.seen[-1][3] == body
+    # an unscoped key renames as Meilisearch lets it
+    anywhere = new_key(guard, None, actions=["indexes.update"], indexes=["*"])
+    assert call(guard, anywhere, "PATCH", "/indexes/movies", {"uid": "secret"})[0] == 200

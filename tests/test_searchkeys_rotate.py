@@ -100,7 +100,8 @@ def test_rotation_makes_a_copy_with_a_new_value_shaped_as_post_keys(server):
     restrictions = {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
                     "allowedIps": ["127.0.0.0/8"], "maxHitsPerQuery": 50,
                     "forcedParameters": {"movies*": {"filter": "public = true",
-                                                     "attributesToRetrieve": ["title"]}}}
+                                                     "attributesToRetrieve": ["title"]}},
+                    "maxConcurrentSearches": 4, "allowBrowser": True}
     assert api(server, "PUT", "/keys/%s/restrictions" % old["uid"], restrictions)[0] == 200
     status, new = rotate(server, old["key"], "1h")  # by value, as other /keys/{key} routes
     assert status == 201 and list(new) == KEY_FIELDS, new
@@ -345,7 +346,8 @@ class OlderSearchkeys(PlainMeilisearch):
     has restrictions there."""
     hits = []
     RESTRICTIONS = {"rateLimit": {"perIp": "60/minute"}, "allowedReferrers": None,
-                    "allowedIps": None, "maxHitsPerQuery": None, "forcedParameters": None}
+                    "allowedIps": None, "maxHitsPerQuery": None, "forcedParameters": None,
+                    "maxConcurrentSearches": None, "allowBrowser": None}
 
 
 def test_cli_never_copies_a_key_whose_restrictions_the_copy_would_lose():

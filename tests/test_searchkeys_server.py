@@ -626,3 +626,50 @@ def test_trickled_bodies_of_answered_requests_hold_no_worker(backend):
                 thread.join()
             for sock in tricklers:
                 sock.close()
+
+
+def test_refused_requests_whose_body_never_comes_hold_no_thread():
+    """--max-connections 2: forty callers without a key each announce a 500 kB body and send
+    none of it. Each is refused at once; waiting for the body it announced (to keep its
+    connection alive) used to hold a thread for a second each, so forty of them made a newcomer
+    wait ~20 s, and a few hundred a second locked everyone out. Each still gets its answer."""
+    with start_guard(extra=("--max-connections", "2")) as guard:
+        stalled = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                   for _ in range(40)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"POST /keys HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             b"\r\nContent-Length: 500000\r\n\r\n")
+            time.sleep(0.5)
+            status, _, body = request(guard.port, "GET", "/health", timeout=10)  # hang detector
+            assert (status, body) == (200, b'{"status":"available"}')
+            for sock in stalled:
+                assert AnswerReader(sock).next()[0] == 401
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_small_bodies_trickled_by_a_key_holder_hold_no_thread(backend):
+    """--max-connections 2: twenty holders of a search key (public, in a page) each announce a
+    1000-byte search and send ten bytes of it. Its body used to be awaited on a thread (for
+    30 s, then at 1 KiB/s, up to 16 MiB: hours), so twenty locked everyone out; now a body of
+    at most 64 KiB is awaited without a thread, as a head is. Each is answered once it is in."""
+    with start_guard(backend.url, extra=("--max-connections", "2")) as guard:
+        key = search_key(guard.port)
+        body = b'{"q": "%s"}' % (b"a" * 990)
+        slow = [socket.create_connection(("127.0.0.1", guard.port), timeout=30)
+                for _ in range(20)]
+        try:
+            for sock in slow:
+                sock.sendall(raw_request("POST", "/indexes/movies/search", key, body)[:-990])
+            time.sleep(0.5)
+            status, _, data = request(guard.port, "GET", "/health", timeout=10)  # hang detector
+            assert (status, data) == (200, b'{"status":"available"}')
+            for sock in slow:
+                sock.sendall(body[-990:])
+            for sock in slow:
+                assert AnswerReader(sock).next()[0] == 200
+        finally:
+            for sock in slow:
+                sock.close()

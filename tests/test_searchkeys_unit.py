@@ -903,8 +903,8 @@ def refusal(rule, principal, body, index=None):
 
 def test_handler_checks():
     scoped = sk.Principal(FakeKey(["search", "indexes.create", "indexes.swap"], ["movies*"]))
-    assert sk.check_index_creation(scoped, None, {"uid": "movies2"}) == {"uid": "movies2"}
-    assert refusal(sk.check_index_creation, scoped, {"uid": "books"}) == INVALID
+    assert sk.check_new_index_uid(scoped, None, {"uid": "movies2"}) == {"uid": "movies2"}
+    assert refusal(sk.check_new_index_uid, scoped, {"uid": "books"}) == INVALID
     assert refusal(sk.scope_multi_search, scoped, {"queries": [
         {"indexUid": "movies"}, {"indexUid": "books"}]}) == \
         "Inside `.queries[1]`: The provided API key is invalid."

@@ -22,7 +22,8 @@ from support import SEARCHKEYS, Daemon, answer_json, free_port, python_cmd, scra
 from test_searchkeys_restrictions import ADMIN, JSON, MASTER, new_key, tenant_token
 from test_searchkeys_restrictions import backend  # noqa: F401 - fixture
 
-REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced"]
+REASONS = ["action", "index", "expiry", "rate", "referrer", "ip", "hits", "forced", "revoked",
+           "concurrency", "browser"]
 EXPIRED_UID = "11111111-2222-4333-8444-555555555555"
 
 
@@ -74,7 +75,7 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         idle = new_key(daemon, None)
         assert usage(daemon, key["uid"]) == {"uid": key["uid"], "allowed": 0,
                                              "refused": dict.fromkeys(REASONS, 0),
-                                             "lastUsedAt": None,
+                                             "lastUsedAt": None, "seenFromBrowserAt": None,
                                              "unsaved": {"allowed": 0, "refused": 0}}
         before = datetime.datetime.now(datetime.timezone.utc)
         statuses = {
@@ -102,7 +103,8 @@ def test_usage_counts_allowed_and_every_refusal_reason(backend):
         assert shown["uid"] == key["uid"]
         assert shown["allowed"] == 3 + answers.count(200)
         assert shown["refused"] == {"action": 1, "index": 1, "expiry": 0, "rate": answers.count(429),
-                                    "referrer": 1, "ip": 1, "hits": 1, "forced": 0}
+                                    "referrer": 1, "ip": 1, "hits": 1, "forced": 0,
+                                    "revoked": 0, "concurrency": 0, "browser": 0}
         last = datetime.datetime.strptime(shown["lastUsedAt"][:19] + "+0000", "%Y-%m-%dT%H:%M:%S%z")
         assert before - datetime.timedelta(seconds=1) <= last <= after
         assert shown["lastUsedAt"].endswith("Z")
@@ -131,7 +133,8 @@ def test_usage_route_is_for_the_master_key_and_answers_404_like_meilisearch(back
             "type": "invalid_request", "link": "https://docs.meilisearch.com/errors#api_key_not_found"})
         status, _, data = daemon.request("GET", "/keys?usage=true&limit=1000", None, ADMIN)
         listing = json.loads(data)
-        assert status == 200 and all(set(k["usage"]) == {"allowed", "refused", "lastUsedAt"}
+        assert status == 200 and all(set(k["usage"]) == {"allowed", "refused", "lastUsedAt",
+                                                            "seenFromBrowserAt"}
                                      for k in listing["results"])
         assert daemon.request("GET", "/keys?usage=maybe", None, ADMIN)[0] == 400
         # without the parameter GET /keys answers exactly Meilisearch's fields

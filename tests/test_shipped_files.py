@@ -196,8 +196,12 @@ def test_webhookd_unit_has_nothing_that_breaks_a_deploy():
     assert not IMPLY_NO_NEW_PRIVILEGES & set(service), IMPLY_NO_NEW_PRIVILEGES & set(service)
     assert not BREAK_DEPLOYS & set(service), BREAK_DEPLOYS & set(service)
     assert "User" not in service  # root like Debian's unit; a deploy user is a drop-in (docs/webhookd.md)
-    assert service["ExecStart"] == ["/usr/bin/python3 /usr/local/bin/webhookd.py -nopanic -hooks "
+    assert service["ExecStart"] == ["/usr/bin/python3 -m webhookd -nopanic -hooks "
                                     "/etc/webhook.conf -hotreload -verbose -port 9000"]
+    # The module, from the bytecode cache the install makes, found through PYTHONPATH: hooks
+    # without command-working-directory run in the daemon's folder (/), as with webhook.
+    assert service["Environment"] == ["PYTHONPATH=" + MODULE_DIR]
+    assert "WorkingDirectory" not in service
     assert service["Type"] == ["notify"] and service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert service["Restart"] == ["on-failure"]
 
@@ -213,6 +217,20 @@ def test_unit_passes_systemd_analyze_verify(name):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert name not in result.stderr, result.stderr
+
+
+MODULE_DIR = "/usr/local/lib/webhookd"  # where the README installs webhookd.py and its cache
+
+
+def unit_command(execstart, module_dir, replaced, python=sys.executable):
+    """A webhookd.service command line as systemd runs it, with python, the module from
+    module_dir and the paths in replaced: (argv, the environment the unit adds)."""
+    argv = [replaced.get(arg, arg) for arg in execstart.split()]
+    assert argv[:3] == ["/usr/bin/python3", "-m", "webhookd"], argv
+    (environment,) = unit("webhookd.service")["Service"]["Environment"]
+    name, _, value = environment.partition("=")
+    assert (name, value) == ("PYTHONPATH", MODULE_DIR)
+    return [python] + argv[1:], {name: str(module_dir)}
 
 
 def doc_section(title):
@@ -269,13 +287,13 @@ def test_offered_status_page_command_line_serves_the_page_to_the_token_and_keeps
     hooks = tmp_path / "webhook.conf"
     shutil.copy(EXAMPLE, hooks)
     port = free_port()
-    replaced = {"/usr/local/bin/webhookd.py": str(WEBHOOKD), "/etc/webhook.conf": str(hooks),
+    replaced = {"/etc/webhook.conf": str(hooks),
                 "%d/status-token": str(credentials / "status-token"),
                 "/var/lib/webhookd/runs": str(runs), "9000": str(port)}
-    argv = [replaced.get(arg, arg) for arg in execstart.split()]
-    assert argv[:2] == ["/usr/bin/python3", str(WEBHOOKD)] and "%d" not in " ".join(argv)
-    argv = [sys.executable] + argv[1:] + ["-ip", "127.0.0.1"]
-    with Daemon(argv, port) as daemon:
+    argv, env = unit_command(execstart, WEBHOOKD.parent, replaced)
+    assert "%d" not in " ".join(argv)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no cache written into the clone
+    with Daemon(argv + ["-ip", "127.0.0.1"], port, env=env, cwd=tmp_path) as daemon:
         assert daemon.request("GET", "/hooks/ping")[0] == 200
         status, _, body = daemon.request("GET", "/-/status")
         assert status == 200 and set(json.loads(body)) == {"status", "version"}
@@ -308,20 +326,24 @@ def as_nobody():
 def public_dir():
     """A scratch folder any user may enter (pytest's own tmp_path lives under a 0700 folder)."""
     with support.scratch_dir("webhookd-deploy-user-") as path:
-        path.chmod(0o755)  # as /usr/local/bin and /etc are
+        path.chmod(0o755)  # as /usr/local/lib and /etc are
         yield path
 
 
 def test_deploy_user_recipe_serves_the_hooks_file(public_dir):
-    """docs/webhookd.md's recipe: webhookd.py installed 0755, the hooks file root:<deploy group> 0640, the
-    service run as the deploy user. Here user and group nobody stand in for deploy."""
+    """docs/webhookd.md's recipe: webhookd.py installed as the README does (0644, compiled by root),
+    the hooks file root:<deploy group> 0640, the unit's command run as the deploy user. Here user
+    and group nobody stand in for deploy."""
     python = nobody_python()
     if python is None:
         pytest.skip("needs root and a /usr/bin/python3 that user nobody may run: run the suite as root, apt-get install python3")
     tmp_path = public_dir
-    installed = tmp_path / "webhookd.py"
+    module_dir = tmp_path / "lib"
+    module_dir.mkdir()
+    installed = module_dir / "webhookd.py"
     shutil.copy(WEBHOOKD, installed)
-    installed.chmod(0o755)
+    installed.chmod(0o644)
+    subprocess.run([python, "-m", "py_compile", str(installed)], check=True)
     site = tmp_path / "site"
     site.mkdir()
     os.chown(site, NOBODY, NOBODY)  # the deploy user owns what it deploys
@@ -329,15 +351,19 @@ def test_deploy_user_recipe_serves_the_hooks_file(public_dir):
     conf.write_text(json.dumps([{"id": "deploy", "execute-command": "/usr/bin/touch",
                                  "command-working-directory": str(site),
                                  "include-command-output-in-response": True,
-                                 "pass-arguments-to-command": [{"source": "string", "name": "deployed"}]}]))
+                                 "pass-arguments-to-command": [{"source": "string", "name": "deployed"}]},
+                                {"id": "where", "execute-command": "/bin/pwd",
+                                 "include-command-output-in-response": True}]))
     os.chown(conf, 0, NOBODY)
     conf.chmod(0o640)
     port = free_port()
-    # Started the way systemd starts it with User= and Group= in a drop-in.
+    # Started the way systemd starts the unit's command with User= and Group= in a drop-in.
+    (execstart,) = unit("webhookd.service")["Service"]["ExecStart"]
+    argv, env = unit_command(execstart, module_dir, {"/etc/webhook.conf": str(conf),
+                                                     "9000": str(port)}, python)
     log = tmp_path / "log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([python, str(installed), "-nopanic", "-hooks", str(conf), "-hotreload",
-                                 "-verbose", "-ip", "127.0.0.1", "-port", str(port)], cwd="/",
+        proc = subprocess.Popen(argv + ["-ip", "127.0.0.1"], cwd="/", env=dict(os.environ, **env),
                                 preexec_fn=as_nobody, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
@@ -348,6 +374,8 @@ def test_deploy_user_recipe_serves_the_hooks_file(public_dir):
         status, _, _ = support.request(port, "POST", "/hooks/deploy")
         assert status == 200, log.read_text()
         assert (site / "deployed").exists() and (site / "deployed").stat().st_uid == NOBODY
+        # Without command-working-directory a hook runs in the daemon's folder, as with webhook.
+        assert support.request(port, "POST", "/hooks/where")[::2] == (200, b"/\n"), log.read_text()
     finally:
         proc.terminate()
         proc.wait(10)

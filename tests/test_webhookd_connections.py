@@ -461,3 +461,90 @@ def test_a_hook_body_trickled_in_is_cut_off_in_bounded_time(tmp_path):
             status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
             assert (status, body) == (200, b"ping\n")
             assert answer_until_closed(slow) == b""  # cut off: too slow to get an answer
+
+
+def test_a_large_hook_body_trickled_in_is_cut_off_as_soon_as_it_falls_behind(tmp_path):
+    """The body's deadline follows what has come, not what the head announces: a body declared
+    at 20 MB but sent a byte at a time held a worker for 20 minutes (its size at 16 KiB/s),
+    so a few such clients locked every new one out for as long."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "2", "-read-header-timeout", "2")
+    with Daemon(argv, port) as daemon:
+        for encoding in (b"Content-Length: 20000000", b"Transfer-Encoding: chunked"):
+            head = b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n" % encoding
+            first = b"1000000\r\n" if b"chunked" in encoding else b""
+            with trickling(port, head, 2, first) as clients:
+                time.sleep(0.5)  # both workers are taken
+                # 10 s: a hang detector (the trickle used to hold both workers for 20 minutes)
+                status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+                assert (status, body) == (200, b"ping\n"), encoding
+                for sock in clients:
+                    assert answer_until_closed(sock) == b"", encoding  # cut off, unanswered
+
+
+def test_a_chunked_body_cannot_hold_a_worker_with_endless_trailers(tmp_path):
+    """Bytes that are no body (trailer lines, chunk extensions) keep a body's pace too, but
+    never beyond the time its whole size may take: a client sending trailers at a steady
+    rate forever must not hold a worker forever."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    # all of a body within 2 s + 32 KiB at 16 KiB/s = 4 s, whatever comes
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "1", "-read-header-timeout", "2",
+                      "-max-body-bytes", "32768")
+    with Daemon(argv, port) as daemon:
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n1\r\na\r\n0\r\n")
+        stop = threading.Event()
+
+        def trailers():  # ~40 KiB/s of trailer lines, for up to 15 s
+            for _ in range(150):
+                if stop.wait(0.1):
+                    return
+                with contextlib.suppress(OSError):
+                    slow.sendall(b"X-Trailer: %s\r\n" % (b"t" * 4000))
+        sender = threading.Thread(target=trailers)
+        sender.start()
+        try:
+            time.sleep(0.5)  # the only worker is taken
+            # 10 s: a hang detector (the trailers held the worker as long as they came)
+            status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+            assert (status, body) == (200, b"ping\n")
+        finally:
+            stop.set()
+            sender.join()
+            slow.close()
+
+
+def test_bodies_that_never_come_give_way_when_every_worker_is_taken(tmp_path):
+    """Expect: 100-continue, then no body: each such client held a worker for all of
+    -read-header-timeout, so as many of them as -max-connections, renewed as they were cut
+    off, locked every new client out.  While clients wait for a worker, a read that stalls
+    for a second gives way."""
+    hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("ping")])
+    port = support.free_port()
+    argv = python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", port,
+                      "-max-connections", "2", "-read-header-timeout", "30")
+    with Daemon(argv, port) as daemon:
+        stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                             b"Expect: 100-continue\r\n\r\n")
+                assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n")
+            # 10 s: a hang detector (they used to hold both workers for 30 s)
+            status, _, body = daemon.request("GET", "/hooks/ping", timeout=10)
+            assert (status, body) == (200, b"ping\n")
+        finally:
+            for sock in stalled:
+                sock.close()
+        # without clients waiting for a worker, a body may pause as long as it may
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /hooks/ping HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+                         b"Connection: close\r\n\r\n")
+            time.sleep(2.5)
+            answer = exchange(sock, b"x")
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"ping\n"), answer

@@ -275,3 +275,42 @@ def test_pidfile_of_a_running_process_is_refused_a_stale_one_replaced(tmp_path):
                               port, "-pidfile", pidfile)
     with support.Daemon(argv, port) as d:
         wait_until(lambda: pidfile.read_text() == str(d.proc.pid), what="the new pidfile")
+
+
+def test_a_link_planted_at_the_pidfile_path_is_never_written_through(tmp_path):
+    """-pidfile in a shared folder (/tmp, /var/tmp): another user can plant a symbolic or hard
+    link there before the daemon (often root) starts; it was opened with O_TRUNC and written
+    through, so /etc/shadow or any file lost its content for the daemon's pid."""
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "x", "execute-command": "/bin/true"}])
+    victim = tmp_path / "victim"
+    for plant in (os.symlink, os.link):
+        victim.write_text("precious\n")
+        pidfile = tmp_path / "w.pid"
+        plant(victim, pidfile)
+        p = webhookd("-hooks", hooks, "-ip", "127.0.0.1", "-port", support.free_port(),
+                     "-pidfile", pidfile)
+        output = p.stdout + p.stderr
+        assert p.returncode == 1 and "Error creating pidfile: open %s: " % pidfile in output, \
+            output
+        assert output.count("\n") == 1 and "Errno" not in output, output
+        assert victim.read_text() == "precious\n", plant
+        os.unlink(pidfile)
+
+
+def test_a_link_planted_at_the_logfile_path_is_never_written_through(tmp_path):
+    """-logfile in a folder another user can write: a planted symbolic or hard link had the
+    daemon (often root) append lines holding request text to the file it points at."""
+    hooks = write_hooks(tmp_path / "hooks.json", [{"id": "x", "execute-command": "/bin/true"}])
+    victim = tmp_path / "victim"
+    for plant in (os.symlink, os.link):
+        victim.write_text("precious\n")
+        logfile = tmp_path / "w.log"
+        plant(victim, logfile)
+        p = webhookd("-hooks", hooks, "-ip", "127.0.0.1", "-port", support.free_port(),
+                     "-logfile", logfile)
+        output = p.stdout + p.stderr
+        assert p.returncode == 1 and 'error opening log file "%s": open %s: ' % (
+            logfile, logfile) in output, output
+        assert output.count("\n") == 1 and "Errno" not in output, output
+        assert victim.read_text() == "precious\n", plant
+        os.unlink(logfile)

@@ -96,7 +96,8 @@ def test_runs_answers_and_reloads_are_counted(tmp_path):
         assert runs == {("ok", "succeeded"): 2, ("fail", "failed"): 1,
                         ("missing", "failed"): 1, (QUOTED_ID, "succeeded"): 1}
         # labels only for hooks of the hooks file, whatever the requests asked for
-        assert hooks_in_labels(samples) == {"ok", "fail", "missing", QUOTED_ID}
+        assert hooks_in_labels(samples) == {"ok", "fail", "missing", QUOTED_ID, "ruled"}
+        assert value(samples, "webhookd_refused_total", hook="ruled") == 1  # issue 33
         codes = {dict(labels)["code"]: count for (name, labels), count in samples.items()
                  if name == "webhookd_http_requests_total"}
         assert codes == {"200": 4, "500": 2, "404": 3, "400": 1}

@@ -124,9 +124,11 @@ def test_requests_that_run_nothing_get_no_run_id(tmp_path):
         for path in ("/hooks/nothing", "/hooks/post-only", "/hooks/ruled?go=no", "/"):
             status, headers, _ = daemon.request("GET", path)
             assert status in (200, 404, 405) and "x-webhookd-run" not in headers, path
-        assert get_json(daemon, "/status/runs") == []
+        # the refused delivery is kept as a record of its own (issue 33), with no run id given
+        assert [r["state"] for r in get_json(daemon, "/status/runs")] == ["refused"]
         run_id = daemon.request("GET", "/hooks/ruled?go=yes")[1]["x-webhookd-run"]
-        assert [r["id"] for r in get_json(daemon, "/status/runs")] == [run_id]
+        assert [r["id"] for r in get_json(daemon, "/status/runs")
+                if r["state"] != "refused"] == [run_id]
         unknown = daemon.request("GET", "/status/runs/20260101T000000Z-00000000")
         assert unknown[0] == 404 and json.loads(unknown[2])["error"]
         assert daemon.request("GET", "/status/runs/../../etc/passwd")[0] in (301, 404)
