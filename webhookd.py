@@ -74,7 +74,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from xml.parsers import expat
 
 __version__ = "3.0.0"  # webhookd's own version (packaging reads this line)
@@ -325,8 +325,8 @@ FLAGS = [
     Flag("max-connections", "int", 1024, "webhookd: requests served at once (a thread each); "
          "idle and slow connections wait without a thread, and the oldest idle ones are closed "
          "when open files run short"),
-    Flag("max-multipart-mem", "int", 1048576, "maximum memory in bytes for parsing multipart form "
-         "data before disk caching"),
+    Flag("max-multipart-mem", "int", 1048576, "webhookd: accepted for compatibility; no effect "
+         "(multipart bodies are bounded by -max-body-bytes and parsed in memory)"),
     Flag("max-workers", "int", 64, "webhookd: accepted for compatibility with webhookd 2; "
          "-max-connections bounds the request threads"),
     Flag("nopanic", "bool", False, "do not panic if hooks cannot be loaded when webhook is not "
@@ -535,8 +535,42 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
-    opts.runs_dir_fd = None  # the -runs-dir folder, held open once runs_options_problem checked it
+    opts.runs_dir_fd = None  # the -runs-dir folder, held open once open_run_history opened it
     return opts
+
+
+def check_flags(opts):
+    """A sentence if the flags cannot work together, else None.  Only checks: the status
+    token and -runs-dir are read and opened later (open_run_history), for serving."""
+    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
+        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
+            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
+        return "-runs and -runs-follow read the records in -runs-dir DIR"
+    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
+        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
+    if opts.runs_state and opts.runs_state not in RUN_STATES:
+        return "-runs-state must be one of " + ", ".join(RUN_STATES)
+    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
+        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
+                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
+    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
+        return "-runs-dir %s is not a folder" % opts.runs_dir
+    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
+        if not os.path.isdir(opts.runs_dir):
+            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
+                % opts.runs_dir
+        return None  # the rest is about serving
+    if (opts.setuid != 0) != (opts.setgid != 0):
+        return "setuid and setgid options must be used together"
+    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
+    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
+                        or "?" in status_path or "#" in status_path
+                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or not opts.urlprefix):
+        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/, "
+                "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+    return None
 
 
 def usage_text(program):
@@ -1632,7 +1666,7 @@ class Registry:
                     self._drop(hf)
                 continue
             hf.missing_since = None
-            seen = (signature, self._digest(hf) if time.time() < hf.recheck_until else None)
+            seen = (signature, self._content_hash(hf) if time.time() < hf.recheck_until else None)
             steady, hf.seen = seen == hf.seen, seen
             if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
                 changed.append(hf)
@@ -1641,7 +1675,7 @@ class Registry:
         return changed
 
     @staticmethod
-    def _digest(hf):
+    def _content_hash(hf):
         try:
             return hash(read_bytes(hf.path))
         except HooksFileError:
@@ -1676,7 +1710,7 @@ class Registry:
 MAX_HEADER_BYTES = 1 << 20  # Go's DefaultMaxHeaderBytes
 NO_TIMEOUT = 365 * 86400.0  # what -read-header-timeout 0 means
 KEEPALIVE_IDLE_SECONDS = 75.0
-KEEPALIVE_LINGER_SECONDS = 0.01  # a worker waits this long for the next request, then parks
+NEXT_REQUEST_WAIT_SECONDS = 0.01  # a worker waits this long for the next request, then parks
 NO_BODY_STATUSES = frozenset((204, 304)) | frozenset(range(100, 200))
 
 
@@ -1711,16 +1745,15 @@ class Request:
     """One request, from its head to its answer: what the client sent (`method`, `target`,
     `version`, `headers`: canonical names to all their values), where from (`peer`; `client`,
     the address after -trusted-proxy), `id` (X-Request-Id or ours), the target's `path` and
-    `raw_query`, and `read_body()`, which reads the body when the App wants it (else the
-    handler reads past it or closes)."""
+    `raw_query`, and `body`, a BodyReader whose read() gives the body when the App wants it
+    (else the handler reads past it or closes)."""
 
     __slots__ = ("method", "target", "version", "headers", "peer", "client", "id", "path",
-                 "raw_query", "read_body", "body_read", "body_broken", "secret_params")
+                 "raw_query", "body", "secret_params")
 
     def __init__(self, method, target, version, headers):
         self.method, self.target, self.version, self.headers = method, target, version, headers
-        self.peer = self.client = self.id = self.path = self.raw_query = self.read_body = None
-        self.body_read = self.body_broken = False
+        self.peer = self.client = self.id = self.path = self.raw_query = self.body = None
         self.secret_params = ()  # query parameters whose values the access log hides
 
     def get(self, name, default=""):
@@ -1732,6 +1765,11 @@ class Request:
         if self.version == "HTTP/1.1":
             return "close" not in connection
         return "keep-alive" in connection
+
+
+def body_too_large():
+    """Go's 413 for a body over -max-body-bytes."""
+    return BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
 
 
 def body_length(request, max_body):
@@ -1752,7 +1790,7 @@ def body_length(request, max_body):
     if size >= 1 << 63:
         raise BadRequest(400, "bad Content-Length")
     if size > max_body:
-        raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+        raise body_too_large()
     return size
 
 
@@ -1921,6 +1959,11 @@ class Response:
         self.headers = headers if headers is not None else {}
 
 
+def internal_error():
+    """The answer to a bug (logged where it is caught): a 500, and the connection closed."""
+    return Response(500, b"500 Internal Server Error", close=True)
+
+
 class StreamedBody:
     """A body made while it is sent, as WSGI and bottle stream: `chunks` yields it piece by
     piece (a running command's output), and the writer sends each as it comes.  `complete`,
@@ -1964,8 +2007,13 @@ def go_escape_path(path):
 
 
 # ---------------------------------------------------------------------------
-# HTTP transport: http.server's documented hooks over a waiting room (one handler, a bounded
-# pool of workers); the application is reached only through App.handle and App.answered
+# HTTP transport: http.server's HTTPServer and BaseHTTPRequestHandler, through their documented
+# hooks, over a WaitingRoom and a pool of Workers.  These two replace socketserver's
+# ThreadingMixIn (a thread per connection) because of a product requirement: 5,000 idle and
+# 500 slowly sending clients must not starve new ones (tests/test_webhookd_connections.py), so
+# a connection holds no thread until a whole request head has come.  The application is
+# reached through App.handle, App.answered and App.in_flight (a request being answered counts
+# for the graceful stop).
 # ---------------------------------------------------------------------------
 
 def head_end(buf, start=0):
@@ -1997,7 +2045,7 @@ def read_chunked(conn, limit):
             raise BodyError("invalid byte in chunk length", bytes(body))
         size = int(size_text, 16)
         if len(body) + size > limit:
-            raise BadRequest(413, "request body too large", body=MSG_BODY_TOO_LARGE)
+            raise body_too_large()
         if size == 0:
             while line().strip():
                 pass
@@ -2020,22 +2068,22 @@ SKIP_BODY_BYTES = 256 << 10  # a body no one needs is read past up to this, as G
 SKIP_BODY_SECONDS = 0.5  # and for at most this long: a trickled one must not hold a worker
 STALLED_READ_SECONDS = 1.0  # a worker's read stalled this long gives way to waiting connections
 LINGER_SECONDS = 1.0  # closing with the client still sending: read on this long, then close
-# ... or this much: a client that sent a head of a few times the limit (Go's, 1 MiB) in one go
-# still gets its 431 rather than a reset caused by its unread end
+# Read on at most this much too: a client that sent a head of a few times the limit (Go's,
+# 1 MiB) in one go still gets its 431 rather than a reset caused by its unread end.
 LINGER_BYTES = 4 * MAX_HEADER_BYTES
 
 
 class Limits:
     """What the transport is told by the daemon: -read-header-timeout (`header_timeout`, also
-    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, set at a graceful
-    stop (connections waiting for a request are closed, none is kept alive)."""
+    each read of a body), -write-timeout, -max-body-bytes, and `stopping`, the Daemon's one
+    stop signal (set: connections waiting for a request are closed, none is kept alive)."""
 
-    def __init__(self, opts):
+    def __init__(self, opts, stopping=None):
         self.header_timeout = float(opts.read_header_timeout) \
             if opts.read_header_timeout > 0 else NO_TIMEOUT
         self.write_timeout = float(opts.write_timeout) if opts.write_timeout > 0 else NO_TIMEOUT
         self.max_body = opts.max_body_bytes if opts.max_body_bytes > 0 else sys.maxsize
-        self.stopping = threading.Event()
+        self.stopping = stopping if stopping is not None else threading.Event()
 
 
 class Connection:
@@ -2060,7 +2108,8 @@ class Connection:
         self.handshaking = self.tls
         self.closing = False  # closed once the outbox is sent
 
-    def head_end(self):
+    def scan_head_end(self):
+        """head_end() of the buffer, remembering how far it holds no end."""
         end = head_end(self.buffer, self.scanned)
         if end < 0:
             self.scanned = len(self.buffer)
@@ -2069,12 +2118,13 @@ class Connection:
     def head_ready(self):
         """Whether a worker should take over: a whole head is here, or more than any head may
         be (answered 431)."""
-        return self.head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
+        return self.scan_head_end() >= 0 or len(self.buffer) > MAX_HEADER_BYTES
 
-    def wait_for_bytes(self, seconds):
+    def still_open_after_wait(self, seconds):
         """A worker's short wait for the client's next request before parking the connection
-        (cheaper than the round trip through the WaitingRoom): False if the client closed.  A
-        TLS record begun but not whole by then waits in the WaitingRoom, not here."""
+        (cheaper than the round trip through the WaitingRoom): what comes is buffered; False
+        if the client closed, True if it sent bytes or nothing yet.  A TLS record begun but
+        not whole by then waits in the WaitingRoom, not here."""
         try:
             self.sock.settimeout(seconds)
             data = self.sock.recv(RECV_BYTES)
@@ -2321,7 +2371,7 @@ class WaitingRoom:
                     return
                 conn.buffer += data
                 self.large += max(0, len(conn.buffer) - PARKED_HEAD_BYTES) - before
-                if self.large > PARKED_LARGE_BYTES and conn.head_end() < 0:
+                if self.large > PARKED_LARGE_BYTES and conn.scan_head_end() < 0:
                     log.info("connection from %s closed: too many large request heads on their "
                              "way", format_peer(conn.address))
                     self._drop(conn)
@@ -2403,6 +2453,54 @@ class Workers:
             conn.server.finish_request(conn, conn.address)
 
 
+class BodyReader:
+    """A request's body, read when the App wants it (as WSGI's `wsgi.input`), built by the
+    handler: read() takes it by Content-Length or chunked, capped at -max-body-bytes, after
+    `100 Continue` (send_continue) if the client waits for it, all of it within
+    -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
+    trickling it holds a worker for a bounded time (each byte by -read-header-timeout plus
+    the bytes before it at BODY_MIN_RATE).  A body that breaks off or is malformed
+    mid-way is logged and what came returned (as upstream: the hook runs with it), and
+    `broken` set; `consumed` once read() was called (else the handler reads past it)."""
+
+    __slots__ = ("request", "conn", "limits", "send_continue", "consumed", "broken")
+
+    def __init__(self, request, conn, limits, send_continue):
+        self.request, self.conn, self.limits = request, conn, limits
+        self.send_continue = send_continue
+        self.consumed = self.broken = False
+
+    def read(self):
+        request, conn, limits = self.request, self.conn, self.limits
+        size = body_length(request, limits.max_body)  # refused before the client sends it
+        self.consumed = True
+        if request.get("Expect").lower() == "100-continue" and size != 0:
+            self.send_continue()  # as Go: only when a body is announced
+        # what was read ahead with the head counts for the body, as what comes later will;
+        # bytes that are no body (trailers, chunk extensions) never take longer than all of it
+        now = time.monotonic()
+        conn.body_ceiling = now + limits.header_timeout + (
+            limits.max_body if size is None else size) / BODY_MIN_RATE
+        conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
+                            conn.body_ceiling)
+        try:
+            if size is None:
+                return read_chunked(conn, limits.max_body)
+            body = bytearray()
+            while len(body) < size:
+                chunk = conn.read1(min(size - len(body), RECV_BYTES))
+                if not chunk:
+                    raise ConnectionResetError("client closed the connection")
+                body += chunk
+            return bytes(body)
+        except BodyError as exc:
+            log.info("error reading the request body: %s", exc)
+            self.broken = True
+            return exc.partial
+        finally:
+            conn.body_due = conn.body_ceiling = math.inf
+
+
 class HookHandler(BaseHTTPRequestHandler):
     """BaseHTTPRequestHandler's cycle on a Connection a worker took from the WaitingRoom:
     handle() serves the requests whose heads have come; handle_one_request() reads the head
@@ -2436,7 +2534,7 @@ class HookHandler(BaseHTTPRequestHandler):
             if conn.head_ready():
                 continue
             if not self.server.room.workers.saturated():
-                if not conn.wait_for_bytes(KEEPALIVE_LINGER_SECONDS):
+                if not conn.still_open_after_wait(NEXT_REQUEST_WAIT_SECONDS):
                     return  # the client closed it
                 if conn.head_ready():
                     continue
@@ -2453,14 +2551,14 @@ class HookHandler(BaseHTTPRequestHandler):
             if self.parse_request():
                 self.serve(self.head)
         except BadRequest as exc:
-            self.send_error(exc.status, exc)
+            self.answer_bad_request(exc)
         except OSError:  # the client went away or stalled: nothing to answer
             pass
         except Exception:  # a bug: logged and answered 500, never a silently dropped client
             log.exception("unexpected error handling a request from %s", self.remote_addr)
             if not self.answering:
                 with contextlib.suppress(OSError):
-                    self.send_answer(BadRequest(500, "").response(), None)
+                    self.send_answer(internal_error(), None)
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
@@ -2468,11 +2566,11 @@ class HookHandler(BaseHTTPRequestHandler):
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
             conn.due = time.monotonic() + self.server.limits.header_timeout
-        end = conn.head_end()
+        end = conn.scan_head_end()
         while end < 0 and len(conn.buffer) <= MAX_HEADER_BYTES:
             if not conn.fill():
                 raise ConnectionResetError("client closed the connection")
-            end = conn.head_end()
+            end = conn.scan_head_end()
         if end < 0 or end > MAX_HEADER_BYTES:
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
@@ -2480,57 +2578,24 @@ class HookHandler(BaseHTTPRequestHandler):
         return True
 
     def serve(self, request):
-        """The request made whole (who sent it, how to read its body), answered by the App."""
+        """The request made whole (who sent it, its body to read), answered by the App."""
         app = self.server.app
-        request.peer, request.read_body = self.remote_addr, self.read_body
+        request.peer = self.remote_addr
+        request.body = body = BodyReader(request, self.conn, self.server.limits,
+                                         self.handle_expect_100)
+        app.in_flight.hold()
         try:
-            with app.in_flight:
-                response = app.handle(request)
-                if request.body_broken:
-                    response.close = True
-                elif not request.body_read:
-                    self.skip_body(request, response)
-                self.send_answer(response, request)
-        finally:  # no cycle (handler -> request -> handler) keeps a large head for the GC
-            request.read_body = self.head = None
+            response = app.handle(request)
+            if body.broken:
+                response.close = True
+            elif not body.consumed:
+                self.skip_body(request, response)
+            self.send_answer(response, request)
+        finally:  # no cycle (handler -> request -> body -> handler) keeps a large head alive
+            app.in_flight.release()
+            request.body = self.head = None
         if self.body_unread:
             self.linger()
-
-    def read_body(self):
-        """The body, when the App wants it: by Content-Length or chunked, capped at
-        -max-body-bytes, after `100 Continue` if the client waits for it, each byte by
-        -read-header-timeout plus the bytes before it at BODY_MIN_RATE (all of it by then plus
-        its size, or the cap), so a client trickling it holds a worker for little more than
-        -read-header-timeout.  A body that breaks off or is malformed mid-way is logged and
-        what came returned (as upstream: the hook runs with it)."""
-        request, conn, limits = self.head, self.conn, self.server.limits
-        size = body_length(request, limits.max_body)  # refused before the client sends it
-        request.body_read = True
-        if request.get("Expect").lower() == "100-continue" and size != 0:
-            self.handle_expect_100()  # as Go: only when a body is announced
-        # what was read ahead with the head counts for the body, as what comes later will;
-        # bytes that are no body (trailers, chunk extensions) never take longer than all of it
-        now = time.monotonic()
-        conn.body_ceiling = now + limits.header_timeout + (
-            limits.max_body if size is None else size) / BODY_MIN_RATE
-        conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
-                            conn.body_ceiling)
-        try:
-            if size is None:
-                return read_chunked(conn, limits.max_body)
-            body = bytearray()
-            while len(body) < size:
-                chunk = conn.read1(min(size - len(body), RECV_BYTES))
-                if not chunk:
-                    raise ConnectionResetError("client closed the connection")
-                body += chunk
-            return bytes(body)
-        except BodyError as exc:
-            log.info("error reading the request body: %s", exc)
-            request.body_broken = True
-            return exc.partial
-        finally:
-            conn.body_due = conn.body_ceiling = math.inf
 
     def skip_body(self, request, response):
         """An answer that does not need the body: read past a small one that comes at once (as
@@ -2558,12 +2623,11 @@ class HookHandler(BaseHTTPRequestHandler):
         self.send_response_only(100)
         self.end_headers()
         self.wfile.flush()
-        return True
 
-    def send_error(self, code, message=None, explain=None):
-        """Go's answer to a malformed request: `<code> <reason>[: detail]`, then close; what the
-        client is still sending is read for a moment so it gets the answer, not a reset."""
-        exc = message if isinstance(message, BadRequest) else BadRequest(code, message or "")
+    def answer_bad_request(self, exc):
+        """Go's answer to a malformed request (a BadRequest): `<code> <reason>[: detail]`, then
+        close; what the client is still sending is read for a moment so it gets the answer,
+        not a reset."""
         log.info("bad request from %s: %s", self.remote_addr, exc)
         try:
             self.send_answer(exc.response(), None)
@@ -2579,9 +2643,10 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def send_header(self, keyword, value):
         """A header line as Go writes it: the bytes as they are (UTF-8), CR and LF in a value
-        turned into spaces."""
-        self._headers_buffer.append(("%s: %s\r\n" % (keyword, value.replace(
-            "\r", " ").replace("\n", " "))).encode("utf-8", "surrogateescape"))
+        turned into spaces.  The base encodes in latin-1: the UTF-8 bytes are handed to it as
+        the latin-1 text they spell, so the same bytes go out."""
+        super().send_header(keyword, value.replace("\r", " ").replace("\n", " ").encode(
+            "utf-8", "surrogateescape").decode("latin-1"))
 
     def send_answer(self, response, request):
         """The one writer of answers.  The head: Go's header set (Content-Type sniffed when the
@@ -2599,7 +2664,6 @@ class HookHandler(BaseHTTPRequestHandler):
         keep_alive = (request is not None and request.keep_alive() and not response.close
                       and not self.server.limits.stopping.is_set())
         self.protocol_version = self.request_version = version  # Go answers 1.0 in 1.0
-        self._headers_buffer = []
         self.send_response(status, response.reason)
         if not streamed and body and "Content-Type" not in headers \
                 and status not in NO_BODY_STATUSES:
@@ -2670,16 +2734,15 @@ class HookHandler(BaseHTTPRequestHandler):
             self.conn.buffer.clear()
 
 
-class HookServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made
-    the documented way (bind_and_activate=False, then `socket`).  Overrides process_request:
-    an accepted connection holds no thread, but waits in the WaitingRoom until a whole request
-    head has come; a worker then serves it (serve: the handler's cycle), and it waits there
-    again between requests."""
+class HookServer(HTTPServer):
+    """An HTTPServer on a socket opened before (-ip/-port, -socket or systemd's), made the
+    documented way (bind_and_activate=False, then `socket`).  Overrides process_request where
+    ThreadingMixIn would start a thread: an accepted connection holds no thread, but waits in
+    the WaitingRoom until a whole request head has come; one of the Workers then serves it
+    (finish_request: the handler's cycle), and it waits there again between requests."""
 
     def __init__(self, listener, app, room, limits, tls_context):
-        ThreadingHTTPServer.__init__(self, listener.getsockname(), HookHandler,
-                                     bind_and_activate=False)
+        HTTPServer.__init__(self, listener.getsockname(), HookHandler, bind_and_activate=False)
         self.socket.close()  # the one TCPServer made: ours was opened before
         self.socket, self.address_family = listener, listener.family
         self.app, self.room, self.limits, self.tls_context = app, room, limits, tls_context
@@ -2755,17 +2818,19 @@ class HookRun:
 
 class InFlight:
     """What the graceful stop waits for: requests being answered and background runs not
-    ended (`count`; `with in_flight:` counts one), and whether the daemon is `stopping`."""
+    ended (`count`: each hold() until its release()), and `stopping`, the Daemon's one stop
+    signal (an Event, shared with the transport's Limits)."""
 
-    def __init__(self):
-        self.count, self.stopping = 0, False
+    def __init__(self, stopping=None):
+        self.count = 0
+        self.stopping = stopping if stopping is not None else threading.Event()
         self.lock = threading.Lock()
 
-    def __enter__(self):
+    def hold(self):
         with self.lock:
             self.count += 1
 
-    def __exit__(self, *exc):
+    def release(self):
         with self.lock:
             self.count -= 1
 
@@ -2775,14 +2840,14 @@ class App:
     hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
     site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
-    def __init__(self, opts, registry):
+    def __init__(self, opts, registry, stopping=None):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
         methods = opts.http_methods.replace(" ", "")
         self.default_methods = tuple(m.upper() for m in methods.split(",")) if methods else ()
         self.trusted_proxies = opts.trusted_proxy
-        self.in_flight = InFlight()
+        self.in_flight = InFlight(stopping)
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
         self.runs = make_run_store(opts)
@@ -2792,7 +2857,7 @@ class App:
         self.status_site = StatusSite(
             opts, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
-            self.started, lambda: self.in_flight.stopping)
+            self.started, self.in_flight.stopping.is_set)
 
     def request_id(self, request):
         if self.opts.x_request_id:
@@ -2849,12 +2914,12 @@ class App:
                      json.dumps(hook_id))
             return Response(405)
         request.secret_params = hook.secret_params
-        body = request.read_body()
+        body = request.body.read()
         try:
             return self.hooks.trigger(request, hook, self.hook_request(request, hook, body))
         except Exception:  # a bug must cost one 500, not a hung connection
             log.exception("unexpected error handling %s %s", request.method, request.target)
-            return Response(500, b"500 Internal Server Error", close=True)
+            return internal_error()
 
     def client(self, request):
         """Who sent a hook's request (see forwarded_client); the status page and run history
@@ -2875,7 +2940,6 @@ class App:
                       redact_target(request.target, hook.secret_params), request.version,
                       shown, len(body))
         return HookRequest.of(request, hook, body)
-
 
 
 class Hooks:
@@ -3011,7 +3075,7 @@ class Hooks:
             try:
                 if run.failure is None:
                     log_result(run.hook, run.request_id, result, kept is not None)
-                stopping = self.in_flight.stopping
+                stopping = self.in_flight.stopping.is_set()
                 self.metrics.run_ended(run.hook.id, run_outcome(result, stopping)[0],
                                        time.monotonic() - began if result.started else None)
                 if run.record is not None:
@@ -3032,18 +3096,18 @@ class Hooks:
     def run_in_background(self, run):
         """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
         its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
-        self.in_flight.__enter__()  # left when the job ends, in another thread
+        self.in_flight.hold()  # released when the job ends, in another thread
 
         def job():
             try:
-                if self.in_flight.stopping:  # its record says `killed` at exit
+                if self.in_flight.stopping.is_set():  # its record says `killed` at exit
                     log.info("[%s] stopping: queued run of %s dropped", run.request_id,
                              run.hook.id)
                     run.gate.leave()
                 else:
                     self.run_captured(run, keep_output=log.isEnabledFor(logging.INFO))
             finally:
-                self.in_flight.__exit__()
+                self.in_flight.release()
 
         def granted():
             run.has_turn = True
@@ -3070,6 +3134,7 @@ class Hooks:
             body.complete = running.result.ok
         body.chunks = chunks()
         return Response(success, body, headers)
+
 
 def status_details(registry, runs, started):
     """What the status page shows trusted clients besides its health."""
@@ -5552,11 +5617,10 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
-def runs_options_problem(opts):
-    """A sentence if the run-history flags are unusable; reads -status-token-file."""
-    for name in ("runs_keep", "runs_max_output", "runs_max_bytes"):
-        if getattr(opts, name) < (0 if name == "runs_keep" else 1):
-            return "invalid value %d for -%s" % (getattr(opts, name), name.replace("_", "-"))
+def open_run_history(opts):
+    """For serving, before privileges are dropped: read -status-token-file into
+    opts.status_token and open -runs-dir (created, chowned to the user it will run as, locked)
+    into opts.runs_dir_fd.  A sentence if either fails."""
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
@@ -5566,22 +5630,7 @@ def runs_options_problem(opts):
                 opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
         if not opts.status_token:
             return "-status-token-file %s is empty" % opts.status_token_file
-    if (opts.runs or opts.runs_follow) and not opts.runs_dir:
-        return "-runs and -runs-follow read the records in -runs-dir DIR"
-    if (opts.runs_hook or opts.runs_state or opts.runs_since) and not opts.runs:
-        return "-runs-hook, -runs-state and -runs-since choose what -runs lists: add -runs"
-    if opts.runs_state and opts.runs_state not in RUN_STATES:
-        return "-runs-state must be one of " + ", ".join(RUN_STATES)
-    if opts.runs_since and runs_since(opts.runs_since, time.time()) is None:
-        return ("-runs-since %s: give a time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or "
-                "time (2026-11-21, 2026-11-21T14:00:00Z)" % opts.runs_since)
-    if opts.runs_dir and os.path.exists(opts.runs_dir) and not os.path.isdir(opts.runs_dir):
-        return "-runs-dir %s is not a folder" % opts.runs_dir
-    if opts.runs or opts.runs_follow:  # only read: any user allowed to may
-        if not os.path.isdir(opts.runs_dir):
-            return "no run folder %s: webhookd has recorded no runs there (see its -runs-dir)" \
-                % opts.runs_dir
-    elif opts.runs_dir:  # only the daemon creates it
+    if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
             opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
@@ -5642,6 +5691,14 @@ def inherited_listeners(environ):
 # Process setup: logging, listeners, TLS, privileges, pidfile
 # ---------------------------------------------------------------------------
 
+GO_LOG_TIME = "%Y/%m/%d %H:%M:%S"  # Go's log package: `[webhook] 2006/01/02 15:04:05 text`
+
+
+def go_log_line(message):
+    """A line as Go's log package writes it, without its newline."""
+    return "[webhook] %s %s" % (time.strftime(GO_LOG_TIME), message)
+
+
 def open_own_file(path, flags):
     """A descriptor on the file at path (made 0600 if missing), refused if it is a link: a log
     or pid file often sits in a folder another user can write, who could plant a symbolic or
@@ -5673,8 +5730,7 @@ def setup_logging(opts):
                                                  errors="backslashreplace"))
     else:
         target = logging.StreamHandler(sys.stderr)
-    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s",
-                                          "%Y/%m/%d %H:%M:%S"))
+    target.setFormatter(logging.Formatter("[webhook] %(asctime)s %(message)s", GO_LOG_TIME))
     log.propagate = False
     if not (opts.verbose or opts.debug or opts.logfile):
         log.addHandler(target)  # rare lines: written at once, before what main prints next
@@ -5866,11 +5922,14 @@ class SignalQueue:
 
 
 class Daemon:
-    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully."""
+    """Owns the main thread: waits for signals, polls the hooks files, stops gracefully.  It
+    alone sets `stopping`, the one stop signal the app and the transport read."""
 
-    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths):
+    def __init__(self, opts, registry, app, servers, notifier, signals, cleanup_paths,
+                 stopping):
         self.opts, self.registry, self.app, self.servers = opts, registry, app, servers
         self.notifier, self.signals, self.cleanup_paths = notifier, signals, cleanup_paths
+        self.stopping = stopping
 
     def run(self):
         """Main loop; returns the exit status."""
@@ -5917,9 +5976,8 @@ class Daemon:
         self.notifier.notify("READY=1")
 
     def begin_stop(self, signum):
-        self.app.in_flight.stopping = True
+        self.stopping.set()
         for server in self.servers:  # no new connections from here on
-            server.limits.stopping.set()
             server.shutdown()
             server.server_close()
         self.notifier.notify("STOPPING=1")
@@ -6134,10 +6192,10 @@ def follow_log(path, handle, out):
     return current
 
 
-def fail(message):
+def fatal(message):
     """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
     the exit status 1."""
-    sys.stderr.write("[webhook] %s %s\n" % (time.strftime("%Y/%m/%d %H:%M:%S"), message))
+    sys.stderr.write(go_log_line(message) + "\n")
     return 1
 
 
@@ -6164,27 +6222,20 @@ def main(argv=None):
         return run_validate(opts)
     if opts.explain:
         return explain_command(opts)
-    problem = runs_options_problem(opts)
+    problem = check_flags(opts)
     if problem:
         print("error: " + problem)
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
-    if (opts.setuid != 0) != (opts.setgid != 0):
-        print("error: setuid and setgid options must be used together")
-        return 1
-    status_path = opts.status_path  # routed as requests are: cleaned, query cut off
-    if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
-                        or "?" in status_path or "#" in status_path
-                        or (status_path + "/").startswith("/" + opts.urlprefix + "/")
-                        or not opts.urlprefix):
-        print("error: -status-path %r must be an absolute path outside the hooks prefix /%s/, "
-              "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+    problem = open_run_history(opts)
+    if problem:
+        print("error: " + problem)
         return 1
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
-        return fail(str(exc))
+        return fatal(str(exc))
     try:
         return serve(opts)
     except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
@@ -6212,7 +6263,7 @@ def serve(opts):
         return 1
     if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
                                       or opts.nopanic):
-        print("[webhook] %s %s" % (time.strftime("%Y/%m/%d %H:%M:%S"), NO_HOOKS_MESSAGE))
+        print(go_log_line(NO_HOOKS_MESSAGE))
         return 1
 
     for network in opts.trusted_proxy:
@@ -6227,7 +6278,8 @@ def serve(opts):
                     "or ssh -L), every client counts as loopback: set -status-token",
                     opts.status_path)
     cleanup = []
-    app = App(opts, registry)
+    stopping = threading.Event()  # set by the Daemon alone
+    app = App(opts, registry, stopping)
     tls_context = None
     try:  # a start that fails leaves no socket file or pidfile behind
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
@@ -6259,7 +6311,7 @@ def serve(opts):
         remove_paths(cleanup)
         raise
     app.runs.start()  # as the user we now are: the run files are theirs
-    limits = Limits(opts)
+    limits = Limits(opts, stopping)
     workers = Workers(max(1, opts.max_connections))
     room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
     servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
@@ -6272,9 +6324,7 @@ def serve(opts):
                  opts.status_path, "with -status-token" if opts.status_token
                  else "loopback clients only")
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup).run()
-
-
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
 
 
 # ---------------------------------------------------------------------------
@@ -7266,6 +7316,7 @@ class YamlReader(YamlScanner):
         if self.char() == ":" and not self.blank_after(1):
             self.fail("found unexpected ':'")
         return resolve_plain(self.plain_continued(text, -1, flow=True))
+
 
 def expanded_size(value, sizes):
     """How many values `value` is once every alias in it is expanded; each collection is
