@@ -4743,6 +4743,7 @@ RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "starte
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
               "environment")
+RUN_FIELDS_UNSET = dict.fromkeys(RUN_FIELDS)
 
 
 def new_run_id(now):
@@ -4799,7 +4800,10 @@ class RunRecord:
     every change so the disk writer saves each record once however often it changed."""
 
     def __init__(self, fields):
-        self.__dict__.update({name: fields.get(name) for name in RUN_FIELDS})
+        known = {**RUN_FIELDS_UNSET, **fields}  # an optimization: a third of a per-name .get()
+        if len(known) != len(RUN_FIELDS_UNSET):  # names that are no field (a file's)
+            known = {name: known[name] for name in RUN_FIELDS}
+        self.__dict__.update(known)
         self.output_bytes = self.output_bytes or 0
         self.output_truncated = bool(self.output_truncated)
         self.tail = None  # output bytes kept in memory (None: only on disk)
@@ -4876,8 +4880,9 @@ class RunStore:
         if not self.keep:
             return None
         now = time.time()
+        stamp = iso_time(now)
         record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "refused",
-                            "queued_at": iso_time(now), "ended_at": iso_time(now),
+                            "queued_at": stamp, "ended_at": stamp,
                             "remote_addr": request.remote_addr, "request_id": request.id,
                             "reason": explain_summary(rules), "rules": rules})
         record.cap, record.tail = self.max_output, bytearray()
