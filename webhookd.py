@@ -4994,7 +4994,10 @@ class RunStore:
 
     def _add(self, record):
         self.records[record.id] = record
-        self.by_hook.setdefault(record.bucket, deque()).append(record)
+        of_hook = self.by_hook.get(record.bucket)
+        if of_hook is None:  # not setdefault(): it would make a deque on every call
+            of_hook = self.by_hook[record.bucket] = deque()
+        of_hook.append(record)
         self.size += record.kept_bytes
 
     def _retain(self, bucket):
