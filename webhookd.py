@@ -923,13 +923,14 @@ class MatchRule:
     `secrets`: the secret, or the several a list gave (ours, on SECRET_LIST_TYPES)."""
 
     __slots__ = ("type", "value", "regex", "secrets", "ip_range", "parameter", "compiled",
-                 "regex_error")
+                 "regex_error", "explained")
 
     def __init__(self, type, value="", regex="", secret="", ip_range="", parameter=None):
         self.type, self.value, self.regex = type, value, regex
         self.secrets = (secret,) if isinstance(secret, str) else tuple(secret)
         self.ip_range, self.parameter = ip_range, parameter or Argument("", "")
         self.compiled, self.regex_error = None, None
+        self.explained = None  # what explaining it shows of the rule itself (explained_match)
         if type == "regex":
             try:
                 self.compiled = compile_re2(regex)
@@ -3905,7 +3906,7 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=cut(request.remote_addr), wanted=cut(rule.ip_range))
+            node.update(value=cut(request.remote_addr), wanted=explained_match(rule)[1])
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4128,15 +4129,25 @@ def cut(text):
 
 
 def explain_node(rule):
+    if rule[0] == "match":
+        return dict(explained_match(rule[1])[0])
     node = {"rule": rule[0]}
     if rule[0] in ("and", "or"):
         node["of"] = len(rule[1])
-    elif rule[0] == "match":
-        match = rule[1]
-        node["type"] = match.type
+    return node
+
+
+def explained_match(match):
+    """(the first keys of a match's node, what it wanted), made once per rule and kept on it:
+    an optimization, they were cut again for every request the rule refused."""
+    if match.explained is None:
+        node = {"rule": "match", "type": match.type}
         if match.parameter.source:
             node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
-    return node
+        wanted = match.ip_range if match.type == "ip-whitelist" else \
+            match.value if match.type == "value" else match.regex
+        match.explained = node, cut(wanted)
+    return match.explained
 
 
 def explain_error(err):
@@ -4167,7 +4178,7 @@ def explain_value(node, rule, value, err):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = cut(value)
-        node["wanted"] = cut(rule.value if kind == "value" else rule.regex)
+        node["wanted"] = explained_match(rule)[1]
 
 
 def explain_summary(node):
