@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections import deque
+from collections import deque, namedtuple
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from xml.parsers import expat
 
@@ -3906,7 +3906,7 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=cut(request.remote_addr), wanted=explained_match(rule)[1])
+            node.update(value=cut(request.remote_addr), wanted=explained_match(rule).wanted)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4130,23 +4130,28 @@ def cut(text):
 
 def explain_node(rule):
     if rule[0] == "match":
-        return dict(explained_match(rule[1])[0])
+        return dict(explained_match(rule[1]).node)
     node = {"rule": rule[0]}
     if rule[0] in ("and", "or"):
         node["of"] = len(rule[1])
     return node
 
 
+ExplainedMatch = namedtuple("ExplainedMatch", "node wanted hidden")
+
+
 def explained_match(match):
-    """(the first keys of a match's node, what it wanted), made once per rule and kept on it:
-    an optimization, they were cut again for every request the rule refused."""
+    """What a match's explanation holds of the rule itself: its node's first keys, what it
+    wanted, and whether what it compares stays hidden (compares_a_secret).  Made once per rule
+    and kept on it: an optimization, they were made again for every request it refused."""
     if match.explained is None:
+        arg = match.parameter
         node = {"rule": "match", "type": match.type}
-        if match.parameter.source:
-            node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
+        if arg.source:
+            node["source"], node["name"] = arg.source, cut(arg.name)
         wanted = match.ip_range if match.type == "ip-whitelist" else \
             match.value if match.type == "value" else match.regex
-        match.explained = node, cut(wanted)
+        match.explained = ExplainedMatch(node, cut(wanted), compares_a_secret(arg))
     return match.explained
 
 
@@ -4167,18 +4172,18 @@ def explain_signature(node, headers, name):
 
 def explain_value(node, rule, value, err):
     """What a match with a parameter saw (its value), and what it wanted."""
-    kind, arg = rule.type, rule.parameter
+    kind = rule.type
     if kind in SECRET_LIST_TYPES:
         node["present"] = err is None
         if err is None:
             node["length"] = len(value)
     elif err is not None:
         node["present"] = False
-    elif compares_a_secret(arg):
+    elif explained_match(rule).hidden:
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = cut(value)
-        node["wanted"] = explained_match(rule)[1]
+        node["wanted"] = explained_match(rule).wanted
 
 
 def explain_summary(node):
