@@ -57,7 +57,9 @@ def test_a_delivery_already_going_or_done_is_answered_with_its_run(tmp_path):
     command, ran = appender(tmp_path, "deploy")
     plain_command, plain_ran = appender(tmp_path, "plain")
     hooks = write_hooks(tmp_path / "hooks.json", [
-        dedup_hook("deploy", command), hook("plain", plain_command, **{
+        dedup_hook("deploy", command, **{"response-headers": [{"name": "X-Deploy",
+                                                                "value": "yes"}]}),
+        hook("plain", plain_command, **{
             "pass-arguments-to-command": [{"source": "header", "name": "X-Note"}]})])
     github = {"X-GitHub-Delivery": "72d3162e-cc78-11e3-81ab-4c9367dc0958"}
     (tmp_path / "deploy.ran.wait").touch()
@@ -78,6 +80,9 @@ def test_a_delivery_already_going_or_done_is_answered_with_its_run(tmp_path):
         status, later, body = deliver(daemon, "deploy", "later", github)
         assert (status, later, body) == (200, first,
                                          b"Already run as %s (succeeded).\n" % first.encode())
+        status, answer, _ = daemon.request("POST", "/hooks/deploy", b"", github)
+        assert (status, answer["x-webhookd-run"], answer["x-deploy"]) == (200, first, "yes")
+        assert answer["content-type"] == "text/plain; charset=utf-8"
         # the first header present is the id: another id, or another sender's header, runs
         status, other, _ = deliver(daemon, "deploy", "other", {"X-GitHub-Delivery": "2"})
         status, gitea, _ = deliver(daemon, "deploy", "gitea", {"X-Gitea-Delivery": "3"})
@@ -90,7 +95,7 @@ def test_a_delivery_already_going_or_done_is_answered_with_its_run(tmp_path):
         for run_id in (other, gitea, no_id, no_id_again):
             ended(daemon, run_id)
         assert sorted(lines(ran)) == ["first", "gitea", "no-id", "no-id-again", "other"]
-        assert metric(daemon, "deploy") == 3
+        assert metric(daemon, "deploy") == 4
         # no `deduplicate`: every delivery runs, as upstream
         runs = [deliver(daemon, "plain", "p%d" % i, github)[1] for i in range(2)]
         for run_id in runs:
@@ -186,9 +191,10 @@ def test_concurrent_duplicates_run_once(tmp_path):
 def test_a_named_header_in_a_yaml_hooks_file(tmp_path):
     command, ran = appender(tmp_path, "deploy")
     hooks = tmp_path / "hooks.yaml"
-    hooks.write_text("- id: deploy\n  execute-command: %s\n  deduplicate: x-deploy-key\n"
-                     "  pass-arguments-to-command:\n  - source: header\n    name: X-Note\n"
-                     % command)
+    hooks.write_text("".join(
+        "- id: %s\n  execute-command: %s\n  deduplicate: %s\n  pass-arguments-to-command:\n"
+        "  - source: header\n    name: X-Note\n" % (hook_id, command, deduplicate)
+        for hook_id, deduplicate in (("deploy", "x-deploy-key"), ("other", "true"))))
     with start(hooks) as daemon:
         # only that header: GitHub's is not looked at
         runs = [deliver(daemon, "deploy", "gh%d" % i, {"X-GitHub-Delivery": "same"})[1]
@@ -196,9 +202,13 @@ def test_a_named_header_in_a_yaml_hooks_file(tmp_path):
         keyed = [deliver(daemon, "deploy", "key%d" % i, {"X-Deploy-Key": "k-1"})[1]
                  for i in range(2)]
         assert len(set(runs)) == 2 and keyed[0] == keyed[1]
-        for run_id in runs + keyed[:1]:
+        # `true` in YAML; the same id sent to another hook is that hook's to run once
+        other = [deliver(daemon, "other", "other%d" % i, {"X-GitHub-Delivery": "same"})[1]
+                 for i in range(2)]
+        assert other[0] == other[1] and other[0] not in runs
+        for run_id in runs + keyed[:1] + other[:1]:
             ended(daemon, run_id)
-        assert sorted(lines(ran)) == ["gh0", "gh1", "key0"]
+        assert sorted(lines(ran)) == ["gh0", "gh1", "key0", "other0"]
         assert get_json(daemon, "/status/runs/" + keyed[0])["delivery"] == "k-1"
 
 
@@ -219,6 +229,22 @@ def test_a_long_or_odd_delivery_id_is_kept_as_its_digest(tmp_path):
         assert ended(daemon, longer)["delivery"].startswith("sha256:")
         assert ended(daemon, spaced)["delivery"].startswith("sha256:")
         assert sorted(lines(ran)) == ["128", "129", "long", "spaced"]
+
+
+def test_a_delivery_dropped_from_the_history_runs_again(tmp_path):
+    command, ran = appender(tmp_path, "deploy")
+    hooks = write_hooks(tmp_path / "hooks.json", [dedup_hook("deploy", command)])
+    with start(hooks, "-runs-keep", "1") as daemon:
+        first = deliver(daemon, "deploy", "a", {"X-GitHub-Delivery": "a"})[1]
+        ended(daemon, first)
+        assert deliver(daemon, "deploy", "a-again", {"X-GitHub-Delivery": "a"})[1] == first
+        ended(daemon, deliver(daemon, "deploy", "b", {"X-GitHub-Delivery": "b"})[1])
+        # the run of `a` is gone (one run kept per hook): nothing remembers it ran
+        wait_until(lambda: daemon.request("GET", "/status/runs/" + first)[0] == 404,
+                   what="the first run to be dropped")
+        again = deliver(daemon, "deploy", "a-later", {"X-GitHub-Delivery": "a"})[1]
+        assert again != first and ended(daemon, again)["redelivery_of"] is None
+        assert lines(ran) == ["a", "b", "a-later"]
 
 
 def test_without_run_history_every_delivery_runs_and_the_log_says_why(tmp_path):
