@@ -4822,16 +4822,20 @@ class KeyHistory:
 
 
 def history_line(entry):
-    """A history entry as one line of at most MAX_HISTORY_LINE bytes: with
-    its values left out (`fields` null each, `valuesLeftOut`) and its name
-    cut when it would be longer (restrictions may reach 16 KiB)."""
-    line = (compact_json(entry) + "\n").encode("utf-8", "surrogatepass")
-    if len(line) <= MAX_HISTORY_LINE:
-        return line
-    name = entry["name"]
-    entry = dict(entry, name=name if name is None else name[:MAX_HISTORY_NAME],
-                 fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
-    return (compact_json(entry) + "\n").encode("utf-8", "surrogatepass")
+    """A history entry as one line of at most MAX_HISTORY_LINE bytes: when
+    it would be longer, its name is cut (to MAX_HISTORY_NAME characters and
+    "..."), then, if that is not enough, its values are left out (`fields`
+    null each, `valuesLeftOut`: restrictions may reach 16 KiB)."""
+    def encoded(entry):
+        return (compact_json(entry) + "\n").encode("utf-8", "surrogatepass")
+    line, name = encoded(entry), entry["name"]
+    if len(line) > MAX_HISTORY_LINE and name and len(name) > MAX_HISTORY_NAME:
+        entry = dict(entry, name=name[:MAX_HISTORY_NAME] + "...")
+        line = encoded(entry)
+    if len(line) > MAX_HISTORY_LINE:
+        entry = dict(entry, fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
+        line = encoded(entry)
+    return line
 
 
 def _history_entries(data, uid):
