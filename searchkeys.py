@@ -4715,14 +4715,13 @@ HISTORY_CHANGES = ("create", "update", "restrict", "rotate", "delete", "restore"
 MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
 MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
 MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
-MAX_MEMORY_HISTORY = 10000  # changes kept without a store file
 _HISTORY_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO: no wait
 
 
 class KeyHistory:
     """Who changed which key, when and how: one JSON line per change, appended
     beside the store (FILE.history, 0600, opened without following a link),
-    or the last MAX_MEMORY_HISTORY changes in memory without a store file.
+    or, without a store file, the last MAX_HISTORY_BYTES of lines in memory.
 
     A line holds `at`, `change` (HISTORY_CHANGES), the key's `uid` and
     `name`, `by` (the uid of the key that made it, "master" or LOCAL) and
@@ -4739,15 +4738,20 @@ class KeyHistory:
         self.path = store_path and store_path + ".history"
         self.log = log
         self.failures = 0  # lines that could not be appended, in this process
-        self._memory = None if self.path else collections.deque(maxlen=MAX_MEMORY_HISTORY)
+        self._memory = None if self.path else collections.deque()  # lines, oldest first
+        self._memory_bytes = 0
+        self._memory_lock = threading.Lock()
 
     def append(self, change, key, by, fields):
-        entry = {"at": format_timestamp(time.time_ns()), "change": change, "uid": key.uid,
-                 "name": key.name, "by": by, "fields": fields}
+        line = history_line({"at": format_timestamp(time.time_ns()), "change": change,
+                             "uid": key.uid, "name": key.name, "by": by, "fields": fields})
         if self._memory is not None:
-            self._memory.append(entry)
+            with self._memory_lock:
+                self._memory.append(line)
+                self._memory_bytes += len(line)
+                while self._memory_bytes > MAX_HISTORY_BYTES:
+                    self._memory_bytes -= len(self._memory.popleft())
             return
-        line = history_line(entry)
         try:
             self._append_line(line)
         except OSError as exc:
@@ -4779,10 +4783,11 @@ class KeyHistory:
         own, and a rotation that replaced a key by it. StoreError if the
         file cannot be read."""
         if self._memory is not None:
-            entries = list(self._memory)
+            with self._memory_lock:
+                blobs = [b"".join(self._memory)]
         else:
-            entries = [entry for data in self._read_files()
-                       for entry in _history_entries(data, uid)]
+            blobs = self._read_files()
+        entries = [entry for data in blobs for entry in _history_entries(data, uid)]
         if uid is not None:
             entries = [entry for entry in entries if uid in (
                 entry["uid"], entry["fields"].get("replacedBy"))]
