@@ -15,20 +15,11 @@ import pytest
 
 import searchkeys as sk
 from support import SEARCHKEYS, Daemon, free_port, python_cmd, request
-from test_searchkeys_processes import WITHIN, children, within
+from test_searchkeys_processes import WITHIN, call, children, within, works
 from test_searchkeys_revocation import token
 from test_searchkeys_startup import MASTER, clean_env, start
 
 KEYS_ADMIN = ["keys.get", "keys.create", "keys.update", "keys.delete"]
-
-
-def call(port, method, path, body=None, key=MASTER):
-    headers = {"Authorization": "Bearer " + key}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-        body = json.dumps(body)
-    status, _, data = request(port, method, path, body, headers)
-    return status, json.loads(data) if data else None
 
 
 def create(port, key=MASTER, actions=("search",), **fields):
@@ -47,13 +38,6 @@ def deleted(port, key=MASTER):
     status, answer = call(port, "GET", "/keys/deleted", key=key)
     assert status == 200, answer
     return answer
-
-
-def works(port, value):
-    """Whether a key holding keys.get is let through (GET /keys)."""
-    status, answer = call(port, "GET", "/keys?limit=1", key=value)
-    assert status in (200, 403), answer
-    return status == 200
 
 
 @pytest.fixture
