@@ -218,6 +218,8 @@ def test_a_deleted_key_is_listed_then_restored_with_its_value_and_restrictions(s
     assert status == 403 and refusal["code"] == "invalid_api_key", refusal
     assert request(port, "POST", "/indexes/blog/search", "{}", search)[0] == 403
     assert call(port, "GET", "/keys/" + plain["uid"])[0] == 404
+    assert len(json.loads(server.store.read_text())["deleted"]) == 2
+    assert plain["key"] not in server.store.read_text()  # kept as the store keeps keys
     listed = deleted(port)
     assert listed["total"] == 2 and [k["uid"] for k in listed["results"]] == [
         plain["uid"], fenced["uid"]]
@@ -296,6 +298,8 @@ def test_tombstone_days_0_keeps_nothing(tmp_path):
     with start(free_port(), "--master-key", MASTER, "--store", str(store),
                "--tombstone-days", "0") as daemon:
         assert deleted(daemon.port)["total"] == 0
+        # purged by serve's keeper at start, no change needed (and no request)
+        assert within(5, lambda: "deleted" not in json.loads(store.read_text()))[0]
         status, _ = call(daemon.port, "POST", "/keys/%s/restore" % kept["uid"])
         assert status == 404
         gone = create(daemon.port)
