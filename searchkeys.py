@@ -49,6 +49,7 @@ import calendar
 import collections
 import contextlib
 import datetime
+import errno
 import fcntl
 import functools
 import hashlib
@@ -1354,7 +1355,8 @@ class Service:
                 given.encode("utf-8", "replace"), token):
             self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters), len(
-            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())))
+            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())),
+            self.store.history.failures)
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
@@ -1482,8 +1484,9 @@ class Route(collections.namedtuple(
     @property
     def is_meilisearch(self):
         """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/{key}/ are not)?"""
-        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
+        its additions under /keys/ are not)?"""
+        return self.family != "authorize" and not (self.pattern.startswith("/keys/")
+                                                   and self.pattern != "/keys/{key}")
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -1544,6 +1547,9 @@ def build_routes():
             facts=("covered_indexes",))),
         Route("GET", "/keys", ("keys.get",), handler=on_keys_api(KeysApi.list_keys)),
         Route("POST", "/keys", ("keys.create",), handler=on_keys_api(KeysApi.create_key)),
+        # before /keys/{key}: no key has these uids or values
+        Route("GET", "/keys/history", ("keys.get",), handler=on_keys_api(KeysApi.history)),
+        Route("GET", "/keys/deleted", ("keys.get",), handler=on_keys_api(KeysApi.deleted_keys)),
         Route("GET", "/keys/{key}", ("keys.get",), handler=on_keys_api(KeysApi.get_key)),
         Route("PATCH", "/keys/{key}", ("keys.update",),
               handler=on_keys_api(KeysApi.update_key)),
@@ -1562,6 +1568,8 @@ def build_routes():
               handler=on_keys_api(KeysApi.revoke_tokens)),
         Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_token)),
+        Route("POST", "/keys/{key}/restore", ("keys.create",),
+              handler=on_keys_api(KeysApi.restore_key)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -3289,9 +3297,10 @@ class Metrics:
         with self._lock:
             self._backend_errors[kind] += 1
 
-    def render(self, keys, rate_clients, expiring):
+    def render(self, keys, rate_clients, expiring, history_failures):
         """The exposition text, with the gauges given (keys stored, rate-limit
-        table size, keys expiring within EXPIRY_WARNING_DAYS)."""
+        table size, keys expiring within EXPIRY_WARNING_DAYS) and the store's
+        count of history lines it could not append."""
         with self._lock:
             requests, refusals = sorted(self._requests.items()), dict(self._refusals)
             latency, latency_sum = list(self._latency), self._latency_sum
@@ -3325,6 +3334,9 @@ class Metrics:
         family("expired_keys_used_total", "counter", "Expired API keys used (each counted at "
                "its first refused use in this process).",
                [("expired_keys_used_total", "", expired_used)])
+        family("history_write_failures_total", "counter", "Changes to keys made whose line "
+               "could not be appended to the history (each also logged).",
+               [("history_write_failures_total", "", history_failures)])
         family("build_info", "gauge", "The searchkeys version and Python running it.",
                [("build_info", '{version="%s",python="%s"}' % (
                    __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
@@ -3378,19 +3390,36 @@ def master_if_restricted(principal, what):
     return check
 
 
+def actor(principal):
+    """Who makes a change, as the history says it: the key's uid, or "master"."""
+    return principal.key.uid if principal.key is not None else "master"
+
+
+def without_parameter(query, name):
+    """(the query string without the parameter `name`, its values in order):
+    searchkeys' additions to a listing's `offset` and `limit`."""
+    if name not in query:
+        return query, []
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    return (urllib.parse.urlencode([(n, value) for n, value in pairs if n != name]),
+            [value for n, value in pairs if n == name])
+
+
 def usage_asked(query):
     """(the query without `usage`, whether `usage=true` asked GET /keys for
     each key's usage): searchkeys' one addition to Meilisearch's listing,
     which answers 400 to it (a bulk route under /keys/ would be a key's)."""
-    if "usage" not in query:
-        return query, False
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = [value for name, value in pairs if name == "usage"]
+    rest, asked = without_parameter(query, "usage")
     if asked and asked[-1] not in ("true", "false"):
         raise ApiError(400, "invalid_api_key_usage", "Invalid value in parameter `usage`: "
                        "expected `true` or `false`.")
-    rest = urllib.parse.urlencode([(name, value) for name, value in pairs if name != "usage"])
     return rest, asked[-1:] == ["true"]
+
+
+def listing(results, offset, limit, total):
+    """A page of a listing, in GET /keys' shape."""
+    return Response.json(200, {"results": results, "offset": offset, "limit": limit,
+                               "total": total})
 
 
 class KeysApi:
@@ -3409,25 +3438,65 @@ class KeysApi:
         results = [k.to_json() for k in keys]
         for key, shown in zip(keys, results) if with_usage else ():
             shown["usage"] = self.store.usage.to_json(key.uid)
-        return Response.json(200, {"results": results, "offset": offset, "limit": limit,
-                                   "total": total})
+        return listing(results, offset, limit, total)
 
     def get_key(self, call):
         return Response.json(200, self.store.find(call.params["key"]).to_json())
 
     def create_key(self, call):
         fields = validate_create(call.request.read_json_body(), time.time_ns())
-        return Response.json(201, self._write(self.store.create, fields).to_json())
+        return Response.json(201, self._write(self.store.create, fields,
+                                              actor(call.principal)).to_json())
 
     def update_key(self, call):
         segment = call.params["key"]
         changes = validate_patch(call.request.read_json_body())
-        return Response.json(200, self._write(self.store.update, segment, changes).to_json())
+        return Response.json(200, self._write(self.store.update, segment, changes,
+                                              actor(call.principal)).to_json())
 
     def delete_key(self, call):
         self._write(self.store.delete, call.params["key"], master_if_restricted(
-            call.principal, "delete a key that has restrictions"))
+            call.principal, "delete a key that has restrictions"), actor(call.principal))
         return Response(204)
+
+    def history(self, call):
+        """GET /keys/history: the changes to keys, newest first; `key`: a
+        uid, whose changes alone are listed."""
+        query, asked = without_parameter(call.request.query, "key")
+        uid = None
+        if asked:
+            try:
+                uid = parse_uuid(asked[-1])
+            except ValueError as exc:
+                raise ApiError(400, "invalid_api_key_uid", "Invalid value in parameter `key`: "
+                               "expected a key's uid: %s" % exc)
+        offset, limit = validate_list_query(query)
+        try:
+            entries = self.store.history.entries(uid)
+        except StoreError as exc:
+            self.store.log("searchkeys: %s" % exc)
+            raise internal_error("The history of keys cannot be read: %s" % exc)
+        return listing(entries[offset:offset + limit], offset, limit, len(entries))
+
+    def deleted_keys(self, call):
+        """GET /keys/deleted: the deleted keys that can be restored, most
+        recently deleted first."""
+        offset, limit = validate_list_query(call.request.query)
+        tombstones = self.store.tombstones()
+        return listing([t.to_json() for t in tombstones[offset:offset + limit]], offset, limit,
+                       len(tombstones))
+
+    def restore_key(self, call):
+        """POST /keys/{uid}/restore, master key only: the deleted key back
+        (201, as POST /keys answers)."""
+        require_master(call.principal, "restore a deleted key")
+        segment = call.params["key"]
+        try:
+            uid = parse_uuid(segment)
+        except ValueError:
+            raise key_not_found(segment)
+        return Response.json(201, self._write(self.store.restore, uid,
+                                              actor(call.principal)).to_json())
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
@@ -3438,7 +3507,8 @@ class KeysApi:
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check,
+                                              actor(call.principal)).to_json())
 
     def revoke_tokens(self, call):
         """POST /keys/{key}/revoke-tokens: every tenant token the key signed
@@ -3449,7 +3519,8 @@ class KeysApi:
             check_content_type(request.headers.get("Content-Type"))
         self.store.find(call.params["key"])  # 404 before 400, as PATCH
         before = validate_revoke_tokens(parse_json_body(data) if data else {}, time.time_ns())
-        key = self._write(self.store.revoke_tokens, call.params["key"], before)
+        key = self._write(self.store.revoke_tokens, call.params["key"], before,
+                          actor(call.principal))
         return self._revocation(key)
 
     def revoke_token(self, call):
@@ -3457,7 +3528,8 @@ class KeysApi:
         working (it is denied until its exp)."""
         key = self.store.find(call.params["key"])
         token, exp = validate_revoke_token(call.request.read_json_body(), key)
-        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp))
+        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp,
+                                            actor(call.principal)))
 
     @staticmethod
     def _revocation(key):
@@ -3482,11 +3554,11 @@ class KeysApi:
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
-                                                   restrictions))
+                                                   restrictions, actor(call.principal)))
 
     def delete_restrictions(self, call):
         self._require_master_for_restrictions(call)
-        self._write(self.store.restrict, call.params["key"], None)
+        self._write(self.store.restrict, call.params["key"], None, actor(call.principal))
         return Response(204)
 
     @staticmethod
@@ -3603,6 +3675,12 @@ class ApiKey:
                       restrictions=self.restrictions,
                       retirement=Retirement(at_ns, replaced_by), revocation=self.revocation)
 
+    def created_fields(self):
+        """What a new key's history line says of it (never its value)."""
+        return {"name": self.name, "description": self.description,
+                "actions": list(self.actions), "indexes": list(self.indexes),
+                "expiresAt": self.expires_at_text()}
+
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
         shown = {
@@ -3701,6 +3779,48 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
         return cls(at_ns, replaced_by)
 
 
+class Tombstone:
+    """A deleted key, kept to be restored (KeyStore.restore): the key as it
+    was, when it was deleted (ns) and by whom (a uid, "master" or LOCAL)."""
+
+    __slots__ = ("key", "deleted_ns", "deleted_by", "_stored")
+
+    def __init__(self, key, deleted_ns, deleted_by):
+        self.key, self.deleted_ns, self.deleted_by = key, deleted_ns, deleted_by
+        self._stored = None
+
+    def to_json(self):
+        """GET /keys/deleted's item: the key as GET /keys shows it, then
+        `deletedAt` and `deletedBy`."""
+        return dict(self.key.to_json(), deletedAt=format_timestamp(self.deleted_ns),
+                    deletedBy=self.deleted_by)
+
+    def stored_json(self):
+        """The store's record (the key's, with deletedAt and deletedBy) as
+        compact JSON, computed once."""
+        if self._stored is None:
+            self._stored = compact_json(dict(self.key.to_record(), deletedAt=self.deleted_ns,
+                                             deletedBy=self.deleted_by))
+        return self._stored
+
+    @classmethod
+    def from_record(cls, record, derive):
+        """A record of the store's `deleted` section -> Tombstone; ValueError
+        says what is wrong with it."""
+        if not isinstance(record, dict):
+            raise ValueError("a deleted key's record is not an object")
+        record = dict(record)
+        deleted_ns, deleted_by = record.pop("deletedAt", None), record.pop("deletedBy", None)
+        key = ApiKey.from_record(record, derive)
+        if type(deleted_ns) is not int or deleted_ns < 0 or not isinstance(deleted_by, str):
+            raise ValueError("bad deletedAt or deletedBy in deleted key %s" % key.uid)
+        return cls(key, deleted_ns, deleted_by)
+
+
+DEFAULT_TOMBSTONE_DAYS = 30  # how long a deleted key can be restored (serve --tombstone-days)
+MAX_TOMBSTONE_DAYS = 3650
+MAX_TOMBSTONES = 1000  # deleted keys kept at most (the latest), as Algolia restores
+LOCAL = "local"  # who made a change through the library (the default keys of a new store)
 MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
 IAT_LEEWAY = 60  # seconds a token's iat may be ahead of this clock (the signer's may be)
 
@@ -3798,7 +3918,8 @@ class KeyStore:
     are immutable and dict reads are atomic.
     """
 
-    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
+    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False,
+                 tombstone_days=DEFAULT_TOMBSTONE_DAYS):
         self.derive = key_deriver(master_key) if master_key is not None else None
         # what the file records of the master key (--open: whatever it holds)
         self.fingerprint = master_key_fingerprint(master_key) if master_key else None
@@ -3808,15 +3929,18 @@ class KeyStore:
         self._by_value = {}   # derived value -> ApiKey
         self._retiring = {}   # uid -> when that rotated key stops working (ns)
         self._next_retirement = float("inf")  # the earliest of those
+        self._tombstones = {}  # uid -> Tombstone of a deleted key, oldest deletion first
+        self.tombstone_days = tombstone_days  # how long a deleted key can be restored; 0: not
         # reentrant: a change looks keys up, and a lookup may sweep out retired keys
         self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
         self._file_locked = False  # whether this process holds the file's lock
         self._unloadable = None  # (signature of a file that failed to load, whether logged)
         self.usage = Usage()
+        self.history = KeyHistory(self._file and self._file.path, self.log)
         with self._lock:
             if self._file is None:
-                self._commit_all(self._defaults(), ())
+                self._create_defaults()
                 return
             self._file.refuse_journal()
             self._file.lock()
@@ -3824,7 +3948,7 @@ class KeyStore:
                 record = self._open(master_key_changed)
                 self._file.remove_stale_temp_files()
                 if not self._keys:
-                    self._commit_all(self._defaults(), ())  # all four in one write
+                    self._create_defaults()
                 elif record or self._next_retirement <= time.time_ns():
                     self._tidy()
             finally:
@@ -3838,12 +3962,13 @@ class KeyStore:
         except StoreWriteError as exc:
             self.log("searchkeys: warning: %s; the next change will save it" % exc)
 
-    def _defaults(self):
-        """The four keys a store without keys starts with, or none."""
-        if self._keys:
-            return []
-        return [self._new_key(new_uid(), name, description, actions, ["*"], None)
+    def _create_defaults(self):
+        """Create the four keys a store without keys starts with, in one write."""
+        keys = [self._new_key(new_uid(), name, description, actions, ["*"], None)
                 for name, description, actions in DEFAULT_KEYS]
+        self._commit_all(keys, ())
+        for key in keys:
+            self.history.append("create", key, LOCAL, key.created_fields())
 
     def _open(self, master_key_changed):
         """Load the file at start; whether its master key fingerprint is to be
@@ -3889,7 +4014,7 @@ class KeyStore:
             self._file.hold(fd, signature, data)
             return list(self._keys.values()), self.fingerprint
         try:
-            records, stored, section = self._file.parse(data)
+            records, stored, section, deleted = self._file.parse(data)
             if self.derive is not None and stored is not None and self._keys \
                     and not hmac.compare_digest(stored, self.fingerprint):
                 raise StoreError("store %s now records another master key (a process was "
@@ -3898,12 +4023,14 @@ class KeyStore:
                                  % self._file.shown)
             try:
                 keys = self._build(records)
+                tombstones = self._build_tombstones(deleted)
             except ValueError as exc:
                 raise StoreError("store %s holds a bad key: %s" % (self._file.shown, exc))
         except BaseException:
             os.close(fd)
             raise
         self._install(keys, section)
+        self._tombstones = tombstones
         if self.derive is None:
             self.fingerprint = stored
         self._file.hold(fd, signature, data)
@@ -3921,6 +4048,22 @@ class KeyStore:
             keys.append(old)
             records[position] = None  # free the parsed record early
         return keys
+
+    def _build_tombstones(self, records):
+        """The Tombstones of the store's `deleted` section (None: none), by
+        uid; one unchanged since the last load is kept as it is."""
+        if records is None:
+            return {}
+        if not isinstance(records, list):
+            raise ValueError("the deleted section is not a list")
+        tombstones = {}
+        for record in records:
+            uid = record.get("uid") if isinstance(record, dict) else None
+            old = self._tombstones.get(uid) if isinstance(uid, str) else None
+            if old is None or old.stored_json() != compact_json(record):
+                old = Tombstone.from_record(record, self.derive)
+            tombstones[old.key.uid] = old
+        return tombstones
 
     def _install(self, keys, section):
         """Make `keys` (and the usage totals of `section`) what memory holds."""
@@ -4017,7 +4160,10 @@ class KeyStore:
 
     # -- writes --------------------------------------------------------------
 
-    def create(self, fields):
+    # Each change takes `actor`, who makes it, for the history: a key's uid,
+    # "master" (the master key), or LOCAL (this process, through the library).
+
+    def create(self, fields, actor=LOCAL):
         """Create a key from validated POST fields; 409 ApiError on a used uid."""
         with self._changing():
             uid = fields.get("uid")
@@ -4029,31 +4175,93 @@ class KeyStore:
             key = self._new_key(uid, fields.get("name"), fields.get("description"),
                                 fields["actions"], fields["indexes"], fields.get("expiresAt"))
             self._commit(key)
+            self.history.append("create", key, actor, key.created_fields())
             return key
 
-    def update(self, key_or_uid, changes):
+    def update(self, key_or_uid, changes, actor=LOCAL):
         with self._changing():
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
             self._commit(key)
+            self.history.append("update", key, actor, dict(changes))
             return key
 
-    def delete(self, key_or_uid, check=None):
-        """Delete a key; `check(key)` may refuse it first, under the lock, on
-        the key as the store holds it (another process may have changed it)."""
+    def delete(self, key_or_uid, check=None, actor=LOCAL):
+        """Delete a key, kept as a Tombstone for `tombstone_days` (see
+        restore); `check(key)` may refuse it first, under the lock, on the
+        key as the store holds it (another process may have changed it)."""
         with self._changing():
             key = self.find(key_or_uid)
             if check is not None:
                 check(key)
-            self._commit(None, removed=key.uid)
+            tombstones = dict(self._tombstones)
+            tombstones.pop(key.uid, None)  # a uid deleted again: its latest deletion counts
+            if self.tombstone_days:
+                tombstones[key.uid] = Tombstone(key, time.time_ns(), actor)
+            self._commit_all((), (key.uid,), tombstones)
+            self.history.append("delete", key, actor, {})
 
-    def restrict(self, key_or_uid, restrictions):
+    def restore(self, uid, actor=LOCAL):
+        """Bring a deleted key back from its Tombstone: the same uid, value,
+        restrictions and token revocations. 404 ApiError when none is kept,
+        409 when its uid is a key again or it expired meanwhile."""
+        with self._changing():
+            tombstone = {t.key.uid: t for t in self.tombstones()}.get(uid)
+            if tombstone is None:
+                raise ApiError(404, "api_key_not_found", "API key `%s` not found among the "
+                               "deleted keys, which are kept %d days." % (uid,
+                                                                          self.tombstone_days))
+            key = tombstone.key
+            if uid in self._keys:
+                raise ApiError(409, "api_key_already_exists", "`uid` field value `%s` is already "
+                               "an existing API key: the deleted one cannot be restored." % uid)
+            if key.is_expired():
+                raise ApiError(409, "api_key_expired", "API key `%s` stopped working at %s, "
+                               "while it was deleted: restored, it would work no more. Create "
+                               "a new key instead." % (uid, format_timestamp(key.end_ns)))
+            tombstones = dict(self._tombstones)
+            del tombstones[uid]
+            self._commit_all((key,), (), tombstones)
+            self.history.append("restore", key, actor, {})
+            return key
+
+    def tombstones(self):
+        """The deleted keys that can be restored (Tombstones), most recently
+        deleted first."""
+        return self._restorable(self._tombstones)
+
+    def _restorable(self, tombstones):
+        """Those of `tombstones` (by uid) within their days and among the
+        MAX_TOMBSTONES deleted last, most recently deleted first."""
+        if not self.tombstone_days:
+            return []
+        since = time.time_ns() - self.tombstone_days * DAY_NS
+        kept = sorted((t for t in tombstones.values() if t.deleted_ns > since),
+                      key=lambda tombstone: tombstone.deleted_ns, reverse=True)
+        return kept[:MAX_TOMBSTONES]
+
+    def purge_tombstones(self):
+        """Drop from the file the Tombstones past their days (or past the
+        MAX_TOMBSTONES newest); serve's keeper calls it, never a request.
+        A failure is logged; the next change drops them."""
+        if len(self.tombstones()) == len(self._tombstones):
+            return
+        try:
+            with self._changing():
+                self._commit_all((), ())
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: deleted keys past their %d days not purged: %s"
+                     % (self.tombstone_days, exc))
+
+    def restrict(self, key_or_uid, restrictions, actor=LOCAL):
         """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
         with self._changing():
             key = self.find(key_or_uid)
             self._commit(key.with_restrictions(restrictions))
+            self.history.append("restrict", key, actor, {
+                "restrictions": restrictions and restrictions.to_record()})
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds, check=None):
+    def rotate(self, key_or_uid, grace_seconds, check=None, actor=LOCAL):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
         changes are one write. 409 for a key already rotated. `check(key)`
@@ -4071,14 +4279,17 @@ class KeyStore:
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            retires = None
             if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
                 retires = time.time_ns() + grace_seconds * 10 ** 9
                 self._commit_all([old.retiring(retires, uid), new], ())
             else:
                 self._commit_all([new], (old.uid,))
+            self.history.append("rotate", old, actor, {
+                "replacedBy": uid, "retiresAt": retires and format_timestamp(retires)})
             return new
 
-    def revoke_tokens(self, key_or_uid, issued_before):
+    def revoke_tokens(self, key_or_uid, issued_before, actor=LOCAL):
         """Revoke the key's tenant tokens issued before `issued_before` (Unix
         seconds; a later revocation's time wins over an earlier one's)."""
         with self._changing():
@@ -4087,9 +4298,11 @@ class KeyStore:
             before = max(issued_before, old.issued_before or issued_before)
             self._commit(key.with_revocation(
                 TokenRevocation(before, old.denied).pruned(int(time.time()))))
+            self.history.append("revoke-tokens", key, actor, {
+                "issuedBefore": format_timestamp(before * 10 ** 9)})
             return self._keys[key.uid]
 
-    def revoke_token(self, key_or_uid, token, exp):
+    def revoke_token(self, key_or_uid, token, exp, actor=LOCAL):
         """Deny one tenant token of the key (verified by the caller) until its `exp`."""
         with self._changing():
             key = self.find(key_or_uid)
@@ -4102,6 +4315,7 @@ class KeyStore:
                                "issued before a time with `POST /keys/%s/revoke-tokens` instead."
                                % (key.uid, MAX_REVOKED_TOKENS, key.uid))
             self._commit(key.with_revocation(TokenRevocation(old.issued_before, denied)))
+            self.history.append("revoke-token", key, actor, {"revokedTokens": len(denied)})
             return self._keys[key.uid]
 
     def sweep(self):
@@ -4157,31 +4371,44 @@ class KeyStore:
         make the change live."""
         self._commit_all([key] if key is not None else [], [removed] if removed else [])
 
-    def _commit_all(self, keys, removed):
-        """Write the store with `keys` put, the uids `removed` deleted and the
-        rotated keys past their grace period dropped, in one write, then make
+    def _commit_all(self, keys, removed, tombstones=None):
+        """Write the store with `keys` put, the uids `removed` deleted, the
+        rotated keys past their grace period dropped, and `tombstones` (None:
+        the ones held) without those past their days, in one write, then make
         it live; StoreWriteError leaves everything as it was. The caller
         holds the store (_changing) or is the constructor."""
         now = time.time_ns()
         removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
         changed = {key.uid: key for key in keys}
+        kept = [changed.get(uid, old) for uid, old in self._keys.items() if uid not in removed]
+        added = [key for uid, key in changed.items() if uid not in self._keys]
+        # an update keeps its place, a new key goes last: the file stays in createdAt order;
+        # a restored key goes back to its place
+        restored = kept and added and added[0].created_ns < kept[-1].created_ns
+        kept_tombstones = {t.key.uid: t for t in reversed(self._restorable(
+            self._tombstones if tombstones is None else tombstones))}  # oldest deletion first
         if self._file:
-            # an update keeps its place, a new key goes last: the file stays in createdAt order
-            records = [changed.get(uid, old).stored_json() for uid, old in self._keys.items()
-                       if uid not in removed]
-            records += [key.stored_json() for uid, key in changed.items()
-                        if uid not in self._keys]
-            self._write(records, lambda uid: uid not in removed and uid in self._keys)
+            ordered = sorted(kept + added, key=lambda key: key.created_ns) if restored \
+                else kept + added
+            self._write([key.stored_json() for key in ordered],
+                        lambda uid: uid not in removed and uid in self._keys,
+                        kept_tombstones.values())
         for key in keys:
             self._put(key)
         for uid in removed:
             self._remove(uid)
+        if restored:
+            self._keys = {key.uid: key for key in sorted(self._keys.values(),
+                                                         key=lambda key: key.created_ns)}
+        self._tombstones = kept_tombstones
 
-    def _write(self, records, keep):
-        """Write `records` with the usage totals of the uids `keep(uid)` holds."""
+    def _write(self, records, keep, tombstones):
+        """Write `records` and `tombstones` with the usage totals of the
+        uids `keep(uid)` holds."""
         totals, taken = self.usage.take(keep)
         try:
-            self._file.write(records, usage_section(totals), self.fingerprint)
+            self._file.write(records, usage_section(totals), self.fingerprint,
+                             [tombstone.stored_json() for tombstone in tombstones])
         except StoreWriteError:
             self.usage.give_back(taken)  # still to be saved
             raise
@@ -4194,7 +4421,8 @@ class KeyStore:
             return
         try:
             with self._changing():
-                self._write(self._records(), self._keys.__contains__)
+                self._write(self._records(), self._keys.__contains__,
+                            self._tombstones.values())
         except StoreWriteError as exc:
             self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
@@ -4373,7 +4601,8 @@ class StoreFile:
 
     def parse(self, data):
         """(the key records, the master key fingerprint or None, the usage
-        section or None) of a store document; StoreError if it is not one."""
+        section or None, the deleted keys' records or None) of a store
+        document; StoreError if it is not one."""
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -4389,7 +4618,7 @@ class StoreFile:
                                             and _FINGERPRINT_RE.match(fingerprint)):
             raise StoreError("store %s has a bad masterKeyFingerprint; the file is left "
                              "untouched" % self.shown)
-        return document["keys"], fingerprint, document.get("usage")
+        return document["keys"], fingerprint, document.get("usage"), document.get("deleted")
 
     def remove_stale_temp_files(self):
         # temp files of a process killed mid-write: the lock is held, so no one writes one now
@@ -4401,15 +4630,18 @@ class StoreFile:
         except OSError:
             pass  # harmless leftovers; the next start tries again
 
-    def write(self, records, usage=None, fingerprint=None):
+    def write(self, records, usage=None, fingerprint=None, deleted=()):
         """Replace the document with `records` (JSON texts, one a line), the
-        `usage` section (left out when empty) and the master key's
+        `deleted` keys' records (the same; the section left out when empty),
+        the `usage` section (left out when empty) and the master key's
         `fingerprint` atomically, or raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         header = self._HEADER if fingerprint is None \
             else self._FINGERPRINTED_HEADER % fingerprint.encode()
         body = ",\n".join(records).encode("utf-8")
         data = header + body + (b"\n]" if records else b"]")
+        if deleted:  # before usage: _keys_end's digest covers it
+            data += b',\n"deleted": [\n' + ",\n".join(deleted).encode("utf-8") + b"\n]"
         if usage:
             data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
         data += b"}\n"
@@ -4455,9 +4687,9 @@ _USAGE_TAIL = b'\n],\n"usage": '
 
 
 def _keys_end(data):
-    """Where the keys of a document in write()'s layout end (its last
-    "\n]", then "}\n" or the usage section: compact JSON has no newline),
-    or None if `data` is not in that layout."""
+    """Where the keys (and the deleted keys after them) of a document in
+    write()'s layout end (its last "\n]", then "}\n" or the usage section:
+    compact JSON has no newline), or None if `data` is not in that layout."""
     end = data.rfind(b"\n]")
     tail = data[end:]
     if end < 0 or not (tail == b"\n]}\n"
@@ -4476,6 +4708,170 @@ def _fsync_folder(folder):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+HISTORY_CHANGES = ("create", "update", "restrict", "rotate", "delete", "restore",
+                   "revoke-tokens", "revoke-token")
+MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
+MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
+MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
+_HISTORY_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO: no wait
+
+
+class KeyHistory:
+    """Who changed which key, when and how: one JSON line per change, appended
+    beside the store (FILE.history, 0600, opened without following a link),
+    or, without a store file, the last MAX_HISTORY_BYTES of lines in memory.
+
+    A line holds `at`, `change` (HISTORY_CHANGES), the key's `uid` and
+    `name`, `by` (the uid of the key that made it, "master" or LOCAL) and
+    `fields` (what changed: names and new values; never a key's value or a
+    token). The KeyStore appends it once the change is written, while it
+    holds the store's lock, so lines follow the order of changes and one
+    process at a time appends, each line in one write (O_APPEND) and
+    fsync'd before the answer. The change is what counts: a line that
+    cannot be appended is logged and counted (`failures`), never undoes it.
+    Bounded: past MAX_HISTORY_BYTES the file is renamed FILE.history.1
+    (replacing the one before), so the last 4-8 MiB are kept."""
+
+    def __init__(self, store_path, log):
+        self.path = store_path and store_path + ".history"
+        self.log = log
+        self.failures = 0  # lines that could not be appended, in this process
+        self._memory = None if self.path else collections.deque()  # lines, oldest first
+        self._memory_bytes = 0
+        self._memory_lock = threading.Lock()
+
+    def append(self, change, key, by, fields):
+        line = history_line({"at": format_timestamp(time.time_ns()), "change": change,
+                             "uid": key.uid, "name": key.name, "by": by, "fields": fields})
+        if self._memory is not None:
+            with self._memory_lock:
+                self._memory.append(line)
+                self._memory_bytes += len(line)
+                while self._memory_bytes > MAX_HISTORY_BYTES:
+                    self._memory_bytes -= len(self._memory.popleft())
+            return
+        try:
+            self._append_line(line)
+        except OSError as exc:
+            self.failures += 1
+            self.log("searchkeys: warning: key %s was changed (%s), but the line saying so could "
+                     "not be added to %s: %s" % (key.uid, change, self.path,
+                                                 _history_error(exc)))
+
+    def _append_line(self, line):
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _HISTORY_OPEN, 0o600)
+        try:
+            info = _regular_file(fd)
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+            if os.write(fd, line) != len(line):
+                raise OSError("the line was written in part")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder = os.path.dirname(self.path)
+        if info.st_size + len(line) > MAX_HISTORY_BYTES:
+            os.replace(self.path, self.path + ".1")
+            _fsync_folder(folder)
+        elif info.st_size == 0:  # a new file: its name must survive a power loss too
+            _fsync_folder(folder)
+
+    def entries(self, uid=None):
+        """The changes (of the key `uid`, or all), newest first: the key's
+        own, and a rotation that replaced a key by it. StoreError if the
+        file cannot be read."""
+        if self._memory is not None:
+            with self._memory_lock:
+                blobs = [b"".join(self._memory)]
+        else:
+            blobs = self._read_files()
+        entries = [entry for data in blobs for entry in _history_entries(data, uid)]
+        if uid is not None:
+            entries = [entry for entry in entries if uid in (
+                entry["uid"], entry["fields"].get("replacedBy"))]
+        entries.reverse()
+        return entries
+
+    def _read_files(self):
+        """The bytes of FILE.history.1 then FILE.history (the last
+        MAX_HISTORY_BYTES of each, cut at a line's start): the current file is
+        opened first, so a rotation meanwhile is seen once, not twice."""
+        opened = []
+        try:
+            for path in (self.path, self.path + ".1"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | _HISTORY_OPEN)
+                except FileNotFoundError:
+                    continue
+                opened.append(fd)
+                info = _regular_file(fd)
+                if any(_signature(os.fstat(other))[:2] == _signature(info)[:2]
+                       for other in opened[:-1]):
+                    opened.pop()
+                    os.close(fd)
+            blobs = []
+            for fd in reversed(opened):
+                size = os.fstat(fd).st_size
+                start = max(0, size - MAX_HISTORY_BYTES - MAX_HISTORY_LINE)
+                data = os.pread(fd, size - start, start)
+                blobs.append(data[data.find(b"\n") + 1:] if start else data)
+            return blobs
+        except OSError as exc:
+            raise StoreError("cannot read the history %s: %s"
+                             % (self.path, _history_error(exc)))
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+
+def history_line(entry):
+    """A history entry as one line of at most MAX_HISTORY_LINE bytes: when
+    it would be longer, its name is cut (to MAX_HISTORY_NAME characters and
+    "..."), then, if that is not enough, its values are left out (`fields`
+    null each, `valuesLeftOut`: restrictions may reach 16 KiB)."""
+    def encoded(entry):
+        return (compact_json(entry) + "\n").encode("utf-8", "surrogatepass")
+    line, name = encoded(entry), entry["name"]
+    if len(line) > MAX_HISTORY_LINE and name and len(name) > MAX_HISTORY_NAME:
+        entry = dict(entry, name=name[:MAX_HISTORY_NAME] + "...")
+        line = encoded(entry)
+    if len(line) > MAX_HISTORY_LINE:
+        entry = dict(entry, fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
+        line = encoded(entry)
+    return line
+
+
+def _history_entries(data, uid):
+    """The entries of history lines `data` (of key `uid` only, when given,
+    as a quick test before parsing); a line that is not one is skipped."""
+    needle = uid.encode() if uid is not None else b""
+    for line in data.splitlines():
+        if needle not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("uid"), str) \
+                and isinstance(entry.get("fields"), dict):
+            yield entry
+
+
+def _regular_file(fd):
+    """os.fstat of `fd`, which must be a regular file (not a FIFO or device
+    planted in its place)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError("not a regular file")
+    return info
+
+
+def _history_error(exc):
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        return "it is a symbolic link, which is not followed (remove it)"
+    return exc.strerror or str(exc)
 
 
 # =============================================================================
@@ -6307,10 +6703,30 @@ class Client:
         body.update(actions=list(actions), indexes=list(indexes), expiresAt=expires_at)
         return self.request("POST", "/keys", body)
 
-    def list_keys(self, offset=None, limit=None):
-        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+    def list_keys(self, offset=None, limit=None, path="/keys"):
+        """GET /keys (or another listing: `path`), a page of it."""
+        params = _page_parameters(offset, limit)
         query = "?" + urllib.parse.urlencode(params) if params else ""
-        return self.request("GET", "/keys" + query)
+        return self.request("GET", path + query)
+
+    def history(self, key_or_uid=None, offset=None, limit=None):
+        """GET /keys/history (searchkeys only): a page of the changes to keys,
+        newest first; of one key when given (its uid, or the value of a key
+        that exists, looked up). A server without it is a ClientError saying so."""
+        params = []
+        if key_or_uid is not None:
+            try:
+                params.append(("key", parse_uuid(key_or_uid)))
+            except ValueError:
+                params.append(("key", self.get_key(key_or_uid)["uid"]))
+        try:
+            return self.request("GET", "/keys/history?" + urllib.parse.urlencode(
+                params + _page_parameters(offset, limit)))
+        except ClientError as exc:
+            if exc.status not in (404, 405):  # Meilisearch: key `history` not found
+                raise
+            raise ClientError(exc.status, "no_history_api", "%s keeps no history of keys (a "
+                              "Meilisearch?): only searchkeys.py serve does" % self.url)
 
     def get_key(self, key_or_uid):
         return self.request("GET", _key_path(key_or_uid))
@@ -6331,10 +6747,9 @@ class Client:
         """GET /keys, each key used from a browser flagged with its
         `seenFromBrowserAt` (searchkeys' usage, for the master key; from a
         Meilisearch, or with another key, the plain listing)."""
-        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
         try:
             listing = self.request("GET", "/keys?" + urllib.parse.urlencode(
-                [("usage", "true")] + params))
+                [("usage", "true")] + _page_parameters(offset, limit)))
             results = listing["results"]
             usages = [key.pop("usage") for key in results]
             for key, usage in zip(results, usages):
@@ -6385,6 +6800,11 @@ class Client:
 
 def _key_path(key_or_uid):
     return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
+
+
+def _page_parameters(offset, limit):
+    return [(name, value) for name, value in (("offset", offset), ("limit", limit))
+            if value is not None]
 
 
 def no_such_route(error):
@@ -6646,6 +7066,14 @@ def positive_int(text):
     return number
 
 
+def tombstone_days(text):
+    """--tombstone-days value -> int: 0 (deleted keys are not kept) to MAX_TOMBSTONE_DAYS."""
+    days = int(text)
+    if not 0 <= days <= MAX_TOMBSTONE_DAYS:
+        raise ValueError("%s is not 0 to %d" % (text, MAX_TOMBSTONE_DAYS))
+    return days
+
+
 def worker_count(text):
     """--workers value -> int: a count of 1 or more, or `auto`: one per core
     this process may run on."""
@@ -6737,6 +7165,11 @@ def add_serve_command(commands):
                             "within 1 s. Each keeps its own rate counters, failure throttle, "
                             "metrics and usage counts not saved yet (usage is added into the "
                             "store every 5 s)")
+    serve.add_argument("--tombstone-days", type=_argument_type(tombstone_days, "days"),
+                       default=DEFAULT_TOMBSTONE_DAYS, metavar="N",
+                       help="days a deleted key is kept in the store and can be restored "
+                            "(POST /keys/UID/restore); 0: deleted keys are not kept (%d)"
+                            % DEFAULT_TOMBSTONE_DAYS)
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics, besides "
                             "the master key")
@@ -6804,6 +7237,21 @@ def build_parser():
     key_commands.add_parser("usage", parents=[common],
                             help="each key's requests allowed and refused, most used first "
                                  "(searchkeys only)")
+    history = key_commands.add_parser(
+        "history", parents=[common], help="who changed which key, when and how, newest first "
+                                          "(searchkeys only)")
+    history.add_argument("key_or_uid", metavar="KEY_OR_UID", nargs="?",
+                         help="only this key's changes (its uid, or its value while it exists)")
+    deleted = key_commands.add_parser(
+        "deleted", parents=[common], help="the deleted keys that can be restored, most "
+                                          "recently deleted first (searchkeys only)")
+    restore = key_commands.add_parser(
+        "restore", parents=[common], help="bring a deleted key back: same uid, value and "
+                                          "restrictions (searchkeys only; master key)")
+    restore.add_argument("uid", metavar="UID", help="the deleted key's uid (see keys deleted)")
+    for paged in (history, deleted):
+        paged.add_argument("--offset", type=int, help="entries to skip (0)")
+        paged.add_argument("--limit", type=int, help="entries to show at most (20)")
     rotate = key_commands.add_parser(
         "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
                                          "working for a grace period")
@@ -6902,13 +7350,15 @@ def keep_store(store, stop):
     """serve's store keeper, until the Event `stop` is set: takes in what
     other processes wrote every STORE_POLL_SECONDS, saves the usage
     counts every USAGE_FLUSH_SECONDS, and looks for keys expiring soon
-    every EXPIRY_CHECK_SECONDS (ExpiryWarnings)."""
+    (ExpiryWarnings) and purges deleted keys past their days every
+    EXPIRY_CHECK_SECONDS."""
     flushed, checked, warnings = time.monotonic(), None, ExpiryWarnings()
     while True:
         if checked is None or time.monotonic() - checked >= EXPIRY_CHECK_SECONDS:
             now, checked = time.time_ns(), time.monotonic()
             for line in warnings.lines(store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, now), now):
                 store.log(line)
+            store.purge_tombstones()
         if stop.wait(STORE_POLL_SECONDS):
             return
         store.refresh()
@@ -6947,7 +7397,8 @@ def run_serve(args):
     except OSError as exc:  # a busy port, an unknown host
         return cannot_listen(args, exc)
     try:
-        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
+        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed,
+                         args.tombstone_days)
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
@@ -7115,6 +7566,14 @@ def run_keys(args):
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
+    elif command == "history":
+        print(history_table(client.history(args.key_or_uid, args.offset, args.limit)))
+        return 0
+    elif command == "deleted":
+        listing = client.list_keys(args.offset, args.limit, "/keys/deleted")
+        return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
+    elif command == "restore":
+        key = client.request("POST", _key_path(args.uid) + "/restore")
     else:
         client.delete_key(args.key_or_uid)
         return 0
@@ -7152,6 +7611,21 @@ def usage_table(keys):
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths))
                      .rstrip() for row in rows)
+
+
+def history_table(page):
+    """A page of GET /keys/history as a text table, newest first: when, what
+    change, which key, by whom, and the fields it set (JSON)."""
+    rows = [["AT", "CHANGE", "UID", "NAME", "BY", "FIELDS"]]
+    for entry in page.get("results", []):
+        rows.append([entry.get("at"), entry.get("change"), entry.get("uid"),
+                     printable(entry.get("name") or "-")[:40], entry.get("by"),
+                     printable(compact_json(entry.get("fields") or {}))])
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " +
+             row[-1] for row in rows]
+    lines.append("(%d of %d changes)" % (len(rows) - 1, page.get("total", 0)))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def restrict_created_key(client, key):
@@ -7265,12 +7739,14 @@ def check_client_args(parser, args):
                 parse_grace(args.grace)
             except ValueError as exc:
                 raise ValueError("--grace `%s`: %s" % (args.grace, exc))
-        elif args.command == "keys" and args.keys_command == "list":
+        elif args.command == "keys" and args.keys_command in ("list", "history", "deleted"):
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
-            if args.expiring is not None:
+            if args.keys_command == "list" and args.expiring is not None:
                 args.expiring = parse_duration(args.expiring, "--expiring", MAX_EXPIRING)
+        elif args.command == "keys" and args.keys_command == "restore":
+            args.uid = check_uid(args.uid, "UID")
         elif args.command == "token":
             args.uid = check_uid(args.uid)
             try:
@@ -7312,11 +7788,11 @@ def check_connection_args(args):
         raise ValueError("--key holds a character that cannot be sent in an HTTP header")
 
 
-def check_uid(text):
+def check_uid(text, shown="--uid"):
     try:
         return parse_uuid(text)
     except ValueError as exc:
-        raise ValueError("--uid `%s` is not a UUID: %s" % (text, exc))
+        raise ValueError("%s `%s` is not a UUID: %s" % (shown, text, exc))
 
 
 def main(argv=None):

@@ -1896,7 +1896,9 @@ def test_damage_to_any_store_file_after_a_crash_stops_the_start(tmp_path):
         s.stop(signal.SIGKILL)  # leave whatever is on disk mid-life
     finally:
         s.close()
-    files = [p for p in check_store_files(tmp_path, []) if p.stat().st_size >= 40]
+    # the history beside the store is not read at start: a damaged line of it is skipped
+    files = [p for p in check_store_files(tmp_path, []) if p.stat().st_size >= 40
+             and not p.name.endswith(".history")]
     assert files
     for path in files:
         original = path.read_bytes()

@@ -1062,7 +1062,8 @@ def test_file_store_survives_reopen_and_holds_no_secrets(tmp_path):
     document = store_document(path)
     assert [r["uid"] for r in document["keys"]][-1] == kept.uid
     assert document["keys"][-1]["description"] == "d" and len(document["keys"]) == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
     store.close()
     for file in tmp_path.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o600
@@ -1107,7 +1108,8 @@ def test_symlinked_store_is_written_through_to_its_target(tmp_path):
     assert sk.KeyStore(MASTER, str(link)).by_uid(made.uid).name == "through"
     # the lock file sits beside the target: processes reaching the store by either name
     # take turns on one lock
-    assert sorted(p.name for p in target.parent.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in target.parent.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
     assert not (tmp_path / "keys.json.lock").exists()
 
 
@@ -1189,7 +1191,10 @@ def test_failed_write_is_not_applied(tmp_path, monkeypatch):
     with pytest.raises(sk.StoreWriteError):
         store.delete(before[0][0].uid)
     assert store.page(0, 100) == before and path.read_bytes() == document
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
+    # nor in the history: only the four default keys' creation is there
+    assert len((tmp_path / "keys.json.history").read_text().splitlines()) == 4
     monkeypatch.undo()
     store.create(new_fields(name="works again"))
     store.close()
