@@ -3755,7 +3755,8 @@ class KeysPage:
         handler for the page's principal; raises its refusal."""
         route = ROUTE_INDEX[method, pattern]
         data = b"" if body is None else compact_json(body).encode()
-        target = pattern.replace("{key}", urllib.parse.quote(params.get("key", ""), safe=""))
+        target = re.sub(r"\{(\w+)\}", lambda name: urllib.parse.quote(params[name.group(1)],
+                                                                     safe=""), pattern)
         request = Request(method, target, RequestHeaders("Content-Type: application/json\n"),
                           Body(io.BytesIO(data), len(data)), call.request.peer)
         answer = route.handler(self.service, Call(request, route, None, params, call.principal))

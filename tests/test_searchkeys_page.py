@@ -7,11 +7,15 @@ handlers, and only from the page itself (same origin and the page's nonce). Blac
 headless Chromium in a phone-sized window."""
 import base64
 import datetime
+import http.server
 import json
 import re
+import threading
 import urllib.parse
 
 import pytest
+
+import searchkeys as sk
 
 from test_searchkeys_restrictions import (  # noqa: F401 (backend: the stand-in's fixture)
     ADMIN, MASTER, backend, new_key, serve)
@@ -266,6 +270,42 @@ def test_in_a_browser_create_rotate_and_delete_work_and_the_api_sees_them(browse
     assert page_problems(browser) == []
 
 
+def test_in_a_browser_a_form_from_another_site_changes_nothing(browser, guard):
+    """Another site's page (here another port: same site, another origin) posts the delete
+    form, even with a nonce it somehow holds: the browser says where the form comes from."""
+    victim = new_key(guard, None, ["search"])
+    nonce = nonce_of(page(guard)[2])
+    form = ('<!DOCTYPE html><form method="post" action="http://127.0.0.1:%d/keys/page">'
+            '<input type="hidden" name="nonce" value="%s"><input type="hidden" name="change" '
+            'value="delete"><input type="hidden" name="uid" value="%s"><button id="go">win'
+            '</button></form>' % (guard.port, nonce, victim["uid"])).encode()
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(form)))
+            self.end_headers()
+            self.wfile.write(form)
+
+        def log_message(self, *args):
+            pass
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)  # (speculative
+    # connections a browser opens and leaves idle must not hold the one that is asked)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    try:
+        open_page(browser, guard)  # signed in: the browser holds the master key for the page
+        browser.get("http://127.0.0.1:%d/" % site.server_address[1])
+        browser.find_element("id", "go").click()
+        wait_for(browser, lambda: "nothing was changed" in browser.page_source, "the refusal")
+        assert "another site (Sec-Fetch-Site: same-site)" in browser.page_source
+        assert key_named(guard, victim["uid"])[0] == 200
+    finally:
+        site.shutdown()
+        site.server_close()
+    browser.get_log("browser")  # (the refusal's 403 is the test's, not the page's, problem)
+
+
 def test_in_a_browser_a_hostile_key_name_runs_nothing(browser, guard):
     status, _, data = guard.request("POST", "/keys", json.dumps({
         "name": HOSTILE, "actions": ["search"], "indexes": ["*"], "expiresAt": None}), ADMIN)
@@ -274,3 +314,32 @@ def test_in_a_browser_a_hostile_key_name_runs_nothing(browser, guard):
     assert browser.execute_script("return window.pwned") is None
     assert HOSTILE in browser.find_element("id", "key-" + uid).text
     assert page_problems(browser) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure parts no test can wait for: an hour's nonce, a day of hourly counts
+# ---------------------------------------------------------------------------------------------
+
+def test_a_page_nonce_holds_for_an_hour_from_its_page_and_with_its_master_key():
+    nonces, now = sk.PageNonces(MASTER), 1800000000
+    nonce = nonces.mint(now)
+    assert nonces.valid(nonce, now) and nonces.valid(nonce, now + 3600)
+    assert not nonces.valid(nonce, now + 3601) and not nonces.valid(nonce, now - 1)
+    assert not sk.PageNonces(MASTER + "x").valid(nonce, now)
+    assert nonces.mint(now) != nonce  # one a page
+    assert not sk.PageNonces(None).valid(nonce, now)
+
+
+def test_hourly_counts_keep_the_last_day_per_key():
+    usage, hour = sk.Usage(), 3600 * 10 ** 9
+    start = 500000 * hour
+    for at, count in ((start, 3), (start + hour, 1), (start + 30 * hour, 2)):
+        for _ in range(count):
+            usage.count("k", None, at + 5)
+    assert usage.hourly("k", start + hour) == [0] * 22 + [3, 1]
+    assert usage.hourly("k", start + 24 * hour) == [1] + [0] * 23  # start's hour is past
+    assert usage.hourly("k", start + 30 * hour) == [0] * 23 + [2]  # a reused bucket starts at 0
+    usage.count("k", "index", start + 30 * hour)
+    assert usage.hourly("k", start + 30 * hour)[-1] == 3 and usage.hourly("j", start) == [0] * 24
+    usage.load(None, {})  # the key is gone (another process deleted it): so are its hours
+    assert usage.hourly("k", start + 30 * hour) == [0] * 24
