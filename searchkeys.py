@@ -39,8 +39,9 @@ service, the routes, the gate (restrictions, then authentication and the
 permission model), the decision and the handler rules it applies, usage and
 metrics, the /keys API and its store, the upstream; then the pure libraries
 (restrictions, validation, UUIDs, dates, key derivation, tenant tokens), the
-client and the command line. The route table, which names handlers and rules
-from all over, is built last, at the end of the file.
+client and the command line; an appendix holds the keys page's HTML. The route
+table, which names handlers and rules from all over, is built last, at the end
+of the file.
 """
 
 import argparse
@@ -55,6 +56,7 @@ import functools
 import hashlib
 import heapq
 import hmac
+import html
 import http.client
 import http.server
 import io
@@ -1176,6 +1178,7 @@ class Service:
         self.store = store
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
+        self.keys_page = KeysPage(self, master_key)
         self.gate = Gate(self.guard, limits)
         self.upstream = upstream
         self.log = log or (lambda message: None)
@@ -1224,7 +1227,8 @@ class Service:
             return Response(405)
         route, index, params = found
         request.family = route.family
-        principal = self.gate.check(request, route.actions, index) if route.gated else OPEN
+        principal = self.gate.check(request, route.actions, index, route.people) \
+            if route.gated else OPEN
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
@@ -1448,7 +1452,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated joins")):
+                 "forced carrier family gated joins people")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1468,23 +1472,27 @@ class Route(collections.namedtuple(
     - `gated`: the Gate checks its credential before the handler (/metrics
       checks its own: its token may stand in);
     - `joins`: it searches documents, whose hits may carry documents of the
-      indexes the searched one joins (check_joins)."""
+      indexes the searched one joins (check_joins);
+    - `people`: a page for people (the keys page): the master key alone
+      opens it, given as HTTP Basic's password (any user name) or as Bearer,
+      and from a browser, the one place where browser_refusal does not keep
+      it out; anything else gets 401 with a Basic challenge (Gate.check)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
-                joins=False):
+                joins=False, people=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
                                route_family(pattern, handler is not Service.forward), gated,
-                               joins)
+                               joins, people)
 
     @property
     def is_meilisearch(self):
         """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/ are not)?"""
+        its additions under /keys/, the keys page among them, are not)?"""
         return self.family != "authorize" and not (self.pattern.startswith("/keys/")
                                                    and self.pattern != "/keys/{key}")
 
@@ -1550,6 +1558,10 @@ def build_routes():
         # before /keys/{key}: no key has these uids or values
         Route("GET", "/keys/history", ("keys.get",), handler=on_keys_api(KeysApi.history)),
         Route("GET", "/keys/deleted", ("keys.get",), handler=on_keys_api(KeysApi.deleted_keys)),
+        Route("GET", "/keys/page", ("keys.get",), people=True,
+              handler=lambda service, call: service.keys_page.show(call)),
+        Route("POST", "/keys/page", ("keys.create", "keys.delete"), people=True,
+              handler=lambda service, call: service.keys_page.change(call)),
         Route("GET", "/keys/{key}", ("keys.get",), handler=on_keys_api(KeysApi.get_key)),
         Route("PATCH", "/keys/{key}", ("keys.update",),
               handler=on_keys_api(KeysApi.update_key)),
@@ -1830,10 +1842,39 @@ def browser_refusal(principal, headers):
     return refused("browser", error)
 
 
+def basic_as_bearer(authorization):
+    """A browser's `Basic base64(user:password)` as the `Bearer password`
+    Guard.check reads (pages for people only: the API takes Bearer alone,
+    so a browser's remembered Basic password never reaches it); anything
+    else as it is."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "basic":
+        return authorization
+    try:
+        user_and_password = base64.b64decode(given.strip(), validate=True).decode("utf-8")
+    except ValueError:  # not base64, or not UTF-8
+        return "Bearer "
+    _, colon, password = user_and_password.partition(":")
+    return "Bearer " + (password if colon else "")
+
+
+def sign_in_refusal(reason, key):
+    """A page for people's refusal of a credential (for `reason`, of `key`
+    if it named one: usage and metrics count it): 401 with a Basic
+    challenge, so that a browser asks for the master key."""
+    refusal = ApiError(401, "master_key_required", "This page is for the master key: give it "
+                       "as the password (any user name), or as `Authorization: Bearer`.", "auth")
+    refusal.reason, refusal.key = reason, key
+    refusal.headers = [("WWW-Authenticate", 'Basic realm="searchkeys", charset="UTF-8"')] + \
+        NOT_CACHEABLE
+    return refusal
+
+
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
     throttle get 429 before their credential is looked at; an admin
-    credential sent from a browser is refused (browser_refusal); an
+    credential sent from a browser is refused (browser_refusal), but on a
+    page for people (Route.people), which the master key alone opens; an
     authorized key's (or tenant token's parent key's) restrictions are then
     applied, and a search enters the key's places (`enter`, for
     Decision.concurrent)."""
@@ -1852,25 +1893,35 @@ class Gate:
             forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
         return client_address(request.peer or "", forwarded, trusted)
 
-    def check(self, request, actions, index):
+    def check(self, request, actions, index, people=False):
         """The Principal, as Guard.check; raises its refusals, 403 for an
-        address or referrer the key does not allow, 429 over a rate."""
+        address or referrer the key does not allow, 429 over a rate.
+        `people`: the route is a page for people (Route.people): the master
+        key only, as Bearer or Basic, from browsers too; else 401."""
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
             left = self.failures.throttled(counter_client(address))
             if left is not None:
                 raise too_many_failures(left, throttle)
+        authorization = request.headers.get("Authorization")
         try:
-            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+            principal = self.guard.check(basic_as_bearer(authorization) if people
+                                         else authorization, actions, index)
         except ApiError as error:
             if error.reason is None:  # no key: none, an unknown one, a bad tenant token
                 error.reason = "credential"
             if throttle is not None and actions and \
                     not self.failures.fail(counter_client(address)):
                 raise too_many_failures(throttle.window, throttle)
+            if people and error.code != "missing_master_key":  # (no master key: no page)
+                raise sign_in_refusal(error.reason, error.key)
             raise
         key = request.key = principal.key
+        if people:
+            if principal is not MASTER:
+                raise sign_in_refusal("action", key)
+            return principal
         refusal = browser_refusal(principal, request.headers)
         if refusal is not None:
             raise refusal
@@ -3117,26 +3168,31 @@ USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
 EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
 DAY_NS = 86400 * 10 ** 9
+HOUR_NS = 3600 * 10 ** 9
+USAGE_HOURS = 24  # the hours of requests per key the keys page charts (in memory, per process)
 EXPIRY_CHECK_SECONDS = 60.0  # how often serve looks for keys expiring soon, to log them
 MAX_EXPIRED_SEEN = 100000  # expired keys remembered as used, for their first-use counter
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Usage:
-    """Per key (by uid): requests allowed, refused by reason, last used.
+    """Per key (by uid): requests allowed, refused by reason, last used;
+    and its requests in each of the last USAGE_HOURS hours (`hourly`).
 
     A request costs a few increments under one lock, in this process's
     memory. The KeyStore saves them with each change of keys and, when there
     are some, every USAGE_FLUSH_SECONDS (a kill -9 loses at most those last
     seconds): saving adds them to the totals the store file holds, to which
     every process sharing the store adds its own. A key's usage reads as
-    those saved totals plus this process's counts not saved yet."""
+    those saved totals plus this process's counts not saved yet. The hourly
+    counts are this process's alone, in memory only: a chart's, not a record."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._saved = {}   # uid -> counts: the store file's totals, as last read or written
         self._counts = {}  # uid -> counts of this process, not saved yet
         # counts: [allowed, one per USAGE_REASONS..., seen from a browser ns, last used ns]
+        self._hours = {}  # uid -> [requests in hour h at h % USAGE_HOURS..., then which h each]
 
     @property
     def changed(self):
@@ -3157,11 +3213,29 @@ class Usage:
             counts[-1] = now_ns
             if browser:
                 counts[-2] = now_ns
+            hour = now_ns // HOUR_NS
+            hours = self._hours.get(uid)
+            if hours is None:
+                hours = self._hours[uid] = [0] * (2 * USAGE_HOURS)
+            at = hour % USAGE_HOURS
+            if hours[USAGE_HOURS + at] != hour:  # the bucket held an hour a day or more ago
+                hours[USAGE_HOURS + at], hours[at] = hour, 0
+            hours[at] += 1
+
+    def hourly(self, uid, now_ns):
+        """Key `uid`'s requests (allowed or refused) in each of the last
+        USAGE_HOURS hours, oldest first, the current hour last: this process's."""
+        now = now_ns // HOUR_NS
+        with self._lock:
+            hours = self._hours.get(uid) or [0] * (2 * USAGE_HOURS)
+            return [hours[hour % USAGE_HOURS] if hours[USAGE_HOURS + hour % USAGE_HOURS] == hour
+                    else 0 for hour in range(now - USAGE_HOURS + 1, now + 1)]
 
     def forget(self, uid):
         with self._lock:
             self._saved.pop(uid, None)
             self._counts.pop(uid, None)
+            self._hours.pop(uid, None)
 
     def to_json(self, uid):
         """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never)
@@ -3219,6 +3293,8 @@ class Usage:
                     saved[uid] = counts
         with self._lock:
             self._saved = saved
+            # (keys another process deleted: their hours go with them)
+            self._hours = {uid: hours for uid, hours in self._hours.items() if uid in keys}
         return problems
 
 
@@ -3586,6 +3662,176 @@ def on_keys_api(method):
     def handler(service, call):
         return method(service.keys_api, call)
     return handler
+
+
+# The keys page (GET /keys/page) and its forms (POST /keys/page): for people,
+# with the master key (Route.people); its HTML is the appendix at the end.
+
+PAGE_NONCE_SECONDS = 3600  # how long a served page's forms may be sent back
+PAGE_FORM_MAX = 4096  # bytes of a form the keys page takes
+PAGE_KEYS_SHOWN = 1000  # keys the page lists, newest first (`keys list` pages through all)
+PAGE_REVEAL_SECONDS = 60  # a key made this recently shows its value, on the page after the change
+
+
+class PageNonces:
+    """The nonce each served keys page puts in its forms, which a change
+    must send back: unguessable (random), bound to the page it was served
+    with (its random part and time, signed), valid PAGE_NONCE_SECONDS,
+    compared in constant time. Signed with a secret derived from the master
+    key rather than kept, so that memory holds none, and any of `serve
+    --workers`' processes checks the nonce of a page another one served."""
+
+    def __init__(self, master_key):
+        self._secret = None if master_key is None else hmac.new(
+            master_key.encode(), b"searchkeys keys page nonce", hashlib.sha256).digest()
+
+    def mint(self, now):
+        served = "%x.%s" % (int(now), secrets.token_urlsafe(16))
+        return served + "." + self._signature(served)
+
+    def valid(self, nonce, now):
+        served, _, signature = nonce.rpartition(".")
+        if self._secret is None or not hmac.compare_digest(
+                self._signature(served).encode(), signature.encode("utf-8", "replace")):
+            return False
+        return 0 <= now - int(served.partition(".")[0], 16) <= PAGE_NONCE_SECONDS
+
+    def _signature(self, served):
+        return base64.urlsafe_b64encode(hmac.new(self._secret, served.encode("utf-8", "replace"),
+                                                 hashlib.sha256).digest()).decode().rstrip("=")
+
+
+def page_change_refused(message):
+    return ApiError(403, "keys_page_change_refused", message, "auth")
+
+
+def cross_site(headers):
+    """Why a form sent to the keys page comes from another site, or None:
+    its `Sec-Fetch-Site` is not `same-origin`, or its `Origin` is not this
+    server as the request names it (`Host`). Headers a client can forge
+    only count against it: without them it passes (the nonce still holds).
+    (The page's `Referrer-Policy: no-referrer` makes a browser send its
+    forms with `Origin: null`: that is the page's only with `Sec-Fetch-Site:
+    same-origin`, which no script can set.)"""
+    site = headers.get("Sec-Fetch-Site")
+    if site is not None and site != "same-origin":
+        return "Sec-Fetch-Site: %s" % site
+    origin = headers.get("Origin")
+    if origin is None or origin == "null" and site == "same-origin":
+        return None
+    scheme, _, host = origin.partition("://")
+    if scheme not in ("http", "https") or host.lower() != (headers.get("Host") or "").lower():
+        return "Origin: %s" % origin
+    return None
+
+
+def page_form(request):
+    """The fields of a form the keys page sent (urlencoded UTF-8, at most
+    PAGE_FORM_MAX bytes; of a repeated field, the last)."""
+    media = (request.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
+    if media != "application/x-www-form-urlencoded":
+        raise ApiError(415, "invalid_content_type", "The keys page takes its own forms "
+                       "(`application/x-www-form-urlencoded`) only.")
+    try:
+        return dict(urllib.parse.parse_qsl(request.body.read(PAGE_FORM_MAX).decode("utf-8"),
+                                           keep_blank_values=True, errors="strict",
+                                           max_num_fields=16))
+    except ValueError:  # not UTF-8 (before or after percent-decoding), too many fields
+        raise bad_request("The form is malformed.")
+
+
+class KeysPage:
+    """The keys page: every key (up to PAGE_KEYS_SHOWN) with its actions,
+    indexes, restrictions, expiry and usage, and a chart of its requests
+    by hour; its forms create a key from a preset, rotate or delete one.
+    A change is made by the /keys API route that makes it, given the body a
+    client would send (one way to change a key), once the form is shown to
+    come from the page: same origin (cross_site) and the page's nonce. Key
+    values are never listed: a key's shows only on the page its creation
+    (or rotation) leads to, for PAGE_REVEAL_SECONDS after it was made."""
+
+    def __init__(self, service, master_key):
+        self.service = service
+        self.nonces = PageNonces(master_key)
+
+    def show(self, call, status=200, problem=None):
+        now, store = time.time_ns(), self.service.store
+        keys, total = store.page(0, PAGE_KEYS_SHOWN)
+        shown = [self._key(key, now) for key in keys]
+        created = None
+        if problem is None:
+            uid = dict(urllib.parse.parse_qsl(call.request.query)).get("created", "")
+            key = store.by_uid(uid) if _CANONICAL_UUID_RE.match(uid) else None
+            if key is not None and 0 <= now - key.created_ns <= PAGE_REVEAL_SECONDS * 10 ** 9:
+                created = key.to_json()
+        return KeysPageHtml.page(status, shown, total, sorted(PRESETS),
+                                 self.nonces.mint(now / 10 ** 9), created, problem)
+
+    def _key(self, key, now):
+        """What the page shows of `key`: its /keys JSON but its value, its
+        restrictions, usage and hourly requests, and whether it has stopped
+        working or stops within EXPIRY_WARNING_DAYS (`ends`)."""
+        shown = key.to_json()
+        del shown["key"]
+        end = key.end_ns
+        shown["ends"] = None if end is None else "expired" if end <= now else \
+            "soon" if end - now <= EXPIRY_WARNING_DAYS * DAY_NS else None
+        shown["restrictions"] = key.restrictions and {
+            field: value for field, value in key.restrictions.to_json().items()
+            if value is not None}
+        shown["usage"] = self.service.store.usage.to_json(key.uid)
+        shown["hours"] = self.service.store.usage.hourly(key.uid, now)
+        return shown
+
+    def change(self, call):
+        """POST /keys/page: a form's change, then 303 back to the page; a
+        refused or failed change gets the page again, saying why."""
+        try:
+            where = cross_site(call.request.headers)
+            if where is not None:
+                raise page_change_refused("This change was sent from another site (%s): "
+                                          "nothing was changed." % printable(where[:200]))
+            form = page_form(call.request)
+            if not self.nonces.valid(form.get("nonce", ""), time.time()):
+                raise page_change_refused("This form is not from this page, or is over an "
+                                          "hour old: nothing was changed. Try again here.")
+            made = self._apply(call, form)
+        except ApiError as error:
+            return self.show(call, error.status, error.message)
+        return Response(303, [("Location", "/keys/page" + (
+            "?created=" + made if made else "")), ("Cache-Control", "no-store")])
+
+    def _apply(self, call, form):
+        """Make the form's change; the uid of the key it made, if any."""
+        change, uid = form.get("change"), form.get("uid", "")
+        if change == "create":
+            preset = form.get("preset")
+            if preset not in PRESETS:
+                raise bad_request("Choose a preset: %s." % ", ".join(sorted(PRESETS)))
+            indexes = [part.strip() for part in form.get("indexes", "").split(",")
+                       if part.strip()]
+            body = {"name": form.get("name") or None, "actions": PRESETS[preset],
+                    "indexes": indexes or ["*"], "expiresAt": form.get("expiresAt") or None}
+            return self._through_api(call, "POST", "/keys", {}, body)["uid"]
+        if change == "rotate":
+            return self._through_api(call, "POST", "/keys/{key}/rotate", {"key": uid})["uid"]
+        if change == "delete":
+            self._through_api(call, "DELETE", "/keys/{key}", {"key": uid})
+            return None
+        raise bad_request("Unknown change: choose create, rotate or delete.")
+
+    def _through_api(self, call, method, pattern, params, body=None):
+        """The answer of the /keys API route (method, pattern) to the request
+        a client would send it (`body` as JSON), made by the route's own
+        handler for the page's principal; raises its refusal."""
+        route = ROUTE_INDEX[method, pattern]
+        data = b"" if body is None else compact_json(body).encode()
+        target = re.sub(r"\{(\w+)\}", lambda name: urllib.parse.quote(params[name.group(1)],
+                                                                     safe=""), pattern)
+        request = Request(method, target, RequestHeaders("Content-Type: application/json\n"),
+                          Body(io.BytesIO(data), len(data)), call.request.peer)
+        answer = route.handler(self.service, Call(request, route, None, params, call.principal))
+        return json.loads(answer.body) if answer.body else None
 
 
 # =============================================================================
@@ -7813,6 +8059,177 @@ def main(argv=None):
     except ConnectionFailed as exc:
         _log_to_stderr("error: %s" % exc)
     return 1
+
+
+# =============================================================================
+# Appendix: the keys page as HTML (pure), its CSS and JavaScript
+# =============================================================================
+
+KEYS_PAGE_STYLE = """
+:root{color-scheme:light dark;--muted:#767676;--line:#8885;--warn:#b45309;--bad:#dc2626}
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
+max-width:90rem;padding:.75rem}
+h1{font-size:1.35rem;margin:.2rem 0 .6rem}h2{font-size:1.1rem;margin:1.2rem 0 .5rem}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:.35rem .5rem;border-bottom:1px solid var(--line);
+vertical-align:top;overflow-wrap:break-word}
+code{font-size:.85rem}.muted{color:var(--muted)}
+.soon,.never{color:var(--warn);font-weight:600}.expired,.bad{color:var(--bad);font-weight:600}
+tr.ends-soon td,tr.ends-expired td{background:#f59e0b1a}
+.note,.problem{border:1px solid var(--line);padding:.5rem .75rem;margin:.5rem 0}
+.problem{border-color:var(--bad)}.note code{user-select:all;font-size:1rem}
+form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.25rem 0}
+td form{display:inline-flex;margin:0 .25rem .25rem 0}
+label{display:flex;flex-direction:column;font-size:.85rem}
+input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
+svg.hours{width:8rem;height:2rem;color:#2563eb;display:block}
+svg.hours rect.none{color:var(--line)}
+@media (max-width:48rem){
+body{font-size:14px;padding:.5rem}thead{display:none}
+table,tbody,tr,td{display:block;width:auto}tr{border-bottom:2px solid var(--line);padding:.4rem 0}
+td{border:0;padding:.15rem 0;display:grid;grid-template-columns:6.5rem 1fr;gap:.5rem;
+overflow-wrap:anywhere}td::before{content:attr(data-label);color:var(--muted)}}
+"""
+
+# Rotating or deleting asks first (a form's `data-confirm`); nothing else needs script.
+KEYS_PAGE_SCRIPT = """
+"use strict";
+document.querySelectorAll("form[data-confirm]").forEach(function (form) {
+  form.addEventListener("submit", function (event) {
+    if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+  });
+});
+"""
+
+
+def html_text(value):
+    """Text (or a number) made safe inside HTML elements and quoted attributes."""
+    return html.escape(str(value), quote=True)
+
+
+class KeysPageHtml:
+    """The keys page (KeysPage) as HTML for people, from the values it is
+    given: every one escaped; inline CSS and script allowed by a nonce per
+    answer, everything else refused by its Content-Security-Policy; never
+    cached, framed or named in a Referer."""
+
+    COLUMNS = ("Key", "Actions", "Indexes", "Restrictions", "Expires", "Usage",
+               "Last %d hours" % USAGE_HOURS, "Change")
+
+    @classmethod
+    def page(cls, status, keys, total, presets, nonce, created=None, problem=None):
+        """`keys`: what KeysPage._key shows of each; `total`: how many there
+        are; `nonce`: the forms' (PageNonces); `created`: a key just made,
+        whose value is shown; `problem`: why a change was not made."""
+        parts = ["<h1>searchkeys: API keys</h1>"]
+        if problem is not None:
+            parts.append('<p class="problem" id="problem">%s</p>' % html_text(problem))
+        if created is not None:
+            parts.append(
+                '<div class="note" id="created"><p>New key <b>%s</b> (<code>%s</code>): copy '
+                'its value now, this page shows it only now:</p><p><code>%s</code></p></div>'
+                % (html_text(created["name"] or "without a name"), html_text(created["uid"]),
+                   html_text(created["key"])))
+        parts.append(cls.create_form(presets, nonce))
+        more = "" if len(keys) == total else " (the newest %d of %d)" % (len(keys), total)
+        parts.append("<h2>Keys%s</h2>" % more)
+        parts.append('<table id="keys"><thead><tr>%s</tr></thead><tbody>\n%s</tbody></table>' % (
+            "".join("<th>%s</th>" % name for name in cls.COLUMNS),
+            "\n".join(cls.row(key, nonce) for key in keys)))
+        parts.append('<p class="muted">Usage counts are kept in the store; the hourly '
+                     'requests are this process\'s since it started.</p>')
+        script_nonce = secrets.token_urlsafe(18)
+        document = (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            '<meta name="referrer" content="no-referrer">\n'
+            '<link rel="icon" href="data:,"><title>searchkeys: API keys</title>\n'
+            '<style nonce="%s">%s</style></head>\n<body><main>\n%s\n</main>\n'
+            '<script nonce="%s">%s</script>\n</body></html>\n'
+            % (script_nonce, KEYS_PAGE_STYLE, "\n".join(parts), script_nonce, KEYS_PAGE_SCRIPT))
+        policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
+                  "img-src data:; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+                  % (script_nonce, script_nonce))
+        return Response(status, [
+            ("Content-Type", "text/html; charset=utf-8"), ("Cache-Control", "no-store"),
+            ("Content-Security-Policy", policy), ("X-Content-Type-Options", "nosniff"),
+            ("X-Frame-Options", "DENY"), ("Referrer-Policy", "no-referrer")],
+            document.encode("utf-8", "replace"))
+
+    @staticmethod
+    def create_form(presets, nonce):
+        options = "".join('<option>%s</option>' % html_text(name) for name in presets)
+        return (
+            '<h2>New key</h2><form method="post" action="/keys/page" id="create">'
+            '<input type="hidden" name="nonce" value="%s">'
+            '<input type="hidden" name="change" value="create">'
+            '<label>Preset <select name="preset">%s</select></label>'
+            '<label>Name <input name="name" maxlength="200"></label>'
+            '<label>Indexes <input name="indexes" value="*" maxlength="1000"></label>'
+            '<label>Expires at <input name="expiresAt" placeholder="2030-01-01T00:00:00Z" '
+            'maxlength="40"></label><button>Create</button></form>' % (html_text(nonce), options))
+
+    @classmethod
+    def row(cls, key, nonce):
+        ends, usage = key["ends"], key["usage"]
+        expires = html_text(key["expiresAt"] or "never")
+        if key.get("retiresAt"):
+            expires += '<br>rotated: retires %s, replaced by <code>%s</code>' % (
+                html_text(key["retiresAt"]), html_text(key["replacedBy"]))
+        if ends is not None:
+            expires = '<span class="%s">%s</span> %s' % (ends, "expired" if ends == "expired"
+                                                          else "expires soon", expires)
+        refused = ", ".join("%s %d" % (html_text(reason), n)
+                            for reason, n in usage["refused"].items() if n)
+        last = usage["lastUsedAt"]
+        cells = [
+            ('<b>%s</b><br><code>%s</code>%s' % (
+                html_text(key["name"]) if key["name"] else '<span class="muted">no name</span>',
+                html_text(key["uid"]), "<br>" + html_text(key["description"])
+                if key["description"] else "")),
+            html_text(", ".join(key["actions"])),
+            html_text(", ".join(key["indexes"])),
+            html_text(compact_json(key["restrictions"])) if key["restrictions"]
+            else '<span class="muted">none</span>',
+            expires,
+            "allowed %d<br>refused %s<br>%s" % (
+                usage["allowed"], refused or "0",
+                "last used " + html_text(last) if last else '<span class="never">never used'
+                                                              '</span>'),
+            cls.chart(key["hours"]),
+            cls.change_form("rotate", "Rotate", key, nonce) +
+            cls.change_form("delete", "Delete", key, nonce)]
+        return '<tr id="key-%s"%s>%s</tr>' % (
+            html_text(key["uid"]), ' class="ends-%s"' % ends if ends else "",
+            "".join('<td data-label="%s"><div>%s</div></td>' % (name, cell)
+                    for name, cell in zip(cls.COLUMNS, cells)))
+
+    @staticmethod
+    def change_form(change, label, key, nonce):
+        question = "%s the key %s (%s)?%s" % (
+            label, key["name"] or "without a name", key["uid"],
+            " Its clients must be given the new key's value." if change == "rotate" else
+            " It stops working now.")
+        return ('<form method="post" action="/keys/page" data-confirm="%s">'
+                '<input type="hidden" name="nonce" value="%s">'
+                '<input type="hidden" name="change" value="%s">'
+                '<input type="hidden" name="uid" value="%s"><button>%s</button></form>'
+                % (html_text(question), html_text(nonce), change, html_text(key["uid"]), label))
+
+    @staticmethod
+    def chart(hours):
+        """An inline SVG bar per hour, oldest first; each bar's title says its count."""
+        top, width, last = max(hours) or 1, 4, len(hours) - 1
+        bars = "".join(
+            '<rect x="%d" y="%.1f" width="%d" height="%.1f" fill="currentColor"%s>'
+            '<title>%s: %d</title></rect>' % (
+                i * width, 24 - (20.0 * n / top if n else 1), width - 1,
+                20.0 * n / top if n else 1, "" if n else ' class="none"',
+                "this hour" if i == last else "1 hour ago" if i == last - 1
+                else "%d hours ago" % (last - i), n)
+            for i, n in enumerate(hours))
+        return ('<svg class="hours" viewBox="0 0 %d 24" role="img" aria-label="%d requests in '
+                'the last %d hours">%s</svg>' % (width * len(hours), sum(hours), len(hours), bars))
 
 
 ROUTES = build_routes()
