@@ -3743,7 +3743,8 @@ def page_form(request):
 class KeysPage:
     """The keys page: every key (up to PAGE_KEYS_SHOWN) with its actions,
     indexes, restrictions, expiry and usage, and a chart of its requests
-    by hour; its forms create a key from a preset, rotate or delete one.
+    by hour, then the deleted keys that can be restored; its forms create
+    a key from a preset, rotate, delete or restore one.
     A change is made by the /keys API route that makes it, given the body a
     client would send (one way to change a key), once the form is shown to
     come from the page: same origin (cross_site) and the page's nonce. Key
@@ -3764,8 +3765,9 @@ class KeysPage:
             key = store.by_uid(uid) if _CANONICAL_UUID_RE.match(uid) else None
             if key is not None and 0 <= now - key.created_ns <= PAGE_REVEAL_SECONDS * 10 ** 9:
                 created = key.to_json()
+        deleted = [tombstone.to_json() for tombstone in store.tombstones()[:PAGE_KEYS_SHOWN]]
         return KeysPageHtml.page(status, shown, total, sorted(PRESETS),
-                                 self.nonces.mint(now / 10 ** 9), created, problem)
+                                 self.nonces.mint(now / 10 ** 9), created, problem, deleted)
 
     def _key(self, key, now):
         """What the page shows of `key`: its /keys JSON but its value, its
@@ -3818,7 +3820,10 @@ class KeysPage:
         if change == "delete":
             self._through_api(call, "DELETE", "/keys/{key}", {"key": uid})
             return None
-        raise bad_request("Unknown change: choose create, rotate or delete.")
+        if change == "restore":
+            self._through_api(call, "POST", "/keys/{key}/restore", {"key": uid})
+            return None
+        raise bad_request("Unknown change: choose create, rotate, delete or restore.")
 
     def _through_api(self, call, method, pattern, params, body=None):
         """The answer of the /keys API route (method, pattern) to the request
@@ -8091,7 +8096,7 @@ td{border:0;padding:.15rem 0;display:grid;grid-template-columns:6.5rem 1fr;gap:.
 overflow-wrap:anywhere}td::before{content:attr(data-label);color:var(--muted)}}
 """
 
-# Rotating or deleting asks first (a form's `data-confirm`); nothing else needs script.
+# Rotating, deleting or restoring asks first (a form's `data-confirm`); nothing else needs script.
 KEYS_PAGE_SCRIPT = """
 "use strict";
 document.querySelectorAll("form[data-confirm]").forEach(function (form) {
@@ -8117,10 +8122,12 @@ class KeysPageHtml:
                "Last %d hours" % USAGE_HOURS, "Change")
 
     @classmethod
-    def page(cls, status, keys, total, presets, nonce, created=None, problem=None):
+    def page(cls, status, keys, total, presets, nonce, created=None, problem=None, deleted=()):
         """`keys`: what KeysPage._key shows of each; `total`: how many there
         are; `nonce`: the forms' (PageNonces); `created`: a key just made,
-        whose value is shown; `problem`: why a change was not made."""
+        whose value is shown; `problem`: why a change was not made;
+        `deleted`: the deleted keys that can be restored (GET /keys/deleted's
+        items, whose values are not shown)."""
         parts = ["<h1>searchkeys: API keys</h1>"]
         if problem is not None:
             parts.append('<p class="problem" id="problem">%s</p>' % html_text(problem))
@@ -8138,6 +8145,8 @@ class KeysPageHtml:
             "\n".join(cls.row(key, nonce) for key in keys)))
         parts.append('<p class="muted">Usage counts are kept in the store; the hourly '
                      'requests are this process\'s since it started.</p>')
+        if deleted:
+            parts.append(cls.deleted_table(deleted, nonce))
         script_nonce = secrets.token_urlsafe(18)
         document = (
             '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
@@ -8204,11 +8213,29 @@ class KeysPageHtml:
             "".join('<td data-label="%s"><div>%s</div></td>' % (name, cell)
                     for name, cell in zip(cls.COLUMNS, cells)))
 
+    @classmethod
+    def deleted_table(cls, deleted, nonce):
+        rows = "\n".join(
+            '<tr id="deleted-%s"><td data-label="Key"><div><b>%s</b><br><code>%s</code></div></td>'
+            '<td data-label="Actions"><div>%s</div></td><td data-label="Indexes"><div>%s</div>'
+            '</td><td data-label="Deleted"><div>%s<br>by %s</div></td>'
+            '<td data-label="Change"><div>%s</div></td></tr>' % (
+                html_text(key["uid"]), html_text(key["name"]) if key["name"]
+                else '<span class="muted">no name</span>', html_text(key["uid"]),
+                html_text(", ".join(key["actions"])), html_text(", ".join(key["indexes"])),
+                html_text(key["deletedAt"]), html_text(key["deletedBy"]),
+                cls.change_form("restore", "Restore", key, nonce))
+            for key in deleted)
+        return ('<h2>Deleted keys</h2><table id="deleted"><thead><tr><th>Key</th><th>Actions'
+                '</th><th>Indexes</th><th>Deleted</th><th>Change</th></tr></thead><tbody>\n%s'
+                '</tbody></table>' % rows)
+
     @staticmethod
     def change_form(change, label, key, nonce):
         question = "%s the key %s (%s)?%s" % (
             label, key["name"] or "without a name", key["uid"],
             " Its clients must be given the new key's value." if change == "rotate" else
+            " It works again, with its old value." if change == "restore" else
             " It stops working now.")
         return ('<form method="post" action="/keys/page" data-confirm="%s">'
                 '<input type="hidden" name="nonce" value="%s">'

@@ -269,6 +269,16 @@ def test_in_a_browser_create_rotate_and_delete_work_and_the_api_sees_them(browse
     assert key_named(guard, new_uid)[0] == 404
     assert page_problems(browser) == []
 
+    # the deleted key is listed, without its value, and the page brings it back
+    deleted = browser.find_element("id", "deleted-" + new_uid)
+    assert new["key"] not in browser.page_source
+    submit_and_confirm(browser, deleted.find_element("css selector", "button"))
+    wait_for(browser, lambda: browser.find_elements("id", "key-" + new_uid)
+             and not browser.find_elements("id", "deleted-" + new_uid), "the restore")
+    status, restored = key_named(guard, new_uid)
+    assert status == 200 and restored["key"] == new["key"]
+    assert page_problems(browser) == []
+
 
 def test_in_a_browser_a_form_from_another_site_changes_nothing(browser, guard):
     """Another site's page (here another port: same site, another origin) posts the delete
