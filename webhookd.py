@@ -1210,7 +1210,7 @@ class Hook:
                 "which a trigger that is superseded or dropped never has" % (
                     where, held_back, answers_output)))
         if self.when_busy != "queue" and not self.max_concurrency:
-            self.max_concurrency = 1  # busy: as many runs going as max-concurrency allows
+            self.max_concurrency = 1  # busy: a run going, unless max-concurrency allows more
         unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
         if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
             problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
@@ -4794,8 +4794,8 @@ class HeldRun:
 
     __slots__ = ("run", "until")
 
-    def __init__(self, run, until=None):
-        self.run, self.until = run, until
+    def __init__(self, run):
+        self.run, self.until = run, None
 
 
 class WhenBusy:
@@ -4815,38 +4815,42 @@ class WhenBusy:
 
     def admit(self, run):
         """Take a triggered run; False if it was dropped, the hook being busy."""
-        hook, quiet = run.hook, None
-        with self.changed:  # a trigger takes over a debounced one even if a reload removed
-            held = self.quiet.get(hook.id)  # debounce since: it is the newer one
-            replaced = held.run if held is not None else None
+        hook = run.hook
+        with self.changed:
+            held = self.quiet.get(hook.id)
+            replaced = None if held is None else held.run
+            fresh = hook.debounce and held is None
+            if fresh:
+                held = self.quiet[hook.id] = HeldRun(run)
             if hook.debounce:
-                if held is None:
-                    held = quiet = self.quiet[hook.id] = HeldRun(run)
                 held.run, held.until = run, time.monotonic() + hook.debounce
-            elif held is not None:
-                del self.quiet[hook.id]
+            elif held is not None:  # the newer trigger goes on, even if a reload removed
+                del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
                 held.run = None
-                self.changed.notify_all()  # its thread ends
+                self.changed.notify_all()
         if replaced is not None:
             self.pass_over(replaced, "superseded", run)
         if not hook.debounce:
             return self.enter(run)
-        if quiet is not None:
+        if fresh:
             try:
-                threading.Thread(target=self.after_quiet, args=(hook.id, quiet),
+                threading.Thread(target=self.after_quiet, args=(hook.id, held),
                                  name="debounce", daemon=True).start()
             except RuntimeError as exc:  # no thread to wait with: no quiet time
                 log.error("cannot start a thread for a debounced run: %s; it goes on now", exc)
                 with self.changed:
-                    quiet.until = 0
-                self.after_quiet(hook.id, quiet)
+                    held.until = 0
+                self.after_quiet(hook.id, held)
         return True
 
     def after_quiet(self, hook_id, held):
         """Wait until no trigger came for the quiet time; then the newest goes on."""
         with self.changed:
-            while held.run is not None and held.until > time.monotonic():
-                self.changed.wait(held.until - time.monotonic())
+            while held.run is not None:
+                left = held.until - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
             run, held.run = held.run, None
             if run is not None:
                 del self.quiet[hook_id]
