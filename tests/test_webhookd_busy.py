@@ -65,6 +65,10 @@ def test_latest_runs_the_running_one_and_the_newest_the_rest_superseded(tmp_path
         assert runs_total(daemon, "site", "superseded") == 2
         listed = get_json(daemon, "/status/runs?state=superseded")
         assert sorted(r["id"] for r in listed) == sorted((second, third))
+        status, _, page = daemon.request("GET", "/status/runs/" + second,
+                                         headers={"Accept": "text/html"})
+        assert status == 200 and b"<dt>Superseded by</dt>" in page
+        assert b'href="/status/runs/%s"' % newest.encode() in page
 
         (tmp_path / "release").touch()
         assert ended(daemon, newest)["state"] == "succeeded"
