@@ -2990,7 +2990,8 @@ class App:
 class Hooks:
     """What a matched hook does, as upstream's handler after the match: trigger() parses the
     payload, checks the rules, builds argv/env and runs the command in the hook's mode
-    (streamed, captured, or in the background), each run recorded and counted."""
+    (streamed, captured, or in the background, as its when-busy and debounce say), each run
+    recorded and counted."""
 
     def __init__(self, opts, registry, runs, metrics, in_flight):
         self.registry, self.runs, self.metrics, self.in_flight = registry, runs, metrics, in_flight

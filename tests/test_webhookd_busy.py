@@ -102,10 +102,10 @@ def test_drop_answers_and_records_a_trigger_that_finds_the_hook_busy(tmp_path):
 
 def test_debounce_runs_the_newest_trigger_of_a_burst_once(tmp_path):
     hooks = write_hooks(tmp_path / "hooks.json", [deploy(tmp_path, "site",
-                                                         debounce="1s")])
+                                                         debounce="2s")])
     (tmp_path / "release").touch()  # the runs end at once here
     with start(hooks) as daemon:
-        burst = [trigger(daemon, "site?n=%d" % n) for n in (1, 2, 3)]  # well within 1 s
+        burst = [trigger(daemon, "site?n=%d" % n) for n in (1, 2, 3)]  # well within 2 s
         assert ended(daemon, burst[-1])["state"] == "succeeded"
         for superseded in burst[:-1]:
             found = record(daemon, superseded)
