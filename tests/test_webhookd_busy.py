@@ -237,3 +237,39 @@ def test_a_reload_changes_the_mode_of_the_next_triggers(tmp_path):
         for run_id in (first, waiting, queued, newer):
             assert ended(daemon, run_id)["state"] == "succeeded"
     assert ran(tmp_path) == ["1", "5", "2", "4"]
+
+
+def test_a_redelivery_of_a_superseded_delivery_is_handled_one_of_a_dropped_one_runs(tmp_path):
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        deploy(tmp_path, "site", **{"when-busy": "latest", "deduplicate": True}),
+        deploy(tmp_path, "tests", **{"when-busy": "drop", "deduplicate": True})])
+
+    def deliver(path, delivery):
+        status, headers, body = daemon.request("GET", "/hooks/" + path,
+                                               headers={"X-GitHub-Delivery": delivery})
+        assert status == 200
+        return headers["x-webhookd-run"], body
+
+    with start(hooks) as daemon:
+        running, _ = deliver("site?n=1", "a")
+        superseded, _ = deliver("site?n=2", "b")
+        newest, _ = deliver("site?n=3", "c")
+        assert record(daemon, superseded)["superseded_by"] == newest
+        again, body = deliver("site?n=2", "b")  # its work is the newest run's: not run again
+        assert again == superseded and body == b"Already run as %s (superseded).\n" % (
+            superseded.encode())
+        assert record(daemon, newest)["state"] == "queued"
+
+        deliver("tests?n=4", "d")
+        dropped, body = deliver("tests?n=5", "e")
+        assert body.startswith(b"Hook is busy")
+        (tmp_path / "release").touch()
+        for run_id in (running, newest):
+            assert ended(daemon, run_id)["state"] == "succeeded"
+        wait_until(lambda: "4" in ran(tmp_path), what="the tests hook to run")
+        wait_until(lambda: get_json(daemon, "/status")["runs"].get("tests") is None,
+                   what="the tests hook to be idle")
+        redelivered, _ = deliver("tests?n=5", "e")  # it never ran: now it does
+        found = ended(daemon, redelivered)
+        assert found["state"] == "succeeded" and found["redelivery_of"] == dropped
+    assert sorted(ran(tmp_path)) == ["1", "3", "4", "5"]
