@@ -3200,8 +3200,9 @@ class Hooks:
     def pass_over(self, run, state, successor):
         """A background run that will never run (WhenBusy): `superseded` by the successor's
         run, or `dropped`; recorded, counted, and its room in the backlog given back."""
-        log.info("[%s] %s: run %s%s", run.request_id, run.hook.id, state,
-                 "" if successor is None else " by request %s's" % successor.request_id)
+        log.info("[%s] %s not run: %s", run.request_id, run.hook.id, "dropped, the hook is busy"
+                 if successor is None else "superseded by the run of request %s"
+                 % successor.request_id)
         self.metrics.run_ended(run.hook.id, state, None)
         if run.record is not None:
             self.runs.passed_over(run.record, state,
@@ -5144,8 +5145,8 @@ class RunStore:
 
     def passed_over(self, record, state, superseded_by=None):
         """A queued run that will never run (WhenBusy): `superseded` by the run of id
-        superseded_by, or `dropped`.  The runs it superseded now point at that one too: each
-        names the run that does the work it asked for (a hook's records: -runs-keep)."""
+        superseded_by, or `dropped`.  The kept runs it superseded now point at that one too:
+        each names the run that does the work it asked for."""
         with self.changed:
             for earlier in self.by_hook.get(record.bucket, ()):
                 if earlier.superseded_by == record.id:
