@@ -100,6 +100,7 @@ MSG_TIMED_OUT = b"Hook command timed out."
 MSG_PAGE_NOT_FOUND = b"404 page not found\n"
 MSG_BODY_TOO_LARGE = b"Request body too large."
 MSG_BACKLOG_FULL = b"Too many hook runs waiting; try again later."
+MSG_BUSY_DROPPED = b"Hook is busy: this trigger was dropped (when-busy: drop)."
 TEXT_PLAIN = "text/plain; charset=utf-8"
 
 # Go's net/http StatusText: a configured code outside this table is answered with 200, as upstream.
@@ -286,6 +287,22 @@ def go_float32_text(value):
     return sign + whole + ("." + fraction if fraction else "")
 
 
+# Go's time.ParseDuration, unsigned: "300ms", "5s", "1m30s", "1.5h" ("0" alone has no unit).
+GO_DURATION = re.compile(r"(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+")
+GO_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3,
+                     "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def go_duration(text):
+    """The seconds a Go duration says, or None if it is not one (bounded: 64 characters)."""
+    if text == "0":
+        return 0.0
+    if len(text) > 64 or not GO_DURATION.fullmatch(text):
+        return None
+    return sum(float(number) * GO_DURATION_UNITS[unit]
+               for number, unit in re.findall(r"([0-9.]+)([^0-9.]+)", text))
+
+
 # ---------------------------------------------------------------------------
 # Command line: argparse built from one flag table, after a normalisation of Go's spellings
 # ---------------------------------------------------------------------------
@@ -353,7 +370,8 @@ FLAGS = [
          "time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or time (2026-11-21, "
          "2026-11-21T14:00:00Z)"),
     Flag("runs-state", "string", "", "webhookd: -runs lists only the runs in this state "
-         "(queued, running, succeeded, failed, timed-out, killed, interrupted)"),
+         "(queued, running, succeeded, failed, timed-out, killed, interrupted, refused, "
+         "superseded, dropped)"),
     Flag("secure", "bool", False, "use HTTPS instead of HTTP"),
     Flag("setgid", "int", 0, "set group ID after opening listening port; must be used with setuid"),
     Flag("setuid", "int", 0, "set user ID after opening listening port; must be used with setgid"),
@@ -770,13 +788,18 @@ HOOK_FIELDS = {
     "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
     "mask": ("mask", "masks"),
     "deduplicate": ("delivery_headers", "delivery"),
+    "when-busy": ("when_busy", "whenbusy"),
+    "debounce": ("debounce", "duration"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
-         "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": ()}
+         "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": (),
+         "whenbusy": "queue", "duration": None}
 # `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
 # Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
 DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
                     "Idempotency-Key")
+WHEN_BUSY = ("queue", "latest", "drop")  # what a trigger does while its hook is busy (WhenBusy)
+DEBOUNCE_LONGEST = 3600.0  # seconds: a longer quiet time is more likely a typo than a wish
 
 
 class Problems:
@@ -1129,6 +1152,17 @@ def parse_field(kind, value, where, problems):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise HooksFileError("%s: expected a number of seconds above 0" % where)
         return float(value)
+    if kind == "whenbusy":
+        if value not in WHEN_BUSY:
+            raise HooksFileError("%s: expected \"queue\", \"latest\" or \"drop\", got %s" % (
+                where, json.dumps(value) if isinstance(value, str) else type_name(value)))
+        return value
+    if kind == "duration":
+        seconds = go_duration(value) if isinstance(value, str) else None
+        if seconds is None or not 0 < seconds <= DEBOUNCE_LONGEST:
+            raise HooksFileError("%s: expected a duration above 0 and at most 1h, such as "
+                                 "\"5s\", \"1m30s\" or \"500ms\"" % where)
+        return seconds
     if kind == "args":
         return parse_arguments(value, where, problems)
     if kind == "rule":
@@ -1179,6 +1213,17 @@ class Hook:
         self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
+        held_back = '"when-busy": "%s"' % self.when_busy if self.when_busy != "queue" else \
+            "debounce" if self.debounce else None
+        answers_output = "stream-command-output" if self.stream_output else \
+            "include-command-output-in-response" if self.capture_output else None
+        if held_back and answers_output:
+            problems.file_error(HooksFileError(
+                "%s: %s and %s do not go together: its answer waits for the command's output, "
+                "which a trigger that is superseded or dropped never has" % (
+                    where, held_back, answers_output)))
+        if self.when_busy != "queue" and not self.max_concurrency:
+            self.max_concurrency = 1  # busy: a run going, unless max-concurrency allows more
         unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
         if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
             problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
@@ -2958,7 +3003,8 @@ class App:
 class Hooks:
     """What a matched hook does, as upstream's handler after the match: trigger() parses the
     payload, checks the rules, builds argv/env and runs the command in the hook's mode
-    (streamed, captured, or in the background), each run recorded and counted."""
+    (streamed, captured, or in the background, as its when-busy and debounce say), each run
+    recorded and counted."""
 
     def __init__(self, opts, registry, runs, metrics, in_flight):
         self.registry, self.runs, self.metrics, self.in_flight = registry, runs, metrics, in_flight
@@ -2966,6 +3012,7 @@ class Hooks:
         self.runner = Runner()
         self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
                                          if opts.max_body_bytes > 0 else sys.maxsize)
+        self.when_busy = WhenBusy(self.run_in_background, self.pass_over)
 
     def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
@@ -3017,7 +3064,8 @@ class Hooks:
             return self.run_streamed(run, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.run_captured(run), headers, success)
-        self.run_in_background(run)
+        if not self.when_busy.admit(run):  # when-busy: drop
+            return Response(200, MSG_BUSY_DROPPED, headers)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
@@ -3130,8 +3178,10 @@ class Hooks:
         return running.result
 
     def run_in_background(self, run):
-        """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
-        its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
+        """Default mode, the backlog reserved (`run.held` bytes with it), once the run's turn
+        has come (WhenBusy: when-busy, debounce, max-concurrency; it waited holding no
+        thread): it waits for a -max-async-runs thread."""
+        run.has_turn = True
         self.in_flight.hold()  # released when the job ends, in another thread
 
         def job():
@@ -3145,10 +3195,19 @@ class Hooks:
             finally:
                 self.in_flight.release()
 
-        def granted():
-            run.has_turn = True
-            self.background.submit(job, run.held)
-        run.gate.enter(granted)
+        self.background.submit(job, run.held)
+
+    def pass_over(self, run, state, successor):
+        """A background run that will never run (WhenBusy): `superseded` by the successor's
+        run, or `dropped`; recorded, counted, and its room in the backlog given back."""
+        log.info("[%s] %s not run: %s", run.request_id, run.hook.id, "dropped, the hook is busy"
+                 if successor is None else "superseded by the run of request %s"
+                 % successor.request_id)
+        self.metrics.run_ended(run.hook.id, state, None)
+        if run.record is not None:
+            self.runs.passed_over(run.record, state,
+                                  None if successor is None else successor.record.id)
+        self.background.release(run.held)
 
     def run_streamed(self, run, headers, success):
         """stream-command-output: the answer's body is the output, sent (chunked) while the
@@ -3172,7 +3231,8 @@ class Hooks:
         return Response(success, body, headers)
 
 
-DELIVERY_HANDLED = frozenset(("queued", "running", "succeeded"))  # a redelivery runs otherwise
+# a redelivery runs otherwise; a superseded delivery's work is its successor's (when-busy)
+DELIVERY_HANDLED = frozenset(("queued", "running", "succeeded", "superseded"))
 DELIVERY_ID = re.compile(r"[!-~]{1,128}")  # longer ids, or with other characters, are hashed
 
 
@@ -4726,10 +4786,14 @@ class BackgroundRuns:
                 job()
             except Exception:  # a bug in one run must not kill the thread
                 log.exception("unexpected error in a background run")
-            with self.lock:
-                self.backlog -= 1
-                self.held -= held
+            self.release(held)
             self.idle.release()
+
+    def release(self, held=0):
+        """A reserved run leaves the backlog: its job ended, or it will never run (WhenBusy)."""
+        with self.lock:
+            self.backlog -= 1
+            self.held -= held
 
 
 class HookGate:
@@ -4742,13 +4806,17 @@ class HookGate:
         self.running = 0
         self.waiting = deque()
 
-    def enter(self, start):
+    def enter(self, start, wait=True):
+        """start() now if a slot is free (True), else once one is (False; with `wait` False,
+        never: the hook is busy, and the caller decides)."""
         with self.lock:
             if self.limit and self.running >= self.limit:
-                self.waiting.append(start)
-                return
+                if wait:
+                    self.waiting.append(start)
+                return False
             self.running += 1
         start()
+        return True
 
     def wait_turn(self):
         turn = threading.Event()
@@ -4777,6 +4845,104 @@ class HookGate:
         return ready
 
 
+class HeldRun:
+    """The one run a hook holds back (WhenBusy): each newer trigger takes its place; `until`:
+    when a debounced one's quiet time ends (time.monotonic)."""
+
+    __slots__ = ("run", "until")
+
+    def __init__(self, run):
+        self.run, self.until = run, None
+
+
+class WhenBusy:
+    """A hook's `when-busy` and `debounce` (ours), in front of its HookGate, for its background
+    runs.  `queue` (upstream's way): a trigger waits for its turn, in arrival order.  `latest`:
+    at most one run waits; a newer trigger takes its place in the queue.  `drop`: a trigger
+    that finds the hook busy never runs.  `debounce`: a trigger waits for a quiet time with no
+    newer trigger (each newer one takes its place and starts the time again), then goes on as
+    its when-busy says.  A run whose turn came goes to `start(run)`; one that will never run
+    to `pass_over(run, state, successor)`: "superseded" by the successor's run, or "dropped"."""
+
+    def __init__(self, start, pass_over):
+        self.start, self.pass_over = start, pass_over
+        self.changed = threading.Condition()
+        self.waiting = {}  # hook id -> its HeldRun waiting in the gate (latest)
+        self.quiet = {}  # hook id -> its HeldRun in a quiet time (debounce)
+
+    def admit(self, run):
+        """Take a triggered run; False if it was dropped, the hook being busy."""
+        hook = run.hook
+        with self.changed:
+            held = self.quiet.get(hook.id)
+            replaced = None if held is None else held.run
+            fresh = hook.debounce and held is None
+            if fresh:
+                held = self.quiet[hook.id] = HeldRun(run)
+            if hook.debounce:
+                held.run, held.until = run, time.monotonic() + hook.debounce
+            elif held is not None:  # the newer trigger goes on, even if a reload removed
+                del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
+                held.run = None
+                self.changed.notify_all()
+        if replaced is not None:
+            self.pass_over(replaced, "superseded", run)
+        if not hook.debounce:
+            return self.enter(run)
+        if fresh:
+            try:
+                threading.Thread(target=self.after_quiet, args=(hook.id, held),
+                                 name="debounce", daemon=True).start()
+            except RuntimeError as exc:  # no thread to wait with: no quiet time
+                log.error("cannot start a thread for a debounced run: %s; it goes on now", exc)
+                with self.changed:
+                    held.until = 0
+                self.after_quiet(hook.id, held)
+        return True
+
+    def after_quiet(self, hook_id, held):
+        """Wait until no trigger came for the quiet time; then the newest goes on."""
+        with self.changed:
+            while held.run is not None:
+                left = held.until - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            run, held.run = held.run, None
+            if run is not None:
+                del self.quiet[hook_id]
+        if run is not None:
+            self.enter(run)
+
+    def enter(self, run):
+        """The run goes for its turn as its hook's when-busy says; False if dropped."""
+        gate, when_busy = run.gate, run.hook.when_busy
+        if when_busy == "queue":
+            gate.enter(lambda: self.start(run))
+            return True
+        if gate.enter(lambda: self.start(run), wait=False):
+            return True
+        if when_busy == "drop":
+            self.pass_over(run, "dropped", None)
+            return False
+        with self.changed:
+            held = self.waiting.get(run.hook.id)
+            replaced = None if held is None else held.run
+            if held is None:
+                held = self.waiting[run.hook.id] = HeldRun(run)
+            held.run = run
+        if replaced is not None:
+            self.pass_over(replaced, "superseded", run)
+        else:
+            gate.enter(lambda: self.start(self.turn_of(run.hook.id)))
+        return True
+
+    def turn_of(self, hook_id):
+        """The run a hook held back, now that its turn has come."""
+        with self.changed:
+            return self.waiting.pop(hook_id).run
+
+
 # ---------------------------------------------------------------------------
 # Run history: run records and the bounded store (memory or -runs-dir)
 # ---------------------------------------------------------------------------
@@ -4786,7 +4952,7 @@ class HookGate:
 # never holds up a trigger: the record then says what was not saved.
 
 RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted",
-              "refused")
+              "refused", "superseded", "dropped")
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
@@ -4796,7 +4962,7 @@ RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before w
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
-              "environment", "delivery", "redelivery_of")
+              "environment", "delivery", "redelivery_of", "superseded_by")
 
 
 def new_run_id(now):
@@ -4973,12 +5139,27 @@ class RunStore:
         now = time.time()
         with self.changed:
             record.state, record.exit_code, record.signal = run_outcome(result, stopping)
-            record.ended_at = iso_time(now)
             started = record.started_ts
             record.duration_ms = None if started is None else int((now - started) * 1000)
-            self._save(record)
-            self._retain(record.bucket)  # it may be dropped now, if beyond -runs-keep
-            self.changed.notify_all()
+            self._end(record, now)
+
+    def passed_over(self, record, state, superseded_by=None):
+        """A queued run that will never run (WhenBusy): `superseded` by the run of id
+        superseded_by, or `dropped`.  The kept runs it superseded now point at that one too:
+        each names the run that does the work it asked for."""
+        with self.changed:
+            for earlier in self.by_hook.get(record.bucket, ()):
+                if earlier.superseded_by == record.id:
+                    earlier.superseded_by = superseded_by
+                    self._save(earlier)
+            record.state, record.superseded_by = state, superseded_by
+            self._end(record, time.time())
+
+    def _end(self, record, now):
+        record.ended_at = iso_time(now)
+        self._save(record)
+        self._retain(record.bucket)  # it may be dropped now, if beyond -runs-keep
+        self.changed.notify_all()
 
     # -- reading -------------------------------------------------------------
 
@@ -6199,10 +6380,13 @@ def runs_command(opts, out=None):
                                                    "MS", "HOOK"))
     for r in records:
         exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        successor = r.get("superseded_by")
+        note = "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else \
+            "  superseded by %s" % successor if isinstance(successor, str) and \
+            RUN_ID.fullmatch(successor) else ""
         out.write("%-26s %-12s %-20s %5s %10s  %s%s\n" % (
             r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"),
-            "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else ""))
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"), note))
     out.flush()
     return 0
 
@@ -6448,6 +6632,7 @@ vertical-align:top;white-space:nowrap}
 td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
 .state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
 .s-failed,.s-timed-out,.s-killed,.s-interrupted,.s-refused,.bad{color:#dc2626}
+.s-superseded,.s-dropped{color:var(--muted)}
 .muted{color:var(--muted)}
 ul.rules{list-style:none;margin:0;padding-left:1.2rem}main>ul.rules{padding-left:0}
 form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
@@ -6587,6 +6772,9 @@ class RunsHtml:
             facts.append(("Environment", "<br>".join(
                 "<code>%s=%s</code>" % (html_text(name), html_text(shlex.quote(str(value))))
                 for name, value in sorted(environment.items()))))
+        if isinstance(record["superseded_by"], str):
+            facts.append(("Superseded by", self.link(self.run_url(record["superseded_by"]),
+                                                     record["superseded_by"])))
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
