@@ -874,17 +874,18 @@ def craft_raw(header, payload, secret=PARENT):
     return signed + "." + sk._jwt_signature("HS256", secret, signed)
 
 
-def test_guard_accepts_tenant_tokens_on_search_routes_only():
+def test_guard_accepts_tenant_tokens_on_search_and_document_reading_routes_only():
     store = sk.KeyStore("kefir")
-    parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.get"],
+    parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.*"],
                            "indexes": ["movies*"], "expiresAt": None})
     guard = sk.Guard(store, "kefir")
     token = sk.sign_tenant_token(parent.value, PARENT_UID, {"movies": {"filter": "x = 1"}})
     principal = guard.check("Bearer " + token, ("search",), "movies")
     assert principal.key is parent and principal.rules == {"movies": {"filter": "x = 1"}}
     assert guard.check("Bearer " + token, ("search",), None).rules is not None  # multi-search
+    assert guard.check("Bearer " + token, ("documents.get",), "movies").rules is not None
     with pytest.raises(sk.ApiError) as info:
-        guard.check("Bearer " + token, ("documents.get",), "movies")
+        guard.check("Bearer " + token, ("documents.delete",), "movies")
     assert info.value.message == INVALID
     with pytest.raises(sk.ApiError) as info:
         guard.check("Bearer " + token, ("search",), "movies2")
