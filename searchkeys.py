@@ -1248,7 +1248,7 @@ class Service:
         if decision.fetches_document:
             method = "POST"
             target = "/indexes/%s/documents/fetch" % urllib.parse.quote(call.index, safe="")
-            headers = _kept_headers(headers, {"content-type"}) + [
+            headers = _kept_headers(headers, {"content-type", "content-encoding"}) + [
                 ("Content-Type", "application/json")]
         if decision.needs_body:
             body = compact_json(value).encode()
