@@ -2212,8 +2212,9 @@ class Decision(collections.namedtuple(
     - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
-    - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins);
+    - `checks_joins`: the indexes searched (or read under a filter) must not
+      join (Meilisearch's foreignKeys) documents the principal may not see
+      whole (check_joins);
     - `concurrent`: the searches the key may run at once (its
       maxConcurrentSearches), this one holding a place until its answer
       has gone, or None;
@@ -2309,11 +2310,14 @@ def decide(route, principal, index):
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     searching = route.joins  # the routes that run searches, whose hits may hydrate joins
-    checks_joins = searching and not (
+    # a documents read held to a filter (a token's, a forced one), whose caller's own filter
+    # may still reach into joined documents (`_foreign(...)`)
+    held_read = route.forced is force_documents and (
+        rule is not None or documents_forced(restrictions, index) is not None)
+    checks_joins = held_read or searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
-    fetches_document = route.one_document and (
-        rule is not None or documents_forced(restrictions, index) is not None)
+    fetches_document = route.one_document and held_read
     if fetches_document:
         answer_filter = one_document_answer
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
@@ -2337,7 +2341,7 @@ def check_joins(principal, joins):
                     forced_parameters(restrictions, uid) is not None:
                 raise refused("index", invalid_api_key(
                     "The index `%s` joins documents of another index (its `foreignKeys`) "
-                    "that this API key may not see whole; the search is refused." % index))
+                    "that this API key may not see whole; the request is refused." % index))
 
 
 def searched_indexes(call):

@@ -127,7 +127,8 @@ def browse(query):
 
 
 class Backend:
-    """The index `movies` holding DOCUMENTS; every request it gets is in `seen`."""
+    """The index `movies` holding DOCUMENTS (`reviews` exists only to join `critics`); every
+    request it gets is in `seen`."""
 
     def __init__(self):
         seen = self.seen = []
@@ -145,8 +146,9 @@ class Backend:
                 answer_json(self, json.dumps(answer).encode(), status)
 
             def route(self, parts, pairs, body):
-                if parts[2:] == ["settings", "foreign-keys"]:
-                    return 200, []  # joins nothing: searches go through
+                if parts[2:] == ["settings", "foreign-keys"]:  # only `reviews` joins another
+                    return 200, [{"foreignIndexUid": "critics", "foreignKey": "critic"}] \
+                        if parts[1] == "reviews" else []
                 if parts[:1] != ["indexes"] or len(parts) < 3 or parts[2] != "documents":
                     return 200, {"hits": []}
                 if parts[1] != "movies":
@@ -361,6 +363,25 @@ def test_authorize_refuses_them_with_the_reason(guard, reader, tenant, forced):
         assert status == 403 and error["code"] == "forbidden_by_restriction"
         assert "forcedParameters" in error["message"]
         assert authorize(reader["key"], method, uri) == (204, None)
+
+
+def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, reader):
+    """Its own filter could reach the joined documents (`_foreign(...)`), which the token's
+    filter does not hold."""
+    credential = token(reader, {"reviews": {"filter": "public = true"}})
+    for method, target in (("GET", "/indexes/reviews/documents"),
+                           ("POST", "/indexes/reviews/documents/fetch"),
+                           ("GET", "/indexes/reviews/documents/1")):
+        status, answer, seen = send(guard, backend, credential, method, target,
+                                    {} if method == "POST" else None)
+        assert status == 403 and "foreignKeys" in answer["message"], answer
+        assert seen[1] == "/indexes/reviews/settings/foreign-keys"
+    # joining an index the token sees whole, or read without a filter: as before
+    for credential in (token(reader, {"reviews": {"filter": "public = true"}, "critics": None}),
+                       reader["key"]):
+        status, _, seen = send(guard, backend, credential, "POST",
+                               "/indexes/reviews/documents/fetch", {})
+        assert status == 404 and seen[1] == "/indexes/reviews/documents/fetch"
 
 
 def test_the_official_client_reads_a_tenants_documents(guard, tenant):
