@@ -1812,7 +1812,8 @@ def browser_refusal(principal, headers):
     """The refusal of an admin credential sent from a browser (admin keys
     belong on servers: meilisearch #2369), or None. Refused: the master key,
     and an API key holding any action beyond `search` unless its
-    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    restrictions say `allowBrowser`; a tenant token only ever searches and
+    reads documents, held to its rules."""
     if principal.rules is not None or not from_browser(headers):
         return None
     key = principal.key
