@@ -1236,7 +1236,8 @@ class Service:
         context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
-        method, target = call.route.method, request.target if query == request.query else \
+        method = call.route.method
+        target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
             functools.partial(decision.answer_filter, context)
