@@ -167,8 +167,9 @@ INDEX_ONLY_ACTIONS = frozenset((
 MULTI_SCOPE_ACTIONS = frozenset(("*", "*.get", "documents.*", "indexes.*", "tasks.*", "settings.*"))
 
 KEYS_ACTIONS = frozenset(("keys.create", "keys.get", "keys.update", "keys.delete"))
-# Routes needing one of these accept tenant tokens as well as API keys.
-TENANT_TOKEN_ACTIONS = frozenset(("search", "chatCompletions"))
+# Routes needing one of these accept tenant tokens as well as API keys (a token
+# reads documents when its parent key may: its filter holds it, as on searches).
+TENANT_TOKEN_ACTIONS = frozenset(("search", "chatCompletions", "documents.get"))
 
 # Body fields of POST /keys in upstream's order (also the order of error lists),
 # and the fields PATCH may change.
@@ -1240,6 +1241,7 @@ class Service:
         context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
+        method = call.route.method
         target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
@@ -1249,12 +1251,17 @@ class Service:
         if decision.concurrent is not None:
             self.gate.enter(request, call.principal, decision.concurrent)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+        if decision.fetches_document:
+            method = "POST"
+            target = "/indexes/%s/documents/fetch" % urllib.parse.quote(call.index, safe="")
+            headers = _kept_headers(headers, {"content-type", "content-encoding"}) + [
+                ("Content-Type", "application/json")]
         if decision.needs_body:
             body = compact_json(value).encode()
         else:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(call.route.method, target, headers, body,
-                                call.route.repeatable, answer_filter)
+        return upstream.forward(method, target, headers, body, call.route.repeatable,
+                                answer_filter)
 
     def enforce(self, call, query, forwarding):
         """The decision's checks, in the one order both edges keep (so that
@@ -1272,7 +1279,11 @@ class Service:
         if decision.refusal is not None:
             raise decision.refusal
         if forwarding:
-            value, query = decision.rewrite(call.json if decision.needs_body else None, query)
+            if decision.fetches_document:
+                value = fetch_one_document(call.params["document_id"], query)
+            else:
+                value = call.json if decision.needs_body else None
+            value, query = decision.rewrite(value, query)
             if upstream is None:
                 raise no_upstream()
         else:
@@ -1452,7 +1463,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated joins people")):
+                 "forced carrier family gated joins people one_document")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1476,18 +1487,21 @@ class Route(collections.namedtuple(
     - `people`: a page for people (the keys page): the master key alone
       opens it, given as HTTP Basic's password (any user name) or as Bearer,
       and from a browser, the one place where browser_refusal does not keep
-      it out; anything else gets 401 with a Basic challenge (Gate.check)."""
+      it out; anything else gets 401 with a Basic challenge (Gate.check);
+    - `one_document`: it reads the one document its path's `document_id`
+      names: under a filter the backend is asked for it by a documents fetch
+      (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
-                joins=False, people=False):
+                joins=False, people=False, one_document=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
                                route_family(pattern, handler is not Service.forward), gated,
-                               joins, people)
+                               joins, people, one_document)
 
     @property
     def is_meilisearch(self):
@@ -1605,8 +1619,8 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
               forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
-        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",), rule=SEARCH_RULE,
+              forced=force_documents),
         Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
         Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
         Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
@@ -1614,9 +1628,9 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
         Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
         Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
-              forced=REFUSED_WHEN_FORCED),
+              rule=SEARCH_RULE, forced=force_documents),
         Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
+              rule=SEARCH_RULE, forced=force_documents, one_document=True),
         Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
         Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
         Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
@@ -1819,7 +1833,8 @@ def browser_refusal(principal, headers):
     """The refusal of an admin credential sent from a browser (admin keys
     belong on servers: meilisearch #2369), or None. Refused: the master key,
     and an API key holding any action beyond `search` unless its
-    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    restrictions say `allowBrowser`; a tenant token only ever searches and
+    reads documents, held to its rules."""
     if principal.rules is not None or not from_browser(headers):
         return None
     key = principal.key
@@ -2244,7 +2259,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins concurrent")):
+                    "answer_filter searches checks_joins concurrent fetches_document")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2258,11 +2273,18 @@ class Decision(collections.namedtuple(
     - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
-    - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins);
+    - `checks_joins`: the indexes searched (or read under a filter) must not
+      join (Meilisearch's foreignKeys) documents the principal may not see
+      whole (check_joins);
     - `concurrent`: the searches the key may run at once (its
       maxConcurrentSearches), this one holding a place until its answer
-      has gone, or None."""
+      has gone, or None;
+    - `fetches_document`: a GET of one document under a filter (a tenant
+      token's, forced parameters'): the backend is asked for it by a
+      documents fetch of its id (carrier BODY, the value from
+      fetch_one_document), so that it answers only a document that passes,
+      and `answer_filter` makes the answer the document, or Meilisearch's
+      own 404 as if it were missing."""
 
     @property
     def needs_body(self):
@@ -2349,12 +2371,20 @@ def decide(route, principal, index):
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     searching = route.joins  # the routes that run searches, whose hits may hydrate joins
-    checks_joins = searching and not (
+    # a documents read held to a filter (a token's, a forced one), whose caller's own filter
+    # may still reach into joined documents (`_foreign(...)`)
+    held_read = route.forced is force_documents and (
+        rule is not None or documents_forced(restrictions, index) is not None)
+    checks_joins = held_read or searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
+    fetches_document = route.one_document and held_read
+    if fetches_document:
+        answer_filter = one_document_answer
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
-                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins, concurrent)
+                    facts, tuple(value_steps), tuple(query_steps),
+                    BODY if fetches_document else route.carrier, answer_filter, searches,
+                    checks_joins, concurrent, fetches_document)
 
 
 def check_joins(principal, joins):
@@ -2372,7 +2402,7 @@ def check_joins(principal, joins):
                     forced_parameters(restrictions, uid) is not None:
                 raise refused("index", invalid_api_key(
                     "The index `%s` joins documents of another index (its `foreignKeys`) "
-                    "that this API key may not see whole; the search is refused." % index))
+                    "that this API key may not see whole; the request is refused." % index))
 
 
 def searched_indexes(call):
@@ -2546,12 +2576,15 @@ def parse_search_query(query):
 
 
 def query_parameter(name, text):
-    """One GET search parameter as its POST body spells it: the filter as
-    query_filter reads it, lists comma-separated, booleans, page counts as
-    Rust's usize reads them; anything else (or what does not parse: the
-    backend refuses it) as the text."""
+    """One GET search (or documents) parameter as its POST body spells it:
+    the filter as query_filter reads it, lists comma-separated (a documents
+    read's `fields` too), booleans, page counts as Rust's usize reads them;
+    anything else (or what does not parse: the backend refuses it) as the
+    text."""
     if name == "filter":
         return query_filter(text)
+    if name == "fields":
+        return text.split(",")
     if name in ("limit", "hitsPerPage", "page"):
         count = parse_rust_uint(text)
         return text if count is None else count
@@ -2675,7 +2708,8 @@ def check_index_swap(principal, index, body):
 
 
 def scope_search_value(principal, index, value):
-    """Search, facet-search, similar on one index: fuse the token's filter."""
+    """Search, facet-search, similar on one index, and the documents read
+    there (listed, fetched, one by its id): fuse the token's filter."""
     return with_tenant_filter(value, principal.rules, index)
 
 
@@ -2861,7 +2895,7 @@ def query_value(name, value):
         return compact_json(value)
     if isinstance(value, list):
         if not value or any("," in item for item in value):
-            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
+            raise restriction_refused("forcedParameters", "on a GET request, which cannot "
                                       "spell its forced `%s`: use POST" % name)
         return ",".join(value)
     if isinstance(value, bool):
@@ -2880,6 +2914,86 @@ def force_facet_search(restrictions, index, body):
             and name not in facets:
         raise restriction_refused("forcedParameters", "to search the values of this facet")
     return force_object(body, forced, FACET_SEARCH_PARAMETERS)
+
+
+# The forced parameters a documents read gets: a documents fetch has no other.
+DOCUMENT_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors"))
+
+
+def documents_forced(restrictions, index):
+    """The forced parameters of DOCUMENT_PARAMETERS on `index`, or None."""
+    forced = forced_parameters(restrictions, index) or {}
+    return {name: value for name, value in forced.items()
+            if name in DOCUMENT_PARAMETERS} or None
+
+
+def force_documents(restrictions, index, value):
+    """GET documents, POST documents/fetch, and one document (asked by a
+    fetch): the forced filter fused in as on a search; under a forced
+    attributesToRetrieve, the `fields` asked cut to those (all of those when
+    none, `*` or no list is asked) and no vectors (embeddings are made from
+    any of the document's fields, shown or not), unless `_vectors` is among
+    them; a forced retrieveVectors replaces the caller's."""
+    forced = documents_forced(restrictions, index)
+    if forced is None or not isinstance(value, dict):
+        return value
+    value = dict(value)
+    if "filter" in forced:
+        value["filter"] = fuse_filters(value.get("filter"), forced["filter"])
+    shown = forced.get("attributesToRetrieve")
+    if shown is not None and "*" not in shown:
+        asked = value.get("fields")
+        value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
+            [name for name in asked if name in shown]
+        if "_vectors" not in shown and "retrieveVectors" in value:
+            value["retrieveVectors"] = False
+    if "retrieveVectors" in forced:
+        value["retrieveVectors"] = forced["retrieveVectors"]
+    return value
+
+
+ONE_DOCUMENT_PARAMETERS = ("fields", "retrieveVectors")
+# A document id Meilisearch accepts (milli's validate_document_id_str); no
+# document has another, and its fetch refuses another in `ids`.
+_DOCUMENT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,511}\Z")
+
+
+def fetch_one_document(document_id, query):
+    """GET /indexes/{i}/documents/{id}'s query string as the documents fetch
+    the backend is asked instead (Decision.fetches_document): that one id
+    (none when no document can have it, so that the answer is the same 404),
+    the fields and vectors asked, one result. The query string is read as
+    Meilisearch reads it on that route, and refused as it refuses it."""
+    asked = parse_search_query(query)[0]
+    for name in asked:
+        if name not in ONE_DOCUMENT_PARAMETERS:
+            raise bad_request("Unknown parameter `%s`: %sexpected one of %s" % (
+                name, did_you_mean(name, ONE_DOCUMENT_PARAMETERS),
+                backticked(ONE_DOCUMENT_PARAMETERS)))
+    vectors = asked.get("retrieveVectors", False)
+    if type(vectors) is not bool:
+        raise ApiError(400, "invalid_document_retrieve_vectors", "Invalid value in parameter "
+                       "`retrieveVectors`: could not parse `%s` as a boolean, expected either "
+                       "`true` or `false`" % vectors)
+    value = {"ids": [document_id] if _DOCUMENT_ID_RE.match(document_id) else [], "limit": 1}
+    if "fields" in asked and "*" not in asked["fields"]:
+        value["fields"] = asked["fields"]
+    if vectors:
+        value["retrieveVectors"] = True
+    return value
+
+
+def one_document_answer(context, answer):
+    """The documents fetch's answer to a GET of one document: the document,
+    or Meilisearch's own 404 for a missing one when none passed the filter."""
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list):
+        raise ApiError(502, "upstream_unavailable", "The search backend's answer to a "
+                       "documents fetch has no `results`.", "system")
+    if not results:
+        raise ApiError(404, "document_not_found",
+                       "Document `%s` not found." % context.params["document_id"])
+    return results[0]
 
 
 def force_multi_search(restrictions, index, body):

@@ -1344,7 +1344,9 @@ def test_tenant_token_refused_elsewhere(srv):
     admin = srv.create(actions=["*"], indexes=["*"])
     tok = mint(admin["key"], {"searchRules": ["*"], "apiKeyUid": admin["uid"]})
     check_no_upstream(srv.call("GET", "/indexes/movies/search", key=tok))
-    for method, path in (("GET", "/indexes/movies/documents"), ("GET", "/keys"),
+    # searchkeys' addition (issue 34): documents reads too, held to the token's rules
+    check_no_upstream(srv.call("GET", "/indexes/movies/documents", key=tok))
+    for method, path in (("DELETE", "/indexes/movies/documents"), ("GET", "/keys"),
                          ("GET", "/indexes/movies"), ("GET", "/version"), ("GET", "/tasks")):
         check_error(srv.call(method, path, key=tok), 403, "invalid_api_key", INVALID_KEY, "auth")
 
