@@ -6227,13 +6227,20 @@ def runs_command(opts, out=None):
         os.close(dir_fd)
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
-                                                   "MS", "HOOK"))
+                                                   "MS", "HOOK  COMMAND"))
     for r in records:
         exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        # after the hook: why it was refused, or the command line as the record holds it
+        # (masked, each value cut and escaped), quoted as a shell would
+        if isinstance(r.get("reason"), str):
+            after = "  refused: %s" % r["reason"]
+        elif isinstance(r.get("arguments"), list):
+            after = "  " + " ".join(shlex.quote(str(arg)) for arg in r["arguments"])
+        else:
+            after = ""
         out.write("%-26s %-12s %-20s %5s %10s  %s%s\n" % (
             r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"),
-            "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else ""))
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"), after))
     out.flush()
     return 0
 

@@ -312,7 +312,7 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
                                  capture_output=True, text=True, timeout=15)
         assert listing.returncode == 0
         row = listing.stdout.splitlines()[1].split()
-        assert row[0] == run_id and row[1] == "succeeded" and row[-1] == "deploy"
+        assert row[0] == run_id and row[1] == "succeeded" and row[5] == "deploy"
     refused = subprocess.run(python_cmd(WEBHOOKD, "-runs"), capture_output=True, text=True,
                              timeout=15)
     assert refused.returncode == 1 and "-runs-dir" in refused.stdout + refused.stderr
