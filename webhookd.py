@@ -1275,11 +1275,15 @@ class Masker:
     def bytes(self, data):
         return data if self.regex is None else self.regex.sub(MASKED, data)
 
-    def text(self, text):
+    def head(self, text, chars):
+        """The first `chars` characters of text, masked: a secret that begins among them is
+        masked whole, and only `longest` characters after them are looked at."""
         if self.regex is None:
-            return text
-        return self.bytes(text.encode("utf-8", "surrogateescape")).decode(
-            "utf-8", "surrogateescape")
+            return text[:chars]
+        window = text[:chars + self.longest]  # surrogatepass: a JSON `\ud800` kept as it is
+        data = window.encode("utf-8", "surrogatepass")
+        limit = len(window[:chars].encode("utf-8", "surrogatepass"))
+        return self.masked_until(data, limit)[0].decode("utf-8", "surrogatepass")
 
     def stream(self):
         """feed(chunk, last=False) -> the masked bytes that are certain: a secret split between
@@ -1290,19 +1294,26 @@ class Masker:
             nonlocal pending
             if self.regex is None:
                 return chunk
-            data, pending = pending + chunk, b""
-            certain = len(data) if last else max(0, len(data) - self.longest + 1)
-            shown, pos = [], 0
-            for found in self.regex.finditer(data):
-                if found.start() >= certain:  # might grow into a longer secret: next time
-                    break
-                shown += [data[pos:found.start()], MASKED]
-                pos = found.end()
-            certain = max(certain, pos)
-            shown.append(data[pos:certain])
-            pending = data[certain:]
-            return b"".join(shown)
+            data = pending + chunk
+            shown, end = self.masked_until(data, len(data) if last
+                                           else max(0, len(data) - self.longest + 1))
+            pending = data[end:]
+            return shown
         return feed
+
+    def masked_until(self, data, limit):
+        """(data up to `limit` with each secret masked, where that ended): a secret beginning
+        before `limit` is masked whole; one beginning after it (it might grow into a longer
+        one) is left for later."""
+        shown, pos = [], 0
+        for found in self.regex.finditer(data):
+            if found.start() >= limit:
+                break
+            shown += [data[pos:found.start()], MASKED]
+            pos = found.end()
+        end = max(limit, pos)
+        shown.append(data[pos:end])
+        return b"".join(shown), end
 
 
 NO_MASK = Masker()
@@ -3939,7 +3950,7 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=cut(request.remote_addr), wanted=cut(rule.ip_range))
+            node.update(value=request.remote_addr, wanted=rule.ip_range)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4133,6 +4144,8 @@ def rules_satisfied(hook, request, trace=None):
         return True, None, None
     request.allow_signature_errors = hook.signature_soft_failures
     ok, err = evaluate(hook.trigger_rule, request, trace)
+    if trace:
+        shown_tree(trace[0], hook.masker)
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
@@ -4150,15 +4163,29 @@ EXPLAIN_VALUE_CHARS = 120
 SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
 
 
-def cut(text):
-    """A value as shown: control characters and bytes that are not UTF-8 as `\\xNN` (a
-    terminal reading -explain or -runs obeys none), at most EXPLAIN_VALUE_CHARS characters,
-    and how long it was."""
+def cut(text, masker=NO_MASK):
+    """A value as shown: the secrets of `masker` masked, control characters and bytes that are
+    not UTF-8 as `\\xNN` (a terminal reading -explain or -runs obeys none), at most
+    EXPLAIN_VALUE_CHARS characters (a secret begun among them masked whole), and how long it
+    was."""
     shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
-                                text[:EXPLAIN_VALUE_CHARS])
+                                masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
     return "%s... (%d characters)" % (shown, len(text))
+
+
+EXPLAIN_TEXTS = ("name", "value", "wanted", "error")  # what a request or a hooks file wrote
+
+
+def shown_tree(node, masker):
+    """The explained tree made fit to show, in place: each text masked with the hook's Masker
+    (its file's secrets, its `mask` patterns) and cut."""
+    for field in EXPLAIN_TEXTS:
+        if field in node:
+            node[field] = cut(node[field], masker)
+    for child in node.get("rules", ()):
+        shown_tree(child, masker)
 
 
 def explain_node(rule):
@@ -4169,7 +4196,7 @@ def explain_node(rule):
         match = rule[1]
         node["type"] = match.type
         if match.parameter.source:
-            node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
+            node["source"], node["name"] = match.parameter.source, match.parameter.name
     return node
 
 
@@ -4177,8 +4204,8 @@ def explain_error(err):
     if isinstance(err, ParameterNodeError):
         return "parameter not found"
     if isinstance(err, SignatureError):
-        return "signature did not match" if "<redacted>" in str(err) else cut(str(err))
-    return cut(str(err))
+        return "signature did not match" if "<redacted>" in str(err) else str(err)
+    return str(err)
 
 
 def explain_signature(node, headers, name):
@@ -4200,8 +4227,8 @@ def explain_value(node, rule, value, err):
     elif compares_a_secret(arg):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
-        node["value"] = cut(value)
-        node["wanted"] = cut(rule.value if kind == "value" else rule.regex)
+        node["value"] = value
+        node["wanted"] = rule.value if kind == "value" else rule.regex
 
 
 def explain_summary(node):
