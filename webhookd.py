@@ -44,6 +44,7 @@ import difflib
 import errno
 import fcntl
 import functools
+import hashlib
 import hmac
 import html
 import io
@@ -744,7 +745,7 @@ HMAC_TYPES = {"payload-hmac-sha1": ("sha1", "sha1="), "payload-hash-sha1": ("sha
 # ours: match types whose `secret` may be a list (any one of them signs), while a sender rotates
 SECRET_LIST_TYPES = frozenset(HMAC_TYPES) | {"standard-webhooks"}
 
-# hook field -> (attribute, kind); the last four are ours and ignored by upstream.
+# hook field -> (attribute, kind); from max-concurrency on they are ours, ignored by upstream.
 HOOK_FIELDS = {
     "id": ("id", "str"),
     "execute-command": ("execute_command", "str"),
@@ -768,9 +769,14 @@ HOOK_FIELDS = {
     "stream-command-output": ("stream_output", "bool"),
     "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
     "mask": ("mask", "masks"),
+    "deduplicate": ("delivery_headers", "delivery"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
-         "headers": (), "strlist": (), "rule": None, "masks": ()}
+         "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": ()}
+# `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
+# Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
+DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
+                    "Idempotency-Key")
 
 
 class Problems:
@@ -1127,6 +1133,13 @@ def parse_field(kind, value, where, problems):
         return parse_arguments(value, where, problems)
     if kind == "rule":
         return parse_rule(value, where, problems)
+    if kind == "delivery":  # true: the usual headers; a name: that header alone
+        if isinstance(value, bool):
+            return DELIVERY_HEADERS if value else ()
+        if not isinstance(value, str) or not value or not set(value) <= TOKEN_CHARS:
+            raise HooksFileError("%s: expected true, false or a header name, got %s" % (
+                where, "%r" % value if isinstance(value, str) else type_name(value)))
+        return (canonical_header(value),)
     expect(value, list, where)
     if kind == "strlist":
         return tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
@@ -2993,12 +3006,16 @@ class Hooks:
                      "were not satisfied", rid, hook.id)
             return Response(status_or_200(hook.mismatch_status, rid, hook),
                             MSG_RULES_NOT_SATISFIED, headers)
-        log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
-            else "background"
-        run = self.prepare(hook, request, mode)
+        delivery = self.delivery(hook, request)
+        with self.runs.claim(hook.id, delivery) as earlier:
+            if earlier is not None and earlier.state in DELIVERY_HANDLED:
+                return self.deduplicated(hook, rid, delivery, earlier, headers)
+            log.info("[%s] %s hook triggered successfully", rid, hook.id)
+            mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
+                else "background"
+            run = self.prepare(hook, request, mode, delivery, earlier)
         if run is None:
             log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
                      "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
@@ -3015,11 +3032,30 @@ class Hooks:
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
-    def prepare(self, hook, request, mode):
+    def delivery(self, hook, request):
+        """The delivery id of a request to a deduplicating hook (delivery_id), or None."""
+        delivery = delivery_id(hook, request)
+        if delivery is not None and not self.runs.keep:
+            log.warning("[%s] %s: delivery %s is not deduplicated: -runs-keep 0 keeps no runs "
+                        "to compare it with", request.id, hook.id, delivery)
+            return None
+        return delivery
+
+    def deduplicated(self, hook, rid, delivery, earlier, headers):
+        """The answer to a delivery already run (or going): 200, naming that run."""
+        self.metrics.deduplicated(hook.id)
+        log.info("[%s] %s: delivery %s was already run as %s (%s): not run again", rid,
+                 hook.id, delivery, earlier.id, earlier.state)
+        headers["X-Webhookd-Run"] = earlier.id
+        headers.setdefault("Content-Type", TEXT_PLAIN)
+        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, earlier.state)).encode(),
+                        headers)
+
+    def prepare(self, hook, request, mode, delivery=None, earlier=None):
         """The HookRun of a triggered hook: its argv/env, built now so that no request or body
-        waits in a queue, and its record (on disk before its id is handed out).  None when a
-        background run would hold more than the backlog has room for (its bytes are counted
-        before any record exists)."""
+        waits in a queue, and its record (on disk before its id is handed out), which keeps the
+        `delivery` id and the `earlier` run of it.  None when a background run would hold more
+        than the backlog has room for (its bytes are counted before any record exists)."""
         invocation = failure = None
         try:
             invocation = build_invocation(hook, request)
@@ -3035,8 +3071,8 @@ class Hooks:
         held = invocation.size() if invocation and mode == "background" else 0
         if mode == "background" and not self.background.reserve(held):
             return None
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request, invocation))
+        run = HookRun(hook, request.id, mode, self.gate(hook), self.runs.open(
+            hook.id, request, invocation, delivery, earlier and earlier.id))
         run.invocation, run.failure, run.held = invocation, failure, held
         return run
 
@@ -3055,7 +3091,7 @@ class Hooks:
             return None, (503, "the background runs' backlog is full: try again later")
         replayer = HookRequest(request.id, request.method, request.peer, {}, {}, b"", "")
         run = HookRun(hook, request.id, "background", self.gate(hook),
-                      self.runs.open(hook.id, replayer, invocation, original.id))
+                      self.runs.open(hook.id, replayer, invocation, replay_of=original.id))
         run.invocation, run.held = invocation, invocation.size()
         log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
                  run.record.id)
@@ -3179,6 +3215,24 @@ class Hooks:
             body.complete = running.result.ok
         body.chunks = chunks()
         return Response(success, body, headers)
+
+
+DELIVERY_HANDLED = frozenset(("queued", "running", "succeeded"))  # a redelivery runs otherwise
+DELIVERY_ID = re.compile(r"[!-~]{1,128}")  # longer ids, or with other characters, are hashed
+
+
+def delivery_id(hook, request):
+    """The id of the delivery a request to a deduplicating hook carries: the value of the first
+    of its `deduplicate` headers the request has (not empty), as sent if at most 128 visible
+    ASCII characters, else `sha256:` and the hex digest of it (so that the id of any request
+    costs the history as little, and shows no control character); None when it has none."""
+    for name in hook.delivery_headers:
+        value = request.headers.get(name)
+        if value:
+            if DELIVERY_ID.fullmatch(value):
+                return value
+            return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+    return None
 
 
 def status_details(registry, runs, started):
@@ -4803,7 +4857,7 @@ RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before w
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
-              "environment", "replayOf")
+              "environment", "delivery", "redelivery_of", "replayOf")
 
 
 def new_run_id(now):
@@ -4849,13 +4903,22 @@ class RunRecord:
         self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
-        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
+        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr,
+                                              self.delivery, self.redelivery_of]))
         if self.rules is not None or self.arguments is not None:  # written once, never grow
             self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
                                                self.environment]))
         # the Invocation as it ran, unmasked, for a replay: in memory only (RunStore.open),
         # never shown, never written to -runs-dir
         self.invocation = None
+
+    @property
+    def delivered(self):
+        """The key of the delivery it ran for (hook id, delivery id), or None: refused ones
+        ran nothing, and a record from -runs-dir may be hand-edited."""
+        if self.state == "refused" or not isinstance(self.delivery, str):
+            return None
+        return self.hook, self.delivery
 
     @property
     def bucket(self):
@@ -4881,6 +4944,8 @@ class RunStore:
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # RunRecord.bucket -> deque of its records, in creation order
+        self.deliveries = {}  # RunRecord.delivered -> the newest record of that delivery
+        self.claims = threading.Lock()  # see claim()
         self.size = 0
         self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
@@ -4893,19 +4958,34 @@ class RunStore:
 
     # -- the run path --------------------------------------------------------
 
-    def open(self, hook_id, request, invocation=None, replay_of=None):
+    @contextlib.contextmanager
+    def claim(self, hook_id, delivery):
+        """Within it, a run of a deduplicating hook finds the newest record of its delivery
+        (what it gives, or None) and opens its own: of two deliveries with one id, the second
+        finds the first's record, already on disk.  Holds nothing without a delivery id."""
+        if delivery is None or not self.keep:
+            yield None
+            return
+        with self.claims:
+            with self.changed:
+                earlier = self.deliveries.get((hook_id, delivery))
+            yield earlier
+
+    def open(self, hook_id, request, invocation=None, delivery=None, redelivery_of=None,
+             replay_of=None):
         """A queued record for a run about to be triggered by request (None when -runs-keep
         is 0: no history), showing its invocation (Invocation.shown) and keeping it for a
-        replay (its bytes count in -runs-max-bytes); `replay_of`: the run it replays.  With
-        -runs-dir it is written before its id is handed out, so a daemon killed at once
-        (kill -9) finds it `interrupted` on restart."""
+        replay (its bytes count in -runs-max-bytes), with the id of its delivery (see claim),
+        or the run it replays.  With -runs-dir it is written before its id is handed out, so
+        a daemon killed at once (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
         shown = invocation.shown() if invocation is not None else {}
         record = RunRecord(dict(shown, id=new_run_id(now), hook=hook_id, state="queued",
                                 queued_at=iso_time(now), remote_addr=request.remote_addr,
-                                request_id=request.id, replayOf=replay_of))
+                                request_id=request.id, delivery=delivery,
+                                redelivery_of=redelivery_of, replayOf=replay_of))
         if invocation is not None:
             record.invocation = invocation
             record.text_bytes += invocation.size()
@@ -5042,6 +5122,8 @@ class RunStore:
         self.records[record.id] = record
         self.by_hook.setdefault(record.bucket, deque()).append(record)
         self.size += record.kept_bytes
+        if record.delivered is not None:
+            self.deliveries[record.delivered] = record
 
     def _retain(self, bucket):
         """Drop the oldest ended runs beyond -runs-keep in this bucket (a hook's runs, or its
@@ -5067,6 +5149,8 @@ class RunStore:
         if not of_hook:
             del self.by_hook[record.bucket]
         self.size -= record.kept_bytes
+        if record.delivered is not None and self.deliveries.get(record.delivered) is record:
+            del self.deliveries[record.delivered]
         if self.files is not None:
             self.files.put("delete", record)
 
@@ -5690,6 +5774,7 @@ class Metrics:
         self.runs = {}  # (hook id, final state) -> runs
         self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
         self.refusals = {}  # hook id -> deliveries its rules refused
+        self.deduplications = {}  # hook id -> deliveries answered with the run they had
 
     def answered(self, status):
         with self.lock:
@@ -5698,6 +5783,10 @@ class Metrics:
     def refused(self, hook_id):
         with self.lock:
             self.refusals[hook_id] = self.refusals.get(hook_id, 0) + 1
+
+    def deduplicated(self, hook_id):
+        with self.lock:
+            self.deduplications[hook_id] = self.deduplications.get(hook_id, 0) + 1
 
     def run_ended(self, hook_id, state, seconds):
         """A run of the hook ended in `state` after `seconds` (None: it never started)."""
@@ -5716,6 +5805,7 @@ class Metrics:
         with self.lock:
             answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
             refusals = sorted(self.refusals.items())
+            deduplications = sorted(self.deduplications.items())
             durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
         queued = background.jobs.qsize() + sum(len(gate.waiting)
                                                for gate in list(registry.gates.values()))
@@ -5748,6 +5838,11 @@ class Metrics:
                                "trigger rules refused (not satisfied, or a signature that did "
                                "not match), by hook.", [("", metric_labels(hook=hook_id), count)
                                                          for hook_id, count in refusals])
+        lines += metric_family("deduplicated_total", "counter", "Deliveries a hook's "
+                               "`deduplicate` did not run again (their id's run was queued, "
+                               "running or succeeded), by hook.",
+                               [("", metric_labels(hook=hook_id), count)
+                                for hook_id, count in deduplications])
         lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
                                "ran, by hook (runs whose command never started are left out).",
                                [sample for hook_id, counts in durations
@@ -6642,6 +6737,11 @@ class RunsHtml:
                  ("Request id", html_text(record["request_id"] or "-")),
                  ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
                                             if record["output_truncated"] else ""))]
+        if record["delivery"]:
+            earlier = record["redelivery_of"]
+            facts.append(("Delivery", "<code>%s</code>%s" % (html_text(record["delivery"]), (
+                ", a redelivery after run %s" % self.link(self.run_url(earlier), earlier))
+                if isinstance(earlier, str) else "")))
         arguments, environment = record["arguments"], record["environment"]
         if isinstance(arguments, list):  # (a record from -runs-dir may be hand-edited)
             facts.append(("Command", '<code>%s</code>' % html_text(

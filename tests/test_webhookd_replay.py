@@ -13,7 +13,8 @@ import time
 
 from support import WEBHOOKD, Daemon, free_port, python_cmd
 from test_webhookd_features import wait_until
-from test_webhookd_page import HTML, basic, browser, page_problems, text_of  # noqa: F401
+from test_webhookd_page import (HTML, basic, browser, page_problems, text_of,  # noqa: F401
+                                wait_for)
 
 TOKEN = "status-token-1"
 HOOK_TOKEN = "tok-0123456789"  # compared by the rule: masked in the record, real in argv
@@ -216,10 +217,11 @@ def test_the_replay_button_on_the_run_page(browser, tmp_path):  # noqa: F811
         browser.get("http://127.0.0.1:%d/status/runs/%s" % (daemon.port, run_id))
         assert "Replay" in text_of(browser, "dl")
         browser.find_element("css selector", "form button").click()
-        wait_until(lambda: run_id not in browser.current_url, 20, "the new run's page")
+        wait_for(browser, lambda: run_id not in browser.current_url, "the new run's page")
         new_id = browser.current_url.rsplit("/", 1)[1]
-        wait_until(lambda: "succeeded" in text_of(browser, ".state"), 20, "the replay to end")
-        assert run_id in text_of(browser, "dl")  # "Replay of"
+        # (while the replay runs, the page's script replaces its record: wait_for reads again)
+        wait_for(browser, lambda: "succeeded" in text_of(browser, ".state"), "the replay's end")
+        wait_for(browser, lambda: run_id in text_of(browser, "dl"), "Replay of")
         assert ended(daemon, new_id)["replayOf"] == run_id
         first, second = recorded(daemon)
         assert first == second
