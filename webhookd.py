@@ -5516,8 +5516,11 @@ class StatusSite:
 
     def answer(self, request):
         path, as_html = request.path, prefers_html(request)
-        if path.startswith(self.prefix + "/") and path.endswith(REPLAY_SUFFIX):
-            return self.replay(request, as_html) if request.method == "POST" else Response(405)
+        replay = REPLAY_PATH.fullmatch(path, len(self.prefix)) if path.startswith(
+            self.prefix) else None
+        if replay:
+            return self.replay(request, replay.group(1), as_html) if request.method == "POST" \
+                else Response(405)
         if request.method not in ("GET", "HEAD"):
             return Response(405)
         trusted = self.trusted(request)
@@ -5554,7 +5557,7 @@ class StatusSite:
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def replay(self, request, as_html):
+    def replay(self, request, run_id, as_html):
         """A trusted client's POST asking for a run again (Hooks.replay): 202 (a browser: 303
         to the new run's page), the new run in X-Webhookd-Run.  Only the bearer of the token
         asks by itself; credentials a browser sends on its own (Basic, or none on loopback)
@@ -5562,7 +5565,6 @@ class StatusSite:
         site (same_origin) carrying the nonce of the run's page (its Replay button)."""
         if not self.trusted(request):
             return self.refused() if as_html else forbidden("replays are")
-        run_id = request.path[len(self.prefix) + 1:-len(REPLAY_SUFFIX)]
         record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
         if record is None:
             return json_response(404, {"error": "run not found"})
@@ -5636,7 +5638,7 @@ class StatusSite:
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
 
-REPLAY_SUFFIX = "/replay"
+REPLAY_PATH = re.compile(r"/([^/]+)/replay")  # what follows <status-path>/runs
 REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
 REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
 

@@ -191,6 +191,9 @@ def test_what_cannot_be_replayed_gets_a_clear_4xx(tmp_path):
         assert replay(daemon, "20260101T000000Z-00000000", headers=BEARER)[0] == 404
         assert daemon.request("GET", "/status/runs/%s/replay" % refused["id"],
                               headers=BEARER)[0] == 405
+        for path in ("/status/runs/replay", "/status/runs/%s/x/replay" % refused["id"]):
+            assert daemon.request("POST", path, headers=BEARER)[0] == 405, path
+            assert daemon.request("GET", path, headers=BEARER)[0] == 404, path
         run_id = ended(daemon, deploy(daemon))["id"]
         time.sleep(0.3)  # the record reaches -runs-dir
         # the invocation is kept in memory only, and never written to -runs-dir
