@@ -5565,21 +5565,25 @@ class StatusSite:
         site (same_origin) carrying the nonce of the run's page (its Replay button)."""
         if not self.trusted(request):
             return self.refused() if as_html else forbidden("replays are")
+
+        def not_replayed(status, why):
+            if as_html:
+                return self.html.problem(status, "Not replayed", why)
+            return json_response(status, {"error": why})
         record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
         if record is None:
-            return json_response(404, {"error": "run not found"})
+            return not_replayed(404, "run not found")
         bearer = self.token and request.get("Authorization")[:7].lower() == "bearer "
         if not bearer:
             body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
             nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
             if not (same_origin(request) and self.nonces.valid(nonce, record.id)):
-                return json_response(403, {"error": "a replay is asked with Authorization: "
-                                           "Bearer <-status-token>, or with the Replay button "
-                                           "of the run's page (reload it: its nonce may be "
-                                           "too old)"})
+                return not_replayed(403, "a replay is asked with Authorization: Bearer "
+                                         "<-status-token>, or with the Replay button of the "
+                                         "run's page (reload it: its nonce may be too old)")
         new, refusal = self.hooks.replay(record, request)
         if refusal is not None:
-            return json_response(refusal[0], {"error": refusal[1]})
+            return not_replayed(*refusal)
         response = json_response(202, {"id": new.id, "replayOf": record.id})
         if as_html:
             response = Response(303, b"", {"Location": self.html.run_url(new.id),

@@ -134,7 +134,7 @@ def test_replays_a_page_elsewhere_could_forge_are_refused_and_run_nothing(tmp_pa
         form = {"Authorization": basic("me", TOKEN),
                 "Content-Type": "application/x-www-form-urlencoded"}
         here = "http://127.0.0.1:%d" % daemon.port
-        for body, headers in (
+        for body, sent in (
                 (None, form),  # Basic alone: what a browser sends by itself
                 ("nonce=", form),
                 ("nonce=" + nonce[:-1] + ("0" if nonce[-1] != "0" else "1"), form),
@@ -143,13 +143,15 @@ def test_replays_a_page_elsewhere_could_forge_are_refused_and_run_nothing(tmp_pa
                 ("nonce=1.%s" % nonce.split(".")[1], form),  # the time changed
                 ("nonce=" + nonce, dict(form, Origin="http://evil.example")),
                 ("nonce=" + nonce, dict(form, Origin="null")),
+                ("nonce=" + nonce, dict(form, Origin="http://evil.example", **HTML)),
                 ("nonce=" + nonce, dict(form, Origin=here, **{"Sec-Fetch-Site": "cross-site"})),
                 ("nonce=" + nonce, dict(form, **{"Sec-Fetch-Site": "same-site"})),
                 ("nonce=" + nonce, {"Content-Type": "application/x-www-form-urlencoded"}),
                 ("nonce=" + nonce, dict(form, Authorization=basic("me", "wrong"))),
                 ("nonce=" + nonce, dict(form, Authorization="Bearer wrong"))):
-            status, headers, answer = replay(daemon, run_id, body, headers)
-            assert status == 403, (body, headers, status, answer)
+            status, headers, answer = replay(daemon, run_id, body, sent)
+            assert status == 403, (body, sent, status, answer)
+            assert ("Not replayed" in answer.decode()) == ("Accept" in sent), answer
             assert "x-webhookd-run" not in headers
         status, _, _ = replay(daemon, run_id, "nonce=" + nonce + "&x=" + "a" * 2000, form)
         assert status == 413
