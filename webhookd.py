@@ -1333,11 +1333,15 @@ class Masker:
     def bytes(self, data):
         return data if self.regex is None else self.regex.sub(MASKED, data)
 
-    def text(self, text):
+    def head(self, text, chars):
+        """The first `chars` characters of text, masked: a secret that begins among them is
+        masked whole, and only `longest` characters after them are looked at."""
         if self.regex is None:
-            return text
-        return self.bytes(text.encode("utf-8", "surrogateescape")).decode(
-            "utf-8", "surrogateescape")
+            return text[:chars]
+        window = text[:chars + self.longest]  # surrogatepass: a JSON `\ud800` kept as it is
+        data = window.encode("utf-8", "surrogatepass")
+        limit = len(window[:chars].encode("utf-8", "surrogatepass"))
+        return self.masked_until(data, limit)[0].decode("utf-8", "surrogatepass")
 
     def stream(self):
         """feed(chunk, last=False) -> the masked bytes that are certain: a secret split between
@@ -1348,19 +1352,26 @@ class Masker:
             nonlocal pending
             if self.regex is None:
                 return chunk
-            data, pending = pending + chunk, b""
-            certain = len(data) if last else max(0, len(data) - self.longest + 1)
-            shown, pos = [], 0
-            for found in self.regex.finditer(data):
-                if found.start() >= certain:  # might grow into a longer secret: next time
-                    break
-                shown += [data[pos:found.start()], MASKED]
-                pos = found.end()
-            certain = max(certain, pos)
-            shown.append(data[pos:certain])
-            pending = data[certain:]
-            return b"".join(shown)
+            data = pending + chunk
+            shown, end = self.masked_until(data, len(data) if last
+                                           else max(0, len(data) - self.longest + 1))
+            pending = data[end:]
+            return shown
         return feed
+
+    def masked_until(self, data, limit):
+        """(data up to `limit` with each secret masked, where that ended): a secret beginning
+        before `limit` is masked whole; one beginning after it (it might grow into a longer
+        one) is left for later."""
+        shown, pos = [], 0
+        for found in self.regex.finditer(data):
+            if found.start() >= limit:
+                break
+            shown += [data[pos:found.start()], MASKED]
+            pos = found.end()
+        end = max(limit, pos)
+        shown.append(data[pos:end])
+        return b"".join(shown), end
 
 
 NO_MASK = Masker()
@@ -2915,7 +2926,7 @@ class App:
         self.status_site = StatusSite(
             opts, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
-            self.started, self.in_flight.stopping.is_set)
+            self.started, self.in_flight.stopping.is_set, self.hooks)
 
     def request_id(self, request):
         if self.opts.x_request_id:
@@ -3108,11 +3119,45 @@ class Hooks:
         held = invocation.size() if invocation and mode == "background" else 0
         if mode == "background" and not self.background.reserve(held):
             return None
-        shown = invocation.shown() if invocation is not None and self.runs.keep else None
         run = HookRun(hook, request.id, mode, self.gate(hook), self.runs.open(
-            hook.id, request, shown, delivery, earlier and earlier.id))
+            hook.id, request, invocation, delivery, earlier and earlier.id))
         run.invocation, run.failure, run.held = invocation, failure, held
         return run
+
+    def replay(self, original, request):
+        """POST <status-path>/runs/<id>/replay (StatusSite.replay): the kept invocation of the
+        run `original` again, as it ran (argv, environment, stdin and files; not built again
+        from a hooks file that may have changed since), in the background whatever the hook's
+        mode (the output is in the record), under the hook as it is served now (its
+        max-concurrency turn, command timeout and masking): (the new run's record, None), or
+        (None, (status, why)) when it cannot run."""
+        refusal = self.replay_refusal(original)
+        if refusal is not None:
+            return None, refusal
+        hook, invocation = self.registry.hook(original.hook), original.invocation
+        if not self.background.reserve(invocation.size()):
+            return None, (503, "the background runs' backlog is full: try again later")
+        replayer = HookRequest(request.id, request.method, request.peer, {}, {}, b"", "")
+        run = HookRun(hook, request.id, "background", self.gate(hook),
+                      self.runs.open(hook.id, replayer, invocation, replay_of=original.id))
+        run.invocation, run.held = invocation, invocation.size()
+        log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
+                 run.record.id)
+        self.run_in_background(run)
+        return run.record, None
+
+    def replay_refusal(self, record):
+        """Why a run cannot be replayed, as (status, sentence), or None if it can."""
+        if record.state == "refused":
+            return 409, "run %s is a refused delivery: it ran nothing to replay" % record.id
+        if record.invocation is None:
+            return 410, ("the invocation of run %s is not kept: only runs whose command was "
+                         "built since the daemon started can be replayed (it is kept in memory "
+                         "only, never in -runs-dir)" % record.id)
+        if self.registry.hook(record.hook) is None:
+            return 409, ("hook %s is no longer served: only a hook the hooks files still hold "
+                         "is replayed" % json.dumps(record.hook))
+        return None
 
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
@@ -4019,7 +4064,7 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=cut(request.remote_addr), wanted=cut(rule.ip_range))
+            node.update(value=request.remote_addr, wanted=rule.ip_range)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4213,6 +4258,8 @@ def rules_satisfied(hook, request, trace=None):
         return True, None, None
     request.allow_signature_errors = hook.signature_soft_failures
     ok, err = evaluate(hook.trigger_rule, request, trace)
+    if trace:
+        shown_tree(trace[0], hook.masker)
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
@@ -4230,15 +4277,29 @@ EXPLAIN_VALUE_CHARS = 120
 SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
 
 
-def cut(text):
-    """A value as shown: control characters and bytes that are not UTF-8 as `\\xNN` (a
-    terminal reading -explain or -runs obeys none), at most EXPLAIN_VALUE_CHARS characters,
-    and how long it was."""
+def cut(text, masker=NO_MASK):
+    """A value as shown: the secrets of `masker` masked, control characters and bytes that are
+    not UTF-8 as `\\xNN` (a terminal reading -explain or -runs obeys none), at most
+    EXPLAIN_VALUE_CHARS characters (a secret begun among them masked whole), and how long it
+    was."""
     shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
-                                text[:EXPLAIN_VALUE_CHARS])
+                                masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
     return "%s... (%d characters)" % (shown, len(text))
+
+
+EXPLAIN_TEXTS = ("name", "value", "wanted", "error")  # what a request or a hooks file wrote
+
+
+def shown_tree(node, masker):
+    """The explained tree made fit to show, in place: each text masked with the hook's Masker
+    (its file's secrets, its `mask` patterns) and cut."""
+    for field in EXPLAIN_TEXTS:
+        if field in node:
+            node[field] = cut(node[field], masker)
+    for child in node.get("rules", ()):
+        shown_tree(child, masker)
 
 
 def explain_node(rule):
@@ -4249,7 +4310,7 @@ def explain_node(rule):
         match = rule[1]
         node["type"] = match.type
         if match.parameter.source:
-            node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
+            node["source"], node["name"] = match.parameter.source, match.parameter.name
     return node
 
 
@@ -4257,8 +4318,8 @@ def explain_error(err):
     if isinstance(err, ParameterNodeError):
         return "parameter not found"
     if isinstance(err, SignatureError):
-        return "signature did not match" if "<redacted>" in str(err) else cut(str(err))
-    return cut(str(err))
+        return "signature did not match" if "<redacted>" in str(err) else str(err)
+    return str(err)
 
 
 def explain_signature(node, headers, name):
@@ -4280,8 +4341,8 @@ def explain_value(node, rule, value, err):
     elif compares_a_secret(arg):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
-        node["value"] = cut(value)
-        node["wanted"] = cut(rule.value if kind == "value" else rule.regex)
+        node["value"] = value
+        node["wanted"] = rule.value if kind == "value" else rule.regex
 
 
 def explain_summary(node):
@@ -4962,7 +5023,7 @@ RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before w
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
-              "environment", "delivery", "redelivery_of", "superseded_by")
+              "environment", "delivery", "redelivery_of", "superseded_by", "replayOf")
 
 
 def new_run_id(now):
@@ -5013,6 +5074,9 @@ class RunRecord:
         if self.rules is not None or self.arguments is not None:  # written once, never grow
             self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
                                                self.environment]))
+        # the Invocation as it ran, unmasked, for a replay: in memory only (RunStore.open),
+        # never shown, never written to -runs-dir
+        self.invocation = None
 
     @property
     def delivered(self):
@@ -5073,18 +5137,24 @@ class RunStore:
                 earlier = self.deliveries.get((hook_id, delivery))
             yield earlier
 
-    def open(self, hook_id, request, shown=None, delivery=None, redelivery_of=None):
+    def open(self, hook_id, request, invocation=None, delivery=None, redelivery_of=None,
+             replay_of=None):
         """A queued record for a run about to be triggered by request (None when -runs-keep
-        is 0: no history), with what it shows of its invocation (Invocation.shown) and the
-        id of its delivery (see claim).  With -runs-dir it is written before its id is handed
-        out, so a daemon killed at once (kill -9) finds it `interrupted` on restart."""
+        is 0: no history), showing its invocation (Invocation.shown) and keeping it for a
+        replay (its bytes count in -runs-max-bytes), with the id of its delivery (see claim),
+        or the run it replays.  With -runs-dir it is written before its id is handed out, so
+        a daemon killed at once (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
-        record = RunRecord(dict(shown or {}, id=new_run_id(now), hook=hook_id, state="queued",
+        shown = invocation.shown() if invocation is not None else {}
+        record = RunRecord(dict(shown, id=new_run_id(now), hook=hook_id, state="queued",
                                 queued_at=iso_time(now), remote_addr=request.remote_addr,
                                 request_id=request.id, delivery=delivery,
-                                redelivery_of=redelivery_of))
+                                redelivery_of=redelivery_of, replayOf=replay_of))
+        if invocation is not None:
+            record.invocation = invocation
+            record.text_bytes += invocation.size()
         record.cap, record.tail = self.max_output, bytearray()
         record.version = 1
         written = self.files is not None and self.files.write_new(record)
@@ -5608,25 +5678,32 @@ def forbidden(what):
 class StatusSite:
     """The status site: <status-path> (its health to anyone, the details to trusted clients),
     <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
-    RunStore), behind one 405 check and one access check (`trusted`), as JSON or, to a
-    browser, HTML (RunsHtml).  An untrusted client never sees hook ids (some hooks rely on
-    theirs being secret), paths, load errors or runs."""
+    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), behind one
+    405 check and one access check (`trusted`), as JSON or, to a browser, HTML (RunsHtml).
+    An untrusted client never sees hook ids (some hooks rely on theirs being secret), paths,
+    load errors or runs."""
 
-    def __init__(self, opts, registry, store, metrics_text, started, stopped):
+    def __init__(self, opts, registry, store, metrics_text, started, stopped, hooks):
         self.path, self.token = opts.status_path, opts.status_token
         self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
         self.registry, self.store, self.started = registry, store, started
-        self.metrics_text, self.stopped = metrics_text, stopped
+        self.metrics_text, self.stopped, self.hooks = metrics_text, stopped, hooks
         self.html = RunsHtml(self.path)
+        self.nonces = ReplayNonces()
 
     def wants(self, path):
         return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
                                     or path.startswith(self.prefix + "/"))
 
     def answer(self, request):
+        path, as_html = request.path, prefers_html(request)
+        replay = REPLAY_PATH.fullmatch(path, len(self.prefix)) if path.startswith(
+            self.prefix) else None
+        if replay:
+            return self.replay(request, replay.group(1), as_html) if request.method == "POST" \
+                else Response(405)
         if request.method not in ("GET", "HEAD"):
             return Response(405)
-        path, as_html = request.path, prefers_html(request)
         trusted = self.trusted(request)
         if path == self.path:
             health = {"status": "degraded" if self.registry.count() == 0
@@ -5661,6 +5738,40 @@ class StatusSite:
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
+    def replay(self, request, run_id, as_html):
+        """A trusted client's POST asking for a run again (Hooks.replay): 202 (a browser: 303
+        to the new run's page), the new run in X-Webhookd-Run.  Only the bearer of the token
+        asks by itself; credentials a browser sends on its own (Basic, or none on loopback)
+        would let any page it shows post a plain form, so they also need a request from this
+        site (same_origin) carrying the nonce of the run's page (its Replay button)."""
+        if not self.trusted(request):
+            return self.refused() if as_html else forbidden("replays are")
+
+        def not_replayed(status, why):
+            if as_html:
+                return self.html.problem(status, "Not replayed", why)
+            return json_response(status, {"error": why})
+        record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
+        if record is None:
+            return not_replayed(404, "run not found")
+        bearer = self.token and request.get("Authorization")[:7].lower() == "bearer "
+        if not bearer:
+            body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
+            nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+            if not (same_origin(request) and self.nonces.valid(nonce, record.id)):
+                return not_replayed(403, "a replay is asked with Authorization: Bearer "
+                                         "<-status-token>, or with the Replay button of the "
+                                         "run's page (reload it: its nonce may be too old)")
+        new, refusal = self.hooks.replay(record, request)
+        if refusal is not None:
+            return not_replayed(*refusal)
+        response = json_response(202, {"id": new.id, "replayOf": record.id})
+        if as_html:
+            response = Response(303, b"", {"Location": self.html.run_url(new.id),
+                                           "Cache-Control": "no-store"})
+        response.headers["X-Webhookd-Run"] = new.id
+        return response
+
     def runs(self, request, as_html):
         """A trusted client's GET of the run list, a run, or its output."""
         parts = request.path[len(self.prefix):].split("/")[1:]
@@ -5674,8 +5785,11 @@ class StatusSite:
         if len(parts) == 2:
             return self.output(request, record)
         if as_html:
+            refusal = self.hooks.replay_refusal(record)
             return self.html.run(record.as_dict(), self.store.read_output(record)[0],
-                                 self.registry.file_of(record.hook))
+                                 self.registry.file_of(record.hook),
+                                 None if refusal else self.nonces.issue(record.id),
+                                 refusal and refusal[1])
         return json_response(200, record.as_dict())
 
     def listing(self, raw_query, as_html=False, details=None):
@@ -5707,6 +5821,51 @@ class StatusSite:
                 self.store.follow(record, position, self.stopped)
                 data, position, ended = self.store.read_output(record, position)
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
+
+
+REPLAY_PATH = re.compile(r"/([^/]+)/replay")  # what follows <status-path>/runs
+REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
+REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
+
+
+class ReplayNonces:
+    """The nonce a run's page gives its Replay button: the time it was served and an HMAC of
+    that time and the run's id under a key made at start, so it is bound to the page served,
+    unguessable, compared in constant time, and kept nowhere (memory does not grow with the
+    pages served); it works for REPLAY_NONCE_SECONDS, and never after a restart."""
+
+    def __init__(self):
+        self.key = os.urandom(32)
+
+    def issue(self, run_id):
+        issued = str(int(time.time()))
+        return "%s.%s" % (issued, self.sign(run_id, issued))
+
+    def valid(self, nonce, run_id):
+        issued, _, mac = nonce.partition(".")
+        if not (is_ascii_digits(issued) and len(issued) <= 12):
+            return False
+        age = time.time() - int(issued)
+        return 0 <= age <= REPLAY_NONCE_SECONDS and hmac.compare_digest(
+            mac.encode("utf-8", "surrogateescape"), self.sign(run_id, issued).encode())
+
+    def sign(self, run_id, issued):
+        return hmac.new(self.key, ("%s %s" % (run_id, issued)).encode(), "sha256").hexdigest()
+
+
+def same_origin(request):
+    """Whether nothing says a request comes from another site's page: Sec-Fetch-Site, when
+    sent, must be `same-origin`, and Origin, when sent, must name the Host the request was
+    sent to.  A client can forge either, so they only ever refuse, never admit."""
+    site = request.get("Sec-Fetch-Site")
+    if site and site != "same-origin":
+        return False
+    origin = request.get("Origin")
+    if not origin:
+        return True
+    scheme, sep, host = origin.partition("://")
+    return bool(sep) and scheme in ("http", "https") and host.lower() == request.get(
+        "Host").lower()
 
 
 def runs_filter(raw_query):
@@ -6377,16 +6536,23 @@ def runs_command(opts, out=None):
         os.close(dir_fd)
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
-                                                   "MS", "HOOK"))
+                                                   "MS", "HOOK  COMMAND"))
     for r in records:
         exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        # after the hook: why it was refused, or the command line as the record holds it
+        # (masked, each value cut and escaped), quoted as a shell would; then its successor
         successor = r.get("superseded_by")
-        note = "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else \
-            "  superseded by %s" % successor if isinstance(successor, str) and \
-            RUN_ID.fullmatch(successor) else ""
+        if isinstance(r.get("reason"), str):
+            after = "  refused: %s" % r["reason"]
+        elif isinstance(r.get("arguments"), list):
+            after = "  " + " ".join(shlex.quote(str(arg)) for arg in r["arguments"])
+        else:
+            after = ""
+        if isinstance(successor, str) and RUN_ID.fullmatch(successor):
+            after += "  superseded by %s" % successor
         out.write("%-26s %-12s %-20s %5s %10s  %s%s\n" % (
             r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"), note))
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"), after))
     out.flush()
     return 0
 
@@ -6726,10 +6892,12 @@ class RunsHtml:
         policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
                   "connect-src 'self'; img-src data:; form-action 'self'; base-uri 'none'; "
                   "frame-ancestors 'none'" % (nonce, nonce))
+        # same-origin, not no-referrer: under no-referrer a form's POST says `Origin: null`,
+        # and the Replay button's request could not show it comes from this site
         return Response(status, document.encode("utf-8", "replace"), dict({
             "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
             "Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff",
-            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
             "Vary": "Accept, Authorization"}, **dict(headers)))
 
     # -- pages ---------------------------------------------------------------
@@ -6742,8 +6910,9 @@ class RunsHtml:
         parts.append(self.runs(runs, chosen))
         return self.page(200, "webhookd" if details else "webhookd runs", "\n".join(parts))
 
-    def run(self, record, output, hooks_file=None):
-        """A run's record and its kept output; followed live while the run goes on.  A refused
+    def run(self, record, output, hooks_file=None, replay_nonce=None, no_replay=None):
+        """A run's record and its kept output; followed live while the run goes on; a Replay
+        button posting `replay_nonce`, or why it cannot be replayed (`no_replay`).  A refused
         delivery: why (its rules, explained) and how to check a request again (-explain with
         `hooks_file`, the file serving the hook now)."""
         if record["state"] == "refused":
@@ -6775,9 +6944,18 @@ class RunsHtml:
         if isinstance(record["superseded_by"], str):
             facts.append(("Superseded by", self.link(self.run_url(record["superseded_by"]),
                                                      record["superseded_by"])))
+        if isinstance(record["replayOf"], str):
+            facts.append(("Replay of", self.link(self.run_url(record["replayOf"]),
+                                                 record["replayOf"])))
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
+        if replay_nonce:
+            facts.append(("Replay", '<form method="post" action="%s/replay"><input type="hidden"'
+                          ' name="nonce" value="%s"><button>Replay</button></form>'
+                          % (html_text(self.run_url(record["id"])), html_text(replay_nonce))))
+        elif no_replay:
+            facts.append(("Replay", '<span class="muted">%s</span>' % html_text(no_replay)))
         raw = html_text(self.run_url(record["id"]) + "/output")
         notes = ['<p id="live" class="muted">This run is still going: reload to see more.</p>'
                  if live else ""]
