@@ -2843,7 +2843,8 @@ def force_object(query, forced, names):
     details are turned off (unless forced): those of a sort, or of the index's
     custom ranking rules (`price:desc`), show each hit's value of the ranked
     attribute, shown or not (Meilisearch hides only those outside
-    displayedAttributes), and the guard does not know the index's rules."""
+    displayedAttributes), and the guard does not know the index's rules. So
+    are the vectors, unless `_vectors` is among the forced attributes."""
     if forced is None or not isinstance(query, dict):
         return query
     query = dict(query)
@@ -2862,6 +2863,11 @@ def force_object(query, forced, names):
         if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
                 and query.get("showRankingScoreDetails") is True:
             query["showRankingScoreDetails"] = False
+        # `_vectors` is added to each hit whatever attributesToRetrieve says: the embeddings
+        # are made from any of the document's fields (as force_documents turns them off)
+        if "retrieveVectors" in names and "retrieveVectors" not in forced \
+                and "_vectors" not in shown and query.get("retrieveVectors") is True:
+            query["retrieveVectors"] = False
     return query
 
 
