@@ -4650,12 +4650,16 @@ class KeyStore:
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            # the uid may have been deleted before and created again (same value): that
+            # deletion's tombstone would bring back the value rotated away
+            tombstones = dict(self._tombstones)
+            tombstones.pop(old.uid, None)
             retires = None
             if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
                 retires = time.time_ns() + grace_seconds * 10 ** 9
-                self._commit_all([old.retiring(retires, uid), new], ())
+                self._commit_all([old.retiring(retires, uid), new], (), tombstones)
             else:
-                self._commit_all([new], (old.uid,))
+                self._commit_all([new], (old.uid,), tombstones)
             self.history.append("rotate", old, actor, {
                 "replacedBy": uid, "retiresAt": retires and format_timestamp(retires)})
             return new

@@ -268,6 +268,26 @@ def test_restore_is_the_master_keys_alone_and_says_why_it_cannot(server):
     assert status == 409 and error["code"] == "api_key_expired", error
 
 
+@pytest.mark.parametrize("grace", [0, 1])
+def test_a_value_rotated_away_is_not_restored_from_an_earlier_deletion(server, grace):
+    """A uid deleted, then created again (same uid, so same value), then rotated away (a
+    leak): the earlier deletion's tombstone must not bring the value back."""
+    port = server.port
+    key = create(port, actions=["keys.get"])
+    assert call(port, "DELETE", "/keys/" + key["uid"])[0] == 204
+    create(port, actions=["keys.get"], uid=key["uid"])
+    status, new = call(port, "POST", "/keys/%s/rotate" % key["uid"], {"grace": grace})
+    assert status == 201, new
+    if grace:
+        assert works(port, key["key"])  # within its grace
+        assert within(3.0, lambda: not works(port, key["key"]))[0]
+    assert not works(port, key["key"])
+    assert key["uid"] not in [k["uid"] for k in deleted(port)["results"]]
+    status, error = call(port, "POST", "/keys/%s/restore" % key["uid"])
+    assert status == 404 and error["code"] == "api_key_not_found", error
+    assert not works(port, key["key"]) and works(port, new["key"])
+
+
 def test_a_tombstone_survives_a_restart_and_every_process_sees_it(tmp_path):
     store = tmp_path / "keys.json"
     with start(free_port(), "--master-key", MASTER, "--store", str(store)) as a, \
