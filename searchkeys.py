@@ -3657,7 +3657,9 @@ class KeysApi:
 
     def history(self, call):
         """GET /keys/history: the changes to keys, newest first; `key`: a
-        uid, whose changes alone are listed."""
+        uid, whose changes alone are listed. Restrictions are the master
+        key's to read (GET /keys/{key}/restrictions): for an API key, a
+        `restrict` line keeps its field names only (`valuesLeftOut`)."""
         query, asked = without_parameter(call.request.query, "key")
         uid = None
         if asked:
@@ -3672,7 +3674,10 @@ class KeysApi:
         except StoreError as exc:
             self.store.log("searchkeys: %s" % exc)
             raise internal_error("The history of keys cannot be read: %s" % exc)
-        return listing(entries[offset:offset + limit], offset, limit, len(entries))
+        shown = [dict(entry, fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
+                 if entry.get("change") == "restrict" and call.principal.key is not None
+                 else entry for entry in entries[offset:offset + limit]]
+        return listing(shown, offset, limit, len(entries))
 
     def deleted_keys(self, call):
         """GET /keys/deleted: the deleted keys that can be restored, most
