@@ -20,7 +20,11 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
       search the backend runs has the forced filter AND-ed in after the caller's and the
       token's, and each other forced parameter as forced (on the routes that take it; a
       federated query's `facets` in the federation's facetsByIndex); documents of a covered
-      index, and routes whose indexes the guard cannot see, never reach the backend.
+      index, and routes whose indexes the guard cannot see, never reach the backend;
+  (f) documents read (issue 34: searchkeys lets a tenant token read documents when its key
+      may): listed or fetched, with the token's and the forced filter fused in as on a search,
+      the fields within a forced attributesToRetrieve and no vectors unless it shows them; one
+      document under a filter never asked of the backend by its id alone (its fetch is (f)).
 A `GET /authorize` answered 204 is checked as if nginx forwarded the request unchanged, and the
 same request is then forwarded through the guard: it must reach the backend exactly as sent
 (`/authorize` never allows what forwarding refuses or would rewrite).
@@ -181,7 +185,7 @@ ROUTE_TABLE = [
     ("/chats/{workspace}/chat/completions", {"POST": ["chatCompletions"]}),
     ("/health", {"GET": []}), ("/", {"GET": []}),
 ]
-TOKEN_ACTIONS = ("search", "chatCompletions")
+TOKEN_ACTIONS = ("search", "chatCompletions", "documents.get")  # (f): searchkeys' addition
 SEARCH_BODY = {("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"),
                ("POST", "/indexes/{index_uid}/facet-search")}
 SEARCH_QUERY = {("GET", "/indexes/{index_uid}/search"), ("GET", "/indexes/{index_uid}/similar")}
@@ -551,6 +555,8 @@ class Backend:
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
         if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
             return 200, []  # no index joins another (foreignKeys)
+        if (method, template) == ("POST", "/indexes/{index_uid}/documents/fetch"):
+            return 200, {"results": [{"id": 1}], "offset": 0, "limit": 20, "total": 1}
         if (method, template) == ("GET", "/stats"):
             return 200, {"databaseSize": 1, "indexes": {u: {"numberOfDocuments": 1}
                                                         for u in EXISTING}}
@@ -663,9 +669,43 @@ def request_problems(case, method, target, body, unseen_body=False):
         problems.append("(a) write creates missing index %r without indexes.create" % index)
     if key in SEARCH_BODY | SEARCH_QUERY:
         problems += search_problems(case, key, index, body, pairs, unseen_body)
-    if (key in DOCUMENT_READS and cred.forced(index) is not None) or (
-            key in FORCED_BYPASSES and cred.has_forced()):
+    if key in DOCUMENT_READS:
+        problems += document_problems(case, key, index, body, pairs, unseen_body)
+    if key in FORCED_BYPASSES and cred.has_forced():
         problems.append("(e) %s %s forwarded for a key with forced parameters" % key)
+    return problems
+
+
+def document_problems(case, key, index, body, pairs, unseen_body):
+    """(f) A documents read: the filter it runs, the fields and vectors it shows."""
+    cred = case.cred
+    forced = {n: v for n, v in (cred.forced(index) or {}).items()
+              if n in ("filter", "attributesToRetrieve", "retrieveVectors")}
+    filtered = cred.tenant_filters(index) != [None] or forced
+    if key[1].endswith("{document_id}"):
+        return ["(f) one document asked by its id for a filtered credential"] if filtered else []
+    if key[0] == "POST" and unseen_body:
+        return ["(f) documents fetch body unseen for a filtered credential"] if filtered else []
+    if key[0] == "GET":
+        sent_filter, fields = get_filter(pairs), last_param(pairs, "fields")
+        fields = fields.split(",") if fields is not None else None
+        vectors = last_param(pairs, "retrieveVectors") == "true"
+        caller_filter = get_filter(query_pairs(case.target.partition("?")[2]))
+    else:
+        if not isinstance(body, dict):
+            return []  # Meilisearch refuses it
+        sent_filter, fields = body.get("filter", ABSENT), body.get("fields")
+        vectors = body.get("retrieveVectors") is True
+        caller_filter = ABSENT if case.method == "GET" else body_filter(case.body_value)
+    problems = filter_problems(cred, index, caller_filter, sent_filter)
+    shown = forced.get("attributesToRetrieve")
+    if shown is not None and "*" not in shown:
+        if not isinstance(fields, list) or "*" in fields or not set(fields) <= set(shown):
+            problems.append("(f) fields %r outside the forced %r" % (fields, shown))
+        if vectors and "_vectors" not in shown and forced.get("retrieveVectors") is not True:
+            problems.append("(f) vectors retrieved under a forced attributesToRetrieve")
+    if "retrieveVectors" in forced and vectors != forced["retrieveVectors"]:
+        problems.append("(f) retrieveVectors is not the forced %r" % forced["retrieveVectors"])
     return problems
 
 
@@ -733,8 +773,11 @@ def filter_problems(cred, index, caller_filter, sent_filter, refused_anyway=Fals
     forced = (cred.forced(index) or {}).get("filter")  # (e) AND-ed after the token's
     if (rules == [None] and forced is None) or refused_anyway:
         return []
-    def plain(value):  # ABSENT and null alike, where a tie lets Meilisearch add nothing
-        return None if value is ABSENT else value
+    def plain(value):
+        """ABSENT and null alike, where a tie lets Meilisearch add nothing; and `[null]`
+        (a GET's `filter=null` fused with a token's `[]`) as `null`: Meilisearch refuses
+        both (400 invalid_search_filter, a null in a filter), and `[]` holds no condition."""
+        return None if value is ABSENT or value == [None] else value
     def expected(rule):
         fused = caller_filter if rule is None else fuse(caller_filter, rule)
         return fused if forced is None else fuse(fused, forced)
@@ -1117,6 +1160,12 @@ class Generator:
         elif key == ("GET", "/indexes"):
             pairs = [(n, str(rng.randint(0, 5))) for n in rng.sample(["offset", "limit"],
                                                                      rng.randint(0, 2))]
+        elif key in DOCUMENT_READS:
+            names = ["fields", "retrieveVectors"] + (
+                ["filter", "ids", "offset", "limit"] if template.endswith("documents") else [])
+            for name in rng.sample(names, rng.randint(0, len(names))) + (
+                    ["filter"] if rng.random() < 0.1 else []):  # twice, or where unknown
+                pairs.append((name, document_value(rng, name)))
         return encode_query(rng, pairs)
 
     @staticmethod
@@ -1142,6 +1191,10 @@ class Generator:
             elif roll < 0.4:
                 body["federation"] = None
             return body
+        if key == ("POST", "/indexes/{index_uid}/documents/fetch"):
+            body = {name: rng.choice(DOCUMENT_BODY_VALUES[name]) for name in rng.sample(
+                sorted(DOCUMENT_BODY_VALUES), rng.randint(0, 4))}
+            return body if rng.random() < 0.9 else [body]
         if key == ("POST", "/swap-indexes"):
             return [{"indexes": [some_index(), some_index()]} for _ in range(rng.randint(1, 2))]
         if key == ("POST", "/indexes"):
@@ -1189,6 +1242,26 @@ def search_value(rng, name):
         value = rng.choice(FILTERS)
         return value if isinstance(value, str) else json.dumps(value)
     return rng.choice(["0", "1", "5", "20", "21", "100", "1000", "+1000", "007", "-1", "x", ""])
+
+
+DOCUMENT_BODY_VALUES = {
+    "filter": FILTERS, "fields": [["title"], ["title", "secret"], ["*"], ["secret", "*"], [],
+                                  ["_vectors"], None, "secret"],
+    "ids": [["1"], [1, "2"], ["x-4"], []], "offset": [0, 1, 5, -1, "x"], "limit": [0, 1, 20],
+    "retrieveVectors": [True, False, "yes", None]}
+
+
+def document_value(rng, name):
+    """A documents read's query parameter, as a GET spells it."""
+    if name == "filter":
+        return search_value(rng, name)
+    if name == "fields":
+        return rng.choice(["title", "title,secret", "*", "secret,*", "", "_vectors", "id,title"])
+    if name == "ids":
+        return rng.choice(["1", "1,2", "x-4"])
+    if name == "retrieveVectors":
+        return rng.choice(["true", "false", "yes"])
+    return rng.choice(["0", "1", "5", "-1", "x"])
 
 
 def search_object(rng, route):
@@ -1475,8 +1548,8 @@ def check_internal(backend):
 
 
 def property_of(problem):
-    """The property, (a) to (d), a problem breaks, or "other"."""
-    match = re.search(r"\(([a-d])\)", problem)
+    """The property, (a) to (f), a problem breaks, or "other"."""
+    match = re.search(r"\(([a-f])\)", problem)
     return "(%s)" % match.group(1) if match else "other"
 
 
