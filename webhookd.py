@@ -3896,7 +3896,7 @@ class HookRequest:
     """What rules and arguments can see of one request."""
 
     __slots__ = ("id", "method", "remote_addr", "headers", "query", "query_ok", "payload",
-                 "body", "raw_body", "content_type", "allow_signature_errors")
+                 "body", "raw_body", "content_type", "allow_signature_errors", "masker")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
@@ -3905,6 +3905,7 @@ class HookRequest:
         self.content_type, self.payload = content_type, None
         self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
+        self.masker = None  # the hook's, that its explained rules are shown through
 
     @classmethod
     def of(cls, request, hook, body):
@@ -4024,7 +4025,7 @@ def evaluate(rule, request, trace=None):
     reads about a refused delivery, and what -explain prints."""
     if trace is None:
         return evaluate_node(rule, request, None)
-    node = explain_node(rule)
+    node = explain_node(rule, request.masker)
     trace.append(node)
     ok, err = evaluate_node(rule, request, node)
     node["result"] = bool(ok)
@@ -4065,7 +4066,8 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=request.remote_addr, wanted=explained_match(rule).wanted)
+            node.update(value=request.remote_addr,
+                        wanted=explained_match(rule, request.masker).wanted)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4077,7 +4079,7 @@ def evaluate_match(rule, request, node=None):
         return check_standard_webhooks(request, rule.secrets, time.time())
     value, err = get_argument(rule.parameter, request)
     if node is not None:
-        explain_value(node, rule, value, err)
+        explain_value(node, explained_match(rule, request.masker), value, err)
     if err is not None:
         return False, err
     if kind == "value":
@@ -4257,7 +4259,7 @@ def rules_satisfied(hook, request, trace=None):
     `trace` (a list), the explained tree is its one item."""
     if hook.trigger_rule is None:
         return True, None, None
-    request.allow_signature_errors = hook.signature_soft_failures
+    request.allow_signature_errors, request.masker = hook.signature_soft_failures, hook.masker
     ok, err = evaluate(hook.trigger_rule, request, trace)
     if trace:
         shown_tree(trace[0], hook.masker)
@@ -4290,12 +4292,12 @@ def cut(text, masker=NO_MASK):
     return "%s... (%d characters)" % (shown, len(text))
 
 
-EXPLAIN_TEXTS = ("name", "value", "wanted", "error")  # what a request or a hooks file wrote
+EXPLAIN_TEXTS = ("value", "error")  # what a request wrote (the hooks file's: explained_match)
 
 
 def shown_tree(node, masker):
-    """The explained tree made fit to show, in place: each text masked with the hook's Masker
-    (its file's secrets, its `mask` patterns) and cut."""
+    """The explained tree made fit to show, in place: each text a request wrote masked with
+    the hook's Masker (its file's secrets, its `mask` patterns) and cut."""
     for field in EXPLAIN_TEXTS:
         if field in node:
             node[field] = cut(node[field], masker)
@@ -4303,31 +4305,34 @@ def shown_tree(node, masker):
         shown_tree(child, masker)
 
 
-def explain_node(rule):
+def explain_node(rule, masker):
     if rule[0] == "match":
-        return dict(explained_match(rule[1]).node)
+        return dict(explained_match(rule[1], masker).node)
     node = {"rule": rule[0]}
     if rule[0] in ("and", "or"):
         node["of"] = len(rule[1])
     return node
 
 
-ExplainedMatch = namedtuple("ExplainedMatch", "node wanted hidden")
+ExplainedMatch = namedtuple("ExplainedMatch", "masker node wanted hidden")
 
 
-def explained_match(match):
-    """What a match's explanation holds of the rule itself: its node's first keys, what it
-    wanted, and whether what it compares stays hidden (compares_a_secret).  Made once per rule
-    and kept on it: an optimization, they were made again for every request it refused."""
-    if match.explained is None:
-        arg = match.parameter
-        node = {"rule": "match", "type": match.type}
+def explained_match(match, masker):
+    """What a match's explanation shows of the rule itself: its node's first keys (the name
+    masked and cut), what it wanted (masked and cut), and whether what it compares stays hidden
+    (compares_a_secret).  Made once per rule and the hook's Masker, and kept on the rule: an
+    optimization, they were made again for every request the rule refused."""
+    explained = match.explained
+    if explained is None or explained.masker is not masker:
+        kind, arg = match.type, match.parameter
+        node = {"rule": "match", "type": kind}
         if arg.source:
-            node["source"], node["name"] = arg.source, arg.name
-        wanted = match.ip_range if match.type == "ip-whitelist" else \
-            match.value if match.type == "value" else match.regex
-        match.explained = ExplainedMatch(node, wanted, compares_a_secret(arg))
-    return match.explained
+            node["source"], node["name"] = arg.source, cut(arg.name, masker)
+        wanted = match.ip_range if kind == "ip-whitelist" else \
+            match.value if kind == "value" else match.regex
+        explained = match.explained = ExplainedMatch(masker, node, cut(wanted, masker),
+                                                     compares_a_secret(arg))
+    return explained
 
 
 def explain_error(err):
@@ -4345,20 +4350,19 @@ def explain_signature(node, headers, name):
         node["length"] = len(headers[name])
 
 
-def explain_value(node, rule, value, err):
+def explain_value(node, explained, value, err):
     """What a match with a parameter saw (its value), and what it wanted."""
-    kind = rule.type
-    if kind in SECRET_LIST_TYPES:
+    if explained.node["type"] in SECRET_LIST_TYPES:
         node["present"] = err is None
         if err is None:
             node["length"] = len(value)
     elif err is not None:
         node["present"] = False
-    elif explained_match(rule).hidden:
+    elif explained.hidden:
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = value
-        node["wanted"] = explained_match(rule).wanted
+        node["wanted"] = explained.wanted
 
 
 def explain_summary(node):
