@@ -606,3 +606,35 @@ def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guar
         assert sorted(backend.lookups) == sorted("i%d" % n for n in range(20))
     finally:
         backend.joins.clear()
+
+
+@pytest.fixture
+def own_guard(backend):
+    """A guard of its own, for a test that changes the backend's joins: another guard may have
+    just looked at the same indexes' foreignKeys, and reuses them for a moment."""
+    with serve(backend) as daemon:
+        yield daemon
+
+
+def test_what_is_not_the_setting_is_asked_again_each_time(own_guard, backend):
+    # a missing index (relayed) and the backend's errors (failing closed) are not reused: each
+    # search asks again, and is answered as soon as the backend answers the setting
+    guard = own_guard
+    scoped = new_key(guard, None, indexes=("gone", "broken"))
+    backend.missing.add("gone")
+    backend.joins["broken"] = 500
+    try:
+        for index, status, code in (("gone", 404, "index_not_found"),
+                                    ("broken", 502, "upstream_unavailable")):
+            backend.lookups.clear()
+            for _ in range(3):
+                answer, error, sent = send(guard, backend, scoped["key"], "POST",
+                                           "/indexes/%s/search" % index, {"q": "x"})
+                assert (answer, error["code"], sent) == (status, code, None), error
+            assert backend.lookups == [index] * 3
+    finally:
+        backend.missing.clear()
+        backend.joins.clear()
+    for index in ("gone", "broken"):
+        assert send(guard, backend, scoped["key"], "POST", "/indexes/%s/search" % index,
+                    {"q": "x"})[0] == 200
