@@ -39,8 +39,9 @@ service, the routes, the gate (restrictions, then authentication and the
 permission model), the decision and the handler rules it applies, usage and
 metrics, the /keys API and its store, the upstream; then the pure libraries
 (restrictions, validation, UUIDs, dates, key derivation, tenant tokens), the
-client and the command line. The route table, which names handlers and rules
-from all over, is built last, at the end of the file.
+client and the command line; an appendix holds the keys page's HTML. The route
+table, which names handlers and rules from all over, is built last, at the end
+of the file.
 """
 
 import argparse
@@ -49,11 +50,13 @@ import calendar
 import collections
 import contextlib
 import datetime
+import errno
 import fcntl
 import functools
 import hashlib
 import heapq
 import hmac
+import html
 import http.client
 import http.server
 import io
@@ -164,8 +167,9 @@ INDEX_ONLY_ACTIONS = frozenset((
 MULTI_SCOPE_ACTIONS = frozenset(("*", "*.get", "documents.*", "indexes.*", "tasks.*", "settings.*"))
 
 KEYS_ACTIONS = frozenset(("keys.create", "keys.get", "keys.update", "keys.delete"))
-# Routes needing one of these accept tenant tokens as well as API keys.
-TENANT_TOKEN_ACTIONS = frozenset(("search", "chatCompletions"))
+# Routes needing one of these accept tenant tokens as well as API keys (a token
+# reads documents when its parent key may: its filter holds it, as on searches).
+TENANT_TOKEN_ACTIONS = frozenset(("search", "chatCompletions", "documents.get"))
 
 # Body fields of POST /keys in upstream's order (also the order of error lists),
 # and the fields PATCH may change.
@@ -1175,6 +1179,7 @@ class Service:
         self.store = store
         self.guard = Guard(store, master_key)
         self.keys_api = KeysApi(store)
+        self.keys_page = KeysPage(self, master_key)
         self.gate = Gate(self.guard, limits)
         self.upstream = upstream
         self.log = log or (lambda message: None)
@@ -1224,7 +1229,8 @@ class Service:
             return Response(405)
         route, index, params = found
         request.family = route.family
-        principal = self.gate.check(request, route.actions, index) if route.gated else OPEN
+        principal = self.gate.check(request, route.actions, index, route.people) \
+            if route.gated else OPEN
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
@@ -1236,6 +1242,7 @@ class Service:
         context = RuleContext(call.principal, call.params, query, facts)
         for step in decision.query_steps:
             query = step.apply(query, context)
+        method = call.route.method
         target = request.target if query == request.query else \
             request.path + ("?" + query if query else "")
         answer_filter = None if decision.answer_filter is None else \
@@ -1245,12 +1252,17 @@ class Service:
         if decision.concurrent is not None:
             self.gate.enter(request, call.principal, decision.concurrent)
         headers = upstream.headers_for(request.headers.items(), answer_filter is None)
+        if decision.fetches_document:
+            method = "POST"
+            target = "/indexes/%s/documents/fetch" % urllib.parse.quote(call.index, safe="")
+            headers = _kept_headers(headers, {"content-type", "content-encoding"}) + [
+                ("Content-Type", "application/json")]
         if decision.needs_body:
             body = compact_json(value).encode()
         else:
             body = self.caller_body(request.body, headers)
-        return upstream.forward(call.route.method, target, headers, body,
-                                call.route.repeatable, answer_filter)
+        return upstream.forward(method, target, headers, body, call.route.repeatable,
+                                answer_filter)
 
     def enforce(self, call, query, forwarding):
         """The decision's checks, in the one order both edges keep (so that
@@ -1268,7 +1280,11 @@ class Service:
         if decision.refusal is not None:
             raise decision.refusal
         if forwarding:
-            value, query = decision.rewrite(call.json if decision.needs_body else None, query)
+            if decision.fetches_document:
+                value = fetch_one_document(call.params["document_id"], query)
+            else:
+                value = call.json if decision.needs_body else None
+            value, query = decision.rewrite(value, query)
             if upstream is None:
                 raise no_upstream()
         else:
@@ -1356,7 +1372,8 @@ class Service:
                 given.encode("utf-8", "replace"), token):
             self.gate.check(request, call.route.actions, None)
         text = self.metrics.render(len(self.store), len(self.gate.counters), len(
-            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())))
+            self.store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, time.time_ns())),
+            self.store.history.failures)
         return Response(200, [("Content-Type", PROMETHEUS_TEXT)], text.encode())
 
 
@@ -1448,7 +1465,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated joins")):
+                 "forced carrier family gated joins people one_document")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1468,24 +1485,32 @@ class Route(collections.namedtuple(
     - `gated`: the Gate checks its credential before the handler (/metrics
       checks its own: its token may stand in);
     - `joins`: it searches documents, whose hits may carry documents of the
-      indexes the searched one joins (check_joins)."""
+      indexes the searched one joins (check_joins);
+    - `people`: a page for people (the keys page): the master key alone
+      opens it, given as HTTP Basic's password (any user name) or as Bearer,
+      and from a browser, the one place where browser_refusal does not keep
+      it out; anything else gets 401 with a Basic challenge (Gate.check);
+    - `one_document`: it reads the one document its path's `document_id`
+      names: under a filter the backend is asked for it by a documents fetch
+      (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
-                joins=False):
+                joins=False, people=False, one_document=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
                                route_family(pattern, handler is not Service.forward), gated,
-                               joins)
+                               joins, people, one_document)
 
     @property
     def is_meilisearch(self):
         """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/{key}/ are not)?"""
-        return self.family != "authorize" and not self.pattern.startswith("/keys/{key}/")
+        its additions under /keys/, the keys page among them, are not)?"""
+        return self.family != "authorize" and not (self.pattern.startswith("/keys/")
+                                                   and self.pattern != "/keys/{key}")
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -1546,6 +1571,13 @@ def build_routes():
             facts=("covered_indexes",))),
         Route("GET", "/keys", ("keys.get",), handler=on_keys_api(KeysApi.list_keys)),
         Route("POST", "/keys", ("keys.create",), handler=on_keys_api(KeysApi.create_key)),
+        # before /keys/{key}: no key has these uids or values
+        Route("GET", "/keys/history", ("keys.get",), handler=on_keys_api(KeysApi.history)),
+        Route("GET", "/keys/deleted", ("keys.get",), handler=on_keys_api(KeysApi.deleted_keys)),
+        Route("GET", "/keys/page", ("keys.get",), people=True,
+              handler=lambda service, call: service.keys_page.show(call)),
+        Route("POST", "/keys/page", ("keys.create", "keys.delete"), people=True,
+              handler=lambda service, call: service.keys_page.change(call)),
         Route("GET", "/keys/{key}", ("keys.get",), handler=on_keys_api(KeysApi.get_key)),
         Route("PATCH", "/keys/{key}", ("keys.update",),
               handler=on_keys_api(KeysApi.update_key)),
@@ -1564,6 +1596,8 @@ def build_routes():
               handler=on_keys_api(KeysApi.revoke_tokens)),
         Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_token)),
+        Route("POST", "/keys/{key}/restore", ("keys.create",),
+              handler=on_keys_api(KeysApi.restore_key)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -1587,8 +1621,8 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/similar", ("search",), rule=SEARCH_RULE,
               hits=cap_search_object, repeatable=True,
               forced=force_search_on(SIMILAR_PARAMETERS), joins=True),
-        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
+        Route("GET", "/indexes/{index_uid}/documents", ("documents.get",), rule=SEARCH_RULE,
+              forced=force_documents),
         Route("POST", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
         Route("PUT", "/indexes/{index_uid}/documents", ("documents.add",), creates_index=True),
         Route("DELETE", "/indexes/{index_uid}/documents", ("documents.delete",)),
@@ -1596,9 +1630,9 @@ def build_routes():
         Route("POST", "/indexes/{index_uid}/documents/delete", ("documents.delete",)),
         Route("POST", "/indexes/{index_uid}/documents/edit", ("documents.*",)),
         Route("POST", "/indexes/{index_uid}/documents/fetch", ("documents.get",), repeatable=True,
-              forced=REFUSED_WHEN_FORCED),
+              rule=SEARCH_RULE, forced=force_documents),
         Route("GET", "/indexes/{index_uid}/documents/{document_id}", ("documents.get",),
-              forced=REFUSED_WHEN_FORCED),
+              rule=SEARCH_RULE, forced=force_documents, one_document=True),
         Route("DELETE", "/indexes/{index_uid}/documents/{document_id}", ("documents.delete",)),
         Route("GET", "/indexes/{index_uid}/settings", ("settings.get",)),
         Route("PATCH", "/indexes/{index_uid}/settings", ("settings.update",), creates_index=True,
@@ -1801,7 +1835,8 @@ def browser_refusal(principal, headers):
     """The refusal of an admin credential sent from a browser (admin keys
     belong on servers: meilisearch #2369), or None. Refused: the master key,
     and an API key holding any action beyond `search` unless its
-    restrictions say `allowBrowser`; a tenant token only ever searches."""
+    restrictions say `allowBrowser`; a tenant token only ever searches and
+    reads documents, held to its rules."""
     if principal.rules is not None or not from_browser(headers):
         return None
     key = principal.key
@@ -1824,10 +1859,39 @@ def browser_refusal(principal, headers):
     return refused("browser", error)
 
 
+def basic_as_bearer(authorization):
+    """A browser's `Basic base64(user:password)` as the `Bearer password`
+    Guard.check reads (pages for people only: the API takes Bearer alone,
+    so a browser's remembered Basic password never reaches it); anything
+    else as it is."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "basic":
+        return authorization
+    try:
+        user_and_password = base64.b64decode(given.strip(), validate=True).decode("utf-8")
+    except ValueError:  # not base64, or not UTF-8
+        return "Bearer "
+    _, colon, password = user_and_password.partition(":")
+    return "Bearer " + (password if colon else "")
+
+
+def sign_in_refusal(reason, key):
+    """A page for people's refusal of a credential (for `reason`, of `key`
+    if it named one: usage and metrics count it): 401 with a Basic
+    challenge, so that a browser asks for the master key."""
+    refusal = ApiError(401, "master_key_required", "This page is for the master key: give it "
+                       "as the password (any user name), or as `Authorization: Bearer`.", "auth")
+    refusal.reason, refusal.key = reason, key
+    refusal.headers = [("WWW-Authenticate", 'Basic realm="searchkeys", charset="UTF-8"')] + \
+        NOT_CACHEABLE
+    return refusal
+
+
 class Gate:
     """Guard.check plus what restrictions add: callers over the brute-force
     throttle get 429 before their credential is looked at; an admin
-    credential sent from a browser is refused (browser_refusal); an
+    credential sent from a browser is refused (browser_refusal), but on a
+    page for people (Route.people), which the master key alone opens; an
     authorized key's (or tenant token's parent key's) restrictions are then
     applied, and a search enters the key's places (`enter`, for
     Decision.concurrent)."""
@@ -1846,25 +1910,35 @@ class Gate:
             forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
         return client_address(request.peer or "", forwarded, trusted)
 
-    def check(self, request, actions, index):
+    def check(self, request, actions, index, people=False):
         """The Principal, as Guard.check; raises its refusals, 403 for an
-        address or referrer the key does not allow, 429 over a rate."""
+        address or referrer the key does not allow, 429 over a rate.
+        `people`: the route is a page for people (Route.people): the master
+        key only, as Bearer or Basic, from browsers too; else 401."""
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
             left = self.failures.throttled(counter_client(address))
             if left is not None:
                 raise too_many_failures(left, throttle)
+        authorization = request.headers.get("Authorization")
         try:
-            principal = self.guard.check(request.headers.get("Authorization"), actions, index)
+            principal = self.guard.check(basic_as_bearer(authorization) if people
+                                         else authorization, actions, index)
         except ApiError as error:
             if error.reason is None:  # no key: none, an unknown one, a bad tenant token
                 error.reason = "credential"
             if throttle is not None and actions and \
                     not self.failures.fail(counter_client(address)):
                 raise too_many_failures(throttle.window, throttle)
+            if people and error.code != "missing_master_key":  # (no master key: no page)
+                raise sign_in_refusal(error.reason, error.key)
             raise
         key = request.key = principal.key
+        if people:
+            if principal is not MASTER:
+                raise sign_in_refusal("action", key)
+            return principal
         refusal = browser_refusal(principal, request.headers)
         if refusal is not None:
             raise refusal
@@ -2187,7 +2261,7 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins concurrent")):
+                    "answer_filter searches checks_joins concurrent fetches_document")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2201,11 +2275,18 @@ class Decision(collections.namedtuple(
     - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
-    - `checks_joins`: the indexes searched must not join (Meilisearch's
-      foreignKeys) documents the principal may not see whole (check_joins);
+    - `checks_joins`: the indexes searched (or read under a filter) must not
+      join (Meilisearch's foreignKeys) documents the principal may not see
+      whole (check_joins);
     - `concurrent`: the searches the key may run at once (its
       maxConcurrentSearches), this one holding a place until its answer
-      has gone, or None."""
+      has gone, or None;
+    - `fetches_document`: a GET of one document under a filter (a tenant
+      token's, forced parameters'): the backend is asked for it by a
+      documents fetch of its id (carrier BODY, the value from
+      fetch_one_document), so that it answers only a document that passes,
+      and `answer_filter` makes the answer the document, or Meilisearch's
+      own 404 as if it were missing."""
 
     @property
     def needs_body(self):
@@ -2292,12 +2373,20 @@ def decide(route, principal, index):
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     searching = route.joins  # the routes that run searches, whose hits may hydrate joins
-    checks_joins = searching and not (
+    # a documents read held to a filter (a token's, a forced one), whose caller's own filter
+    # may still reach into joined documents (`_foreign(...)`)
+    held_read = route.forced is force_documents and (
+        rule is not None or documents_forced(restrictions, index) is not None)
+    checks_joins = held_read or searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
+    fetches_document = route.one_document and held_read
+    if fetches_document:
+        answer_filter = one_document_answer
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
-                    facts, tuple(value_steps), tuple(query_steps), route.carrier,
-                    answer_filter, searches, checks_joins, concurrent)
+                    facts, tuple(value_steps), tuple(query_steps),
+                    BODY if fetches_document else route.carrier, answer_filter, searches,
+                    checks_joins, concurrent, fetches_document)
 
 
 def check_joins(principal, joins):
@@ -2315,7 +2404,7 @@ def check_joins(principal, joins):
                     forced_parameters(restrictions, uid) is not None:
                 raise refused("index", invalid_api_key(
                     "The index `%s` joins documents of another index (its `foreignKeys`) "
-                    "that this API key may not see whole; the search is refused." % index))
+                    "that this API key may not see whole; the request is refused." % index))
 
 
 def searched_indexes(call):
@@ -2542,12 +2631,15 @@ def parse_search_query(query):
 
 
 def query_parameter(name, text):
-    """One GET search parameter as its POST body spells it: the filter as
-    query_filter reads it, lists comma-separated, booleans, page counts as
-    Rust's usize reads them; anything else (or what does not parse: the
-    backend refuses it) as the text."""
+    """One GET search (or documents) parameter as its POST body spells it:
+    the filter as query_filter reads it, lists comma-separated (a documents
+    read's `fields` too), booleans, page counts as Rust's usize reads them;
+    anything else (or what does not parse: the backend refuses it) as the
+    text."""
     if name == "filter":
         return query_filter(text)
+    if name == "fields":
+        return text.split(",")
     if name in ("limit", "hitsPerPage", "page"):
         count = parse_rust_uint(text)
         return text if count is None else count
@@ -2671,7 +2763,8 @@ def check_index_swap(principal, index, body):
 
 
 def scope_search_value(principal, index, value):
-    """Search, facet-search, similar on one index: fuse the token's filter."""
+    """Search, facet-search, similar on one index, and the documents read
+    there (listed, fetched, one by its id): fuse the token's filter."""
     return with_tenant_filter(value, principal.rules, index)
 
 
@@ -2857,7 +2950,7 @@ def query_value(name, value):
         return compact_json(value)
     if isinstance(value, list):
         if not value or any("," in item for item in value):
-            raise restriction_refused("forcedParameters", "on a GET search, which cannot "
+            raise restriction_refused("forcedParameters", "on a GET request, which cannot "
                                       "spell its forced `%s`: use POST" % name)
         return ",".join(value)
     if isinstance(value, bool):
@@ -2876,6 +2969,86 @@ def force_facet_search(restrictions, index, body):
             and name not in facets:
         raise restriction_refused("forcedParameters", "to search the values of this facet")
     return force_object(body, forced, FACET_SEARCH_PARAMETERS)
+
+
+# The forced parameters a documents read gets: a documents fetch has no other.
+DOCUMENT_PARAMETERS = frozenset(("filter", "attributesToRetrieve", "retrieveVectors"))
+
+
+def documents_forced(restrictions, index):
+    """The forced parameters of DOCUMENT_PARAMETERS on `index`, or None."""
+    forced = forced_parameters(restrictions, index) or {}
+    return {name: value for name, value in forced.items()
+            if name in DOCUMENT_PARAMETERS} or None
+
+
+def force_documents(restrictions, index, value):
+    """GET documents, POST documents/fetch, and one document (asked by a
+    fetch): the forced filter fused in as on a search; under a forced
+    attributesToRetrieve, the `fields` asked cut to those (all of those when
+    none, `*` or no list is asked) and no vectors (embeddings are made from
+    any of the document's fields, shown or not), unless `_vectors` is among
+    them; a forced retrieveVectors replaces the caller's."""
+    forced = documents_forced(restrictions, index)
+    if forced is None or not isinstance(value, dict):
+        return value
+    value = dict(value)
+    if "filter" in forced:
+        value["filter"] = fuse_filters(value.get("filter"), forced["filter"])
+    shown = forced.get("attributesToRetrieve")
+    if shown is not None and "*" not in shown:
+        asked = value.get("fields")
+        value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
+            [name for name in asked if name in shown]
+        if "_vectors" not in shown and "retrieveVectors" in value:
+            value["retrieveVectors"] = False
+    if "retrieveVectors" in forced:
+        value["retrieveVectors"] = forced["retrieveVectors"]
+    return value
+
+
+ONE_DOCUMENT_PARAMETERS = ("fields", "retrieveVectors")
+# A document id Meilisearch accepts (milli's validate_document_id_str); no
+# document has another, and its fetch refuses another in `ids`.
+_DOCUMENT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,511}\Z")
+
+
+def fetch_one_document(document_id, query):
+    """GET /indexes/{i}/documents/{id}'s query string as the documents fetch
+    the backend is asked instead (Decision.fetches_document): that one id
+    (none when no document can have it, so that the answer is the same 404),
+    the fields and vectors asked, one result. The query string is read as
+    Meilisearch reads it on that route, and refused as it refuses it."""
+    asked = parse_search_query(query)[0]
+    for name in asked:
+        if name not in ONE_DOCUMENT_PARAMETERS:
+            raise bad_request("Unknown parameter `%s`: %sexpected one of %s" % (
+                name, did_you_mean(name, ONE_DOCUMENT_PARAMETERS),
+                backticked(ONE_DOCUMENT_PARAMETERS)))
+    vectors = asked.get("retrieveVectors", False)
+    if type(vectors) is not bool:
+        raise ApiError(400, "invalid_document_retrieve_vectors", "Invalid value in parameter "
+                       "`retrieveVectors`: could not parse `%s` as a boolean, expected either "
+                       "`true` or `false`" % vectors)
+    value = {"ids": [document_id] if _DOCUMENT_ID_RE.match(document_id) else [], "limit": 1}
+    if "fields" in asked and "*" not in asked["fields"]:
+        value["fields"] = asked["fields"]
+    if vectors:
+        value["retrieveVectors"] = True
+    return value
+
+
+def one_document_answer(context, answer):
+    """The documents fetch's answer to a GET of one document: the document,
+    or Meilisearch's own 404 for a missing one when none passed the filter."""
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list):
+        raise ApiError(502, "upstream_unavailable", "The search backend's answer to a "
+                       "documents fetch has no `results`.", "system")
+    if not results:
+        raise ApiError(404, "document_not_found",
+                       "Document `%s` not found." % context.params["document_id"])
+    return results[0]
 
 
 def force_multi_search(restrictions, index, body):
@@ -3164,26 +3337,31 @@ USAGE_FLUSH_SECONDS = 5.0  # usage counts reach the store file at most this late
 BACKEND_ERRORS = ("connection", "timeout")
 EXPIRY_WARNING_DAYS = 7  # keys that stop working this soon are counted, and logged once a day
 DAY_NS = 86400 * 10 ** 9
+HOUR_NS = 3600 * 10 ** 9
+USAGE_HOURS = 24  # the hours of requests per key the keys page charts (in memory, per process)
 EXPIRY_CHECK_SECONDS = 60.0  # how often serve looks for keys expiring soon, to log them
 MAX_EXPIRED_SEEN = 100000  # expired keys remembered as used, for their first-use counter
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Usage:
-    """Per key (by uid): requests allowed, refused by reason, last used.
+    """Per key (by uid): requests allowed, refused by reason, last used;
+    and its requests in each of the last USAGE_HOURS hours (`hourly`).
 
     A request costs a few increments under one lock, in this process's
     memory. The KeyStore saves them with each change of keys and, when there
     are some, every USAGE_FLUSH_SECONDS (a kill -9 loses at most those last
     seconds): saving adds them to the totals the store file holds, to which
     every process sharing the store adds its own. A key's usage reads as
-    those saved totals plus this process's counts not saved yet."""
+    those saved totals plus this process's counts not saved yet. The hourly
+    counts are this process's alone, in memory only: a chart's, not a record."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._saved = {}   # uid -> counts: the store file's totals, as last read or written
         self._counts = {}  # uid -> counts of this process, not saved yet
         # counts: [allowed, one per USAGE_REASONS..., seen from a browser ns, last used ns]
+        self._hours = {}  # uid -> [requests in hour h at h % USAGE_HOURS..., then which h each]
 
     @property
     def changed(self):
@@ -3204,11 +3382,29 @@ class Usage:
             counts[-1] = now_ns
             if browser:
                 counts[-2] = now_ns
+            hour = now_ns // HOUR_NS
+            hours = self._hours.get(uid)
+            if hours is None:
+                hours = self._hours[uid] = [0] * (2 * USAGE_HOURS)
+            at = hour % USAGE_HOURS
+            if hours[USAGE_HOURS + at] != hour:  # the bucket held an hour a day or more ago
+                hours[USAGE_HOURS + at], hours[at] = hour, 0
+            hours[at] += 1
+
+    def hourly(self, uid, now_ns):
+        """Key `uid`'s requests (allowed or refused) in each of the last
+        USAGE_HOURS hours, oldest first, the current hour last: this process's."""
+        now = now_ns // HOUR_NS
+        with self._lock:
+            hours = self._hours.get(uid) or [0] * (2 * USAGE_HOURS)
+            return [hours[hour % USAGE_HOURS] if hours[USAGE_HOURS + hour % USAGE_HOURS] == hour
+                    else 0 for hour in range(now - USAGE_HOURS + 1, now + 1)]
 
     def forget(self, uid):
         with self._lock:
             self._saved.pop(uid, None)
             self._counts.pop(uid, None)
+            self._hours.pop(uid, None)
 
     def to_json(self, uid):
         """`allowed`, `refused` (every reason) and `lastUsedAt` (null: never)
@@ -3266,6 +3462,8 @@ class Usage:
                     saved[uid] = counts
         with self._lock:
             self._saved = saved
+            # (keys another process deleted: their hours go with them)
+            self._hours = {uid: hours for uid, hours in self._hours.items() if uid in keys}
         return problems
 
 
@@ -3344,9 +3542,10 @@ class Metrics:
         with self._lock:
             self._backend_errors[kind] += 1
 
-    def render(self, keys, rate_clients, expiring):
+    def render(self, keys, rate_clients, expiring, history_failures):
         """The exposition text, with the gauges given (keys stored, rate-limit
-        table size, keys expiring within EXPIRY_WARNING_DAYS)."""
+        table size, keys expiring within EXPIRY_WARNING_DAYS) and the store's
+        count of history lines it could not append."""
         with self._lock:
             requests, refusals = sorted(self._requests.items()), dict(self._refusals)
             latency, latency_sum = list(self._latency), self._latency_sum
@@ -3380,6 +3579,9 @@ class Metrics:
         family("expired_keys_used_total", "counter", "Expired API keys used (each counted at "
                "its first refused use in this process).",
                [("expired_keys_used_total", "", expired_used)])
+        family("history_write_failures_total", "counter", "Changes to keys made whose line "
+               "could not be appended to the history (each also logged).",
+               [("history_write_failures_total", "", history_failures)])
         family("build_info", "gauge", "The searchkeys version and Python running it.",
                [("build_info", '{version="%s",python="%s"}' % (
                    __version__, "%d.%d.%d" % sys.version_info[:3]), 1)])
@@ -3433,19 +3635,36 @@ def master_if_restricted(principal, what):
     return check
 
 
+def actor(principal):
+    """Who makes a change, as the history says it: the key's uid, or "master"."""
+    return principal.key.uid if principal.key is not None else "master"
+
+
+def without_parameter(query, name):
+    """(the query string without the parameter `name`, its values in order):
+    searchkeys' additions to a listing's `offset` and `limit`."""
+    if name not in query:
+        return query, []
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    return (urllib.parse.urlencode([(n, value) for n, value in pairs if n != name]),
+            [value for n, value in pairs if n == name])
+
+
 def usage_asked(query):
     """(the query without `usage`, whether `usage=true` asked GET /keys for
     each key's usage): searchkeys' one addition to Meilisearch's listing,
     which answers 400 to it (a bulk route under /keys/ would be a key's)."""
-    if "usage" not in query:
-        return query, False
-    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    asked = [value for name, value in pairs if name == "usage"]
+    rest, asked = without_parameter(query, "usage")
     if asked and asked[-1] not in ("true", "false"):
         raise ApiError(400, "invalid_api_key_usage", "Invalid value in parameter `usage`: "
                        "expected `true` or `false`.")
-    rest = urllib.parse.urlencode([(name, value) for name, value in pairs if name != "usage"])
     return rest, asked[-1:] == ["true"]
+
+
+def listing(results, offset, limit, total):
+    """A page of a listing, in GET /keys' shape."""
+    return Response.json(200, {"results": results, "offset": offset, "limit": limit,
+                               "total": total})
 
 
 class KeysApi:
@@ -3464,25 +3683,65 @@ class KeysApi:
         results = [k.to_json() for k in keys]
         for key, shown in zip(keys, results) if with_usage else ():
             shown["usage"] = self.store.usage.to_json(key.uid)
-        return Response.json(200, {"results": results, "offset": offset, "limit": limit,
-                                   "total": total})
+        return listing(results, offset, limit, total)
 
     def get_key(self, call):
         return Response.json(200, self.store.find(call.params["key"]).to_json())
 
     def create_key(self, call):
         fields = validate_create(call.request.read_json_body(), time.time_ns())
-        return Response.json(201, self._write(self.store.create, fields).to_json())
+        return Response.json(201, self._write(self.store.create, fields,
+                                              actor(call.principal)).to_json())
 
     def update_key(self, call):
         segment = call.params["key"]
         changes = validate_patch(call.request.read_json_body())
-        return Response.json(200, self._write(self.store.update, segment, changes).to_json())
+        return Response.json(200, self._write(self.store.update, segment, changes,
+                                              actor(call.principal)).to_json())
 
     def delete_key(self, call):
         self._write(self.store.delete, call.params["key"], master_if_restricted(
-            call.principal, "delete a key that has restrictions"))
+            call.principal, "delete a key that has restrictions"), actor(call.principal))
         return Response(204)
+
+    def history(self, call):
+        """GET /keys/history: the changes to keys, newest first; `key`: a
+        uid, whose changes alone are listed."""
+        query, asked = without_parameter(call.request.query, "key")
+        uid = None
+        if asked:
+            try:
+                uid = parse_uuid(asked[-1])
+            except ValueError as exc:
+                raise ApiError(400, "invalid_api_key_uid", "Invalid value in parameter `key`: "
+                               "expected a key's uid: %s" % exc)
+        offset, limit = validate_list_query(query)
+        try:
+            entries = self.store.history.entries(uid)
+        except StoreError as exc:
+            self.store.log("searchkeys: %s" % exc)
+            raise internal_error("The history of keys cannot be read: %s" % exc)
+        return listing(entries[offset:offset + limit], offset, limit, len(entries))
+
+    def deleted_keys(self, call):
+        """GET /keys/deleted: the deleted keys that can be restored, most
+        recently deleted first."""
+        offset, limit = validate_list_query(call.request.query)
+        tombstones = self.store.tombstones()
+        return listing([t.to_json() for t in tombstones[offset:offset + limit]], offset, limit,
+                       len(tombstones))
+
+    def restore_key(self, call):
+        """POST /keys/{uid}/restore, master key only: the deleted key back
+        (201, as POST /keys answers)."""
+        require_master(call.principal, "restore a deleted key")
+        segment = call.params["key"]
+        try:
+            uid = parse_uuid(segment)
+        except ValueError:
+            raise key_not_found(segment)
+        return Response.json(201, self._write(self.store.restore, uid,
+                                              actor(call.principal)).to_json())
 
     def rotate_key(self, call):
         """POST /keys/{key}/rotate: the new key's JSON. The body is optional."""
@@ -3493,7 +3752,8 @@ class KeysApi:
         if data:
             check_content_type(request.headers.get("Content-Type"))
         grace = validate_rotation(parse_json_body(data) if data else {})
-        return Response.json(201, self._write(self.store.rotate, segment, grace, check).to_json())
+        return Response.json(201, self._write(self.store.rotate, segment, grace, check,
+                                              actor(call.principal)).to_json())
 
     def revoke_tokens(self, call):
         """POST /keys/{key}/revoke-tokens: every tenant token the key signed
@@ -3504,7 +3764,8 @@ class KeysApi:
             check_content_type(request.headers.get("Content-Type"))
         self.store.find(call.params["key"])  # 404 before 400, as PATCH
         before = validate_revoke_tokens(parse_json_body(data) if data else {}, time.time_ns())
-        key = self._write(self.store.revoke_tokens, call.params["key"], before)
+        key = self._write(self.store.revoke_tokens, call.params["key"], before,
+                          actor(call.principal))
         return self._revocation(key)
 
     def revoke_token(self, call):
@@ -3512,7 +3773,8 @@ class KeysApi:
         working (it is denied until its exp)."""
         key = self.store.find(call.params["key"])
         token, exp = validate_revoke_token(call.request.read_json_body(), key)
-        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp))
+        return self._revocation(self._write(self.store.revoke_token, key.uid, token, exp,
+                                            actor(call.principal)))
 
     @staticmethod
     def _revocation(key):
@@ -3537,11 +3799,11 @@ class KeysApi:
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
-                                                   restrictions))
+                                                   restrictions, actor(call.principal)))
 
     def delete_restrictions(self, call):
         self._require_master_for_restrictions(call)
-        self._write(self.store.restrict, call.params["key"], None)
+        self._write(self.store.restrict, call.params["key"], None, actor(call.principal))
         return Response(204)
 
     @staticmethod
@@ -3569,6 +3831,181 @@ def on_keys_api(method):
     def handler(service, call):
         return method(service.keys_api, call)
     return handler
+
+
+# The keys page (GET /keys/page) and its forms (POST /keys/page): for people,
+# with the master key (Route.people); its HTML is the appendix at the end.
+
+PAGE_NONCE_SECONDS = 3600  # how long a served page's forms may be sent back
+PAGE_FORM_MAX = 4096  # bytes of a form the keys page takes
+PAGE_KEYS_SHOWN = 1000  # keys the page lists, newest first (`keys list` pages through all)
+PAGE_REVEAL_SECONDS = 60  # a key made this recently shows its value, on the page after the change
+
+
+class PageNonces:
+    """The nonce each served keys page puts in its forms, which a change
+    must send back: unguessable (random), bound to the page it was served
+    with (its random part and time, signed), valid PAGE_NONCE_SECONDS,
+    compared in constant time. Signed with a secret derived from the master
+    key rather than kept, so that memory holds none, and any of `serve
+    --workers`' processes checks the nonce of a page another one served."""
+
+    def __init__(self, master_key):
+        self._secret = None if master_key is None else hmac.new(
+            master_key.encode(), b"searchkeys keys page nonce", hashlib.sha256).digest()
+
+    def mint(self, now):
+        served = "%x.%s" % (int(now), secrets.token_urlsafe(16))
+        return served + "." + self._signature(served)
+
+    def valid(self, nonce, now):
+        served, _, signature = nonce.rpartition(".")
+        if self._secret is None or not hmac.compare_digest(
+                self._signature(served).encode(), signature.encode("utf-8", "replace")):
+            return False
+        return 0 <= now - int(served.partition(".")[0], 16) <= PAGE_NONCE_SECONDS
+
+    def _signature(self, served):
+        return base64.urlsafe_b64encode(hmac.new(self._secret, served.encode("utf-8", "replace"),
+                                                 hashlib.sha256).digest()).decode().rstrip("=")
+
+
+def page_change_refused(message):
+    return ApiError(403, "keys_page_change_refused", message, "auth")
+
+
+def cross_site(headers):
+    """Why a form sent to the keys page comes from another site, or None:
+    its `Sec-Fetch-Site` is not `same-origin`, or its `Origin` is not this
+    server as the request names it (`Host`). Headers a client can forge
+    only count against it: without them it passes (the nonce still holds).
+    (The page's `Referrer-Policy: no-referrer` makes a browser send its
+    forms with `Origin: null`: that is the page's only with `Sec-Fetch-Site:
+    same-origin`, which no script can set.)"""
+    site = headers.get("Sec-Fetch-Site")
+    if site is not None and site != "same-origin":
+        return "Sec-Fetch-Site: %s" % site
+    origin = headers.get("Origin")
+    if origin is None or origin == "null" and site == "same-origin":
+        return None
+    scheme, _, host = origin.partition("://")
+    if scheme not in ("http", "https") or host.lower() != (headers.get("Host") or "").lower():
+        return "Origin: %s" % origin
+    return None
+
+
+def page_form(request):
+    """The fields of a form the keys page sent (urlencoded UTF-8, at most
+    PAGE_FORM_MAX bytes; of a repeated field, the last)."""
+    media = (request.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
+    if media != "application/x-www-form-urlencoded":
+        raise ApiError(415, "invalid_content_type", "The keys page takes its own forms "
+                       "(`application/x-www-form-urlencoded`) only.")
+    try:
+        return dict(urllib.parse.parse_qsl(request.body.read(PAGE_FORM_MAX).decode("utf-8"),
+                                           keep_blank_values=True, errors="strict",
+                                           max_num_fields=16))
+    except ValueError:  # not UTF-8 (before or after percent-decoding), too many fields
+        raise bad_request("The form is malformed.")
+
+
+class KeysPage:
+    """The keys page: every key (up to PAGE_KEYS_SHOWN) with its actions,
+    indexes, restrictions, expiry and usage, and a chart of its requests
+    by hour, then the deleted keys that can be restored; its forms create
+    a key from a preset, rotate, delete or restore one.
+    A change is made by the /keys API route that makes it, given the body a
+    client would send (one way to change a key), once the form is shown to
+    come from the page: same origin (cross_site) and the page's nonce. Key
+    values are never listed: a key's shows only on the page its creation
+    (or rotation) leads to, for PAGE_REVEAL_SECONDS after it was made."""
+
+    def __init__(self, service, master_key):
+        self.service = service
+        self.nonces = PageNonces(master_key)
+
+    def show(self, call, status=200, problem=None):
+        now, store = time.time_ns(), self.service.store
+        keys, total = store.page(0, PAGE_KEYS_SHOWN)
+        shown = [self._key(key, now) for key in keys]
+        created = None
+        if problem is None:
+            uid = dict(urllib.parse.parse_qsl(call.request.query)).get("created", "")
+            key = store.by_uid(uid) if _CANONICAL_UUID_RE.match(uid) else None
+            if key is not None and 0 <= now - key.created_ns <= PAGE_REVEAL_SECONDS * 10 ** 9:
+                created = key.to_json()
+        deleted = [tombstone.to_json() for tombstone in store.tombstones()[:PAGE_KEYS_SHOWN]]
+        return KeysPageHtml.page(status, shown, total, sorted(PRESETS),
+                                 self.nonces.mint(now / 10 ** 9), created, problem, deleted)
+
+    def _key(self, key, now):
+        """What the page shows of `key`: its /keys JSON but its value, its
+        restrictions, usage and hourly requests, and whether it has stopped
+        working or stops within EXPIRY_WARNING_DAYS (`ends`)."""
+        shown = key.to_json()
+        del shown["key"]
+        end = key.end_ns
+        shown["ends"] = None if end is None else "expired" if end <= now else \
+            "soon" if end - now <= EXPIRY_WARNING_DAYS * DAY_NS else None
+        shown["restrictions"] = key.restrictions and {
+            field: value for field, value in key.restrictions.to_json().items()
+            if value is not None}
+        shown["usage"] = self.service.store.usage.to_json(key.uid)
+        shown["hours"] = self.service.store.usage.hourly(key.uid, now)
+        return shown
+
+    def change(self, call):
+        """POST /keys/page: a form's change, then 303 back to the page; a
+        refused or failed change gets the page again, saying why."""
+        try:
+            where = cross_site(call.request.headers)
+            if where is not None:
+                raise page_change_refused("This change was sent from another site (%s): "
+                                          "nothing was changed." % printable(where[:200]))
+            form = page_form(call.request)
+            if not self.nonces.valid(form.get("nonce", ""), time.time()):
+                raise page_change_refused("This form is not from this page, or is over an "
+                                          "hour old: nothing was changed. Try again here.")
+            made = self._apply(call, form)
+        except ApiError as error:
+            return self.show(call, error.status, error.message)
+        return Response(303, [("Location", "/keys/page" + (
+            "?created=" + made if made else "")), ("Cache-Control", "no-store")])
+
+    def _apply(self, call, form):
+        """Make the form's change; the uid of the key it made, if any."""
+        change, uid = form.get("change"), form.get("uid", "")
+        if change == "create":
+            preset = form.get("preset")
+            if preset not in PRESETS:
+                raise bad_request("Choose a preset: %s." % ", ".join(sorted(PRESETS)))
+            indexes = [part.strip() for part in form.get("indexes", "").split(",")
+                       if part.strip()]
+            body = {"name": form.get("name") or None, "actions": PRESETS[preset],
+                    "indexes": indexes or ["*"], "expiresAt": form.get("expiresAt") or None}
+            return self._through_api(call, "POST", "/keys", {}, body)["uid"]
+        if change == "rotate":
+            return self._through_api(call, "POST", "/keys/{key}/rotate", {"key": uid})["uid"]
+        if change == "delete":
+            self._through_api(call, "DELETE", "/keys/{key}", {"key": uid})
+            return None
+        if change == "restore":
+            self._through_api(call, "POST", "/keys/{key}/restore", {"key": uid})
+            return None
+        raise bad_request("Unknown change: choose create, rotate, delete or restore.")
+
+    def _through_api(self, call, method, pattern, params, body=None):
+        """The answer of the /keys API route (method, pattern) to the request
+        a client would send it (`body` as JSON), made by the route's own
+        handler for the page's principal; raises its refusal."""
+        route = ROUTE_INDEX[method, pattern]
+        data = b"" if body is None else compact_json(body).encode()
+        target = re.sub(r"\{(\w+)\}", lambda name: urllib.parse.quote(params[name.group(1)],
+                                                                     safe=""), pattern)
+        request = Request(method, target, RequestHeaders("Content-Type: application/json\n"),
+                          Body(io.BytesIO(data), len(data)), call.request.peer)
+        answer = route.handler(self.service, Call(request, route, None, params, call.principal))
+        return json.loads(answer.body) if answer.body else None
 
 
 # =============================================================================
@@ -3657,6 +4094,12 @@ class ApiKey:
                       self.expires_at, self.created_ns, self.updated_ns, self.value,
                       restrictions=self.restrictions,
                       retirement=Retirement(at_ns, replaced_by), revocation=self.revocation)
+
+    def created_fields(self):
+        """What a new key's history line says of it (never its value)."""
+        return {"name": self.name, "description": self.description,
+                "actions": list(self.actions), "indexes": list(self.indexes),
+                "expiresAt": self.expires_at_text()}
 
     def to_json(self):
         """The key as upstream shows it, in upstream's field order."""
@@ -3756,6 +4199,48 @@ class Retirement(collections.namedtuple("Retirement", "at_ns replaced_by")):
         return cls(at_ns, replaced_by)
 
 
+class Tombstone:
+    """A deleted key, kept to be restored (KeyStore.restore): the key as it
+    was, when it was deleted (ns) and by whom (a uid, "master" or LOCAL)."""
+
+    __slots__ = ("key", "deleted_ns", "deleted_by", "_stored")
+
+    def __init__(self, key, deleted_ns, deleted_by):
+        self.key, self.deleted_ns, self.deleted_by = key, deleted_ns, deleted_by
+        self._stored = None
+
+    def to_json(self):
+        """GET /keys/deleted's item: the key as GET /keys shows it, then
+        `deletedAt` and `deletedBy`."""
+        return dict(self.key.to_json(), deletedAt=format_timestamp(self.deleted_ns),
+                    deletedBy=self.deleted_by)
+
+    def stored_json(self):
+        """The store's record (the key's, with deletedAt and deletedBy) as
+        compact JSON, computed once."""
+        if self._stored is None:
+            self._stored = compact_json(dict(self.key.to_record(), deletedAt=self.deleted_ns,
+                                             deletedBy=self.deleted_by))
+        return self._stored
+
+    @classmethod
+    def from_record(cls, record, derive):
+        """A record of the store's `deleted` section -> Tombstone; ValueError
+        says what is wrong with it."""
+        if not isinstance(record, dict):
+            raise ValueError("a deleted key's record is not an object")
+        record = dict(record)
+        deleted_ns, deleted_by = record.pop("deletedAt", None), record.pop("deletedBy", None)
+        key = ApiKey.from_record(record, derive)
+        if type(deleted_ns) is not int or deleted_ns < 0 or not isinstance(deleted_by, str):
+            raise ValueError("bad deletedAt or deletedBy in deleted key %s" % key.uid)
+        return cls(key, deleted_ns, deleted_by)
+
+
+DEFAULT_TOMBSTONE_DAYS = 30  # how long a deleted key can be restored (serve --tombstone-days)
+MAX_TOMBSTONE_DAYS = 3650
+MAX_TOMBSTONES = 1000  # deleted keys kept at most (the latest), as Algolia restores
+LOCAL = "local"  # who made a change through the library (the default keys of a new store)
 MAX_REVOKED_TOKENS = 1000  # tokens revoked singly and not expired yet, per key
 IAT_LEEWAY = 60  # seconds a token's iat may be ahead of this clock (the signer's may be)
 
@@ -3853,7 +4338,8 @@ class KeyStore:
     are immutable and dict reads are atomic.
     """
 
-    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False):
+    def __init__(self, master_key=None, path=None, log=None, master_key_changed=False,
+                 tombstone_days=DEFAULT_TOMBSTONE_DAYS):
         self.derive = key_deriver(master_key) if master_key is not None else None
         # what the file records of the master key (--open: whatever it holds)
         self.fingerprint = master_key_fingerprint(master_key) if master_key else None
@@ -3863,15 +4349,18 @@ class KeyStore:
         self._by_value = {}   # derived value -> ApiKey
         self._retiring = {}   # uid -> when that rotated key stops working (ns)
         self._next_retirement = float("inf")  # the earliest of those
+        self._tombstones = {}  # uid -> Tombstone of a deleted key, oldest deletion first
+        self.tombstone_days = tombstone_days  # how long a deleted key can be restored; 0: not
         # reentrant: a change looks keys up, and a lookup may sweep out retired keys
         self._lock = threading.RLock()
         self._file = StoreFile(path, self.log) if path else None
         self._file_locked = False  # whether this process holds the file's lock
         self._unloadable = None  # (signature of a file that failed to load, whether logged)
         self.usage = Usage()
+        self.history = KeyHistory(self._file and self._file.path, self.log)
         with self._lock:
             if self._file is None:
-                self._commit_all(self._defaults(), ())
+                self._create_defaults()
                 return
             self._file.refuse_journal()
             self._file.lock()
@@ -3879,7 +4368,7 @@ class KeyStore:
                 record = self._open(master_key_changed)
                 self._file.remove_stale_temp_files()
                 if not self._keys:
-                    self._commit_all(self._defaults(), ())  # all four in one write
+                    self._create_defaults()
                 elif record or self._next_retirement <= time.time_ns():
                     self._tidy()
             finally:
@@ -3893,12 +4382,13 @@ class KeyStore:
         except StoreWriteError as exc:
             self.log("searchkeys: warning: %s; the next change will save it" % exc)
 
-    def _defaults(self):
-        """The four keys a store without keys starts with, or none."""
-        if self._keys:
-            return []
-        return [self._new_key(new_uid(), name, description, actions, ["*"], None)
+    def _create_defaults(self):
+        """Create the four keys a store without keys starts with, in one write."""
+        keys = [self._new_key(new_uid(), name, description, actions, ["*"], None)
                 for name, description, actions in DEFAULT_KEYS]
+        self._commit_all(keys, ())
+        for key in keys:
+            self.history.append("create", key, LOCAL, key.created_fields())
 
     def _open(self, master_key_changed):
         """Load the file at start; whether its master key fingerprint is to be
@@ -3944,7 +4434,7 @@ class KeyStore:
             self._file.hold(fd, signature, data)
             return list(self._keys.values()), self.fingerprint
         try:
-            records, stored, section = self._file.parse(data)
+            records, stored, section, deleted = self._file.parse(data)
             if self.derive is not None and stored is not None and self._keys \
                     and not hmac.compare_digest(stored, self.fingerprint):
                 raise StoreError("store %s now records another master key (a process was "
@@ -3953,12 +4443,14 @@ class KeyStore:
                                  % self._file.shown)
             try:
                 keys = self._build(records)
+                tombstones = self._build_tombstones(deleted)
             except ValueError as exc:
                 raise StoreError("store %s holds a bad key: %s" % (self._file.shown, exc))
         except BaseException:
             os.close(fd)
             raise
         self._install(keys, section)
+        self._tombstones = tombstones
         if self.derive is None:
             self.fingerprint = stored
         self._file.hold(fd, signature, data)
@@ -3976,6 +4468,22 @@ class KeyStore:
             keys.append(old)
             records[position] = None  # free the parsed record early
         return keys
+
+    def _build_tombstones(self, records):
+        """The Tombstones of the store's `deleted` section (None: none), by
+        uid; one unchanged since the last load is kept as it is."""
+        if records is None:
+            return {}
+        if not isinstance(records, list):
+            raise ValueError("the deleted section is not a list")
+        tombstones = {}
+        for record in records:
+            uid = record.get("uid") if isinstance(record, dict) else None
+            old = self._tombstones.get(uid) if isinstance(uid, str) else None
+            if old is None or old.stored_json() != compact_json(record):
+                old = Tombstone.from_record(record, self.derive)
+            tombstones[old.key.uid] = old
+        return tombstones
 
     def _install(self, keys, section):
         """Make `keys` (and the usage totals of `section`) what memory holds."""
@@ -4072,7 +4580,10 @@ class KeyStore:
 
     # -- writes --------------------------------------------------------------
 
-    def create(self, fields):
+    # Each change takes `actor`, who makes it, for the history: a key's uid,
+    # "master" (the master key), or LOCAL (this process, through the library).
+
+    def create(self, fields, actor=LOCAL):
         """Create a key from validated POST fields; 409 ApiError on a used uid."""
         with self._changing():
             uid = fields.get("uid")
@@ -4084,31 +4595,93 @@ class KeyStore:
             key = self._new_key(uid, fields.get("name"), fields.get("description"),
                                 fields["actions"], fields["indexes"], fields.get("expiresAt"))
             self._commit(key)
+            self.history.append("create", key, actor, key.created_fields())
             return key
 
-    def update(self, key_or_uid, changes):
+    def update(self, key_or_uid, changes, actor=LOCAL):
         with self._changing():
             key = self.find(key_or_uid).changed(changes, self.clock.now_ns())
             self._commit(key)
+            self.history.append("update", key, actor, dict(changes))
             return key
 
-    def delete(self, key_or_uid, check=None):
-        """Delete a key; `check(key)` may refuse it first, under the lock, on
-        the key as the store holds it (another process may have changed it)."""
+    def delete(self, key_or_uid, check=None, actor=LOCAL):
+        """Delete a key, kept as a Tombstone for `tombstone_days` (see
+        restore); `check(key)` may refuse it first, under the lock, on the
+        key as the store holds it (another process may have changed it)."""
         with self._changing():
             key = self.find(key_or_uid)
             if check is not None:
                 check(key)
-            self._commit(None, removed=key.uid)
+            tombstones = dict(self._tombstones)
+            tombstones.pop(key.uid, None)  # a uid deleted again: its latest deletion counts
+            if self.tombstone_days:
+                tombstones[key.uid] = Tombstone(key, time.time_ns(), actor)
+            self._commit_all((), (key.uid,), tombstones)
+            self.history.append("delete", key, actor, {})
 
-    def restrict(self, key_or_uid, restrictions):
+    def restore(self, uid, actor=LOCAL):
+        """Bring a deleted key back from its Tombstone: the same uid, value,
+        restrictions and token revocations. 404 ApiError when none is kept,
+        409 when its uid is a key again or it expired meanwhile."""
+        with self._changing():
+            tombstone = {t.key.uid: t for t in self.tombstones()}.get(uid)
+            if tombstone is None:
+                raise ApiError(404, "api_key_not_found", "API key `%s` not found among the "
+                               "deleted keys, which are kept %d days." % (uid,
+                                                                          self.tombstone_days))
+            key = tombstone.key
+            if uid in self._keys:
+                raise ApiError(409, "api_key_already_exists", "`uid` field value `%s` is already "
+                               "an existing API key: the deleted one cannot be restored." % uid)
+            if key.is_expired():
+                raise ApiError(409, "api_key_expired", "API key `%s` stopped working at %s, "
+                               "while it was deleted: restored, it would work no more. Create "
+                               "a new key instead." % (uid, format_timestamp(key.end_ns)))
+            tombstones = dict(self._tombstones)
+            del tombstones[uid]
+            self._commit_all((key,), (), tombstones)
+            self.history.append("restore", key, actor, {})
+            return key
+
+    def tombstones(self):
+        """The deleted keys that can be restored (Tombstones), most recently
+        deleted first."""
+        return self._restorable(self._tombstones)
+
+    def _restorable(self, tombstones):
+        """Those of `tombstones` (by uid) within their days and among the
+        MAX_TOMBSTONES deleted last, most recently deleted first."""
+        if not self.tombstone_days:
+            return []
+        since = time.time_ns() - self.tombstone_days * DAY_NS
+        kept = sorted((t for t in tombstones.values() if t.deleted_ns > since),
+                      key=lambda tombstone: tombstone.deleted_ns, reverse=True)
+        return kept[:MAX_TOMBSTONES]
+
+    def purge_tombstones(self):
+        """Drop from the file the Tombstones past their days (or past the
+        MAX_TOMBSTONES newest); serve's keeper calls it, never a request.
+        A failure is logged; the next change drops them."""
+        if len(self.tombstones()) == len(self._tombstones):
+            return
+        try:
+            with self._changing():
+                self._commit_all((), ())
+        except StoreWriteError as exc:
+            self.log("searchkeys: warning: deleted keys past their %d days not purged: %s"
+                     % (self.tombstone_days, exc))
+
+    def restrict(self, key_or_uid, restrictions, actor=LOCAL):
         """Set (None: remove) a key's restrictions; its /keys fields stay as they are."""
         with self._changing():
             key = self.find(key_or_uid)
             self._commit(key.with_restrictions(restrictions))
+            self.history.append("restrict", key, actor, {
+                "restrictions": restrictions and restrictions.to_record()})
             return self._keys[key.uid]
 
-    def rotate(self, key_or_uid, grace_seconds, check=None):
+    def rotate(self, key_or_uid, grace_seconds, check=None, actor=LOCAL):
         """A new key (new uid, all else the same) for the key `key_or_uid`,
         which keeps working for `grace_seconds`, then is removed. Both
         changes are one write. 409 for a key already rotated. `check(key)`
@@ -4126,14 +4699,17 @@ class KeyStore:
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            retires = None
             if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
                 retires = time.time_ns() + grace_seconds * 10 ** 9
                 self._commit_all([old.retiring(retires, uid), new], ())
             else:
                 self._commit_all([new], (old.uid,))
+            self.history.append("rotate", old, actor, {
+                "replacedBy": uid, "retiresAt": retires and format_timestamp(retires)})
             return new
 
-    def revoke_tokens(self, key_or_uid, issued_before):
+    def revoke_tokens(self, key_or_uid, issued_before, actor=LOCAL):
         """Revoke the key's tenant tokens issued before `issued_before` (Unix
         seconds; a later revocation's time wins over an earlier one's)."""
         with self._changing():
@@ -4142,9 +4718,11 @@ class KeyStore:
             before = max(issued_before, old.issued_before or issued_before)
             self._commit(key.with_revocation(
                 TokenRevocation(before, old.denied).pruned(int(time.time()))))
+            self.history.append("revoke-tokens", key, actor, {
+                "issuedBefore": format_timestamp(before * 10 ** 9)})
             return self._keys[key.uid]
 
-    def revoke_token(self, key_or_uid, token, exp):
+    def revoke_token(self, key_or_uid, token, exp, actor=LOCAL):
         """Deny one tenant token of the key (verified by the caller) until its `exp`."""
         with self._changing():
             key = self.find(key_or_uid)
@@ -4157,6 +4735,7 @@ class KeyStore:
                                "issued before a time with `POST /keys/%s/revoke-tokens` instead."
                                % (key.uid, MAX_REVOKED_TOKENS, key.uid))
             self._commit(key.with_revocation(TokenRevocation(old.issued_before, denied)))
+            self.history.append("revoke-token", key, actor, {"revokedTokens": len(denied)})
             return self._keys[key.uid]
 
     def sweep(self):
@@ -4212,31 +4791,44 @@ class KeyStore:
         make the change live."""
         self._commit_all([key] if key is not None else [], [removed] if removed else [])
 
-    def _commit_all(self, keys, removed):
-        """Write the store with `keys` put, the uids `removed` deleted and the
-        rotated keys past their grace period dropped, in one write, then make
+    def _commit_all(self, keys, removed, tombstones=None):
+        """Write the store with `keys` put, the uids `removed` deleted, the
+        rotated keys past their grace period dropped, and `tombstones` (None:
+        the ones held) without those past their days, in one write, then make
         it live; StoreWriteError leaves everything as it was. The caller
         holds the store (_changing) or is the constructor."""
         now = time.time_ns()
         removed = set(removed) | {uid for uid, at_ns in self._retiring.items() if at_ns <= now}
         changed = {key.uid: key for key in keys}
+        kept = [changed.get(uid, old) for uid, old in self._keys.items() if uid not in removed]
+        added = [key for uid, key in changed.items() if uid not in self._keys]
+        # an update keeps its place, a new key goes last: the file stays in createdAt order;
+        # a restored key goes back to its place
+        restored = kept and added and added[0].created_ns < kept[-1].created_ns
+        kept_tombstones = {t.key.uid: t for t in reversed(self._restorable(
+            self._tombstones if tombstones is None else tombstones))}  # oldest deletion first
         if self._file:
-            # an update keeps its place, a new key goes last: the file stays in createdAt order
-            records = [changed.get(uid, old).stored_json() for uid, old in self._keys.items()
-                       if uid not in removed]
-            records += [key.stored_json() for uid, key in changed.items()
-                        if uid not in self._keys]
-            self._write(records, lambda uid: uid not in removed and uid in self._keys)
+            ordered = sorted(kept + added, key=lambda key: key.created_ns) if restored \
+                else kept + added
+            self._write([key.stored_json() for key in ordered],
+                        lambda uid: uid not in removed and uid in self._keys,
+                        kept_tombstones.values())
         for key in keys:
             self._put(key)
         for uid in removed:
             self._remove(uid)
+        if restored:
+            self._keys = {key.uid: key for key in sorted(self._keys.values(),
+                                                         key=lambda key: key.created_ns)}
+        self._tombstones = kept_tombstones
 
-    def _write(self, records, keep):
-        """Write `records` with the usage totals of the uids `keep(uid)` holds."""
+    def _write(self, records, keep, tombstones):
+        """Write `records` and `tombstones` with the usage totals of the
+        uids `keep(uid)` holds."""
         totals, taken = self.usage.take(keep)
         try:
-            self._file.write(records, usage_section(totals), self.fingerprint)
+            self._file.write(records, usage_section(totals), self.fingerprint,
+                             [tombstone.stored_json() for tombstone in tombstones])
         except StoreWriteError:
             self.usage.give_back(taken)  # still to be saved
             raise
@@ -4249,7 +4841,8 @@ class KeyStore:
             return
         try:
             with self._changing():
-                self._write(self._records(), self._keys.__contains__)
+                self._write(self._records(), self._keys.__contains__,
+                            self._tombstones.values())
         except StoreWriteError as exc:
             self.log("searchkeys: warning: usage counts not saved: %s" % exc)
 
@@ -4428,7 +5021,8 @@ class StoreFile:
 
     def parse(self, data):
         """(the key records, the master key fingerprint or None, the usage
-        section or None) of a store document; StoreError if it is not one."""
+        section or None, the deleted keys' records or None) of a store
+        document; StoreError if it is not one."""
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -4444,7 +5038,7 @@ class StoreFile:
                                             and _FINGERPRINT_RE.match(fingerprint)):
             raise StoreError("store %s has a bad masterKeyFingerprint; the file is left "
                              "untouched" % self.shown)
-        return document["keys"], fingerprint, document.get("usage")
+        return document["keys"], fingerprint, document.get("usage"), document.get("deleted")
 
     def remove_stale_temp_files(self):
         # temp files of a process killed mid-write: the lock is held, so no one writes one now
@@ -4456,15 +5050,18 @@ class StoreFile:
         except OSError:
             pass  # harmless leftovers; the next start tries again
 
-    def write(self, records, usage=None, fingerprint=None):
+    def write(self, records, usage=None, fingerprint=None, deleted=()):
         """Replace the document with `records` (JSON texts, one a line), the
-        `usage` section (left out when empty) and the master key's
+        `deleted` keys' records (the same; the section left out when empty),
+        the `usage` section (left out when empty) and the master key's
         `fingerprint` atomically, or raise StoreWriteError leaving it as it was."""
         temp = "%s.tmp-%d-%s" % (self.path, os.getpid(), secrets.token_hex(4))
         header = self._HEADER if fingerprint is None \
             else self._FINGERPRINTED_HEADER % fingerprint.encode()
         body = ",\n".join(records).encode("utf-8")
         data = header + body + (b"\n]" if records else b"]")
+        if deleted:  # before usage: _keys_end's digest covers it
+            data += b',\n"deleted": [\n' + ",\n".join(deleted).encode("utf-8") + b"\n]"
         if usage:
             data += b',\n"usage": ' + compact_json(usage).encode("utf-8")
         data += b"}\n"
@@ -4510,9 +5107,9 @@ _USAGE_TAIL = b'\n],\n"usage": '
 
 
 def _keys_end(data):
-    """Where the keys of a document in write()'s layout end (its last
-    "\n]", then "}\n" or the usage section: compact JSON has no newline),
-    or None if `data` is not in that layout."""
+    """Where the keys (and the deleted keys after them) of a document in
+    write()'s layout end (its last "\n]", then "}\n" or the usage section:
+    compact JSON has no newline), or None if `data` is not in that layout."""
     end = data.rfind(b"\n]")
     tail = data[end:]
     if end < 0 or not (tail == b"\n]}\n"
@@ -4531,6 +5128,170 @@ def _fsync_folder(folder):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+HISTORY_CHANGES = ("create", "update", "restrict", "rotate", "delete", "restore",
+                   "revoke-tokens", "revoke-token")
+MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
+MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
+MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
+_HISTORY_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO: no wait
+
+
+class KeyHistory:
+    """Who changed which key, when and how: one JSON line per change, appended
+    beside the store (FILE.history, 0600, opened without following a link),
+    or, without a store file, the last MAX_HISTORY_BYTES of lines in memory.
+
+    A line holds `at`, `change` (HISTORY_CHANGES), the key's `uid` and
+    `name`, `by` (the uid of the key that made it, "master" or LOCAL) and
+    `fields` (what changed: names and new values; never a key's value or a
+    token). The KeyStore appends it once the change is written, while it
+    holds the store's lock, so lines follow the order of changes and one
+    process at a time appends, each line in one write (O_APPEND) and
+    fsync'd before the answer. The change is what counts: a line that
+    cannot be appended is logged and counted (`failures`), never undoes it.
+    Bounded: past MAX_HISTORY_BYTES the file is renamed FILE.history.1
+    (replacing the one before), so the last 4-8 MiB are kept."""
+
+    def __init__(self, store_path, log):
+        self.path = store_path and store_path + ".history"
+        self.log = log
+        self.failures = 0  # lines that could not be appended, in this process
+        self._memory = None if self.path else collections.deque()  # lines, oldest first
+        self._memory_bytes = 0
+        self._memory_lock = threading.Lock()
+
+    def append(self, change, key, by, fields):
+        line = history_line({"at": format_timestamp(time.time_ns()), "change": change,
+                             "uid": key.uid, "name": key.name, "by": by, "fields": fields})
+        if self._memory is not None:
+            with self._memory_lock:
+                self._memory.append(line)
+                self._memory_bytes += len(line)
+                while self._memory_bytes > MAX_HISTORY_BYTES:
+                    self._memory_bytes -= len(self._memory.popleft())
+            return
+        try:
+            self._append_line(line)
+        except OSError as exc:
+            self.failures += 1
+            self.log("searchkeys: warning: key %s was changed (%s), but the line saying so could "
+                     "not be added to %s: %s" % (key.uid, change, self.path,
+                                                 _history_error(exc)))
+
+    def _append_line(self, line):
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _HISTORY_OPEN, 0o600)
+        try:
+            info = _regular_file(fd)
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+            if os.write(fd, line) != len(line):
+                raise OSError("the line was written in part")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder = os.path.dirname(self.path)
+        if info.st_size + len(line) > MAX_HISTORY_BYTES:
+            os.replace(self.path, self.path + ".1")
+            _fsync_folder(folder)
+        elif info.st_size == 0:  # a new file: its name must survive a power loss too
+            _fsync_folder(folder)
+
+    def entries(self, uid=None):
+        """The changes (of the key `uid`, or all), newest first: the key's
+        own, and a rotation that replaced a key by it. StoreError if the
+        file cannot be read."""
+        if self._memory is not None:
+            with self._memory_lock:
+                blobs = [b"".join(self._memory)]
+        else:
+            blobs = self._read_files()
+        entries = [entry for data in blobs for entry in _history_entries(data, uid)]
+        if uid is not None:
+            entries = [entry for entry in entries if uid in (
+                entry["uid"], entry["fields"].get("replacedBy"))]
+        entries.reverse()
+        return entries
+
+    def _read_files(self):
+        """The bytes of FILE.history.1 then FILE.history (the last
+        MAX_HISTORY_BYTES of each, cut at a line's start): the current file is
+        opened first, so a rotation meanwhile is seen once, not twice."""
+        opened = []
+        try:
+            for path in (self.path, self.path + ".1"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | _HISTORY_OPEN)
+                except FileNotFoundError:
+                    continue
+                opened.append(fd)
+                info = _regular_file(fd)
+                if any(_signature(os.fstat(other))[:2] == _signature(info)[:2]
+                       for other in opened[:-1]):
+                    opened.pop()
+                    os.close(fd)
+            blobs = []
+            for fd in reversed(opened):
+                size = os.fstat(fd).st_size
+                start = max(0, size - MAX_HISTORY_BYTES - MAX_HISTORY_LINE)
+                data = os.pread(fd, size - start, start)
+                blobs.append(data[data.find(b"\n") + 1:] if start else data)
+            return blobs
+        except OSError as exc:
+            raise StoreError("cannot read the history %s: %s"
+                             % (self.path, _history_error(exc)))
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+
+def history_line(entry):
+    """A history entry as one line of at most MAX_HISTORY_LINE bytes: when
+    it would be longer, its name is cut (to MAX_HISTORY_NAME characters and
+    "..."), then, if that is not enough, its values are left out (`fields`
+    null each, `valuesLeftOut`: restrictions may reach 16 KiB)."""
+    def encoded(entry):
+        return (compact_json(entry) + "\n").encode("utf-8", "surrogatepass")
+    line, name = encoded(entry), entry["name"]
+    if len(line) > MAX_HISTORY_LINE and name and len(name) > MAX_HISTORY_NAME:
+        entry = dict(entry, name=name[:MAX_HISTORY_NAME] + "...")
+        line = encoded(entry)
+    if len(line) > MAX_HISTORY_LINE:
+        entry = dict(entry, fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
+        line = encoded(entry)
+    return line
+
+
+def _history_entries(data, uid):
+    """The entries of history lines `data` (of key `uid` only, when given,
+    as a quick test before parsing); a line that is not one is skipped."""
+    needle = uid.encode() if uid is not None else b""
+    for line in data.splitlines():
+        if needle not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("uid"), str) \
+                and isinstance(entry.get("fields"), dict):
+            yield entry
+
+
+def _regular_file(fd):
+    """os.fstat of `fd`, which must be a regular file (not a FIFO or device
+    planted in its place)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError("not a regular file")
+    return info
+
+
+def _history_error(exc):
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        return "it is a symbolic link, which is not followed (remove it)"
+    return exc.strerror or str(exc)
 
 
 # =============================================================================
@@ -6362,10 +7123,30 @@ class Client:
         body.update(actions=list(actions), indexes=list(indexes), expiresAt=expires_at)
         return self.request("POST", "/keys", body)
 
-    def list_keys(self, offset=None, limit=None):
-        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
+    def list_keys(self, offset=None, limit=None, path="/keys"):
+        """GET /keys (or another listing: `path`), a page of it."""
+        params = _page_parameters(offset, limit)
         query = "?" + urllib.parse.urlencode(params) if params else ""
-        return self.request("GET", "/keys" + query)
+        return self.request("GET", path + query)
+
+    def history(self, key_or_uid=None, offset=None, limit=None):
+        """GET /keys/history (searchkeys only): a page of the changes to keys,
+        newest first; of one key when given (its uid, or the value of a key
+        that exists, looked up). A server without it is a ClientError saying so."""
+        params = []
+        if key_or_uid is not None:
+            try:
+                params.append(("key", parse_uuid(key_or_uid)))
+            except ValueError:
+                params.append(("key", self.get_key(key_or_uid)["uid"]))
+        try:
+            return self.request("GET", "/keys/history?" + urllib.parse.urlencode(
+                params + _page_parameters(offset, limit)))
+        except ClientError as exc:
+            if exc.status not in (404, 405):  # Meilisearch: key `history` not found
+                raise
+            raise ClientError(exc.status, "no_history_api", "%s keeps no history of keys (a "
+                              "Meilisearch?): only searchkeys.py serve does" % self.url)
 
     def get_key(self, key_or_uid):
         return self.request("GET", _key_path(key_or_uid))
@@ -6386,10 +7167,9 @@ class Client:
         """GET /keys, each key used from a browser flagged with its
         `seenFromBrowserAt` (searchkeys' usage, for the master key; from a
         Meilisearch, or with another key, the plain listing)."""
-        params = [(n, v) for n, v in (("offset", offset), ("limit", limit)) if v is not None]
         try:
             listing = self.request("GET", "/keys?" + urllib.parse.urlencode(
-                [("usage", "true")] + params))
+                [("usage", "true")] + _page_parameters(offset, limit)))
             results = listing["results"]
             usages = [key.pop("usage") for key in results]
             for key, usage in zip(results, usages):
@@ -6440,6 +7220,11 @@ class Client:
 
 def _key_path(key_or_uid):
     return "/keys/" + urllib.parse.quote(key_or_uid, safe="")
+
+
+def _page_parameters(offset, limit):
+    return [(name, value) for name, value in (("offset", offset), ("limit", limit))
+            if value is not None]
 
 
 def no_such_route(error):
@@ -6701,6 +7486,14 @@ def positive_int(text):
     return number
 
 
+def tombstone_days(text):
+    """--tombstone-days value -> int: 0 (deleted keys are not kept) to MAX_TOMBSTONE_DAYS."""
+    days = int(text)
+    if not 0 <= days <= MAX_TOMBSTONE_DAYS:
+        raise ValueError("%s is not 0 to %d" % (text, MAX_TOMBSTONE_DAYS))
+    return days
+
+
 def worker_count(text):
     """--workers value -> int: a count of 1 or more, or `auto`: one per core
     this process may run on."""
@@ -6792,6 +7585,11 @@ def add_serve_command(commands):
                             "within 1 s. Each keeps its own rate counters, failure throttle, "
                             "metrics and usage counts not saved yet (usage is added into the "
                             "store every 5 s)")
+    serve.add_argument("--tombstone-days", type=_argument_type(tombstone_days, "days"),
+                       default=DEFAULT_TOMBSTONE_DAYS, metavar="N",
+                       help="days a deleted key is kept in the store and can be restored "
+                            "(POST /keys/UID/restore); 0: deleted keys are not kept (%d)"
+                            % DEFAULT_TOMBSTONE_DAYS)
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics, besides "
                             "the master key")
@@ -6859,6 +7657,21 @@ def build_parser():
     key_commands.add_parser("usage", parents=[common],
                             help="each key's requests allowed and refused, most used first "
                                  "(searchkeys only)")
+    history = key_commands.add_parser(
+        "history", parents=[common], help="who changed which key, when and how, newest first "
+                                          "(searchkeys only)")
+    history.add_argument("key_or_uid", metavar="KEY_OR_UID", nargs="?",
+                         help="only this key's changes (its uid, or its value while it exists)")
+    deleted = key_commands.add_parser(
+        "deleted", parents=[common], help="the deleted keys that can be restored, most "
+                                          "recently deleted first (searchkeys only)")
+    restore = key_commands.add_parser(
+        "restore", parents=[common], help="bring a deleted key back: same uid, value and "
+                                          "restrictions (searchkeys only; master key)")
+    restore.add_argument("uid", metavar="UID", help="the deleted key's uid (see keys deleted)")
+    for paged in (history, deleted):
+        paged.add_argument("--offset", type=int, help="entries to skip (0)")
+        paged.add_argument("--limit", type=int, help="entries to show at most (20)")
     rotate = key_commands.add_parser(
         "rotate", parents=[common], help="replace a key by a new one; the old one keeps "
                                          "working for a grace period")
@@ -6957,13 +7770,15 @@ def keep_store(store, stop):
     """serve's store keeper, until the Event `stop` is set: takes in what
     other processes wrote every STORE_POLL_SECONDS, saves the usage
     counts every USAGE_FLUSH_SECONDS, and looks for keys expiring soon
-    every EXPIRY_CHECK_SECONDS (ExpiryWarnings)."""
+    (ExpiryWarnings) and purges deleted keys past their days every
+    EXPIRY_CHECK_SECONDS."""
     flushed, checked, warnings = time.monotonic(), None, ExpiryWarnings()
     while True:
         if checked is None or time.monotonic() - checked >= EXPIRY_CHECK_SECONDS:
             now, checked = time.time_ns(), time.monotonic()
             for line in warnings.lines(store.expiring(EXPIRY_WARNING_DAYS * DAY_NS, now), now):
                 store.log(line)
+            store.purge_tombstones()
         if stop.wait(STORE_POLL_SECONDS):
             return
         store.refresh()
@@ -7002,7 +7817,8 @@ def run_serve(args):
     except OSError as exc:  # a busy port, an unknown host
         return cannot_listen(args, exc)
     try:
-        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed)
+        store = KeyStore(master_key, args.store, _log_to_stderr, args.master_key_changed,
+                         args.tombstone_days)
         metrics = Metrics()
         upstream = Upstream(args.upstream, args.upstream_key or None, log=_log_to_stderr,
                             metrics=metrics) if args.upstream else None
@@ -7170,6 +7986,14 @@ def run_keys(args):
     elif command == "usage":
         print(usage_table(client.keys_with_usage()))
         return 0
+    elif command == "history":
+        print(history_table(client.history(args.key_or_uid, args.offset, args.limit)))
+        return 0
+    elif command == "deleted":
+        listing = client.list_keys(args.offset, args.limit, "/keys/deleted")
+        return _print(args, listing, [k.get("key") for k in listing.get("results", [])])
+    elif command == "restore":
+        key = client.request("POST", _key_path(args.uid) + "/restore")
     else:
         client.delete_key(args.key_or_uid)
         return 0
@@ -7207,6 +8031,21 @@ def usage_table(keys):
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths))
                      .rstrip() for row in rows)
+
+
+def history_table(page):
+    """A page of GET /keys/history as a text table, newest first: when, what
+    change, which key, by whom, and the fields it set (JSON)."""
+    rows = [["AT", "CHANGE", "UID", "NAME", "BY", "FIELDS"]]
+    for entry in page.get("results", []):
+        rows.append([entry.get("at"), entry.get("change"), entry.get("uid"),
+                     printable(entry.get("name") or "-")[:40], entry.get("by"),
+                     printable(compact_json(entry.get("fields") or {}))])
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " +
+             row[-1] for row in rows]
+    lines.append("(%d of %d changes)" % (len(rows) - 1, page.get("total", 0)))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def restrict_created_key(client, key):
@@ -7320,12 +8159,14 @@ def check_client_args(parser, args):
                 parse_grace(args.grace)
             except ValueError as exc:
                 raise ValueError("--grace `%s`: %s" % (args.grace, exc))
-        elif args.command == "keys" and args.keys_command == "list":
+        elif args.command == "keys" and args.keys_command in ("list", "history", "deleted"):
             for name in ("offset", "limit"):
                 if getattr(args, name) is not None and getattr(args, name) < 0:
                     raise ValueError("--%s must be 0 or more" % name)
-            if args.expiring is not None:
+            if args.keys_command == "list" and args.expiring is not None:
                 args.expiring = parse_duration(args.expiring, "--expiring", MAX_EXPIRING)
+        elif args.command == "keys" and args.keys_command == "restore":
+            args.uid = check_uid(args.uid, "UID")
         elif args.command == "token":
             args.uid = check_uid(args.uid)
             try:
@@ -7367,11 +8208,11 @@ def check_connection_args(args):
         raise ValueError("--key holds a character that cannot be sent in an HTTP header")
 
 
-def check_uid(text):
+def check_uid(text, shown="--uid"):
     try:
         return parse_uuid(text)
     except ValueError as exc:
-        raise ValueError("--uid `%s` is not a UUID: %s" % (text, exc))
+        raise ValueError("%s `%s` is not a UUID: %s" % (shown, text, exc))
 
 
 def main(argv=None):
@@ -7392,6 +8233,199 @@ def main(argv=None):
     except ConnectionFailed as exc:
         _log_to_stderr("error: %s" % exc)
     return 1
+
+
+# =============================================================================
+# Appendix: the keys page as HTML (pure), its CSS and JavaScript
+# =============================================================================
+
+KEYS_PAGE_STYLE = """
+:root{color-scheme:light dark;--muted:#767676;--line:#8885;--warn:#b45309;--bad:#dc2626}
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
+max-width:90rem;padding:.75rem}
+h1{font-size:1.35rem;margin:.2rem 0 .6rem}h2{font-size:1.1rem;margin:1.2rem 0 .5rem}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:.35rem .5rem;border-bottom:1px solid var(--line);
+vertical-align:top;overflow-wrap:break-word}
+code{font-size:.85rem}.muted{color:var(--muted)}
+.soon,.never{color:var(--warn);font-weight:600}.expired,.bad{color:var(--bad);font-weight:600}
+tr.ends-soon td,tr.ends-expired td{background:#f59e0b1a}
+.note,.problem{border:1px solid var(--line);padding:.5rem .75rem;margin:.5rem 0}
+.problem{border-color:var(--bad)}.note code{user-select:all;font-size:1rem}
+form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.25rem 0}
+td form{display:inline-flex;margin:0 .25rem .25rem 0}
+label{display:flex;flex-direction:column;font-size:.85rem}
+input,select,button{font:inherit;padding:.25rem .4rem;max-width:100%}
+svg.hours{width:8rem;height:2rem;color:#2563eb;display:block}
+svg.hours rect.none{color:var(--line)}
+@media (max-width:48rem){
+body{font-size:14px;padding:.5rem}thead{display:none}
+table,tbody,tr,td{display:block;width:auto}tr{border-bottom:2px solid var(--line);padding:.4rem 0}
+td{border:0;padding:.15rem 0;display:grid;grid-template-columns:6.5rem 1fr;gap:.5rem;
+overflow-wrap:anywhere}td::before{content:attr(data-label);color:var(--muted)}}
+"""
+
+# Rotating, deleting or restoring asks first (a form's `data-confirm`); nothing else needs script.
+KEYS_PAGE_SCRIPT = """
+"use strict";
+document.querySelectorAll("form[data-confirm]").forEach(function (form) {
+  form.addEventListener("submit", function (event) {
+    if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+  });
+});
+"""
+
+
+def html_text(value):
+    """Text (or a number) made safe inside HTML elements and quoted attributes."""
+    return html.escape(str(value), quote=True)
+
+
+class KeysPageHtml:
+    """The keys page (KeysPage) as HTML for people, from the values it is
+    given: every one escaped; inline CSS and script allowed by a nonce per
+    answer, everything else refused by its Content-Security-Policy; never
+    cached, framed or named in a Referer."""
+
+    COLUMNS = ("Key", "Actions", "Indexes", "Restrictions", "Expires", "Usage",
+               "Last %d hours" % USAGE_HOURS, "Change")
+
+    @classmethod
+    def page(cls, status, keys, total, presets, nonce, created=None, problem=None, deleted=()):
+        """`keys`: what KeysPage._key shows of each; `total`: how many there
+        are; `nonce`: the forms' (PageNonces); `created`: a key just made,
+        whose value is shown; `problem`: why a change was not made;
+        `deleted`: the deleted keys that can be restored (GET /keys/deleted's
+        items, whose values are not shown)."""
+        parts = ["<h1>searchkeys: API keys</h1>"]
+        if problem is not None:
+            parts.append('<p class="problem" id="problem">%s</p>' % html_text(problem))
+        if created is not None:
+            parts.append(
+                '<div class="note" id="created"><p>New key <b>%s</b> (<code>%s</code>): copy '
+                'its value now, this page shows it only now:</p><p><code>%s</code></p></div>'
+                % (html_text(created["name"] or "without a name"), html_text(created["uid"]),
+                   html_text(created["key"])))
+        parts.append(cls.create_form(presets, nonce))
+        more = "" if len(keys) == total else " (the newest %d of %d)" % (len(keys), total)
+        parts.append("<h2>Keys%s</h2>" % more)
+        parts.append('<table id="keys"><thead><tr>%s</tr></thead><tbody>\n%s</tbody></table>' % (
+            "".join("<th>%s</th>" % name for name in cls.COLUMNS),
+            "\n".join(cls.row(key, nonce) for key in keys)))
+        parts.append('<p class="muted">Usage counts are kept in the store; the hourly '
+                     'requests are this process\'s since it started.</p>')
+        if deleted:
+            parts.append(cls.deleted_table(deleted, nonce))
+        script_nonce = secrets.token_urlsafe(18)
+        document = (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            '<meta name="referrer" content="no-referrer">\n'
+            '<link rel="icon" href="data:,"><title>searchkeys: API keys</title>\n'
+            '<style nonce="%s">%s</style></head>\n<body><main>\n%s\n</main>\n'
+            '<script nonce="%s">%s</script>\n</body></html>\n'
+            % (script_nonce, KEYS_PAGE_STYLE, "\n".join(parts), script_nonce, KEYS_PAGE_SCRIPT))
+        policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
+                  "img-src data:; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+                  % (script_nonce, script_nonce))
+        return Response(status, [
+            ("Content-Type", "text/html; charset=utf-8"), ("Cache-Control", "no-store"),
+            ("Content-Security-Policy", policy), ("X-Content-Type-Options", "nosniff"),
+            ("X-Frame-Options", "DENY"), ("Referrer-Policy", "no-referrer")],
+            document.encode("utf-8", "replace"))
+
+    @staticmethod
+    def create_form(presets, nonce):
+        options = "".join('<option>%s</option>' % html_text(name) for name in presets)
+        return (
+            '<h2>New key</h2><form method="post" action="/keys/page" id="create">'
+            '<input type="hidden" name="nonce" value="%s">'
+            '<input type="hidden" name="change" value="create">'
+            '<label>Preset <select name="preset">%s</select></label>'
+            '<label>Name <input name="name" maxlength="200"></label>'
+            '<label>Indexes <input name="indexes" value="*" maxlength="1000"></label>'
+            '<label>Expires at <input name="expiresAt" placeholder="2030-01-01T00:00:00Z" '
+            'maxlength="40"></label><button>Create</button></form>' % (html_text(nonce), options))
+
+    @classmethod
+    def row(cls, key, nonce):
+        ends, usage = key["ends"], key["usage"]
+        expires = html_text(key["expiresAt"] or "never")
+        if key.get("retiresAt"):
+            expires += '<br>rotated: retires %s, replaced by <code>%s</code>' % (
+                html_text(key["retiresAt"]), html_text(key["replacedBy"]))
+        if ends is not None:
+            expires = '<span class="%s">%s</span> %s' % (ends, "expired" if ends == "expired"
+                                                          else "expires soon", expires)
+        refused = ", ".join("%s %d" % (html_text(reason), n)
+                            for reason, n in usage["refused"].items() if n)
+        last = usage["lastUsedAt"]
+        cells = [
+            ('<b>%s</b><br><code>%s</code>%s' % (
+                html_text(key["name"]) if key["name"] else '<span class="muted">no name</span>',
+                html_text(key["uid"]), "<br>" + html_text(key["description"])
+                if key["description"] else "")),
+            html_text(", ".join(key["actions"])),
+            html_text(", ".join(key["indexes"])),
+            html_text(compact_json(key["restrictions"])) if key["restrictions"]
+            else '<span class="muted">none</span>',
+            expires,
+            "allowed %d<br>refused %s<br>%s" % (
+                usage["allowed"], refused or "0",
+                "last used " + html_text(last) if last else '<span class="never">never used'
+                                                              '</span>'),
+            cls.chart(key["hours"]),
+            cls.change_form("rotate", "Rotate", key, nonce) +
+            cls.change_form("delete", "Delete", key, nonce)]
+        return '<tr id="key-%s"%s>%s</tr>' % (
+            html_text(key["uid"]), ' class="ends-%s"' % ends if ends else "",
+            "".join('<td data-label="%s"><div>%s</div></td>' % (name, cell)
+                    for name, cell in zip(cls.COLUMNS, cells)))
+
+    @classmethod
+    def deleted_table(cls, deleted, nonce):
+        rows = "\n".join(
+            '<tr id="deleted-%s"><td data-label="Key"><div><b>%s</b><br><code>%s</code></div></td>'
+            '<td data-label="Actions"><div>%s</div></td><td data-label="Indexes"><div>%s</div>'
+            '</td><td data-label="Deleted"><div>%s<br>by %s</div></td>'
+            '<td data-label="Change"><div>%s</div></td></tr>' % (
+                html_text(key["uid"]), html_text(key["name"]) if key["name"]
+                else '<span class="muted">no name</span>', html_text(key["uid"]),
+                html_text(", ".join(key["actions"])), html_text(", ".join(key["indexes"])),
+                html_text(key["deletedAt"]), html_text(key["deletedBy"]),
+                cls.change_form("restore", "Restore", key, nonce))
+            for key in deleted)
+        return ('<h2>Deleted keys</h2><table id="deleted"><thead><tr><th>Key</th><th>Actions'
+                '</th><th>Indexes</th><th>Deleted</th><th>Change</th></tr></thead><tbody>\n%s'
+                '</tbody></table>' % rows)
+
+    @staticmethod
+    def change_form(change, label, key, nonce):
+        question = "%s the key %s (%s)?%s" % (
+            label, key["name"] or "without a name", key["uid"],
+            " Its clients must be given the new key's value." if change == "rotate" else
+            " It works again, with its old value." if change == "restore" else
+            " It stops working now.")
+        return ('<form method="post" action="/keys/page" data-confirm="%s">'
+                '<input type="hidden" name="nonce" value="%s">'
+                '<input type="hidden" name="change" value="%s">'
+                '<input type="hidden" name="uid" value="%s"><button>%s</button></form>'
+                % (html_text(question), html_text(nonce), change, html_text(key["uid"]), label))
+
+    @staticmethod
+    def chart(hours):
+        """An inline SVG bar per hour, oldest first; each bar's title says its count."""
+        top, width, last = max(hours) or 1, 4, len(hours) - 1
+        bars = "".join(
+            '<rect x="%d" y="%.1f" width="%d" height="%.1f" fill="currentColor"%s>'
+            '<title>%s: %d</title></rect>' % (
+                i * width, 24 - (20.0 * n / top if n else 1), width - 1,
+                20.0 * n / top if n else 1, "" if n else ' class="none"',
+                "this hour" if i == last else "1 hour ago" if i == last - 1
+                else "%d hours ago" % (last - i), n)
+            for i, n in enumerate(hours))
+        return ('<svg class="hours" viewBox="0 0 %d 24" role="img" aria-label="%d requests in '
+                'the last %d hours">%s</svg>' % (width * len(hours), sum(hours), len(hours), bars))
 
 
 ROUTES = build_routes()

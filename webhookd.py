@@ -44,6 +44,7 @@ import difflib
 import errno
 import fcntl
 import functools
+import hashlib
 import hmac
 import html
 import io
@@ -99,6 +100,7 @@ MSG_TIMED_OUT = b"Hook command timed out."
 MSG_PAGE_NOT_FOUND = b"404 page not found\n"
 MSG_BODY_TOO_LARGE = b"Request body too large."
 MSG_BACKLOG_FULL = b"Too many hook runs waiting; try again later."
+MSG_BUSY_DROPPED = b"Hook is busy: this trigger was dropped (when-busy: drop)."
 TEXT_PLAIN = "text/plain; charset=utf-8"
 
 # Go's net/http StatusText: a configured code outside this table is answered with 200, as upstream.
@@ -285,6 +287,22 @@ def go_float32_text(value):
     return sign + whole + ("." + fraction if fraction else "")
 
 
+# Go's time.ParseDuration, unsigned: "300ms", "5s", "1m30s", "1.5h" ("0" alone has no unit).
+GO_DURATION = re.compile(r"(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+")
+GO_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3,
+                     "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def go_duration(text):
+    """The seconds a Go duration says, or None if it is not one (bounded: 64 characters)."""
+    if text == "0":
+        return 0.0
+    if len(text) > 64 or not GO_DURATION.fullmatch(text):
+        return None
+    return sum(float(number) * GO_DURATION_UNITS[unit]
+               for number, unit in re.findall(r"([0-9.]+)([^0-9.]+)", text))
+
+
 # ---------------------------------------------------------------------------
 # Command line: argparse built from one flag table, after a normalisation of Go's spellings
 # ---------------------------------------------------------------------------
@@ -352,7 +370,8 @@ FLAGS = [
          "time ago (90s, 30m, 2h, 7d, 1h30m) or a UTC date or time (2026-11-21, "
          "2026-11-21T14:00:00Z)"),
     Flag("runs-state", "string", "", "webhookd: -runs lists only the runs in this state "
-         "(queued, running, succeeded, failed, timed-out, killed, interrupted)"),
+         "(queued, running, succeeded, failed, timed-out, killed, interrupted, refused, "
+         "superseded, dropped)"),
     Flag("secure", "bool", False, "use HTTPS instead of HTTP"),
     Flag("setgid", "int", 0, "set group ID after opening listening port; must be used with setuid"),
     Flag("setuid", "int", 0, "set user ID after opening listening port; must be used with setgid"),
@@ -744,7 +763,7 @@ HMAC_TYPES = {"payload-hmac-sha1": ("sha1", "sha1="), "payload-hash-sha1": ("sha
 # ours: match types whose `secret` may be a list (any one of them signs), while a sender rotates
 SECRET_LIST_TYPES = frozenset(HMAC_TYPES) | {"standard-webhooks"}
 
-# hook field -> (attribute, kind); the last four are ours and ignored by upstream.
+# hook field -> (attribute, kind); from max-concurrency on they are ours, ignored by upstream.
 HOOK_FIELDS = {
     "id": ("id", "str"),
     "execute-command": ("execute_command", "str"),
@@ -768,9 +787,19 @@ HOOK_FIELDS = {
     "stream-command-output": ("stream_output", "bool"),
     "pass-payload-to-stdin": ("payload_to_stdin", "bool"),
     "mask": ("mask", "masks"),
+    "deduplicate": ("delivery_headers", "delivery"),
+    "when-busy": ("when_busy", "whenbusy"),
+    "debounce": ("debounce", "duration"),
 }
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
-         "headers": (), "strlist": (), "rule": None, "masks": ()}
+         "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": (),
+         "whenbusy": "queue", "duration": None}
+# `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
+# Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
+DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
+                    "Idempotency-Key")
+WHEN_BUSY = ("queue", "latest", "drop")  # what a trigger does while its hook is busy (WhenBusy)
+DEBOUNCE_LONGEST = 3600.0  # seconds: a longer quiet time is more likely a typo than a wish
 
 
 class Problems:
@@ -1123,10 +1152,28 @@ def parse_field(kind, value, where, problems):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise HooksFileError("%s: expected a number of seconds above 0" % where)
         return float(value)
+    if kind == "whenbusy":
+        if value not in WHEN_BUSY:
+            raise HooksFileError("%s: expected \"queue\", \"latest\" or \"drop\", got %s" % (
+                where, json.dumps(value) if isinstance(value, str) else type_name(value)))
+        return value
+    if kind == "duration":
+        seconds = go_duration(value) if isinstance(value, str) else None
+        if seconds is None or not 0 < seconds <= DEBOUNCE_LONGEST:
+            raise HooksFileError("%s: expected a duration above 0 and at most 1h, such as "
+                                 "\"5s\", \"1m30s\" or \"500ms\"" % where)
+        return seconds
     if kind == "args":
         return parse_arguments(value, where, problems)
     if kind == "rule":
         return parse_rule(value, where, problems)
+    if kind == "delivery":  # true: the usual headers; a name: that header alone
+        if isinstance(value, bool):
+            return DELIVERY_HEADERS if value else ()
+        if not isinstance(value, str) or not value or not set(value) <= TOKEN_CHARS:
+            raise HooksFileError("%s: expected true, false or a header name, got %s" % (
+                where, "%r" % value if isinstance(value, str) else type_name(value)))
+        return (canonical_header(value),)
     expect(value, list, where)
     if kind == "strlist":
         return tuple(as_string(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
@@ -1166,6 +1213,17 @@ class Hook:
         self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
+        held_back = '"when-busy": "%s"' % self.when_busy if self.when_busy != "queue" else \
+            "debounce" if self.debounce else None
+        answers_output = "stream-command-output" if self.stream_output else \
+            "include-command-output-in-response" if self.capture_output else None
+        if held_back and answers_output:
+            problems.file_error(HooksFileError(
+                "%s: %s and %s do not go together: its answer waits for the command's output, "
+                "which a trigger that is superseded or dropped never has" % (
+                    where, held_back, answers_output)))
+        if self.when_busy != "queue" and not self.max_concurrency:
+            self.max_concurrency = 1  # busy: a run going, unless max-concurrency allows more
         unknown = [key for key in raw if key.lower() not in HOOK_FIELDS]
         if unknown and self.trigger_rule is None:  # `trigger-rules`: the rule would be lost
             problems.refuse(where, "unknown field %s and no trigger-rule: if it is a misspelt "
@@ -1275,11 +1333,15 @@ class Masker:
     def bytes(self, data):
         return data if self.regex is None else self.regex.sub(MASKED, data)
 
-    def text(self, text):
+    def head(self, text, chars):
+        """The first `chars` characters of text, masked: a secret that begins among them is
+        masked whole, and only `longest` characters after them are looked at."""
         if self.regex is None:
-            return text
-        return self.bytes(text.encode("utf-8", "surrogateescape")).decode(
-            "utf-8", "surrogateescape")
+            return text[:chars]
+        window = text[:chars + self.longest]  # surrogatepass: a JSON `\ud800` kept as it is
+        data = window.encode("utf-8", "surrogatepass")
+        limit = len(window[:chars].encode("utf-8", "surrogatepass"))
+        return self.masked_until(data, limit)[0].decode("utf-8", "surrogatepass")
 
     def stream(self):
         """feed(chunk, last=False) -> the masked bytes that are certain: a secret split between
@@ -1290,19 +1352,26 @@ class Masker:
             nonlocal pending
             if self.regex is None:
                 return chunk
-            data, pending = pending + chunk, b""
-            certain = len(data) if last else max(0, len(data) - self.longest + 1)
-            shown, pos = [], 0
-            for found in self.regex.finditer(data):
-                if found.start() >= certain:  # might grow into a longer secret: next time
-                    break
-                shown += [data[pos:found.start()], MASKED]
-                pos = found.end()
-            certain = max(certain, pos)
-            shown.append(data[pos:certain])
-            pending = data[certain:]
-            return b"".join(shown)
+            data = pending + chunk
+            shown, end = self.masked_until(data, len(data) if last
+                                           else max(0, len(data) - self.longest + 1))
+            pending = data[end:]
+            return shown
         return feed
+
+    def masked_until(self, data, limit):
+        """(data up to `limit` with each secret masked, where that ended): a secret beginning
+        before `limit` is masked whole; one beginning after it (it might grow into a longer
+        one) is left for later."""
+        shown, pos = [], 0
+        for found in self.regex.finditer(data):
+            if found.start() >= limit:
+                break
+            shown += [data[pos:found.start()], MASKED]
+            pos = found.end()
+        end = max(limit, pos)
+        shown.append(data[pos:end])
+        return b"".join(shown), end
 
 
 NO_MASK = Masker()
@@ -2857,7 +2926,7 @@ class App:
         self.status_site = StatusSite(
             opts, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
-            self.started, self.in_flight.stopping.is_set)
+            self.started, self.in_flight.stopping.is_set, self.hooks)
 
     def request_id(self, request):
         if self.opts.x_request_id:
@@ -2945,7 +3014,8 @@ class App:
 class Hooks:
     """What a matched hook does, as upstream's handler after the match: trigger() parses the
     payload, checks the rules, builds argv/env and runs the command in the hook's mode
-    (streamed, captured, or in the background), each run recorded and counted."""
+    (streamed, captured, or in the background, as its when-busy and debounce say), each run
+    recorded and counted."""
 
     def __init__(self, opts, registry, runs, metrics, in_flight):
         self.registry, self.runs, self.metrics, self.in_flight = registry, runs, metrics, in_flight
@@ -2953,6 +3023,7 @@ class Hooks:
         self.runner = Runner()
         self.background = BackgroundRuns(opts.max_async_runs, opts.max_body_bytes
                                          if opts.max_body_bytes > 0 else sys.maxsize)
+        self.when_busy = WhenBusy(self.run_in_background, self.pass_over)
 
     def trigger(self, http_request, hook, request):
         """parse payload -> check rules -> build argv/env -> run -> the Response."""
@@ -2982,12 +3053,16 @@ class Hooks:
                      "were not satisfied", rid, hook.id)
             return Response(status_or_200(hook.mismatch_status, rid, hook),
                             MSG_RULES_NOT_SATISFIED, headers)
-        log.info("[%s] %s hook triggered successfully", rid, hook.id)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
-            else "background"
-        run = self.prepare(hook, request, mode)
+        delivery = self.delivery(hook, request)
+        with self.runs.claim(hook.id, delivery) as earlier:
+            if earlier is not None and earlier.state in DELIVERY_HANDLED:
+                return self.deduplicated(hook, rid, delivery, earlier, headers)
+            log.info("[%s] %s hook triggered successfully", rid, hook.id)
+            mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
+                else "background"
+            run = self.prepare(hook, request, mode, delivery, earlier)
         if run is None:
             log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
                      "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
@@ -3000,15 +3075,35 @@ class Hooks:
             return self.run_streamed(run, headers, success)
         if run.mode == "captured":
             return captured_response(hook, self.run_captured(run), headers, success)
-        self.run_in_background(run)
+        if not self.when_busy.admit(run):  # when-busy: drop
+            return Response(200, MSG_BUSY_DROPPED, headers)
         return Response(success, hook.response_message.encode("utf-8", "surrogateescape"),
                         headers)
 
-    def prepare(self, hook, request, mode):
+    def delivery(self, hook, request):
+        """The delivery id of a request to a deduplicating hook (delivery_id), or None."""
+        delivery = delivery_id(hook, request)
+        if delivery is not None and not self.runs.keep:
+            log.warning("[%s] %s: delivery %s is not deduplicated: -runs-keep 0 keeps no runs "
+                        "to compare it with", request.id, hook.id, delivery)
+            return None
+        return delivery
+
+    def deduplicated(self, hook, rid, delivery, earlier, headers):
+        """The answer to a delivery already run (or going): 200, naming that run."""
+        self.metrics.deduplicated(hook.id)
+        log.info("[%s] %s: delivery %s was already run as %s (%s): not run again", rid,
+                 hook.id, delivery, earlier.id, earlier.state)
+        headers["X-Webhookd-Run"] = earlier.id
+        headers.setdefault("Content-Type", TEXT_PLAIN)
+        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, earlier.state)).encode(),
+                        headers)
+
+    def prepare(self, hook, request, mode, delivery=None, earlier=None):
         """The HookRun of a triggered hook: its argv/env, built now so that no request or body
-        waits in a queue, and its record (on disk before its id is handed out).  None when a
-        background run would hold more than the backlog has room for (its bytes are counted
-        before any record exists)."""
+        waits in a queue, and its record (on disk before its id is handed out), which keeps the
+        `delivery` id and the `earlier` run of it.  None when a background run would hold more
+        than the backlog has room for (its bytes are counted before any record exists)."""
         invocation = failure = None
         try:
             invocation = build_invocation(hook, request)
@@ -3024,11 +3119,45 @@ class Hooks:
         held = invocation.size() if invocation and mode == "background" else 0
         if mode == "background" and not self.background.reserve(held):
             return None
-        shown = invocation.shown() if invocation is not None and self.runs.keep else None
-        run = HookRun(hook, request.id, mode, self.gate(hook),
-                      self.runs.open(hook.id, request, shown))
+        run = HookRun(hook, request.id, mode, self.gate(hook), self.runs.open(
+            hook.id, request, invocation, delivery, earlier and earlier.id))
         run.invocation, run.failure, run.held = invocation, failure, held
         return run
+
+    def replay(self, original, request):
+        """POST <status-path>/runs/<id>/replay (StatusSite.replay): the kept invocation of the
+        run `original` again, as it ran (argv, environment, stdin and files; not built again
+        from a hooks file that may have changed since), in the background whatever the hook's
+        mode (the output is in the record), under the hook as it is served now (its
+        max-concurrency turn, command timeout and masking): (the new run's record, None), or
+        (None, (status, why)) when it cannot run."""
+        refusal = self.replay_refusal(original)
+        if refusal is not None:
+            return None, refusal
+        hook, invocation = self.registry.hook(original.hook), original.invocation
+        if not self.background.reserve(invocation.size()):
+            return None, (503, "the background runs' backlog is full: try again later")
+        replayer = HookRequest(request.id, request.method, request.peer, {}, {}, b"", "")
+        run = HookRun(hook, request.id, "background", self.gate(hook),
+                      self.runs.open(hook.id, replayer, invocation, replay_of=original.id))
+        run.invocation, run.held = invocation, invocation.size()
+        log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
+                 run.record.id)
+        self.run_in_background(run)
+        return run.record, None
+
+    def replay_refusal(self, record):
+        """Why a run cannot be replayed, as (status, sentence), or None if it can."""
+        if record.state == "refused":
+            return 409, "run %s is a refused delivery: it ran nothing to replay" % record.id
+        if record.invocation is None:
+            return 410, ("the invocation of run %s is not kept: only runs whose command was "
+                         "built since the daemon started can be replayed (it is kept in memory "
+                         "only, never in -runs-dir)" % record.id)
+        if self.registry.hook(record.hook) is None:
+            return 409, ("hook %s is no longer served: only a hook the hooks files still hold "
+                         "is replayed" % json.dumps(record.hook))
+        return None
 
     def gate(self, hook):
         return self.registry.gate(hook.id) or HookGate(0)
@@ -3094,8 +3223,10 @@ class Hooks:
         return running.result
 
     def run_in_background(self, run):
-        """Default mode, the backlog reserved (`run.held` bytes with it): the run waits for
-        its max-concurrency turn holding no thread, then for a -max-async-runs thread."""
+        """Default mode, the backlog reserved (`run.held` bytes with it), once the run's turn
+        has come (WhenBusy: when-busy, debounce, max-concurrency; it waited holding no
+        thread): it waits for a -max-async-runs thread."""
+        run.has_turn = True
         self.in_flight.hold()  # released when the job ends, in another thread
 
         def job():
@@ -3109,10 +3240,19 @@ class Hooks:
             finally:
                 self.in_flight.release()
 
-        def granted():
-            run.has_turn = True
-            self.background.submit(job, run.held)
-        run.gate.enter(granted)
+        self.background.submit(job, run.held)
+
+    def pass_over(self, run, state, successor):
+        """A background run that will never run (WhenBusy): `superseded` by the successor's
+        run, or `dropped`; recorded, counted, and its room in the backlog given back."""
+        log.info("[%s] %s not run: %s", run.request_id, run.hook.id, "dropped, the hook is busy"
+                 if successor is None else "superseded by the run of request %s"
+                 % successor.request_id)
+        self.metrics.run_ended(run.hook.id, state, None)
+        if run.record is not None:
+            self.runs.passed_over(run.record, state,
+                                  None if successor is None else successor.record.id)
+        self.background.release(run.held)
 
     def run_streamed(self, run, headers, success):
         """stream-command-output: the answer's body is the output, sent (chunked) while the
@@ -3134,6 +3274,25 @@ class Hooks:
             body.complete = running.result.ok
         body.chunks = chunks()
         return Response(success, body, headers)
+
+
+# a redelivery runs otherwise; a superseded delivery's work is its successor's (when-busy)
+DELIVERY_HANDLED = frozenset(("queued", "running", "succeeded", "superseded"))
+DELIVERY_ID = re.compile(r"[!-~]{1,128}")  # longer ids, or with other characters, are hashed
+
+
+def delivery_id(hook, request):
+    """The id of the delivery a request to a deduplicating hook carries: the value of the first
+    of its `deduplicate` headers the request has (not empty), as sent if at most 128 visible
+    ASCII characters, else `sha256:` and the hex digest of it (so that the id of any request
+    costs the history as little, and shows no control character); None when it has none."""
+    for name in hook.delivery_headers:
+        value = request.headers.get(name)
+        if value:
+            if DELIVERY_ID.fullmatch(value):
+                return value
+            return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+    return None
 
 
 def status_details(registry, runs, started):
@@ -3905,7 +4064,7 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=cut(request.remote_addr), wanted=cut(rule.ip_range))
+            node.update(value=request.remote_addr, wanted=rule.ip_range)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4099,6 +4258,8 @@ def rules_satisfied(hook, request, trace=None):
         return True, None, None
     request.allow_signature_errors = hook.signature_soft_failures
     ok, err = evaluate(hook.trigger_rule, request, trace)
+    if trace:
+        shown_tree(trace[0], hook.masker)
     if err is None:
         return ok, None, None
     if isinstance(err, ParameterNodeError):
@@ -4116,15 +4277,29 @@ EXPLAIN_VALUE_CHARS = 120
 SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
 
 
-def cut(text):
-    """A value as shown: control characters and bytes that are not UTF-8 as `\\xNN` (a
-    terminal reading -explain or -runs obeys none), at most EXPLAIN_VALUE_CHARS characters,
-    and how long it was."""
+def cut(text, masker=NO_MASK):
+    """A value as shown: the secrets of `masker` masked, control characters and bytes that are
+    not UTF-8 as `\\xNN` (a terminal reading -explain or -runs obeys none), at most
+    EXPLAIN_VALUE_CHARS characters (a secret begun among them masked whole), and how long it
+    was."""
     shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
-                                text[:EXPLAIN_VALUE_CHARS])
+                                masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
     return "%s... (%d characters)" % (shown, len(text))
+
+
+EXPLAIN_TEXTS = ("name", "value", "wanted", "error")  # what a request or a hooks file wrote
+
+
+def shown_tree(node, masker):
+    """The explained tree made fit to show, in place: each text masked with the hook's Masker
+    (its file's secrets, its `mask` patterns) and cut."""
+    for field in EXPLAIN_TEXTS:
+        if field in node:
+            node[field] = cut(node[field], masker)
+    for child in node.get("rules", ()):
+        shown_tree(child, masker)
 
 
 def explain_node(rule):
@@ -4135,7 +4310,7 @@ def explain_node(rule):
         match = rule[1]
         node["type"] = match.type
         if match.parameter.source:
-            node["source"], node["name"] = match.parameter.source, cut(match.parameter.name)
+            node["source"], node["name"] = match.parameter.source, match.parameter.name
     return node
 
 
@@ -4143,8 +4318,8 @@ def explain_error(err):
     if isinstance(err, ParameterNodeError):
         return "parameter not found"
     if isinstance(err, SignatureError):
-        return "signature did not match" if "<redacted>" in str(err) else cut(str(err))
-    return cut(str(err))
+        return "signature did not match" if "<redacted>" in str(err) else str(err)
+    return str(err)
 
 
 def explain_signature(node, headers, name):
@@ -4166,8 +4341,8 @@ def explain_value(node, rule, value, err):
     elif compares_a_secret(arg):
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
-        node["value"] = cut(value)
-        node["wanted"] = cut(rule.value if kind == "value" else rule.regex)
+        node["value"] = value
+        node["wanted"] = rule.value if kind == "value" else rule.regex
 
 
 def explain_summary(node):
@@ -4672,10 +4847,14 @@ class BackgroundRuns:
                 job()
             except Exception:  # a bug in one run must not kill the thread
                 log.exception("unexpected error in a background run")
-            with self.lock:
-                self.backlog -= 1
-                self.held -= held
+            self.release(held)
             self.idle.release()
+
+    def release(self, held=0):
+        """A reserved run leaves the backlog: its job ended, or it will never run (WhenBusy)."""
+        with self.lock:
+            self.backlog -= 1
+            self.held -= held
 
 
 class HookGate:
@@ -4688,13 +4867,17 @@ class HookGate:
         self.running = 0
         self.waiting = deque()
 
-    def enter(self, start):
+    def enter(self, start, wait=True):
+        """start() now if a slot is free (True), else once one is (False; with `wait` False,
+        never: the hook is busy, and the caller decides)."""
         with self.lock:
             if self.limit and self.running >= self.limit:
-                self.waiting.append(start)
-                return
+                if wait:
+                    self.waiting.append(start)
+                return False
             self.running += 1
         start()
+        return True
 
     def wait_turn(self):
         turn = threading.Event()
@@ -4723,6 +4906,104 @@ class HookGate:
         return ready
 
 
+class HeldRun:
+    """The one run a hook holds back (WhenBusy): each newer trigger takes its place; `until`:
+    when a debounced one's quiet time ends (time.monotonic)."""
+
+    __slots__ = ("run", "until")
+
+    def __init__(self, run):
+        self.run, self.until = run, None
+
+
+class WhenBusy:
+    """A hook's `when-busy` and `debounce` (ours), in front of its HookGate, for its background
+    runs.  `queue` (upstream's way): a trigger waits for its turn, in arrival order.  `latest`:
+    at most one run waits; a newer trigger takes its place in the queue.  `drop`: a trigger
+    that finds the hook busy never runs.  `debounce`: a trigger waits for a quiet time with no
+    newer trigger (each newer one takes its place and starts the time again), then goes on as
+    its when-busy says.  A run whose turn came goes to `start(run)`; one that will never run
+    to `pass_over(run, state, successor)`: "superseded" by the successor's run, or "dropped"."""
+
+    def __init__(self, start, pass_over):
+        self.start, self.pass_over = start, pass_over
+        self.changed = threading.Condition()
+        self.waiting = {}  # hook id -> its HeldRun waiting in the gate (latest)
+        self.quiet = {}  # hook id -> its HeldRun in a quiet time (debounce)
+
+    def admit(self, run):
+        """Take a triggered run; False if it was dropped, the hook being busy."""
+        hook = run.hook
+        with self.changed:
+            held = self.quiet.get(hook.id)
+            replaced = None if held is None else held.run
+            fresh = hook.debounce and held is None
+            if fresh:
+                held = self.quiet[hook.id] = HeldRun(run)
+            if hook.debounce:
+                held.run, held.until = run, time.monotonic() + hook.debounce
+            elif held is not None:  # the newer trigger goes on, even if a reload removed
+                del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
+                held.run = None
+                self.changed.notify_all()
+        if replaced is not None:
+            self.pass_over(replaced, "superseded", run)
+        if not hook.debounce:
+            return self.enter(run)
+        if fresh:
+            try:
+                threading.Thread(target=self.after_quiet, args=(hook.id, held),
+                                 name="debounce", daemon=True).start()
+            except RuntimeError as exc:  # no thread to wait with: no quiet time
+                log.error("cannot start a thread for a debounced run: %s; it goes on now", exc)
+                with self.changed:
+                    held.until = 0
+                self.after_quiet(hook.id, held)
+        return True
+
+    def after_quiet(self, hook_id, held):
+        """Wait until no trigger came for the quiet time; then the newest goes on."""
+        with self.changed:
+            while held.run is not None:
+                left = held.until - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            run, held.run = held.run, None
+            if run is not None:
+                del self.quiet[hook_id]
+        if run is not None:
+            self.enter(run)
+
+    def enter(self, run):
+        """The run goes for its turn as its hook's when-busy says; False if dropped."""
+        gate, when_busy = run.gate, run.hook.when_busy
+        if when_busy == "queue":
+            gate.enter(lambda: self.start(run))
+            return True
+        if gate.enter(lambda: self.start(run), wait=False):
+            return True
+        if when_busy == "drop":
+            self.pass_over(run, "dropped", None)
+            return False
+        with self.changed:
+            held = self.waiting.get(run.hook.id)
+            replaced = None if held is None else held.run
+            if held is None:
+                held = self.waiting[run.hook.id] = HeldRun(run)
+            held.run = run
+        if replaced is not None:
+            self.pass_over(replaced, "superseded", run)
+        else:
+            gate.enter(lambda: self.start(self.turn_of(run.hook.id)))
+        return True
+
+    def turn_of(self, hook_id):
+        """The run a hook held back, now that its turn has come."""
+        with self.changed:
+            return self.waiting.pop(hook_id).run
+
+
 # ---------------------------------------------------------------------------
 # Run history: run records and the bounded store (memory or -runs-dir)
 # ---------------------------------------------------------------------------
@@ -4732,7 +5013,7 @@ class HookGate:
 # never holds up a trigger: the record then says what was not saved.
 
 RUN_STATES = ("queued", "running", "succeeded", "failed", "timed-out", "killed", "interrupted",
-              "refused")
+              "refused", "superseded", "dropped")
 RUN_ENDED = frozenset(RUN_STATES[2:])
 RUN_ID = re.compile(r"[0-9A-Za-z-]{1,64}")
 RUN_RECORD_BYTES = 1024  # what a record counts for besides its output, in -runs-max-bytes:
@@ -4742,7 +5023,7 @@ RUNS_WRITE_DELAY = 0.05  # seconds the -runs-dir writer gathers changes before w
 RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "started_at",
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
-              "environment")
+              "environment", "delivery", "redelivery_of", "superseded_by", "replayOf")
 
 
 def new_run_id(now):
@@ -4788,10 +5069,22 @@ class RunRecord:
         self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
-        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr]))
+        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr,
+                                              self.delivery, self.redelivery_of]))
         if self.rules is not None or self.arguments is not None:  # written once, never grow
             self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
                                                self.environment]))
+        # the Invocation as it ran, unmasked, for a replay: in memory only (RunStore.open),
+        # never shown, never written to -runs-dir
+        self.invocation = None
+
+    @property
+    def delivered(self):
+        """The key of the delivery it ran for (hook id, delivery id), or None: refused ones
+        ran nothing, and a record from -runs-dir may be hand-edited."""
+        if self.state == "refused" or not isinstance(self.delivery, str):
+            return None
+        return self.hook, self.delivery
 
     @property
     def bucket(self):
@@ -4817,6 +5110,8 @@ class RunStore:
         self.changed = threading.Condition()  # held for every change; followers wait on it
         self.records = {}  # id -> RunRecord, in creation order
         self.by_hook = {}  # RunRecord.bucket -> deque of its records, in creation order
+        self.deliveries = {}  # RunRecord.delivered -> the newest record of that delivery
+        self.claims = threading.Lock()  # see claim()
         self.size = 0
         self.files = None if directory is None else RunFiles(directory, dir_fd, self)
 
@@ -4829,17 +5124,37 @@ class RunStore:
 
     # -- the run path --------------------------------------------------------
 
-    def open(self, hook_id, request, shown=None):
+    @contextlib.contextmanager
+    def claim(self, hook_id, delivery):
+        """Within it, a run of a deduplicating hook finds the newest record of its delivery
+        (what it gives, or None) and opens its own: of two deliveries with one id, the second
+        finds the first's record, already on disk.  Holds nothing without a delivery id."""
+        if delivery is None or not self.keep:
+            yield None
+            return
+        with self.claims:
+            with self.changed:
+                earlier = self.deliveries.get((hook_id, delivery))
+            yield earlier
+
+    def open(self, hook_id, request, invocation=None, delivery=None, redelivery_of=None,
+             replay_of=None):
         """A queued record for a run about to be triggered by request (None when -runs-keep
-        is 0: no history), with what it shows of its invocation (Invocation.shown).  With
-        -runs-dir it is written before its id is handed out, so a daemon killed at once
-        (kill -9) finds it `interrupted` on restart."""
+        is 0: no history), showing its invocation (Invocation.shown) and keeping it for a
+        replay (its bytes count in -runs-max-bytes), with the id of its delivery (see claim),
+        or the run it replays.  With -runs-dir it is written before its id is handed out, so
+        a daemon killed at once (kill -9) finds it `interrupted` on restart."""
         if not self.keep:
             return None
         now = time.time()
-        record = RunRecord(dict(shown or {}, id=new_run_id(now), hook=hook_id, state="queued",
+        shown = invocation.shown() if invocation is not None else {}
+        record = RunRecord(dict(shown, id=new_run_id(now), hook=hook_id, state="queued",
                                 queued_at=iso_time(now), remote_addr=request.remote_addr,
-                                request_id=request.id))
+                                request_id=request.id, delivery=delivery,
+                                redelivery_of=redelivery_of, replayOf=replay_of))
+        if invocation is not None:
+            record.invocation = invocation
+            record.text_bytes += invocation.size()
         record.cap, record.tail = self.max_output, bytearray()
         record.version = 1
         written = self.files is not None and self.files.write_new(record)
@@ -4894,12 +5209,27 @@ class RunStore:
         now = time.time()
         with self.changed:
             record.state, record.exit_code, record.signal = run_outcome(result, stopping)
-            record.ended_at = iso_time(now)
             started = record.started_ts
             record.duration_ms = None if started is None else int((now - started) * 1000)
-            self._save(record)
-            self._retain(record.bucket)  # it may be dropped now, if beyond -runs-keep
-            self.changed.notify_all()
+            self._end(record, now)
+
+    def passed_over(self, record, state, superseded_by=None):
+        """A queued run that will never run (WhenBusy): `superseded` by the run of id
+        superseded_by, or `dropped`.  The kept runs it superseded now point at that one too:
+        each names the run that does the work it asked for."""
+        with self.changed:
+            for earlier in self.by_hook.get(record.bucket, ()):
+                if earlier.superseded_by == record.id:
+                    earlier.superseded_by = superseded_by
+                    self._save(earlier)
+            record.state, record.superseded_by = state, superseded_by
+            self._end(record, time.time())
+
+    def _end(self, record, now):
+        record.ended_at = iso_time(now)
+        self._save(record)
+        self._retain(record.bucket)  # it may be dropped now, if beyond -runs-keep
+        self.changed.notify_all()
 
     # -- reading -------------------------------------------------------------
 
@@ -4973,6 +5303,8 @@ class RunStore:
         self.records[record.id] = record
         self.by_hook.setdefault(record.bucket, deque()).append(record)
         self.size += record.kept_bytes
+        if record.delivered is not None:
+            self.deliveries[record.delivered] = record
 
     def _retain(self, bucket):
         """Drop the oldest ended runs beyond -runs-keep in this bucket (a hook's runs, or its
@@ -4998,6 +5330,8 @@ class RunStore:
         if not of_hook:
             del self.by_hook[record.bucket]
         self.size -= record.kept_bytes
+        if record.delivered is not None and self.deliveries.get(record.delivered) is record:
+            del self.deliveries[record.delivered]
         if self.files is not None:
             self.files.put("delete", record)
 
@@ -5344,25 +5678,32 @@ def forbidden(what):
 class StatusSite:
     """The status site: <status-path> (its health to anyone, the details to trusted clients),
     <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
-    RunStore), behind one 405 check and one access check (`trusted`), as JSON or, to a
-    browser, HTML (RunsHtml).  An untrusted client never sees hook ids (some hooks rely on
-    theirs being secret), paths, load errors or runs."""
+    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), behind one
+    405 check and one access check (`trusted`), as JSON or, to a browser, HTML (RunsHtml).
+    An untrusted client never sees hook ids (some hooks rely on theirs being secret), paths,
+    load errors or runs."""
 
-    def __init__(self, opts, registry, store, metrics_text, started, stopped):
+    def __init__(self, opts, registry, store, metrics_text, started, stopped, hooks):
         self.path, self.token = opts.status_path, opts.status_token
         self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
         self.registry, self.store, self.started = registry, store, started
-        self.metrics_text, self.stopped = metrics_text, stopped
+        self.metrics_text, self.stopped, self.hooks = metrics_text, stopped, hooks
         self.html = RunsHtml(self.path)
+        self.nonces = ReplayNonces()
 
     def wants(self, path):
         return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
                                     or path.startswith(self.prefix + "/"))
 
     def answer(self, request):
+        path, as_html = request.path, prefers_html(request)
+        replay = REPLAY_PATH.fullmatch(path, len(self.prefix)) if path.startswith(
+            self.prefix) else None
+        if replay:
+            return self.replay(request, replay.group(1), as_html) if request.method == "POST" \
+                else Response(405)
         if request.method not in ("GET", "HEAD"):
             return Response(405)
-        path, as_html = request.path, prefers_html(request)
         trusted = self.trusted(request)
         if path == self.path:
             health = {"status": "degraded" if self.registry.count() == 0
@@ -5397,6 +5738,40 @@ class StatusSite:
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
+    def replay(self, request, run_id, as_html):
+        """A trusted client's POST asking for a run again (Hooks.replay): 202 (a browser: 303
+        to the new run's page), the new run in X-Webhookd-Run.  Only the bearer of the token
+        asks by itself; credentials a browser sends on its own (Basic, or none on loopback)
+        would let any page it shows post a plain form, so they also need a request from this
+        site (same_origin) carrying the nonce of the run's page (its Replay button)."""
+        if not self.trusted(request):
+            return self.refused() if as_html else forbidden("replays are")
+
+        def not_replayed(status, why):
+            if as_html:
+                return self.html.problem(status, "Not replayed", why)
+            return json_response(status, {"error": why})
+        record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
+        if record is None:
+            return not_replayed(404, "run not found")
+        bearer = self.token and request.get("Authorization")[:7].lower() == "bearer "
+        if not bearer:
+            body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
+            nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+            if not (same_origin(request) and self.nonces.valid(nonce, record.id)):
+                return not_replayed(403, "a replay is asked with Authorization: Bearer "
+                                         "<-status-token>, or with the Replay button of the "
+                                         "run's page (reload it: its nonce may be too old)")
+        new, refusal = self.hooks.replay(record, request)
+        if refusal is not None:
+            return not_replayed(*refusal)
+        response = json_response(202, {"id": new.id, "replayOf": record.id})
+        if as_html:
+            response = Response(303, b"", {"Location": self.html.run_url(new.id),
+                                           "Cache-Control": "no-store"})
+        response.headers["X-Webhookd-Run"] = new.id
+        return response
+
     def runs(self, request, as_html):
         """A trusted client's GET of the run list, a run, or its output."""
         parts = request.path[len(self.prefix):].split("/")[1:]
@@ -5410,8 +5785,11 @@ class StatusSite:
         if len(parts) == 2:
             return self.output(request, record)
         if as_html:
+            refusal = self.hooks.replay_refusal(record)
             return self.html.run(record.as_dict(), self.store.read_output(record)[0],
-                                 self.registry.file_of(record.hook))
+                                 self.registry.file_of(record.hook),
+                                 None if refusal else self.nonces.issue(record.id),
+                                 refusal and refusal[1])
         return json_response(200, record.as_dict())
 
     def listing(self, raw_query, as_html=False, details=None):
@@ -5443,6 +5821,51 @@ class StatusSite:
                 self.store.follow(record, position, self.stopped)
                 data, position, ended = self.store.read_output(record, position)
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
+
+
+REPLAY_PATH = re.compile(r"/([^/]+)/replay")  # what follows <status-path>/runs
+REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
+REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
+
+
+class ReplayNonces:
+    """The nonce a run's page gives its Replay button: the time it was served and an HMAC of
+    that time and the run's id under a key made at start, so it is bound to the page served,
+    unguessable, compared in constant time, and kept nowhere (memory does not grow with the
+    pages served); it works for REPLAY_NONCE_SECONDS, and never after a restart."""
+
+    def __init__(self):
+        self.key = os.urandom(32)
+
+    def issue(self, run_id):
+        issued = str(int(time.time()))
+        return "%s.%s" % (issued, self.sign(run_id, issued))
+
+    def valid(self, nonce, run_id):
+        issued, _, mac = nonce.partition(".")
+        if not (is_ascii_digits(issued) and len(issued) <= 12):
+            return False
+        age = time.time() - int(issued)
+        return 0 <= age <= REPLAY_NONCE_SECONDS and hmac.compare_digest(
+            mac.encode("utf-8", "surrogateescape"), self.sign(run_id, issued).encode())
+
+    def sign(self, run_id, issued):
+        return hmac.new(self.key, ("%s %s" % (run_id, issued)).encode(), "sha256").hexdigest()
+
+
+def same_origin(request):
+    """Whether nothing says a request comes from another site's page: Sec-Fetch-Site, when
+    sent, must be `same-origin`, and Origin, when sent, must name the Host the request was
+    sent to.  A client can forge either, so they only ever refuse, never admit."""
+    site = request.get("Sec-Fetch-Site")
+    if site and site != "same-origin":
+        return False
+    origin = request.get("Origin")
+    if not origin:
+        return True
+    scheme, sep, host = origin.partition("://")
+    return bool(sep) and scheme in ("http", "https") and host.lower() == request.get(
+        "Host").lower()
 
 
 def runs_filter(raw_query):
@@ -5538,6 +5961,7 @@ class Metrics:
         self.runs = {}  # (hook id, final state) -> runs
         self.durations = {}  # hook id -> [runs in each bucket, the last above all; seconds]
         self.refusals = {}  # hook id -> deliveries its rules refused
+        self.deduplications = {}  # hook id -> deliveries answered with the run they had
 
     def answered(self, status):
         with self.lock:
@@ -5546,6 +5970,10 @@ class Metrics:
     def refused(self, hook_id):
         with self.lock:
             self.refusals[hook_id] = self.refusals.get(hook_id, 0) + 1
+
+    def deduplicated(self, hook_id):
+        with self.lock:
+            self.deduplications[hook_id] = self.deduplications.get(hook_id, 0) + 1
 
     def run_ended(self, hook_id, state, seconds):
         """A run of the hook ended in `state` after `seconds` (None: it never started)."""
@@ -5564,6 +5992,7 @@ class Metrics:
         with self.lock:
             answers, runs = sorted(self.answers.items()), sorted(self.runs.items())
             refusals = sorted(self.refusals.items())
+            deduplications = sorted(self.deduplications.items())
             durations = sorted((hook_id, list(c)) for hook_id, c in self.durations.items())
         queued = background.jobs.qsize() + sum(len(gate.waiting)
                                                for gate in list(registry.gates.values()))
@@ -5596,6 +6025,11 @@ class Metrics:
                                "trigger rules refused (not satisfied, or a signature that did "
                                "not match), by hook.", [("", metric_labels(hook=hook_id), count)
                                                          for hook_id, count in refusals])
+        lines += metric_family("deduplicated_total", "counter", "Deliveries a hook's "
+                               "`deduplicate` did not run again (their id's run was queued, "
+                               "running or succeeded), by hook.",
+                               [("", metric_labels(hook=hook_id), count)
+                                for hook_id, count in deduplications])
         lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
                                "ran, by hook (runs whose command never started are left out).",
                                [sample for hook_id, counts in durations
@@ -6102,13 +6536,23 @@ def runs_command(opts, out=None):
         os.close(dir_fd)
     records.sort(key=lambda r: (r.get("queued_at") or "", r.get("id") or ""), reverse=True)
     out.write("%-26s %-12s %-20s %5s %10s  %s\n" % ("ID", "STATE", "STARTED", "EXIT",
-                                                   "MS", "HOOK"))
+                                                   "MS", "HOOK  COMMAND"))
     for r in records:
         exit_text = r.get("signal") or ("" if r.get("exit_code") is None else r["exit_code"])
+        # after the hook: why it was refused, or the command line as the record holds it
+        # (masked, each value cut and escaped), quoted as a shell would; then its successor
+        successor = r.get("superseded_by")
+        if isinstance(r.get("reason"), str):
+            after = "  refused: %s" % r["reason"]
+        elif isinstance(r.get("arguments"), list):
+            after = "  " + " ".join(shlex.quote(str(arg)) for arg in r["arguments"])
+        else:
+            after = ""
+        if isinstance(successor, str) and RUN_ID.fullmatch(successor):
+            after += "  superseded by %s" % successor
         out.write("%-26s %-12s %-20s %5s %10s  %s%s\n" % (
             r.get("id"), r.get("state"), r.get("started_at") or "-", exit_text,
-            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"),
-            "  refused: %s" % r["reason"] if isinstance(r.get("reason"), str) else ""))
+            "" if r.get("duration_ms") is None else r["duration_ms"], r.get("hook"), after))
     out.flush()
     return 0
 
@@ -6354,6 +6798,7 @@ vertical-align:top;white-space:nowrap}
 td.text{white-space:pre-wrap;word-break:break-word;min-width:14rem}
 .state{font-weight:600}.s-succeeded,.good{color:#16a34a}.s-running,.s-queued{color:#d97706}
 .s-failed,.s-timed-out,.s-killed,.s-interrupted,.s-refused,.bad{color:#dc2626}
+.s-superseded,.s-dropped{color:var(--muted)}
 .muted{color:var(--muted)}
 ul.rules{list-style:none;margin:0;padding-left:1.2rem}main>ul.rules{padding-left:0}
 form{display:flex;flex-wrap:wrap;gap:.5rem;align-items:flex-end;margin:.5rem 0}
@@ -6447,10 +6892,12 @@ class RunsHtml:
         policy = ("default-src 'none'; style-src 'nonce-%s'; script-src 'nonce-%s'; "
                   "connect-src 'self'; img-src data:; form-action 'self'; base-uri 'none'; "
                   "frame-ancestors 'none'" % (nonce, nonce))
+        # same-origin, not no-referrer: under no-referrer a form's POST says `Origin: null`,
+        # and the Replay button's request could not show it comes from this site
         return Response(status, document.encode("utf-8", "replace"), dict({
             "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
             "Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff",
-            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
             "Vary": "Accept, Authorization"}, **dict(headers)))
 
     # -- pages ---------------------------------------------------------------
@@ -6463,8 +6910,9 @@ class RunsHtml:
         parts.append(self.runs(runs, chosen))
         return self.page(200, "webhookd" if details else "webhookd runs", "\n".join(parts))
 
-    def run(self, record, output, hooks_file=None):
-        """A run's record and its kept output; followed live while the run goes on.  A refused
+    def run(self, record, output, hooks_file=None, replay_nonce=None, no_replay=None):
+        """A run's record and its kept output; followed live while the run goes on; a Replay
+        button posting `replay_nonce`, or why it cannot be replayed (`no_replay`).  A refused
         delivery: why (its rules, explained) and how to check a request again (-explain with
         `hooks_file`, the file serving the hook now)."""
         if record["state"] == "refused":
@@ -6480,6 +6928,11 @@ class RunsHtml:
                  ("Request id", html_text(record["request_id"] or "-")),
                  ("Output", "%d bytes%s" % (record["output_bytes"], ", only its tail kept"
                                             if record["output_truncated"] else ""))]
+        if record["delivery"]:
+            earlier = record["redelivery_of"]
+            facts.append(("Delivery", "<code>%s</code>%s" % (html_text(record["delivery"]), (
+                ", a redelivery after run %s" % self.link(self.run_url(earlier), earlier))
+                if isinstance(earlier, str) else "")))
         arguments, environment = record["arguments"], record["environment"]
         if isinstance(arguments, list):  # (a record from -runs-dir may be hand-edited)
             facts.append(("Command", '<code>%s</code>' % html_text(
@@ -6488,9 +6941,21 @@ class RunsHtml:
             facts.append(("Environment", "<br>".join(
                 "<code>%s=%s</code>" % (html_text(name), html_text(shlex.quote(str(value))))
                 for name, value in sorted(environment.items()))))
+        if isinstance(record["superseded_by"], str):
+            facts.append(("Superseded by", self.link(self.run_url(record["superseded_by"]),
+                                                     record["superseded_by"])))
+        if isinstance(record["replayOf"], str):
+            facts.append(("Replay of", self.link(self.run_url(record["replayOf"]),
+                                                 record["replayOf"])))
         if record["storage_error"]:
             facts.append(("Not saved", '<span class="bad">%s</span>'
                           % html_text(record["storage_error"])))
+        if replay_nonce:
+            facts.append(("Replay", '<form method="post" action="%s/replay"><input type="hidden"'
+                          ' name="nonce" value="%s"><button>Replay</button></form>'
+                          % (html_text(self.run_url(record["id"])), html_text(replay_nonce))))
+        elif no_replay:
+            facts.append(("Replay", '<span class="muted">%s</span>' % html_text(no_replay)))
         raw = html_text(self.run_url(record["id"]) + "/output")
         notes = ['<p id="live" class="muted">This run is still going: reload to see more.</p>'
                  if live else ""]

@@ -1344,7 +1344,9 @@ def test_tenant_token_refused_elsewhere(srv):
     admin = srv.create(actions=["*"], indexes=["*"])
     tok = mint(admin["key"], {"searchRules": ["*"], "apiKeyUid": admin["uid"]})
     check_no_upstream(srv.call("GET", "/indexes/movies/search", key=tok))
-    for method, path in (("GET", "/indexes/movies/documents"), ("GET", "/keys"),
+    # searchkeys' addition (issue 34): documents reads too, held to the token's rules
+    check_no_upstream(srv.call("GET", "/indexes/movies/documents", key=tok))
+    for method, path in (("DELETE", "/indexes/movies/documents"), ("GET", "/keys"),
                          ("GET", "/indexes/movies"), ("GET", "/version"), ("GET", "/tasks")):
         check_error(srv.call(method, path, key=tok), 403, "invalid_api_key", INVALID_KEY, "auth")
 
@@ -1896,7 +1898,9 @@ def test_damage_to_any_store_file_after_a_crash_stops_the_start(tmp_path):
         s.stop(signal.SIGKILL)  # leave whatever is on disk mid-life
     finally:
         s.close()
-    files = [p for p in check_store_files(tmp_path, []) if p.stat().st_size >= 40]
+    # the history beside the store is not read at start: a damaged line of it is skipped
+    files = [p for p in check_store_files(tmp_path, []) if p.stat().st_size >= 40
+             and not p.name.endswith(".history")]
     assert files
     for path in files:
         original = path.read_bytes()

@@ -259,6 +259,28 @@ def test_refusals_through_nginx_carry_their_reason(stack):
     assert backend.seen == []
 
 
+def test_documents_fetches_of_restricted_keys_go_through_searchkeys(stack):
+    """A documents fetch is read and rewritten by searchkeys (the forced filter fused in); a
+    GET of documents, which nginx sends through /authorize, is refused with the reason."""
+    guard, listen, backend = stack
+    key = create_key(guard.port, ["documents.get"], ["movies"])
+    status, _, data = request(guard.port, "PUT", "/keys/%s/restrictions" % key, json.dumps(
+        {"forcedParameters": {"movies": {"filter": "public = true"}}}),
+        {"Authorization": "Bearer " + MASTER, "Content-Type": "application/json"})
+    assert status == 200, data
+    backend.seen.clear()
+    status, _, data = request(listen, "POST", "/indexes/movies/documents/fetch",
+                              json.dumps({"filter": "a = 1 OR b = 2"}),
+                              {"Authorization": "Bearer " + key,
+                               "Content-Type": "application/json"})
+    assert status == 200, data
+    assert [(s["path"], json.loads(s["body"])) for s in backend.seen] == [
+        ("/indexes/movies/documents/fetch", {"filter": ["a = 1 OR b = 2", "public = true"]})]
+    assert_meilisearch_error(request(listen, "GET", "/indexes/movies/documents/1", headers={
+        "Authorization": "Bearer " + key}), 403, "forbidden_by_restriction")
+    assert len(backend.seen) == 1
+
+
 NETWORK_HEADERS = {  # Meilisearch's, which it believes from its network peers
     "X-Meili-Proxy-Origin-Remote": "ms-0", "X-Meili-Proxy-Origin-TaskUid": "1",
     "X-Meili-Proxy-Origin-Network-Version": "1", "X-Meili-Proxy-Import-Remote": "ms-1",

@@ -21,7 +21,11 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
       token's, and each other forced parameter as forced (on the routes that take it; a
       federated query's `facets` in the federation's facetsByIndex); documents of a covered
       index, and routes whose indexes the guard cannot see, never reach the backend;
-  (f) issue 34's restrictions: an admin credential (the master key, or a key holding more than
+  (f) documents read (issue 34: searchkeys lets a tenant token read documents when its key
+      may): listed or fetched, with the token's and the forced filter fused in as on a search,
+      the fields within a forced attributesToRetrieve and no vectors unless it shows them; one
+      document under a filter never asked of the backend by its id alone (its fetch is (f));
+  (g) issue 34's restrictions: an admin credential (the master key, or a key holding more than
       `search` without `allowBrowser`) sent with a browser's signal (`Origin`, `Referer`,
       `Sec-Fetch-Mode`) gets nothing through; the backend never runs more searches of a key at
       once than its maxConcurrentSearches, and `/authorize` never lets one of them through
@@ -188,7 +192,7 @@ ROUTE_TABLE = [
     ("/chats/{workspace}/chat/completions", {"POST": ["chatCompletions"]}),
     ("/health", {"GET": []}), ("/", {"GET": []}),
 ]
-TOKEN_ACTIONS = ("search", "chatCompletions")
+TOKEN_ACTIONS = ("search", "chatCompletions", "documents.get")  # (f): searchkeys' addition
 SEARCH_BODY = {("POST", "/indexes/{index_uid}/search"), ("POST", "/indexes/{index_uid}/similar"),
                ("POST", "/indexes/{index_uid}/facet-search")}
 SEARCH_QUERY = {("GET", "/indexes/{index_uid}/search"), ("GET", "/indexes/{index_uid}/similar")}
@@ -202,7 +206,7 @@ CREATING = {("POST", "/indexes/{index_uid}/documents"), ("PUT", "/indexes/{index
             ("PATCH", "/indexes/{index_uid}/settings")} | {
     ("PUT", "/indexes/{index_uid}/settings/" + n) for n in SETTINGS_PUT} | {
     ("PATCH", "/indexes/{index_uid}/settings/" + n) for n in SETTINGS_PATCH}
-# (f) the routes that run searches: a key's maxConcurrentSearches holds them
+# (g) the routes that run searches: a key's maxConcurrentSearches holds them
 SEARCHES = SEARCH_BODY | SEARCH_QUERY | {("POST", "/multi-search")}
 # handlers whose index checks the guard cannot see (the chat's search tool, template's document)
 UNVERIFIABLE = {("POST", "/render-template"), ("POST", "/chats/{workspace}/chat/completions")}
@@ -398,12 +402,12 @@ class Credential:
         return key["rate"] if key else None
 
     def concurrent(self):
-        """(f) The searches the key may run at once (maxConcurrentSearches), or None."""
+        """(g) The searches the key may run at once (maxConcurrentSearches), or None."""
         key = self.key if self.kind in ("key", "token") else None
         return key.get("concurrent") if key else None
 
     def admin_from_browser(self, browser):
-        """(f) A credential a browser may not use: the master key, or an API key holding any
+        """(g) A credential a browser may not use: the master key, or an API key holding any
         action beyond `search` without `allowBrowser` (a tenant token only ever searches)."""
         if not browser:
             return False
@@ -589,6 +593,8 @@ class Backend:
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
         if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
             return 200, []  # no index joins another (foreignKeys)
+        if (method, template) == ("POST", "/indexes/{index_uid}/documents/fetch"):
+            return 200, {"results": [{"id": 1}], "offset": 0, "limit": 20, "total": 1}
         if (method, template) == ("GET", "/stats"):
             return 200, {"databaseSize": 1, "indexes": {u: {"numberOfDocuments": 1}
                                                         for u in EXISTING}}
@@ -667,7 +673,7 @@ def request_problems(case, method, target, body, unseen_body=False):
     if problems or not actions:
         return problems
     if cred.admin_from_browser(case.browser):
-        problems.append("(f) an admin credential sent from a browser got through")
+        problems.append("(g) an admin credential sent from a browser got through")
     key = (method, template)
     restricted = not cred.all_indexes(action)
     pairs = query_pairs(target.partition("?")[2])
@@ -707,11 +713,45 @@ def request_problems(case, method, target, body, unseen_body=False):
     if key in SEARCH_BODY | SEARCH_QUERY:
         problems += search_problems(case, key, index, body, pairs, unseen_body)
     if key in SEARCHES and unseen_body and cred.concurrent() is not None:
-        problems.append("(f) /authorize let a search of a key with maxConcurrentSearches "
+        problems.append("(g) /authorize let a search of a key with maxConcurrentSearches "
                         "through")
-    if (key in DOCUMENT_READS and cred.forced(index) is not None) or (
-            key in FORCED_BYPASSES and cred.has_forced()):
+    if key in DOCUMENT_READS:
+        problems += document_problems(case, key, index, body, pairs, unseen_body)
+    if key in FORCED_BYPASSES and cred.has_forced():
         problems.append("(e) %s %s forwarded for a key with forced parameters" % key)
+    return problems
+
+
+def document_problems(case, key, index, body, pairs, unseen_body):
+    """(f) A documents read: the filter it runs, the fields and vectors it shows."""
+    cred = case.cred
+    forced = {n: v for n, v in (cred.forced(index) or {}).items()
+              if n in ("filter", "attributesToRetrieve", "retrieveVectors")}
+    filtered = cred.tenant_filters(index) != [None] or forced
+    if key[1].endswith("{document_id}"):
+        return ["(f) one document asked by its id for a filtered credential"] if filtered else []
+    if key[0] == "POST" and unseen_body:
+        return ["(f) documents fetch body unseen for a filtered credential"] if filtered else []
+    if key[0] == "GET":
+        sent_filter, fields = get_filter(pairs), last_param(pairs, "fields")
+        fields = fields.split(",") if fields is not None else None
+        vectors = last_param(pairs, "retrieveVectors") == "true"
+        caller_filter = get_filter(query_pairs(case.target.partition("?")[2]))
+    else:
+        if not isinstance(body, dict):
+            return []  # Meilisearch refuses it
+        sent_filter, fields = body.get("filter", ABSENT), body.get("fields")
+        vectors = body.get("retrieveVectors") is True
+        caller_filter = ABSENT if case.method == "GET" else body_filter(case.body_value)
+    problems = filter_problems(cred, index, caller_filter, sent_filter)
+    shown = forced.get("attributesToRetrieve")
+    if shown is not None and "*" not in shown:
+        if not isinstance(fields, list) or "*" in fields or not set(fields) <= set(shown):
+            problems.append("(f) fields %r outside the forced %r" % (fields, shown))
+        if vectors and "_vectors" not in shown and forced.get("retrieveVectors") is not True:
+            problems.append("(f) vectors retrieved under a forced attributesToRetrieve")
+    if "retrieveVectors" in forced and vectors != forced["retrieveVectors"]:
+        problems.append("(f) retrieveVectors is not the forced %r" % forced["retrieveVectors"])
     return problems
 
 
@@ -875,7 +915,7 @@ def answer_problems(case, status, data):
     cred, key = case.cred, (case.method, template)
     if template.startswith("/keys"):
         if cred.admin_from_browser(case.browser):
-            return ["(f) %s %s answered 200 to an admin credential from a browser" % key]
+            return ["(g) %s %s answered 200 to an admin credential from a browser" % key]
         return [] if all(cred.may(a, None) for a in actions) else [
             "(a) %s %s answered 200" % key]
     if not actions or cred.all_indexes(actions[0]):
@@ -1003,8 +1043,8 @@ class Case:
         self.cred = None
         self.secrets = []
         self.connection_listed = set()
-        self.browser = False  # (f) sent with a browser's signal
-        self.crowd = False  # (f) a search forwarded: sent again by several callers at once
+        self.browser = False  # (g) sent with a browser's signal
+        self.crowd = False  # (g) a search forwarded: sent again by several callers at once
 
     def describe(self):
         reproduce = "FUZZ_SEED=%d FUZZ_CASE=%d" % (SEED, self.number)
@@ -1019,7 +1059,7 @@ class Generator:
 
     def case(self, number):
         rng = random.Random("%d:%d" % (SEED, number))
-        more = random.Random("%d:%d:more" % (SEED, number))  # (f)'s: rng's draws stay as they were
+        more = random.Random("%d:%d:more" % (SEED, number))  # (g)'s: rng's draws stay as they were
         case = Case(number)
         template, methods = rng.choice(WEIGHTED_ROUTES)
         method = rng.choice(sorted(methods))
@@ -1033,7 +1073,7 @@ class Generator:
             case.cred = self.credential(rng, more, methods[method])
         if case.cred.concurrent() is not None and (method, template) in SEARCHES and \
                 more.random() < 0.3:
-            case.authorize = True  # (f) which /authorize must never let through
+            case.authorize = True  # (g) which /authorize must never let through
         if rng.random() < 0.03 and not template.startswith("/keys"):  # the pool stays as made
             method = rng.choice(["HEAD", "OPTIONS", "PUT", "PATCH", "DELETE", "POST", "GET"])
         case.method = method
@@ -1084,7 +1124,7 @@ class Generator:
             return Credential("Bearer " + value, "key", key=key, secret=key["key"])
         credential = self.token(rng, more, key)
         if key["revoked_token"] is not None and more.random() < 0.2:
-            token, rules = key["revoked_token"]  # (f) revoked singly
+            token, rules = key["revoked_token"]  # (g) revoked singly
             return Credential("Bearer " + token, "token", key=key, token_rules=rules,
                               token_valid=False, secret=token)
         return credential
@@ -1092,7 +1132,7 @@ class Generator:
     def token(self, rng, more, key):
         rules = self.rules(rng)
         claims = {"searchRules": rules, "apiKeyUid": key["uid"]}
-        issued = more.random()  # (f) issued now, an hour ago, or not said: revoked by time?
+        issued = more.random()  # (g) issued now, an hour ago, or not said: revoked by time?
         if issued < 0.6:
             claims["iat"] = int(time.time()) - (3600 if issued < 0.2 else 0)
         valid = True  # as a token; its parent key's expiry and rights are checked apart
@@ -1186,6 +1226,12 @@ class Generator:
         elif key == ("GET", "/indexes"):
             pairs = [(n, str(rng.randint(0, 5))) for n in rng.sample(["offset", "limit"],
                                                                      rng.randint(0, 2))]
+        elif key in DOCUMENT_READS:
+            names = ["fields", "retrieveVectors"] + (
+                ["filter", "ids", "offset", "limit"] if template.endswith("documents") else [])
+            for name in rng.sample(names, rng.randint(0, len(names))) + (
+                    ["filter"] if rng.random() < 0.1 else []):  # twice, or where unknown
+                pairs.append((name, document_value(rng, name)))
         return encode_query(rng, pairs)
 
     @staticmethod
@@ -1211,6 +1257,10 @@ class Generator:
             elif roll < 0.4:
                 body["federation"] = None
             return body
+        if key == ("POST", "/indexes/{index_uid}/documents/fetch"):
+            body = {name: rng.choice(DOCUMENT_BODY_VALUES[name]) for name in rng.sample(
+                sorted(DOCUMENT_BODY_VALUES), rng.randint(0, 4))}
+            return body if rng.random() < 0.9 else [body]
         if key == ("POST", "/swap-indexes"):
             return [{"indexes": [some_index(), some_index()]} for _ in range(rng.randint(1, 2))]
         if key == ("POST", "/indexes"):
@@ -1221,7 +1271,7 @@ class Generator:
 
     def headers(self, rng, more, case):
         headers = [("X-Fuzz-Case", case.tag)]
-        if more.random() < 0.2:  # (f) a browser's signals, whatever their value or spelling
+        if more.random() < 0.2:  # (g) a browser's signals, whatever their value or spelling
             case.browser = True
             headers += more.sample([("Origin", "https://shop.example"), ("sec-fetch-mode", "cors"),
                                     ("Referer", "https://shop.example/find?q=x"),
@@ -1263,6 +1313,26 @@ def search_value(rng, name):
         value = rng.choice(FILTERS)
         return value if isinstance(value, str) else json.dumps(value)
     return rng.choice(["0", "1", "5", "20", "21", "100", "1000", "+1000", "007", "-1", "x", ""])
+
+
+DOCUMENT_BODY_VALUES = {
+    "filter": FILTERS, "fields": [["title"], ["title", "secret"], ["*"], ["secret", "*"], [],
+                                  ["_vectors"], None, "secret"],
+    "ids": [["1"], [1, "2"], ["x-4"], []], "offset": [0, 1, 5, -1, "x"], "limit": [0, 1, 20],
+    "retrieveVectors": [True, False, "yes", None]}
+
+
+def document_value(rng, name):
+    """A documents read's query parameter, as a GET spells it."""
+    if name == "filter":
+        return search_value(rng, name)
+    if name == "fields":
+        return rng.choice(["title", "title,secret", "*", "secret,*", "", "_vectors", "id,title"])
+    if name == "ids":
+        return rng.choice(["1", "1,2", "x-4"])
+    if name == "retrieveVectors":
+        return rng.choice(["true", "false", "yes"])
+    return rng.choice(["0", "1", "5", "-1", "x"])
 
 
 def search_object(rng, route):
@@ -1377,12 +1447,12 @@ def admin(port, method, path, value):
         connection.close()
 
 
-EXTRAS = ("allow_browser", "concurrent", "revoked_before", "revoked_token")  # (f), issue 34
+EXTRAS = ("allow_browser", "concurrent", "revoked_before", "revoked_token")  # (g), issue 34
 
 
 def make_pool(port, rng):
     """40 keys, two of them (an admin key and a random one) expired by the time it returns.
-    (f): some may be used from browsers, some run a few searches at once, some had their
+    (g): some may be used from browsers, some run a few searches at once, some had their
     tenant tokens revoked (those issued before a time, or one)."""
     shapes = key_shapes(rng, 40)
     forcing = random.Random("%d:forced" % SEED)  # apart, so the shapes stay as they were
@@ -1436,7 +1506,7 @@ def make_pool(port, rng):
 
 
 def revoke_tokens(port, key):
-    """(f) Revoke what `key` says of its tenant tokens through the API: those issued before
+    """(g) Revoke what `key` says of its tenant tokens through the API: those issued before
     now (`revoked_before` becomes the Unix second they were issued before), and one token
     (`revoked_token` becomes it and its rules)."""
     if key["revoked_before"]:
@@ -1567,15 +1637,15 @@ def run_case(client, backend, case, stats):
 
 
 def held_problems(record, most):
-    """(f) A search of a key with maxConcurrentSearches `most` the backend ran with more."""
+    """(g) A search of a key with maxConcurrentSearches `most` the backend ran with more."""
     if record.get("running", 0) <= (most or 0):
         return []
-    return ["(f) the backend ran %d searches of a key with maxConcurrentSearches %d at once" % (
+    return ["(g) the backend ran %d searches of a key with maxConcurrentSearches %d at once" % (
         record["running"], most)]
 
 
 def crowd_problems(port, backend, case, most, stats):
-    """(f) The case's search sent again by `most` + 1 callers at once, each with a tag of its
+    """(g) The case's search sent again by `most` + 1 callers at once, each with a tag of its
     own: the backend never runs more than `most` of them at once (the others get 429)."""
     tags = ["%s/%d" % (case.tag, n) for n in range(most + 1)]
     statuses = []
@@ -1633,8 +1703,8 @@ def check_internal(backend):
 
 
 def property_of(problem):
-    """The property, (a) to (f), a problem breaks, or "other"."""
-    match = re.search(r"\(([a-f])\)", problem)
+    """The property, (a) to (g), a problem breaks, or "other"."""
+    match = re.search(r"\(([a-g])\)", problem)
     return "(%s)" % match.group(1) if match else "other"
 
 

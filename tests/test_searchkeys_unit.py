@@ -4,6 +4,7 @@ dates, uuids, key derivation, tenant tokens and the key store.
 The expectations are restated here from the specs (meilisearch-keys.md) rather
 than read from the module, so a wrong constant in searchkeys.py fails a test.
 """
+import functools
 import json
 import os
 import random
@@ -874,17 +875,18 @@ def craft_raw(header, payload, secret=PARENT):
     return signed + "." + sk._jwt_signature("HS256", secret, signed)
 
 
-def test_guard_accepts_tenant_tokens_on_search_routes_only():
+def test_guard_accepts_tenant_tokens_on_search_and_document_reading_routes_only():
     store = sk.KeyStore("kefir")
-    parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.get"],
+    parent = store.create({"uid": PARENT_UID, "actions": ["search", "documents.*"],
                            "indexes": ["movies*"], "expiresAt": None})
     guard = sk.Guard(store, "kefir")
     token = sk.sign_tenant_token(parent.value, PARENT_UID, {"movies": {"filter": "x = 1"}})
     principal = guard.check("Bearer " + token, ("search",), "movies")
     assert principal.key is parent and principal.rules == {"movies": {"filter": "x = 1"}}
     assert guard.check("Bearer " + token, ("search",), None).rules is not None  # multi-search
+    assert guard.check("Bearer " + token, ("documents.get",), "movies").rules is not None
     with pytest.raises(sk.ApiError) as info:
-        guard.check("Bearer " + token, ("documents.get",), "movies")
+        guard.check("Bearer " + token, ("documents.delete",), "movies")
     assert info.value.message == INVALID
     with pytest.raises(sk.ApiError) as info:
         guard.check("Bearer " + token, ("search",), "movies2")
@@ -1062,7 +1064,8 @@ def test_file_store_survives_reopen_and_holds_no_secrets(tmp_path):
     document = store_document(path)
     assert [r["uid"] for r in document["keys"]][-1] == kept.uid
     assert document["keys"][-1]["description"] == "d" and len(document["keys"]) == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
     store.close()
     for file in tmp_path.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o600
@@ -1107,7 +1110,8 @@ def test_symlinked_store_is_written_through_to_its_target(tmp_path):
     assert sk.KeyStore(MASTER, str(link)).by_uid(made.uid).name == "through"
     # the lock file sits beside the target: processes reaching the store by either name
     # take turns on one lock
-    assert sorted(p.name for p in target.parent.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in target.parent.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
     assert not (tmp_path / "keys.json.lock").exists()
 
 
@@ -1189,7 +1193,10 @@ def test_failed_write_is_not_applied(tmp_path, monkeypatch):
     with pytest.raises(sk.StoreWriteError):
         store.delete(before[0][0].uid)
     assert store.page(0, 100) == before and path.read_bytes() == document
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keys.json", "keys.json.history", "keys.json.lock"]
+    # nor in the history: only the four default keys' creation is there
+    assert len((tmp_path / "keys.json.history").read_text().splitlines()) == 4
     monkeypatch.undo()
     store.create(new_fields(name="works again"))
     store.close()
@@ -1246,3 +1253,84 @@ def test_authorize_errors_fit_in_one_header_nginx_can_read():
     assert json.loads(header)["message"].startswith("The API key cannot acces the index `other`")
     short = sk.ApiError(403, "unknown_route", "`GET /keys` is answered by searchkeys itself.")
     assert json.loads(sk.error_header(short)) == short.to_json()
+
+
+def documents_decision(method, path, rules=None, forced=None):
+    """decide() for a documents read by a token (`rules`) or a key with `forced` parameters."""
+    key = FakeKey(["documents.get"], ["*"])
+    key.restrictions = sk.Restrictions(forced=forced) if forced is not None else None
+    route, index, _ = sk.match_route(method, sk.path_segments(path))
+    return route, sk.decide(route, sk.Principal(key, rules), index)
+
+
+def test_a_documents_read_is_held_only_under_a_filter():
+    for rules, forced in ((None, None), (["movies"], None), ({"movies": None}, None),
+                          (None, {"books": {"filter": "a = 1"}}),
+                          (None, {"movies": {"facets": ["genre"]}})):
+        route, decision = documents_decision("GET", "/indexes/movies/documents/7", rules, forced)
+        assert not decision.fetches_document and not decision.checks_joins
+        assert decision.carrier == sk.QUERY and decision.answer_filter is None
+        decision.check_unchanged(route, sk.Principal(), {}, "fields=a")  # /authorize: as sent
+    for rules, forced in (({"movies": {"filter": "t = 1"}}, None),
+                          (None, {"movies*": {"attributesToRetrieve": ["a"]}})):
+        route, decision = documents_decision("GET", "/indexes/movies/documents/7", rules, forced)
+        assert decision.fetches_document and decision.checks_joins
+        assert decision.carrier == sk.BODY and decision.answer_filter is sk.one_document_answer
+        with pytest.raises(sk.ApiError):
+            decision.check_unchanged(route, sk.Principal(), {}, "")
+
+
+def test_forced_parameters_on_documents_fuse_the_filter_and_cut_the_fields():
+    forced = {"movies": {"filter": ["p = 1", ["q = 1", "r = 1"]],
+                         "attributesToRetrieve": ["a", "b"], "facets": ["c"]}}
+    force = functools.partial(sk.force_documents, sk.Restrictions(forced=forced), "movies")
+    assert force({"filter": "x = 1 OR y = 1", "fields": ["b", "secret", "b"]}) == {
+        "filter": ["x = 1 OR y = 1", "p = 1", ["q = 1", "r = 1"]], "fields": ["b", "b"]}
+    assert force({"fields": ["*", "secret"], "retrieveVectors": True}) == {
+        "filter": ["p = 1", ["q = 1", "r = 1"]], "fields": ["a", "b"], "retrieveVectors": False}
+    assert force({"fields": "secret", "filter": None})["fields"] == ["a", "b"]
+    assert force([{"filter": "x"}]) == [{"filter": "x"}]  # not an object: the backend refuses it
+    shows_vectors = sk.Restrictions(forced={"*": {"attributesToRetrieve": ["a", "_vectors"]}})
+    assert sk.force_documents(shows_vectors, "movies", {"retrieveVectors": True}) == {
+        "fields": ["a", "_vectors"], "retrieveVectors": True}
+
+
+@pytest.mark.parametrize("document_id, query, expected", [
+    ("7", "", {"ids": ["7"], "limit": 1}),
+    ("x-4_B", "fields=a,b&retrieveVectors=true", {"ids": ["x-4_B"], "limit": 1,
+                                                   "fields": ["a", "b"], "retrieveVectors": True}),
+    ("7", "fields=a&fields=*&retrieveVectors=false", {"ids": ["7"], "limit": 1}),
+    ("a b", "", {"ids": [], "limit": 1}),  # no document can have it: the same 404
+    ("x" * 512, "", {"ids": [], "limit": 1}),
+    ("caf\u00e9", "", {"ids": [], "limit": 1}),
+])
+def test_one_document_is_asked_as_a_fetch_of_its_id(document_id, query, expected):
+    assert sk.fetch_one_document(document_id, query) == expected
+
+
+@pytest.mark.parametrize("query, code, message", [
+    ("filter=a%20%3D%201", "bad_request",
+     "Unknown parameter `filter`: expected one of `fields`, `retrieveVectors`"),
+    ("retrieveVector=true", "bad_request", "Unknown parameter `retrieveVector`: did you mean "
+     "`retrieveVectors`? expected one of `fields`, `retrieveVectors`"),
+    ("retrieveVectors=yes", "invalid_document_retrieve_vectors", "Invalid value in parameter "
+     "`retrieveVectors`: could not parse `yes` as a boolean, expected either `true` or `false`"),
+])
+def test_one_document_refuses_its_query_as_meilisearch_does(query, code, message):
+    with pytest.raises(sk.ApiError) as info:
+        sk.fetch_one_document("7", query)
+    assert (info.value.status, info.value.code, info.value.message) == (400, code, message)
+
+
+def test_the_fetch_answer_is_the_document_or_meilisearchs_404():
+    context = sk.RuleContext(None, {"document_id": "x-4"}, "", {})
+    assert sk.one_document_answer(context, {"results": [{"id": "x-4"}], "total": 1}) == {
+        "id": "x-4"}
+    with pytest.raises(sk.ApiError) as info:
+        sk.one_document_answer(context, {"results": [], "total": 0})
+    assert info.value.to_json() == {
+        "message": "Document `x-4` not found.", "code": "document_not_found",
+        "type": "invalid_request", "link": "https://docs.meilisearch.com/errors#document_not_found"}
+    with pytest.raises(sk.ApiError) as info:
+        sk.one_document_answer(context, {"hits": []})
+    assert info.value.status == 502

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import subprocess
+import time
 
 from support import WEBHOOKD, Daemon, free_port, python_cmd
 from test_webhookd_features import script, wait_until, write_hooks
@@ -19,7 +20,7 @@ GITHUB_TOKEN = "ghp_" + "A1b2C3d4E5f6G7h8I9j0" + "K1l2M3n4O5p6Q7r8"
 HIDDEN = (SECRET, DEPLOY_KEY, API_TOKEN, GITHUB_TOKEN)
 
 
-def setup(tmp_path):
+def setup(tmp_path, *flags):
     credentials = tmp_path / "credentials"
     credentials.mkdir()
     (credentials / "api-token").write_text(API_TOKEN + "\n")
@@ -47,7 +48,7 @@ def setup(tmp_path):
     env = {"DEPLOY_KEY": DEPLOY_KEY, "CREDENTIALS_DIRECTORY": str(credentials)}
     port = free_port()
     return Daemon(python_cmd(WEBHOOKD, "-template", "-hooks", hooks, "-ip", "127.0.0.1",
-                             "-port", str(port), "-verbose", "-status-path", "/status"),
+                             "-port", str(port), "-verbose", "-status-path", "/status", *flags),
                   port, env=env)
 
 
@@ -84,6 +85,21 @@ def test_a_run_record_shows_its_command_line_with_every_secret_masked(tmp_path):
         assert "executing" in log and "command output" in log and "c0ffee" in log
         for secret in HIDDEN:
             assert not any(secret in text for text in shown + [log]), secret
+
+
+def test_runs_prints_each_runs_command_line_masked(tmp_path):
+    runs_dir = tmp_path / "runs"
+    with setup(tmp_path, "-runs-dir", runs_dir) as daemon:
+        _, record = deploy(daemon)
+        time.sleep(0.3)  # the record reaches -runs-dir a moment after the run ends
+    listing = subprocess.run(python_cmd(WEBHOOKD, "-runs", "-runs-dir", runs_dir),
+                             capture_output=True, text=True, timeout=30)
+    assert listing.returncode == 0, listing.stderr
+    head, row = listing.stdout.splitlines()
+    assert head.endswith("HOOK  COMMAND")
+    assert row.startswith(record["id"] + " ")
+    assert row.endswith("  deploy  %s refs/heads/main c0ffee '********'" % (tmp_path / "deploy.sh"))
+    assert not any(secret in listing.stdout for secret in HIDDEN)
 
 
 def test_runs_lists_and_validate_know_the_mask_field(tmp_path):

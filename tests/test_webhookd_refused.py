@@ -157,6 +157,38 @@ def test_runs_lists_refusals_from_the_runs_dir(tmp_path):
         assert [r["id"] for r in refusals(daemon)] == [record["id"]]
 
 
+def test_refused_trees_mask_the_hooks_files_secrets(tmp_path):
+    """A secret of the hooks file that a request puts in a field a rule shows (here the HMAC
+    secret, and a token another hook compares), or what a hook's `mask` names, is masked in
+    the refused record, its reason, the page and -explain; one across the 120-character cut
+    is masked whole."""
+    github_token = "ghp_" + "a1B2" * 9
+    hooks = hooks_file(tmp_path)
+    data = json.loads(hooks.read_text())
+    data[0]["mask"] = ["ghp_[A-Za-z0-9]{36}"]
+    hooks.write_text(json.dumps(data))
+    refs = (TOKEN, github_token, "x" * 110 + SECRET, "refs/heads/" + SECRET)
+    with start(hooks) as daemon:
+        for ref in refs:
+            assert push(daemon, ref)[2] == b"Hook rules were not satisfied."
+        records = list(reversed(refusals(daemon, "deploy")))
+        assert [r["rules"]["rules"][1]["value"] for r in records] == [
+            "********", "********", "x" * 110 + "********... (%d characters)" % len(refs[2]),
+            "refs/heads/********"]
+        assert records[0]["reason"] == ("rule 2 of `and` - payload `ref` was `********`, "
+                                        "wanted `refs/heads/main`")
+        shown = [daemon.request("GET", "/status/runs?state=refused")[2].decode()] + [
+            daemon.request("GET", "/status/runs/" + r["id"], headers=HTML)[2].decode()
+            for r in records]
+        assert "payload `ref` was `********`" in shown[1]
+        for secret in (TOKEN, github_token, SECRET[:8]):
+            assert not any(secret in text for text in shown), secret
+    result = explain(hooks, "deploy", saved_request(TOKEN))
+    out = result.stdout.decode()
+    assert result.returncode == 1 and "payload `ref` was `********`" in out, out
+    assert TOKEN not in out
+
+
 # ---------------------------------------------------------------------------------------------
 # -explain
 # ---------------------------------------------------------------------------------------------

@@ -161,8 +161,9 @@ def test_retention_per_hook_and_total_size(tmp_path):
         assert daemon.request("GET", "/status/runs/" + ids[0])[0] == 404
         assert get_json(daemon, "/status/runs?hook=b")[0]["id"] == b["id"]
         wait_until(lambda: len(list(runs_dir.glob("*.json"))) == 4, what="old files removed")
-    # a total bound smaller than three runs' output keeps fewer, newest first
-    with start(hooks, "-runs-keep", "3", "-runs-max-bytes", "5000") as daemon:
+    # a total bound smaller than three runs keeps fewer, newest first (a run of `a` counts
+    # ~7.5 KB: its 3 KB output, and its 3 KB argv kept for a replay)
+    with start(hooks, "-runs-keep", "3", "-runs-max-bytes", "12000") as daemon:
         # one after another again: with a run still going, the bound may drop the newest
         # ended run, as it may drop any ended run, and a loaded machine ends them out of order
         ids = [ended(daemon, trigger(daemon, "a"))["id"] for _ in range(3)]
@@ -311,7 +312,7 @@ def test_shell_view_lists_runs_and_follows_one(tmp_path):
                                  capture_output=True, text=True, timeout=15)
         assert listing.returncode == 0
         row = listing.stdout.splitlines()[1].split()
-        assert row[0] == run_id and row[1] == "succeeded" and row[-1] == "deploy"
+        assert row[0] == run_id and row[1] == "succeeded" and row[5] == "deploy"
     refused = subprocess.run(python_cmd(WEBHOOKD, "-runs"), capture_output=True, text=True,
                              timeout=15)
     assert refused.returncode == 1 and "-runs-dir" in refused.stdout + refused.stderr
