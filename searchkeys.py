@@ -2898,7 +2898,8 @@ def force_object(query, forced, names):
     details are turned off (unless forced): those of a sort, or of the index's
     custom ranking rules (`price:desc`), show each hit's value of the ranked
     attribute, shown or not (Meilisearch hides only those outside
-    displayedAttributes), and the guard does not know the index's rules."""
+    displayedAttributes), and the guard does not know the index's rules. So
+    are the vectors, unless `_vectors` is among the forced attributes."""
     if forced is None or not isinstance(query, dict):
         return query
     query = dict(query)
@@ -2917,6 +2918,11 @@ def force_object(query, forced, names):
         if "showRankingScoreDetails" in names and "showRankingScoreDetails" not in forced \
                 and query.get("showRankingScoreDetails") is True:
             query["showRankingScoreDetails"] = False
+        # `_vectors` is added to each hit whatever attributesToRetrieve says: the embeddings
+        # are made from any of the document's fields (as force_documents turns them off)
+        if "retrieveVectors" in names and "retrieveVectors" not in forced \
+                and "_vectors" not in shown and query.get("retrieveVectors") is True:
+            query["retrieveVectors"] = False
     return query
 
 
@@ -3706,7 +3712,9 @@ class KeysApi:
 
     def history(self, call):
         """GET /keys/history: the changes to keys, newest first; `key`: a
-        uid, whose changes alone are listed."""
+        uid, whose changes alone are listed. Restrictions are the master
+        key's to read (GET /keys/{key}/restrictions): for an API key, a
+        `restrict` line keeps its field names only (`valuesLeftOut`)."""
         query, asked = without_parameter(call.request.query, "key")
         uid = None
         if asked:
@@ -3721,7 +3729,10 @@ class KeysApi:
         except StoreError as exc:
             self.store.log("searchkeys: %s" % exc)
             raise internal_error("The history of keys cannot be read: %s" % exc)
-        return listing(entries[offset:offset + limit], offset, limit, len(entries))
+        shown = [dict(entry, fields=dict.fromkeys(entry["fields"]), valuesLeftOut=True)
+                 if entry.get("change") == "restrict" and call.principal.key is not None
+                 else entry for entry in entries[offset:offset + limit]]
+        return listing(shown, offset, limit, len(entries))
 
     def deleted_keys(self, call):
         """GET /keys/deleted: the deleted keys that can be restored, most
@@ -4699,12 +4710,16 @@ class KeyStore:
             uid = self._unused_uid()
             now = self.clock.now_ns()
             new = old.successor(uid, self.derive(uid) if self.derive else None, now)
+            # the uid may have been deleted before and created again (same value): that
+            # deletion's tombstone would bring back the value rotated away
+            tombstones = dict(self._tombstones)
+            tombstones.pop(old.uid, None)
             retires = None
             if grace_seconds:  # by the wall clock: `now` is past every stored createdAt
                 retires = time.time_ns() + grace_seconds * 10 ** 9
-                self._commit_all([old.retiring(retires, uid), new], ())
+                self._commit_all([old.retiring(retires, uid), new], (), tombstones)
             else:
-                self._commit_all([new], (old.uid,))
+                self._commit_all([new], (old.uid,), tombstones)
             self.history.append("rotate", old, actor, {
                 "replacedBy": uid, "retiresAt": retires and format_timestamp(retires)})
             return new

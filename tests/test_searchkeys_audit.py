@@ -132,6 +132,28 @@ def test_get_keys_history_pages_newest_first_filters_by_key_and_is_checked(serve
     assert status == 400 and error["code"] == "invalid_api_key_limit", error
 
 
+def test_restrictions_in_the_history_are_the_master_keys_to_read(server):
+    """`GET /keys/{key}/restrictions` is the master key's alone: a key granting keys.get
+    must not read them (allowed addresses, forced filters) in the history either."""
+    port = server.port
+    reader = create(port, actions=["keys.get"])
+    fenced = create(port, name="fenced")
+    restrictions = {"allowedIps": ["10.9.8.0/24"],
+                    "forcedParameters": {"movies": {"filter": "tenant = acme-secret"}}}
+    assert call(port, "PUT", "/keys/%s/restrictions" % fenced["uid"], restrictions)[0] == 200
+    assert call(port, "GET", "/keys/%s/restrictions" % fenced["uid"], key=reader["key"])[0] == 403
+    for query in ("?key=" + fenced["uid"], ""):
+        status, _, data = request(port, "GET", "/keys/history" + query, headers={
+            "Authorization": "Bearer " + reader["key"]})
+        assert status == 200 and b"10.9.8.0" not in data and b"acme-secret" not in data, data
+        restrict = [e for e in json.loads(data)["results"] if e["change"] == "restrict"]
+        assert restrict == [dict(restrict[0], fields={"restrictions": None},
+                                 valuesLeftOut=True)], restrict
+    status, page = call(port, "GET", "/keys/history?key=" + fenced["uid"])
+    assert page["results"][0]["fields"] == {"restrictions": restrictions}, page
+    assert "valuesLeftOut" not in page["results"][0]
+
+
 def test_without_a_store_the_history_is_kept_in_memory():
     with start(free_port(), "--master-key", MASTER) as daemon:
         made = create(daemon.port, name="in memory")
@@ -266,6 +288,26 @@ def test_restore_is_the_master_keys_alone_and_says_why_it_cannot(server):
     time.sleep(2.5)
     status, error = call(port, "POST", "/keys/%s/restore" % brief["uid"])
     assert status == 409 and error["code"] == "api_key_expired", error
+
+
+@pytest.mark.parametrize("grace", [0, 1])
+def test_a_value_rotated_away_is_not_restored_from_an_earlier_deletion(server, grace):
+    """A uid deleted, then created again (same uid, so same value), then rotated away (a
+    leak): the earlier deletion's tombstone must not bring the value back."""
+    port = server.port
+    key = create(port, actions=["keys.get"])
+    assert call(port, "DELETE", "/keys/" + key["uid"])[0] == 204
+    create(port, actions=["keys.get"], uid=key["uid"])
+    status, new = call(port, "POST", "/keys/%s/rotate" % key["uid"], {"grace": grace})
+    assert status == 201, new
+    if grace:
+        assert works(port, key["key"])  # within its grace
+        assert within(3.0, lambda: not works(port, key["key"]))[0]
+    assert not works(port, key["key"])
+    assert key["uid"] not in [k["uid"] for k in deleted(port)["results"]]
+    status, error = call(port, "POST", "/keys/%s/restore" % key["uid"])
+    assert status == 404 and error["code"] == "api_key_not_found", error
+    assert not works(port, key["key"]) and works(port, new["key"])
 
 
 def test_a_tombstone_survives_a_restart_and_every_process_sees_it(tmp_path):

@@ -472,6 +472,33 @@ def test_ranking_details_without_a_sort_are_turned_off(guard, backend, key):
     assert sent["showRankingScoreDetails"] is True
 
 
+def test_vectors_are_turned_off_under_forced_attributes(guard, backend, key):
+    """Meilisearch adds `_vectors` (each embedder's embeddings, made from any of the
+    document's fields, and the vectors the document came with) to every hit asked with
+    `retrieveVectors: true`, whatever `attributesToRetrieve` says: under a forced list
+    without `_vectors` they are turned off, as on the documents routes."""
+    body = {"q": "x", "retrieveVectors": True}
+    for route in ("search", "similar"):
+        sent = send(guard, backend, key["key"], "POST", "/indexes/movies/" + route,
+                    dict(body, id=1) if route == "similar" else body)[2][2]
+        assert sent["retrieveVectors"] is False, route
+    for target in ("/indexes/movies/search?q=x&retrieveVectors=true",
+                   "/indexes/movies/similar?id=1&retrieveVectors=true"):
+        sent = send(guard, backend, key["key"], "GET", target)[2][1]
+        assert query_of(sent)["retrieveVectors"] == "false", target
+    for federation in ({}, {"federation": {}}):
+        sent = send(guard, backend, key["key"], "POST", "/multi-search", dict(
+            federation, queries=[dict(body, indexUid="movies")]))[2][2]
+        assert sent["queries"][0]["retrieveVectors"] is False, federation
+    # an index without forced parameters keeps them; so does a forced list showing them
+    sent = send(guard, backend, key["key"], "POST", "/indexes/books/search", body)[2][2]
+    assert sent["retrieveVectors"] is True
+    shows = new_key(guard, {"forcedParameters": {"movies": {
+        "attributesToRetrieve": ["title", "_vectors"]}}})
+    sent = send(guard, backend, shows["key"], "POST", "/indexes/movies/search", body)[2][2]
+    assert sent["retrieveVectors"] is True
+
+
 def test_embedders_of_a_covered_index_cannot_be_changed(guard, backend):
     # a REST embedder's documentTemplate would send every document, whole, to its URL
     key = new_key(guard, {"forcedParameters": FORCED}, actions=("search", "settings.update"))

@@ -819,8 +819,11 @@ def filter_problems(cred, index, caller_filter, sent_filter, refused_anyway=Fals
     forced = (cred.forced(index) or {}).get("filter")  # (e) AND-ed after the token's
     if (rules == [None] and forced is None) or refused_anyway:
         return []
-    def plain(value):  # ABSENT and null alike, where a tie lets Meilisearch add nothing
-        return None if value is ABSENT else value
+    def plain(value):
+        """ABSENT and null alike, where a tie lets Meilisearch add nothing; and `[null]`
+        (a GET's `filter=null` fused with a token's `[]`) as `null`: Meilisearch refuses
+        both (400 invalid_search_filter, a null in a filter), and `[]` holds no condition."""
+        return None if value is ABSENT or value == [None] else value
     def expected(rule):
         fused = caller_filter if rule is None else fuse(caller_filter, rule)
         return fused if forced is None else fuse(fused, forced)
