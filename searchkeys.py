@@ -1185,6 +1185,7 @@ class Service:
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
         self.metrics_token = metrics_token  # bytes: --metrics-token-file's token, or None
+        self.joins = JoinsCache()  # the indexes' foreignKeys, for check_joins
 
     def handle(self, request):
         reason = None
@@ -1302,7 +1303,8 @@ class Service:
                 raise scope_not_enforceable(call.route, "without --upstream, which it needs "
                                             "to see whether the index joins others "
                                             "(foreignKeys)")
-            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call),
+                                                    self.joins))
         return value, query, fetch_facts(upstream, call, decision.facts)
 
     @staticmethod
@@ -2390,14 +2392,14 @@ def decide(route, principal, index):
 def check_joins(principal, joins):
     """Meilisearch's experimental foreignKeys put the whole document of a
     joined index into each hit (and `_foreign(...)` filters on it): `joins`
-    ({index searched: its foreignKeys setting}) must name only indexes the
-    principal covers with nothing to hold it to there (no forced parameters,
-    no tenant-token filter): the guard applies neither to joined documents."""
+    ({index searched: the indexes it joins}, see fetch_joins) must name only
+    indexes the principal covers with nothing to hold it to there (no forced
+    parameters, no tenant-token filter): the guard applies neither to joined
+    documents."""
     restrictions = principal.restrictions
-    for index, foreign_keys in joins.items():
-        for foreign in foreign_keys:
-            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
-            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
+    for index, joined in joins.items():
+        for uid in joined:
+            if uid is None or not principal.may_use_index(uid) or \
                     tenant_filter(principal.rules, uid) is not None or \
                     forced_parameters(restrictions, uid) is not None:
                 raise refused("index", invalid_api_key(
@@ -2417,30 +2419,83 @@ def searched_indexes(call):
 MAX_JOIN_LOOKUPS = 20  # distinct indexes whose foreignKeys one search request may need
 
 
-def fetch_joins(upstream, indexes):
-    """{index: its foreignKeys setting} from the backend. Its index_not_found
-    is relayed; a backend without the route (another 404: an older
-    Meilisearch) joins nothing; anything else but the setting (a list) fails
-    closed (a --upstream-key without settings.get gets 403 here)."""
+def fetch_joins(upstream, indexes, cache):
+    """{index: the indexes it joins} for the indexes a request searches: from
+    `cache` (a JoinsCache) while fresh, else from the backend (joined_indexes)."""
     if len(indexes) > MAX_JOIN_LOOKUPS:  # one request must not make hundreds of the backend
         raise refused("index", invalid_api_key(
             "This API key may search at most %d indexes in one request (searchkeys looks at "
             "each one's `foreignKeys`); the request is refused." % MAX_JOIN_LOOKUPS))
     joins = {}
     for index in indexes:
-        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
-        status, answer = upstream.fetch_json(target)
-        code = answer.get("code") if isinstance(answer, dict) else None
-        if status == 404 and code == "index_not_found":
-            raise index_not_found(index)
-        if status == 404:
-            joins[index] = []
-        elif status == 200 and isinstance(answer, list):
-            joins[index] = answer
-        else:
-            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
-                                       "answered %s" % (index, status))
+        asked = time.monotonic()
+        joined = cache.get(index, asked)
+        if joined is None:
+            joined = joined_indexes(upstream, index)
+            cache.keep(index, joined, asked)
+        joins[index] = joined
     return joins
+
+
+def joined_indexes(upstream, index):
+    """The uids of the indexes `index` joins, from its foreignKeys setting on
+    the backend (None for an entry naming none). Its index_not_found is
+    relayed; a backend without the route (another 404: an older
+    Meilisearch) joins nothing; anything else but the setting (a list) fails
+    closed (a --upstream-key without settings.get gets 403 here)."""
+    target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
+    status, answer = upstream.fetch_json(target)
+    code = answer.get("code") if isinstance(answer, dict) else None
+    if status == 404 and code == "index_not_found":
+        raise index_not_found(index)
+    if status == 404:
+        return ()
+    if status != 200 or not isinstance(answer, list):
+        raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
+                                   "answered %s" % (index, status))
+    uids = (foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
+            for foreign in answer)
+    return tuple(dict.fromkeys(uid if isinstance(uid, str) else None for uid in uids))
+
+
+JOINS_FRESH_FOR = 0.25  # seconds an index's foreignKeys are reused, as STORE_POLL_SECONDS
+MAX_CACHED_JOINS = 1024  # indexes remembered at once; the whole cache is dropped when full
+MAX_CACHED_JOIN_SIZE = 1024  # an entry's uids' characters, plus 64 for each uid's own cost
+
+
+class JoinsCache:
+    """An optimization, isolated here: each index's foreignKeys, as the
+    backend answered them, reused for JOINS_FRESH_FOR seconds from the moment
+    they were asked for, so that a scoped search does not cost one more
+    backend round trip each time (bench/README.md, searchkeys round three).
+    The joins check was never atomic (a settings task may finish between the
+    lookup and the forwarded search): this widens that window from one round
+    trip to JOINS_FRESH_FOR, the time in which another `serve --workers`
+    process learns of a deleted key. Only the setting is kept (a list, or the
+    404 of a backend without the route); index_not_found and errors are
+    asked again each time. Index uids are client text: an entry weighing
+    more than MAX_CACHED_JOIN_SIZE is not kept, so the cache holds at most
+    MAX_CACHED_JOINS entries of ~1 KiB (4 KiB were every character one of
+    Python's widest). One per process; threads share it."""
+
+    def __init__(self):
+        self._entries = {}  # index uid -> (monotonic time it expires, the uids it joins)
+        self._lock = threading.Lock()
+
+    def get(self, index, now):
+        """The indexes `index` joins, or None when not known or not fresh."""
+        entry = self._entries.get(index)  # one dict read: no lock
+        return entry[1] if entry is not None and now < entry[0] else None
+
+    def keep(self, index, joined, asked):
+        """Remember the indexes `index` joins, as the backend answered when
+        asked at `asked` (a monotonic time)."""
+        if sum(64 + len(uid or "") for uid in (index,) + joined) > MAX_CACHED_JOIN_SIZE:
+            return
+        with self._lock:
+            if len(self._entries) >= MAX_CACHED_JOINS and index not in self._entries:
+                self._entries.clear()
+            self._entries[index] = (asked + JOINS_FRESH_FOR, joined)
 
 
 def cap_hits(route, cap, value):

@@ -370,7 +370,8 @@ def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, 
         status, answer, seen = send(guard, backend, credential, method, target,
                                     {} if method == "POST" else None)
         assert status == 403 and "foreignKeys" in answer["message"], answer
-        assert seen[1] == "/indexes/reviews/settings/foreign-keys"
+        # the read never reaches the backend: only the lookup, unless the guard just made it
+        assert seen is None or seen[1] == "/indexes/reviews/settings/foreign-keys"
     # joining an index the token sees whole, or read without a filter: as before
     for credential in (token(reader, {"reviews": {"filter": "public = true"}, "critics": None}),
                        reader["key"]):
