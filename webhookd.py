@@ -74,7 +74,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections import deque
+from collections import deque, namedtuple
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from xml.parsers import expat
 
@@ -2947,7 +2947,9 @@ class App:
                      request.method, redact_target(request.target, request.secret_params))
 
     def handle(self, request):
-        """The Response to a request: routed as upstream's hookHandler (through gorilla/mux)."""
+        """The Response to a request, routed as upstream's hookHandler (through gorilla/mux):
+        after the fixed answers (`*`, a redirect of an unclean path, `/`), to the status site
+        (StatusSite.route) or a hook (answer_hook); 404 for anything else."""
         request.id = self.request_id(request)
         target = request.target
         if target.startswith(("http://", "https://")):
@@ -2965,15 +2967,19 @@ class App:
             return Response(301, b"", {"Location": location})
         if path == "/":
             return Response(200, b"OK")
-        if self.status_site.wants(path):
-            return self.status_site.answer(request)
-        if not path.startswith(self.prefix) or "\n" in path:
-            return Response(404, MSG_PAGE_NOT_FOUND, {
-                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        status_route = self.status_site.route(path)
+        if status_route:
+            return self.status_site.answer(request, *status_route)
+        if path.startswith(self.prefix) and "\n" not in path:
+            return self.answer_hook(request, path[len(self.prefix):])
+        return Response(404, MSG_PAGE_NOT_FOUND, {
+            "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+
+    def answer_hook(self, request, hook_id):
+        """The answer of a path under the hook prefix: its hook's (Hooks.trigger), or 404/405."""
         request.client = self.client(request)
         log.info("[%s] incoming HTTP %s request from %s", request.id, request.method,
                  request.client)
-        hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
             return Response(404, MSG_HOOK_NOT_FOUND)
@@ -5669,7 +5675,7 @@ def json_response(status, document):
 
 
 def forbidden(what):
-    """The JSON answer to a client the one access check (StatusSite.trusted) refused."""
+    """The JSON answer to a client the one access check (StatusSite.refusal) refused."""
     return json_response(403, {"error": "%s served with Authorization: Bearer <-status-token>, "
                                         "or without one set to loopback clients no proxy "
                                         "relays" % what})
@@ -5678,55 +5684,57 @@ def forbidden(what):
 class StatusSite:
     """The status site: <status-path> (its health to anyone, the details to trusted clients),
     <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
-    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), behind one
-    405 check and one access check (`trusted`), as JSON or, to a browser, HTML (RunsHtml).
-    An untrusted client never sees hook ids (some hooks rely on theirs being secret), paths,
-    load errors or runs."""
+    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), as JSON or,
+    to a browser, HTML (RunsHtml).  Each path is one record of STATUS_ROUTES, holding the
+    methods it takes (405 otherwise), its access, what it answers a client the one access
+    check (`refusal`) refuses, and its handler.  An untrusted client never sees hook ids (some
+    hooks rely on theirs being secret), paths, load errors or runs."""
 
     def __init__(self, opts, registry, store, metrics_text, started, stopped, hooks):
         self.path, self.token = opts.status_path, opts.status_token
-        self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
         self.registry, self.store, self.started = registry, store, started
         self.metrics_text, self.stopped, self.hooks = metrics_text, stopped, hooks
         self.html = RunsHtml(self.path)
         self.nonces = ReplayNonces()
 
-    def wants(self, path):
-        return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
-                                    or path.startswith(self.prefix + "/"))
+    def route(self, path):
+        """The route of STATUS_ROUTES a path takes, and its match; None off the site."""
+        if self.path and path.startswith(self.path):
+            for route in STATUS_ROUTES:
+                match = route.shape.fullmatch(path, len(self.path))
+                if match:
+                    return route, match
+        return None
 
-    def answer(self, request):
-        path, as_html = request.path, prefers_html(request)
-        replay = REPLAY_PATH.fullmatch(path, len(self.prefix)) if path.startswith(
-            self.prefix) else None
-        if replay:
-            return self.replay(request, replay.group(1), as_html) if request.method == "POST" \
-                else Response(405)
-        if request.method not in ("GET", "HEAD"):
+    def answer(self, request, route, match):
+        """A route's answer: 405 for a method it does not take, then the one access check as
+        the route asks it, then its handler."""
+        if request.method not in route.methods:
             return Response(405)
-        trusted = self.trusted(request)
-        if path == self.path:
-            health = {"status": "degraded" if self.registry.count() == 0
-                      or self.registry.last_reload_failed else "ok", "version": VERSION}
-            if not trusted:
-                return self.refused(health) if as_html else json_response(200, health)
-            details = dict(health, **status_details(self.registry, self.store, self.started))
-            if as_html:
-                return self.listing(request.raw_query, True, details)
-            return json_response(200, details)
-        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
-            if not trusted:
-                return forbidden("metrics are")
-            return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
-                                                       "Cache-Control": "no-store"})
-        if not trusted:
-            return self.refused() if as_html else forbidden("run history is")
-        return self.runs(request, as_html)
+        as_html, arguments = prefers_html(request), match.groupdict()
+        refusal = self.refusal(route, request, as_html, **arguments)
+        if refusal is not None:
+            return refusal
+        return route.handler(self, request, as_html, **arguments)
+
+    def refusal(self, route, request, as_html, run_id=None):
+        """The one access check, as a route's record asks it: None where it lets the request
+        through, else the answer to the client it refuses.  Every route asks for a `trusted`
+        client; a route ASKED_HERE (a replay) also for, unless the bearer of the token asks by
+        itself, a request from this site carrying the nonce of the run's page (`asked_here`):
+        credentials a browser sends on its own (Basic, or none on loopback) would let any page
+        it shows post a plain form."""
+        if not self.trusted(request):
+            return route.refused(self, as_html)
+        if route.access == ASKED_HERE and not self.asked_here(request, run_id):
+            return self.not_replayed(as_html, 403, "a replay is asked with Authorization: "
+                                     "Bearer <-status-token>, or with the Replay button of the "
+                                     "run's page (reload it: its nonce may be too old)")
+        return None
 
     def trusted(self, request):
-        """The one check for all that shows hooks or runs: with -status-token, the bearers of
-        the token (or browsers giving it as their Basic password), whoever they are; without,
-        loopback clients no proxy relays."""
+        """With -status-token, the bearers of the token (or browsers giving it as their Basic
+        password), whoever they are; without, loopback clients no proxy relays."""
         if self.token:
             given = authorization_token(request.get("Authorization"))
             return given is not None and hmac.compare_digest(given, self.token.encode())
@@ -5734,56 +5742,48 @@ class StatusSite:
         return (is_loopback_peer(request.peer) and not relayed
                 and names_loopback(request.get("Host")))
 
-    def refused(self, health=None):
+    def asked_here(self, request, run_id):
+        """Whether the bearer of the token asks, or a request from this site (same_origin)
+        with the nonce the run's page gave its Replay button."""
+        if self.token and request.get("Authorization")[:7].lower() == "bearer ":
+            return True
+        body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
+        nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+        return same_origin(request) and self.nonces.valid(nonce, run_id)
+
+    def sign_in(self, health=None):
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def replay(self, request, run_id, as_html):
-        """A trusted client's POST asking for a run again (Hooks.replay): 202 (a browser: 303
-        to the new run's page), the new run in X-Webhookd-Run.  Only the bearer of the token
-        asks by itself; credentials a browser sends on its own (Basic, or none on loopback)
-        would let any page it shows post a plain form, so they also need a request from this
-        site (same_origin) carrying the nonce of the run's page (its Replay button)."""
-        if not self.trusted(request):
-            return self.refused() if as_html else forbidden("replays are")
+    def health(self):
+        return {"status": "degraded" if self.registry.count() == 0
+                or self.registry.last_reload_failed else "ok", "version": VERSION}
 
-        def not_replayed(status, why):
-            if as_html:
-                return self.html.problem(status, "Not replayed", why)
-            return json_response(status, {"error": why})
-        record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
-        if record is None:
-            return not_replayed(404, "run not found")
-        bearer = self.token and request.get("Authorization")[:7].lower() == "bearer "
-        if not bearer:
-            body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
-            nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
-            if not (same_origin(request) and self.nonces.valid(nonce, record.id)):
-                return not_replayed(403, "a replay is asked with Authorization: Bearer "
-                                         "<-status-token>, or with the Replay button of the "
-                                         "run's page (reload it: its nonce may be too old)")
-        new, refusal = self.hooks.replay(record, request)
-        if refusal is not None:
-            return not_replayed(*refusal)
-        response = json_response(202, {"id": new.id, "replayOf": record.id})
+    def health_only(self, as_html):
+        """The status path to an untrusted client: its health alone."""
+        health = self.health()
+        return self.sign_in(health) if as_html else json_response(200, health)
+
+    def status(self, request, as_html):
+        """The status path to a trusted client: the health and the details (as a page, above
+        the runs the query asks for)."""
+        details = dict(self.health(), **status_details(self.registry, self.store, self.started))
         if as_html:
-            response = Response(303, b"", {"Location": self.html.run_url(new.id),
-                                           "Cache-Control": "no-store"})
-        response.headers["X-Webhookd-Run"] = new.id
-        return response
+            return self.listing(request.raw_query, True, details)
+        return json_response(200, details)
+
+    def metrics(self, request, as_html):  # Prometheus sends the -status-token as its bearer
+        return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
+                                                   "Cache-Control": "no-store"})
 
     def runs(self, request, as_html):
-        """A trusted client's GET of the run list, a run, or its output."""
-        parts = request.path[len(self.prefix):].split("/")[1:]
-        if not parts:
-            return self.listing(request.raw_query, as_html)
-        record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
-        if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
-            if as_html:
-                return self.html.problem(404, "Run not found", "No run has this id (any more).")
-            return json_response(404, {"error": "run not found"})
-        if len(parts) == 2:
-            return self.output(request, record)
+        return self.listing(request.raw_query, as_html)
+
+    def run(self, request, as_html, run_id):
+        """A run's record; as a page, with its output and its Replay button."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.no_run(request, as_html)
         if as_html:
             refusal = self.hooks.replay_refusal(record)
             return self.html.run(record.as_dict(), self.store.read_output(record)[0],
@@ -5792,20 +5792,11 @@ class StatusSite:
                                  refusal and refusal[1])
         return json_response(200, record.as_dict())
 
-    def listing(self, raw_query, as_html=False, details=None):
-        """The runs a query asks for; as HTML, below the status page's `details` if given."""
-        chosen, problem = runs_filter(raw_query)
-        if problem:
-            if as_html:
-                return self.html.problem(400, "Bad filter", problem)
-            return json_response(400, {"error": problem})
-        runs = self.store.listing(*chosen)
-        if as_html:
-            return self.html.overview(details, runs, chosen)
-        return json_response(200, runs)
-
-    def output(self, request, record):
+    def run_output(self, request, as_html, run_id):
         """The kept output; while the run goes on, its body follows the run until it ends."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.no_run(request, as_html)
         headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
                    "X-Content-Type-Options": "nosniff"}
         data, position, ended = self.store.read_output(record)
@@ -5822,8 +5813,80 @@ class StatusSite:
                 data, position, ended = self.store.read_output(record, position)
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
+    def no_run(self, request, as_html):
+        """Anything else under <status-path>/runs/: a run not there (any more)."""
+        if as_html:
+            return self.html.problem(404, "Run not found", "No run has this id (any more).")
+        return json_response(404, {"error": "run not found"})
 
-REPLAY_PATH = re.compile(r"/([^/]+)/replay")  # what follows <status-path>/runs
+    def replay(self, request, as_html, run_id):
+        """A run again (Hooks.replay): 202 (a browser: 303 to the new run's page), the new run
+        in X-Webhookd-Run."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.not_replayed(as_html, 404, "run not found")
+        new, refusal = self.hooks.replay(record, request)
+        if refusal is not None:
+            return self.not_replayed(as_html, *refusal)
+        response = json_response(202, {"id": new.id, "replayOf": record.id})
+        if as_html:
+            response = Response(303, b"", {"Location": self.html.run_url(new.id),
+                                           "Cache-Control": "no-store"})
+        response.headers["X-Webhookd-Run"] = new.id
+        return response
+
+    def not_replayed(self, as_html, status, why):
+        if as_html:
+            return self.html.problem(status, "Not replayed", why)
+        return json_response(status, {"error": why})
+
+    def run_record(self, run_id):
+        return self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
+
+    def listing(self, raw_query, as_html=False, details=None):
+        """The runs a query asks for; as HTML, below the status page's `details` if given."""
+        chosen, problem = runs_filter(raw_query)
+        if problem:
+            if as_html:
+                return self.html.problem(400, "Bad filter", problem)
+            return json_response(400, {"error": problem})
+        runs = self.store.listing(*chosen)
+        if as_html:
+            return self.html.overview(details, runs, chosen)
+        return json_response(200, runs)
+
+
+def refused_as(what, pages=True):
+    """A route's answer to a client the access check refuses: a browser gets a sign-in page
+    (if the route serves pages), anyone else a 403 saying `what` needs the check."""
+    def refused(site, as_html):
+        return site.sign_in() if as_html and pages else forbidden(what)
+    return refused
+
+
+class StatusRoute(namedtuple("StatusRoute", "shape methods access refused handler")):
+    """One route of the status site: the `shape` of the path after <status-path> (a pattern;
+    its `run_id` names a run), the `methods` it takes, its `access` (TRUSTED or ASKED_HERE),
+    what it answers a client the access check refuses (`refused`: site, as_html) and its
+    `handler` (site, request, as_html, and the shape's run_id)."""
+
+    __slots__ = ()
+
+
+TRUSTED, ASKED_HERE = "trusted", "trusted, asked by this site's page"
+READ = ("GET", "HEAD")
+RUN_HISTORY_REFUSED = refused_as("run history is")
+STATUS_ROUTES = tuple(StatusRoute(re.compile(shape, re.DOTALL), *rest) for shape, *rest in (
+    ("", READ, TRUSTED, StatusSite.health_only, StatusSite.status),
+    ("/metrics", READ, TRUSTED, refused_as("metrics are", pages=False), StatusSite.metrics),
+    ("/runs", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.runs),
+    ("/runs/(?P<run_id>[^/]+)/replay", ("POST",), ASKED_HERE, refused_as("replays are"),
+     StatusSite.replay),
+    ("/runs/(?P<run_id>[^/]*)", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.run),
+    ("/runs/(?P<run_id>[^/]*)/output", READ, TRUSTED, RUN_HISTORY_REFUSED,
+     StatusSite.run_output),
+    ("/runs/.*", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.no_run)))
+
 REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
 REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
 
