@@ -3301,30 +3301,6 @@ def delivery_id(hook, request):
     return None
 
 
-def status_details(registry, runs, started):
-    """What the status page shows trusted clients besides its health."""
-    files, errors = registry.status()
-    running = {}
-    for hook_id, gate in list(registry.gates.items()):
-        if gate.running or gate.waiting:
-            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
-    return {
-        "implementation": "webhookd.py",
-        "webhookd_version": __version__,
-        "started": iso_time(started),
-        "uptime_seconds": round(time.time() - started, 3),
-        "hooks_loaded": registry.count(),
-        "hooks_files": files,
-        "last_load": iso_time(registry.last_load),
-        "last_reload_failed": registry.last_reload_failed,
-        "load_errors": errors,
-        "last_runs": runs.last_per_hook(),
-        "runs": running,
-        "runs_in_progress": sum(r["running"] for r in running.values()),
-        "runs_queued": sum(r["queued"] for r in running.values()),
-    }
-
-
 def status_or_200(code, rid, hook):
     """A hook's configured status, or 200 (logged) for a code Go's StatusText lacks, as upstream."""
     if not code:
@@ -5759,6 +5735,29 @@ class StatusSite:
         return {"status": "degraded" if self.registry.count() == 0
                 or self.registry.last_reload_failed else "ok", "version": VERSION}
 
+    def details(self):
+        """What the status page shows trusted clients besides its health."""
+        files, errors = self.registry.status()
+        running = {}
+        for hook_id, gate in list(self.registry.gates.items()):
+            if gate.running or gate.waiting:
+                running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
+        return {
+            "implementation": "webhookd.py",
+            "webhookd_version": __version__,
+            "started": iso_time(self.started),
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "hooks_loaded": self.registry.count(),
+            "hooks_files": files,
+            "last_load": iso_time(self.registry.last_load),
+            "last_reload_failed": self.registry.last_reload_failed,
+            "load_errors": errors,
+            "last_runs": self.store.last_per_hook(),
+            "runs": running,
+            "runs_in_progress": sum(r["running"] for r in running.values()),
+            "runs_queued": sum(r["queued"] for r in running.values()),
+        }
+
     def health_only(self, as_html):
         """The status path to an untrusted client: its health alone."""
         health = self.health()
@@ -5767,7 +5766,7 @@ class StatusSite:
     def status(self, request, as_html):
         """The status path to a trusted client: the health and the details (as a page, above
         the runs the query asks for)."""
-        details = dict(self.health(), **status_details(self.registry, self.store, self.started))
+        details = dict(self.health(), **self.details())
         if as_html:
             return self.listing(request.raw_query, True, details)
         return json_response(200, details)
@@ -6938,7 +6937,7 @@ class RunsHtml:
     """The status page and the run history as HTML for people: one small page each, with
     inline CSS (and script, on a run's page) allowed by a per-answer nonce, everything else
     refused by its Content-Security-Policy.  Shows exactly the documents the JSON answers
-    hold (status_details, the run records, the output), every value escaped."""
+    hold (StatusSite.details, the run records, the output), every value escaped."""
 
     def __init__(self, status_path):
         self.status_url = url_part(status_path, safe="/")
@@ -6966,7 +6965,7 @@ class RunsHtml:
     # -- pages ---------------------------------------------------------------
 
     def overview(self, details, runs, chosen):
-        """The status page (`details`, as status_details gives them) above the runs the filter
+        """The status page (`details`, as StatusSite.details gives them) above the runs the filter
         `chosen` (hook, state, limit) picked; without details, the runs alone."""
         parts = [self.nav()] if details is None else [self.summary(details),
                                                       self.hooks(details), self.files(details)]
