@@ -2285,6 +2285,14 @@ class Connection:
             pass
 
 
+def waiting_capacity(fd_limit, max_connections):
+    """Connections that may wait for a request at once: a quarter of the descriptors and one
+    per worker are left for the connections being served, commands and files."""
+    if fd_limit == resource.RLIM_INFINITY:
+        fd_limit = 1 << 20
+    return max(64, fd_limit - fd_limit // 4 - max_connections)
+
+
 class WaitingRoom:
     """Connections with no request to serve: new ones, kept-alive ones between requests, slow
     ones still sending a head, and those whose client has not read its last answer yet.  One
@@ -6371,14 +6379,6 @@ def raise_fd_limit():
         except (ValueError, OSError):
             pass
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def waiting_capacity(fd_limit, max_connections):
-    """Connections that may wait for a request at once: a quarter of the descriptors and one
-    per worker are left for the connections being served, commands and files."""
-    if fd_limit == resource.RLIM_INFINITY:
-        fd_limit = 1 << 20
-    return max(64, fd_limit - fd_limit // 4 - max_connections)
 
 
 # ---------------------------------------------------------------------------
