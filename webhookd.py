@@ -3354,11 +3354,6 @@ def captured_response(hook, result, headers, success):
     return Response(500, body, headers)
 
 
-def describe_exit(returncode):
-    name = signal_name(returncode)
-    return "exit status %d" % returncode if name is None else "signal: " + name
-
-
 # ---------------------------------------------------------------------------
 # Payload parsing and parameter sources (pure)
 # ---------------------------------------------------------------------------
@@ -4581,6 +4576,22 @@ class CommandResult:
         return self.started and self.returncode == 0 and not self.timed_out
 
 
+def signal_name(returncode):
+    """`SIGKILL` for a process a signal ended (Popen's negative returncode), else None."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return str(-returncode)
+
+
+def describe_exit(returncode):
+    """How the log tells a failed command's end: `exit status N`, or `signal: SIGKILL`."""
+    name = signal_name(returncode)
+    return "exit status %d" % returncode if name is None else "signal: " + name
+
+
 def command_environment(pairs):
     """Our environment plus the hook's variables as bytes; a name set again moves to its last
     position with its last value, as Go's exec does."""
@@ -5019,16 +5030,6 @@ RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "starte
 def new_run_id(now):
     """Sortable by time, unique without coordination: `20261123T214700Z-9f3a0c1e`."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + os.urandom(4).hex()
-
-
-def signal_name(returncode):
-    """`SIGKILL` for a process a signal ended (Popen's negative returncode), else None."""
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return str(-returncode)
 
 
 def run_outcome(result, stopping):
