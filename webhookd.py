@@ -554,7 +554,6 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
-    opts.runs_dir_fd = None  # the -runs-dir folder, held open once open_run_history opened it
     return opts
 
 
@@ -2917,7 +2916,7 @@ class App:
     hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
     site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
-    def __init__(self, opts, registry, stopping=None):
+    def __init__(self, opts, registry, status_token, runs, stopping=None):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
@@ -2927,12 +2926,12 @@ class App:
         self.in_flight = InFlight(stopping)
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
-        self.runs = make_run_store(opts)
+        self.runs = runs
         self.metrics = Metrics(self.started)
         self.hooks = Hooks(opts, registry, self.runs, self.metrics, self.in_flight)
         self.runner = self.hooks.runner
         self.status_site = StatusSite(
-            opts, registry, self.runs,
+            opts.status_path, status_token, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
             self.started, self.in_flight.stopping.is_set, self.hooks)
 
@@ -5675,8 +5674,8 @@ class StatusSite:
     check (`refusal`) refuses, and its handler.  An untrusted client never sees hook ids (some
     hooks rely on theirs being secret), paths, load errors or runs."""
 
-    def __init__(self, opts, registry, store, metrics_text, started, stopped, hooks):
-        self.path, self.token = opts.status_path, opts.status_token
+    def __init__(self, path, token, registry, store, metrics_text, started, stopped, hooks):
+        self.path, self.token = path, token
         self.registry, self.store, self.started = registry, store, started
         self.metrics_text, self.stopped, self.hooks = metrics_text, stopped, hooks
         self.html = RunsHtml(self.path)
@@ -6122,33 +6121,36 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
+class RunHistoryError(Exception):
+    """The status token or -runs-dir cannot be had: the sentence saying why."""
+
+
 def open_run_history(opts):
-    """For serving, before privileges are dropped: read -status-token-file into
-    opts.status_token and open -runs-dir (created, chowned to the user it will run as, locked)
-    into opts.runs_dir_fd.  A sentence if either fails."""
+    """For serving, before privileges are dropped: the status token (-status-token, or read
+    from -status-token-file) and the RunStore, over -runs-dir opened (created, chowned to the
+    user it will run as, locked) when given.  RunHistoryError if either fails."""
+    token = opts.status_token
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
-                opts.status_token = handle.read().strip()
+                token = handle.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            return "cannot read -status-token-file %s: %s" % (
-                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
-        if not opts.status_token:
-            return "-status-token-file %s is empty" % opts.status_token_file
+            raise RunHistoryError("cannot read -status-token-file %s: %s" % (
+                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError)
+                else exc)) from None
+        if not token:
+            raise RunHistoryError("-status-token-file %s is empty" % opts.status_token_file)
+    dir_fd = None
     if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
-            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
-                                             else os.geteuid(), opts.setgid if dropping
-                                             else os.getegid())
+            dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
+                                   opts.setgid if dropping else os.getegid())
         except OSError as exc:
-            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
-    return None
-
-
-def make_run_store(opts):
-    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None, opts.runs_dir_fd)
+            raise RunHistoryError("cannot use -runs-dir %s: %s" % (
+                opts.runs_dir, go_errno_text(exc))) from None
+    return token, RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
+                           opts.runs_dir or None, dir_fd)
 
 
 # ---------------------------------------------------------------------------
@@ -6735,16 +6737,17 @@ def main(argv=None):
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
-    problem = open_run_history(opts)
-    if problem:
-        print("error: " + problem)
+    try:
+        status_token, runs = open_run_history(opts)
+    except RunHistoryError as exc:
+        print("error: %s" % exc)
         return 1
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
         return fatal(str(exc))
     try:
-        return serve(opts)
+        return serve(opts, status_token, runs)
     except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
         if not isinstance(exc.code, str):
             raise
@@ -6755,8 +6758,9 @@ def main(argv=None):
             listener_thread.stop()
 
 
-def serve(opts):
-    """Load the hooks, listen, and run until stopped.  Exit status."""
+def serve(opts, status_token, runs):
+    """Load the hooks, listen, and run until stopped (the status site with `status_token`,
+    run history in `runs`, as open_run_history gives them).  Exit status."""
     signals = SignalQueue()
     log.info("%s starting", VERSION_LINE)
     environ = os.environ
@@ -6778,7 +6782,7 @@ def serve(opts):
             log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
                         "webhookd itself can name any address in X-Forwarded-For, and pass "
                         "ip-whitelist with it; give the proxies' own range", network)
-    if opts.status_path and not opts.status_token:
+    if opts.status_path and not status_token:
         log.warning("warning: %s and its run history are served without -status-token to "
                     "loopback clients no proxy relays: behind a proxy that adds no "
                     "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
@@ -6786,7 +6790,7 @@ def serve(opts):
                     opts.status_path)
     cleanup = []
     stopping = threading.Event()  # set by the Daemon alone
-    app = App(opts, registry, stopping)
+    app = App(opts, registry, status_token, runs, stopping)
     tls_context = None
     try:  # a start that fails leaves no socket file or pidfile behind
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
@@ -6828,7 +6832,7 @@ def serve(opts):
     log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
     if opts.status_path:  # where an operator finds the page the service unit offers
         log.info("status page and run history on %s://%s%s (%s)", scheme, where,
-                 opts.status_path, "with -status-token" if opts.status_token
+                 opts.status_path, "with -status-token" if status_token
                  else "loopback clients only")
     notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
     return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
