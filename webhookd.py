@@ -6788,11 +6788,29 @@ def serve(opts, status_token, runs):
                     "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
                     "or ssh -L), every client counts as loopback: set -status-token",
                     opts.status_path)
-    cleanup = []
     stopping = threading.Event()  # set by the Daemon alone
     app = App(opts, registry, status_token, runs, stopping)
+    listeners, where, tls_context, cleanup = open_service(opts, environ)
+    app.runs.start()  # as the user we now are: the run files are theirs
+    servers = start_servers(opts, app, listeners, tls_context, fd_limit, stopping)
+    scheme = "https" if opts.secure else "http"
+    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
+    if opts.status_path:  # where an operator finds the page the service unit offers
+        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
+                 opts.status_path, "with -status-token" if status_token
+                 else "loopback clients only")
+    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
+
+
+def open_service(opts, environ):
+    """What serving takes from the system while it may (as root, if started so): the pidfile,
+    the listeners and the TLS context, then privileges dropped.  (listeners, where they
+    listen, the TLS context or None, the files to remove at exit); SystemExit with a sentence
+    if a step fails, leaving no socket file or pidfile behind."""
+    cleanup = []
     tls_context = None
-    try:  # a start that fails leaves no socket file or pidfile behind
+    try:
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
             try:
                 write_pidfile(opts.pidfile)
@@ -6804,11 +6822,9 @@ def serve(opts, status_token, runs):
             listeners, where = open_listeners(opts, environ)
         except (OSError, OverflowError, ValueError) as exc:
             step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
-                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
-            remove_paths(cleanup)
-            return 1
+            raise SystemExit("error listening on port: listen %s: %s" % (
+                "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                step + go_errno_text(exc) if isinstance(exc, OSError) else exc)) from None
         if opts.socket and where.startswith("unix:"):
             cleanup.append(opts.socket)
         if opts.secure:
@@ -6821,21 +6837,19 @@ def serve(opts, status_token, runs):
     except SystemExit:
         remove_paths(cleanup)
         raise
-    app.runs.start()  # as the user we now are: the run files are theirs
+    return listeners, where, tls_context, cleanup
+
+
+def start_servers(opts, app, listeners, tls_context, fd_limit, stopping):
+    """A HookServer per listener, each accepting in a thread of its own, all handing their
+    connections to one WaitingRoom and one pool of Workers."""
     limits = Limits(opts, stopping)
     workers = Workers(max(1, opts.max_connections))
     room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
     servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
     for server in servers:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
-    scheme = "https" if opts.secure else "http"
-    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
-    if opts.status_path:  # where an operator finds the page the service unit offers
-        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
-                 opts.status_path, "with -status-token" if status_token
-                 else "loopback clients only")
-    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
+    return servers
 
 
 # ---------------------------------------------------------------------------
