@@ -5881,18 +5881,20 @@ class StatusRoute(namedtuple("StatusRoute", "shape methods access refused handle
 
 
 TRUSTED, ASKED_HERE = "trusted", "trusted, asked by this site's page"
-READ = ("GET", "HEAD")
+READ_METHODS = ("GET", "HEAD")
 RUN_HISTORY_REFUSED = refused_as("run history is")
+# The first route whose shape fits the whole path wins; the last takes the rest under runs/.
 STATUS_ROUTES = tuple(StatusRoute(re.compile(shape, re.DOTALL), *rest) for shape, *rest in (
-    ("", READ, TRUSTED, StatusSite.health_only, StatusSite.status),
-    ("/metrics", READ, TRUSTED, refused_as("metrics are", pages=False), StatusSite.metrics),
-    ("/runs", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.runs),
+    ("", READ_METHODS, TRUSTED, StatusSite.health_only, StatusSite.status),
+    ("/metrics", READ_METHODS, TRUSTED, refused_as("metrics are", pages=False),
+     StatusSite.metrics),
+    ("/runs", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.runs),
     ("/runs/(?P<run_id>[^/]+)/replay", ("POST",), ASKED_HERE, refused_as("replays are"),
      StatusSite.replay),
-    ("/runs/(?P<run_id>[^/]*)", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.run),
-    ("/runs/(?P<run_id>[^/]*)/output", READ, TRUSTED, RUN_HISTORY_REFUSED,
+    ("/runs/(?P<run_id>[^/]*)", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.run),
+    ("/runs/(?P<run_id>[^/]*)/output", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED,
      StatusSite.run_output),
-    ("/runs/.*", READ, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.no_run)))
+    ("/runs/.*", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.no_run)))
 
 REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
 REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
