@@ -171,6 +171,8 @@ def test_without_a_token_set_even_loopback_needs_the_pages_nonce(tmp_path):
         for headers in ({}, {"Authorization": "Bearer anything"}):
             assert replay(daemon, run_id, headers=headers)[0] == 403
         assert replay(daemon, run_id, headers={"X-Forwarded-For": "203.0.113.9"})[0] == 403
+        # the access check comes before the lookup: without the nonce, no telling which runs exist
+        assert replay(daemon, "20260101T000000Z-00000000")[0] == 403
         page = daemon.request("GET", "/status/runs/" + run_id, headers=HTML)[2].decode()
         nonce = re.search(r'name="nonce" value="([^"]+)"', page).group(1)
         status, headers, _ = replay(daemon, run_id, "nonce=" + nonce, {
