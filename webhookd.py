@@ -5274,11 +5274,17 @@ class RunStore:
 
     def _load(self):
         loaded = self.files.load(self.max_output)
+        redelivered = {r.redelivery_of for r in loaded}
         with self.changed:
             for record in loaded:
                 self._add(record)
                 if record.version:
                     self.files.put("record", record)
+            # records of one second load in the order of their ids' random part: a delivery's
+            # newest record is the one no redelivery followed, wherever it was loaded
+            for record in loaded:
+                if record.delivered is not None and record.id not in redelivered:
+                    self.deliveries[record.delivered] = record
             for bucket in {r.bucket for r in loaded}:
                 self._retain(bucket)
 

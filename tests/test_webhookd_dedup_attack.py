@@ -1,0 +1,49 @@
+"""Attacks on webhookd.py's redelivery-aware dedup and when-busy (issue 33, items 3 and 4):
+ways to make a hook run twice for one delivery id, or to have someone else's trigger passed
+over.  Each test starts the real daemon on a free 127.0.0.1 port and sends real HTTP; what ran
+is what the hook's command appended to a file.  Nothing is mocked.
+"""
+import time
+
+from test_webhookd_dedup import deliver, lines
+from test_webhookd_features import script, write_hooks
+from test_webhookd_runs import ended, hook, start
+
+
+def test_a_redelivered_run_stays_the_one_remembered_after_a_restart(tmp_path):
+    """A failed delivery redelivered within the same second: its two records' ids sort by
+    their random part, and a restart must still remember the later (succeeded) one, not run
+    the delivery a third time."""
+    ran = tmp_path / "ran"
+    command = script(tmp_path / "deploy.sh", 'echo "$1" >> %s\nexit "$2"\n' % ran)
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("deploy", command, **{
+        "deduplicate": True, "pass-arguments-to-command": [
+            {"source": "header", "name": "X-Note"}, {"source": "header", "name": "X-Code"}]})])
+    runs_dir = tmp_path / "runs"
+    pairs = []  # (delivery, the failed run, its redelivery that succeeded)
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        for attempt in range(60):
+            delivery = "guid-%d" % attempt
+            _, failed, _ = deliver(daemon, "deploy", delivery, {
+                "X-GitHub-Delivery": delivery, "X-Code": "1"})
+            first = ended(daemon, failed)
+            _, redone, _ = deliver(daemon, "deploy", delivery, {
+                "X-GitHub-Delivery": delivery, "X-Code": "0"})
+            second = ended(daemon, redone)
+            assert (first["state"], second["state"]) == ("failed", "succeeded")
+            assert second["redelivery_of"] == failed
+            pairs.append((delivery, failed, redone))
+            # the order a restart may see them in: the same second, the later id first
+            if first["queued_at"] == second["queued_at"] and redone < failed:
+                break
+        else:
+            raise AssertionError("no redelivery sorted before its failed run in 60 tries")
+        time.sleep(0.3)  # the ended states reach -runs-dir a moment after the runs end
+    assert len(lines(ran)) == 2 * len(pairs)
+    with start(hooks, "-runs-dir", runs_dir) as daemon:
+        for delivery, failed, redone in pairs:
+            status, answer, body = deliver(daemon, "deploy", "again", {
+                "X-GitHub-Delivery": delivery, "X-Code": "0"})
+            assert (status, answer, body) == (
+                200, redone, b"Already run as %s (succeeded).\n" % redone.encode())
+    assert "again" not in lines(ran)
