@@ -794,9 +794,11 @@ HOOK_FIELDS = {
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
          "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": (),
          "whenbusy": "queue", "duration": None}
-# `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
-# Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
-DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
+# `"deduplicate": true` reads a delivery's id from the first of these a request has: Standard
+# Webhooks' first, the one id a signature covers (a replay that adds another of these headers
+# must not pass as a new delivery), then GitHub's, Gitea's (and Forgejo's), GitLab's and
+# Stripe-style senders'
+DELIVERY_HEADERS = ("Webhook-Id", "X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid",
                     "Idempotency-Key")
 WHEN_BUSY = ("queue", "latest", "drop")  # what a trigger does while its hook is busy (WhenBusy)
 DEBOUNCE_LONGEST = 3600.0  # seconds: a longer quiet time is more likely a typo than a wish

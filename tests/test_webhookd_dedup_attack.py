@@ -7,6 +7,7 @@ import time
 
 from test_webhookd_dedup import deliver, lines
 from test_webhookd_features import script, write_hooks
+from test_webhookd_refused import WHSEC, standard_headers
 from test_webhookd_runs import ended, hook, start
 
 
@@ -47,3 +48,27 @@ def test_a_redelivered_run_stays_the_one_remembered_after_a_restart(tmp_path):
             assert (status, answer, body) == (
                 200, redone, b"Already run as %s (succeeded).\n" % redone.encode())
     assert "again" not in lines(ran)
+
+
+def test_a_replayed_standard_webhooks_delivery_cannot_dodge_its_signed_id(tmp_path):
+    """Standard Webhooks signs `webhook-id` (with the timestamp and body): it is what a replay
+    within the 5 minutes' tolerance must be caught by.  Someone replaying a captured delivery
+    adds a header that `"deduplicate": true` also reads, such as X-GitHub-Delivery, which no
+    signature covers: the signed id still decides."""
+    ran = tmp_path / "ran"
+    command = script(tmp_path / "deploy.sh", 'echo "$1" >> %s\n' % ran)
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("deploy", command, **{
+        "deduplicate": True,
+        "pass-arguments-to-command": [{"source": "header", "name": "X-Note"}],
+        "trigger-rule": {"match": {"type": "standard-webhooks", "secret": WHSEC}}})])
+    signed = standard_headers(b"{}", msg_id="msg_2Lk9replayed")
+    with start(hooks) as daemon:
+        status, first, _ = deliver(daemon, "deploy", "sent", signed)
+        assert status == 200 and first
+        ended(daemon, first)
+        for forged in ("X-GitHub-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-UUID"):
+            status, answer, body = deliver(daemon, "deploy", "replayed", dict(
+                signed, **{forged: "any-new-id"}))
+            assert (status, answer, body) == (
+                200, first, b"Already run as %s (succeeded).\n" % first.encode())
+    assert lines(ran) == ["sent"]
