@@ -4882,7 +4882,10 @@ class WhenBusy:
             if fresh:
                 held = self.quiet[hook.id] = HeldRun(run)
             if hook.debounce:
-                held.run, held.until = run, time.monotonic() + hook.debounce
+                until = time.monotonic() + hook.debounce
+                if held.until is not None and until < held.until:  # a reload shortened the
+                    self.changed.notify_all()  # quiet time: its thread waits for the old end
+                held.run, held.until = run, until
             elif held is not None:  # the newer trigger goes on, even if a reload removed
                 del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
                 held.run = None

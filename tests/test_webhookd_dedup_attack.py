@@ -5,10 +5,11 @@ is what the hook's command appended to a file.  Nothing is mocked.
 """
 import time
 
+from test_webhookd_busy import deploy, ran, record
 from test_webhookd_dedup import deliver, lines
-from test_webhookd_features import script, write_hooks
+from test_webhookd_features import script, wait_until, write_hooks
 from test_webhookd_refused import WHSEC, standard_headers
-from test_webhookd_runs import ended, hook, start
+from test_webhookd_runs import ended, hook, start, trigger
 
 
 def test_a_redelivered_run_stays_the_one_remembered_after_a_restart(tmp_path):
@@ -72,3 +73,19 @@ def test_a_replayed_standard_webhooks_delivery_cannot_dodge_its_signed_id(tmp_pa
             assert (status, answer, body) == (
                 200, first, b"Already run as %s (succeeded).\n" % first.encode())
     assert lines(ran) == ["sent"]
+
+
+def test_a_debounce_shortened_by_a_reload_holds_the_next_trigger_no_longer(tmp_path):
+    """A quiet time of 1h, corrected to 1s by a reload: the next trigger takes the held one's
+    place and runs after 1s, not when the old hour would have ended."""
+    hooks = tmp_path / "hooks.json"
+    (tmp_path / "release").touch()
+    write_hooks(hooks, [deploy(tmp_path, "site", debounce="1h")])
+    with start(hooks, "-hotreload") as daemon:
+        held = trigger(daemon, "site?n=1")
+        write_hooks(hooks, [deploy(tmp_path, "site", debounce="1s")])
+        wait_until(lambda: daemon.log().count("loaded: site") == 2, what="the reload")
+        newer = trigger(daemon, "site?n=2")
+        assert record(daemon, held)["superseded_by"] == newer
+        assert ended(daemon, newer)["state"] == "succeeded"
+    assert ran(tmp_path) == ["2"]
