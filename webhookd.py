@@ -5279,7 +5279,7 @@ class RunStore:
 
     def _load(self):
         loaded = self.files.load(self.max_output)
-        redelivered = {r.redelivery_of for r in loaded}
+        redelivered = {r.redelivery_of for r in loaded if isinstance(r.redelivery_of, str)}
         with self.changed:
             for record in loaded:
                 self._add(record)

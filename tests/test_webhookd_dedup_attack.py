@@ -3,6 +3,7 @@ ways to make a hook run twice for one delivery id, or to have someone else's tri
 over.  Each test starts the real daemon on a free 127.0.0.1 port and sends real HTTP; what ran
 is what the hook's command appended to a file.  Nothing is mocked.
 """
+import json
 import time
 
 from test_webhookd_busy import deploy, ran, record
@@ -42,6 +43,10 @@ def test_a_redelivered_run_stays_the_one_remembered_after_a_restart(tmp_path):
             raise AssertionError("no redelivery sorted before its failed run in 60 tries")
         time.sleep(0.3)  # the ended states reach -runs-dir a moment after the runs end
     assert len(lines(ran)) == 2 * len(pairs)
+    # a hand-edited record (the folder is the daemon user's) whose fields are not as written
+    (runs_dir / "20260101T000000Z-00000000.json").write_text(json.dumps({
+        "id": "20260101T000000Z-00000000", "hook": "deploy", "state": "failed",
+        "delivery": "guid-0", "redelivery_of": ["not", "an", "id"]}) + "\n")
     with start(hooks, "-runs-dir", runs_dir) as daemon:
         for delivery, failed, redone in pairs:
             status, answer, body = deliver(daemon, "deploy", "again", {
