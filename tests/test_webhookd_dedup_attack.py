@@ -3,14 +3,15 @@ ways to make a hook run twice for one delivery id, or to have someone else's tri
 over.  Each test starts the real daemon on a free 127.0.0.1 port and sends real HTTP; what ran
 is what the hook's command appended to a file.  Nothing is mocked.
 """
+import hashlib
 import json
 import time
 
 from test_webhookd_busy import deploy, ran, record
 from test_webhookd_dedup import deliver, lines
 from test_webhookd_features import script, wait_until, write_hooks
-from test_webhookd_refused import WHSEC, standard_headers
-from test_webhookd_runs import ended, hook, start, trigger
+from test_webhookd_refused import TOKEN, WHSEC, signed, standard_headers
+from test_webhookd_runs import ended, get_json, hook, start, trigger
 
 
 def test_a_redelivered_run_stays_the_one_remembered_after_a_restart(tmp_path):
@@ -94,3 +95,38 @@ def test_a_debounce_shortened_by_a_reload_holds_the_next_trigger_no_longer(tmp_p
         assert record(daemon, held)["superseded_by"] == newer
         assert ended(daemon, newer)["state"] == "succeeded"
     assert ran(tmp_path) == ["2"]
+
+
+def test_a_delivery_id_read_from_a_secret_header_is_kept_as_its_digest(tmp_path):
+    """`"deduplicate"` may name a header that carries a secret or a signature (a signature
+    header: one run per signed body; a token header): the run records, the run page and the
+    log show its digest, never its value, and it still deduplicates."""
+    ran = tmp_path / "ran"
+    command = script(tmp_path / "deploy.sh", 'echo "$1" >> %s\n' % ran)
+    arguments = {"pass-arguments-to-command": [{"source": "header", "name": "X-Note"}]}
+    hooks = write_hooks(tmp_path / "hooks.json", [
+        hook("github", command, deduplicate="X-Hub-Signature-256", **arguments, **{
+            "trigger-rule": {"match": {"type": "payload-hmac-sha256", "secret": "s3cret-shh",
+                                       "parameter": {"source": "header",
+                                                     "name": "X-Hub-Signature-256"}}}}),
+        hook("gitlab", command, deduplicate="X-Gitlab-Token", **arguments, **{
+            "trigger-rule": {"match": {"type": "value", "value": TOKEN, "parameter": {
+                "source": "header", "name": "X-Gitlab-Token"}}}})])
+    signature = signed(b"{}", "s3cret-shh")
+    sent = {"github": {"X-Hub-Signature-256": signature}, "gitlab": {"X-Gitlab-Token": TOKEN}}
+    with start(hooks) as daemon:
+        for hook_id, headers in sent.items():
+            value = next(iter(headers.values()))
+            status, first, _ = deliver(daemon, hook_id, hook_id, headers)
+            assert status == 200 and first
+            record = ended(daemon, first)
+            assert record["delivery"] == "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+            status, again, body = deliver(daemon, hook_id, hook_id + "-again", headers)
+            assert (status, again) == (200, first) and b"(succeeded)" in body
+            shown = [json.dumps(get_json(daemon, "/status/runs")),
+                     daemon.request("GET", "/status/runs/" + first, headers={
+                         "Accept": "text/html"})[2].decode()]
+            assert all(value not in text for text in shown)
+        log = daemon.log()
+    assert signature not in log and TOKEN not in log
+    assert lines(ran) == ["github", "gitlab"]
