@@ -3243,11 +3243,13 @@ def delivery_id(hook, request):
     of its `deduplicate` headers the request has (not empty), as sent if at most 128 visible
     ASCII characters, else `sha256:` and the hex digest of it (so that the id of any request
     costs the history as little, and shows no control character), as is a header kept out of
-    the logs (a token, a signature: records and logs show the id); None when it has none."""
+    the logs (a token, a signature: records and logs show the id) and one sent as `sha256:...`
+    (it would be the id of the value it digests); None when it has none."""
     for name in hook.delivery_headers:
         value = request.headers.get(name)
         if value:
-            if DELIVERY_ID.fullmatch(value) and name not in hook.secret_headers:
+            if DELIVERY_ID.fullmatch(value) and name not in hook.secret_headers \
+                    and not value.startswith("sha256:"):
                 return value
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
     return None

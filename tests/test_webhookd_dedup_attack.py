@@ -130,3 +130,25 @@ def test_a_delivery_id_read_from_a_secret_header_is_kept_as_its_digest(tmp_path)
         log = daemon.log()
     assert signature not in log and TOKEN not in log
     assert lines(ran) == ["github", "gitlab"]
+
+
+def test_an_id_that_looks_like_a_digest_is_not_the_id_it_digests(tmp_path):
+    """A long id is kept as `sha256:<its digest>`: an id sent as that very text is another
+    delivery, and must neither pass as the long one's redelivery nor take its place."""
+    ran = tmp_path / "ran"
+    command = script(tmp_path / "deploy.sh", 'echo "$1" >> %s\n' % ran)
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("deploy", command, **{
+        "deduplicate": "Idempotency-Key",
+        "pass-arguments-to-command": [{"source": "header", "name": "X-Note"}]})])
+    long_id = "order-" + "7" * 200
+    looks_alike = "sha256:" + hashlib.sha256(long_id.encode()).hexdigest()
+    with start(hooks) as daemon:
+        first = deliver(daemon, "deploy", "long", {"Idempotency-Key": long_id})[1]
+        other = deliver(daemon, "deploy", "look-alike", {"Idempotency-Key": looks_alike})[1]
+        assert other != first
+        for run_id in (first, other):
+            ended(daemon, run_id)
+        assert deliver(daemon, "deploy", "long-again", {"Idempotency-Key": long_id})[1] == first
+        assert deliver(daemon, "deploy", "look-alike-again", {
+            "Idempotency-Key": looks_alike})[1] == other
+    assert lines(ran) == ["long", "look-alike"]
