@@ -1264,6 +1264,12 @@ def compares_a_secret(arg):
         or SECRET_NAME.search(arg.name) is not None
 
 
+def passes_a_secret(arg):
+    """Whether what a command is given from this parameter may be a credential of the request
+    (a `string` is the hooks file's own: the hook's Masker knows its secrets)."""
+    return arg.source != "string" and compares_a_secret(arg)
+
+
 WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
 SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
                          re.IGNORECASE)
@@ -4368,22 +4374,30 @@ class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
     def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None,
-                 masker=None):
+                 masker=None, hidden=()):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
         self.masker = masker or NO_MASK  # the hook's: what the log and the record show
+        self.hidden = hidden  # argv indexes, variable names: given a credential (passes_a_secret)
+
+    def shown_argv(self):
+        """argv as the log and the record show it: masked, a credential shown as MASKED."""
+        return [MASKED if i in self.hidden else self.masker.bytes(arg)
+                for i, arg in enumerate(self.argv)]
 
     def shown(self):
         """What a run's record shows of it: `arguments` (argv, the command first) and
         `environment` (each variable the hook sets, with its value; for a pass-file-to-command
         variable, the file's size), masked, each value cut."""
         def text(data):
-            return cut(self.masker.bytes(data).decode("utf-8", "surrogateescape"))
-        environment = {name: text(value) for name, value in self.env_pairs}
+            return cut(data.decode("utf-8", "surrogateescape"))
+        environment = {name: text(MASKED if name in self.hidden else self.masker.bytes(value))
+                       for name, value in self.env_pairs}
         environment.update((name, "(a file of %d bytes)" % len(data))
                            for name, data in self.file_pairs)
-        return {"arguments": [text(arg) for arg in self.argv], "environment": environment}
+        return {"arguments": [text(arg) for arg in self.shown_argv()],
+                "environment": environment}
 
     def size(self):
         """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
@@ -4449,12 +4463,15 @@ def build_invocation(hook, request):
     executable = look_path(hook.execute_command, hook.working_directory)
     messages = []
     argv = [os_bytes(hook.execute_command)]
-    argv += [os_bytes(value or "") for _, value in lookup_all(hook.pass_arguments, request, "",
-                                                                messages)]
-    env_pairs = [env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value))
-                 for arg, value in lookup_all(hook.pass_environment, request,
-                                              " for environment", messages)
-                 if value is not None]
+    arguments = lookup_all(hook.pass_arguments, request, "", messages)
+    argv += [os_bytes(value or "") for _, value in arguments]
+    hidden = {i for i, (arg, _) in enumerate(arguments, 1) if passes_a_secret(arg)}
+    env_pairs = []
+    for arg, value in lookup_all(hook.pass_environment, request, " for environment", messages):
+        if value is not None:
+            env_pairs.append(env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value)))
+            if passes_a_secret(arg):
+                hidden.add(env_pairs[-1][0])
     file_pairs = []
     for arg, value in lookup_all(hook.pass_files, request, " for file", messages):
         if value is None:
@@ -4472,7 +4489,7 @@ def build_invocation(hook, request):
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
                       messages, request.raw_body if hook.payload_to_stdin else None,
-                      hook.masker)
+                      hook.masker, hidden)
 
 
 def write_temp_files(invocation, request_id):
@@ -4636,7 +4653,7 @@ class Runner:
             log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
                      "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
                      invocation.executable,
-                     go_quote_list([invocation.masker.bytes(arg) for arg in invocation.argv]),
+                     go_quote_list(invocation.shown_argv()),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
         proc = subprocess.Popen(

@@ -152,3 +152,45 @@ def test_an_id_that_looks_like_a_digest_is_not_the_id_it_digests(tmp_path):
         assert deliver(daemon, "deploy", "look-alike-again", {
             "Idempotency-Key": looks_alike})[1] == other
     assert lines(ran) == ["long", "look-alike"]
+
+
+def test_credentials_a_request_passes_to_the_command_are_masked_where_the_run_is_shown(tmp_path):
+    """A hook may hand the command a credential of the request (a script that checks a token
+    itself, or calls on with it): its run record, run page and log show the branch, never the
+    token, the Authorization header, the signature or all the headers."""
+    command = script(tmp_path / "deploy.sh", "echo deployed\n")
+    hooks = write_hooks(tmp_path / "hooks.json", [hook("deploy", command, **{
+        "trigger-rule": {"match": {"type": "value", "value": "push", "parameter": {
+            "source": "header", "name": "X-GitHub-Event"}}},
+        "pass-arguments-to-command": [
+            {"source": "payload", "name": "ref"},
+            {"source": "header", "name": "Authorization"},
+            {"source": "url", "name": "token"},
+            {"source": "header", "name": "X-Hub-Signature-256"},
+            {"source": "entire-headers"}],
+        "pass-environment-to-command": [
+            {"source": "header", "name": "X-Gitlab-Token", "envname": "GITLAB_TOKEN"},
+            {"source": "payload", "name": "ref", "envname": "BRANCH"}]})])
+    secrets = ("Bearer bearer-of-secrets-1", "query-secret-2", "sha256=signature-secret-3",
+               "gitlab-secret-4")
+    with start(hooks) as daemon:
+        status, answer, _ = daemon.request("POST", "/hooks/deploy?token=" + secrets[1],
+                                           b'{"ref": "refs/heads/main"}', {
+            "Content-Type": "application/json", "X-GitHub-Event": "push",
+            "Authorization": secrets[0], "X-Hub-Signature-256": secrets[2],
+            "X-Gitlab-Token": secrets[3]})
+        assert status == 200
+        record = ended(daemon, answer["x-webhookd-run"])
+        assert record["state"] == "succeeded"
+        assert record["arguments"] == [command, "refs/heads/main"] + ["********"] * 4
+        assert record["environment"] == {"GITLAB_TOKEN": "********", "BRANCH": "refs/heads/main"}
+        page = daemon.request("GET", "/status/runs/" + record["id"],
+                              headers={"Accept": "text/html"})[2].decode()
+        assert "refs/heads/main" in page
+        log = daemon.log()
+    for shown in (json.dumps(record), page):
+        assert not any(secret in shown for secret in secrets)
+    # the access log line keeps the request target as upstream's does (a query token is in
+    # every proxy's log too); the command's arguments are not there
+    assert not any(secret in log for secret in secrets[:1] + secrets[2:])
+    assert '"refs/heads/main" "********" "********"' in log
