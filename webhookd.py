@@ -793,9 +793,11 @@ HOOK_FIELDS = {
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
          "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": (),
          "whenbusy": "queue", "duration": None}
-# `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
-# Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
-DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
+# `"deduplicate": true` reads a delivery's id from the first of these a request has: Standard
+# Webhooks' first, the one id a signature covers (a replay that adds another of these headers
+# must not pass as a new delivery), then GitHub's, Gitea's (and Forgejo's), GitLab's and
+# Stripe-style senders'
+DELIVERY_HEADERS = ("Webhook-Id", "X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid",
                     "Idempotency-Key")
 WHEN_BUSY = ("queue", "latest", "drop")  # what a trigger does while its hook is busy (WhenBusy)
 DEBOUNCE_LONGEST = 3600.0  # seconds: a longer quiet time is more likely a typo than a wish
@@ -1259,6 +1261,12 @@ def compares_a_secret(arg):
     header or name, or a whole body, query or header set (which may hold one)."""
     return arg.source in WHOLE_SOURCES or canonical_header(arg.name) in SENSITIVE_HEADERS \
         or SECRET_NAME.search(arg.name) is not None
+
+
+def passes_a_secret(arg):
+    """Whether what a command is given from this parameter may be a credential of the request
+    (a `string` is the hooks file's own: the hook's Masker knows its secrets)."""
+    return arg.source != "string" and compares_a_secret(arg)
 
 
 WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
@@ -3298,11 +3306,14 @@ def delivery_id(hook, request):
     """The id of the delivery a request to a deduplicating hook carries: the value of the first
     of its `deduplicate` headers the request has (not empty), as sent if at most 128 visible
     ASCII characters, else `sha256:` and the hex digest of it (so that the id of any request
-    costs the history as little, and shows no control character); None when it has none."""
+    costs the history as little, and shows no control character), as is a header kept out of
+    the logs (a token, a signature: records and logs show the id) and one sent as `sha256:...`
+    (it would be the id of the value it digests); None when it has none."""
     for name in hook.delivery_headers:
         value = request.headers.get(name)
         if value:
-            if DELIVERY_ID.fullmatch(value):
+            if DELIVERY_ID.fullmatch(value) and name not in hook.secret_headers \
+                    and not value.startswith("sha256:"):
                 return value
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
     return None
@@ -4408,22 +4419,30 @@ class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
     def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None,
-                 masker=None):
+                 masker=None, hidden=()):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
         self.masker = masker or NO_MASK  # the hook's: what the log and the record show
+        self.hidden = hidden  # argv indexes, variable names: given a credential (passes_a_secret)
+
+    def shown_argv(self):
+        """argv as the log and the record show it: masked, a credential shown as MASKED."""
+        return [MASKED if i in self.hidden else self.masker.bytes(arg)
+                for i, arg in enumerate(self.argv)]
 
     def shown(self):
         """What a run's record shows of it: `arguments` (argv, the command first) and
         `environment` (each variable the hook sets, with its value; for a pass-file-to-command
         variable, the file's size), masked, each value cut."""
         def text(data):
-            return cut(self.masker.bytes(data).decode("utf-8", "surrogateescape"))
-        environment = {name: text(value) for name, value in self.env_pairs}
+            return cut(data.decode("utf-8", "surrogateescape"))
+        environment = {name: text(MASKED if name in self.hidden else self.masker.bytes(value))
+                       for name, value in self.env_pairs}
         environment.update((name, "(a file of %d bytes)" % len(data))
                            for name, data in self.file_pairs)
-        return {"arguments": [text(arg) for arg in self.argv], "environment": environment}
+        return {"arguments": [text(arg) for arg in self.shown_argv()],
+                "environment": environment}
 
     def size(self):
         """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
@@ -4489,12 +4508,15 @@ def build_invocation(hook, request):
     executable = look_path(hook.execute_command, hook.working_directory)
     messages = []
     argv = [os_bytes(hook.execute_command)]
-    argv += [os_bytes(value or "") for _, value in lookup_all(hook.pass_arguments, request, "",
-                                                                messages)]
-    env_pairs = [env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value))
-                 for arg, value in lookup_all(hook.pass_environment, request,
-                                              " for environment", messages)
-                 if value is not None]
+    arguments = lookup_all(hook.pass_arguments, request, "", messages)
+    argv += [os_bytes(value or "") for _, value in arguments]
+    hidden = {i for i, (arg, _) in enumerate(arguments, 1) if passes_a_secret(arg)}
+    env_pairs = []
+    for arg, value in lookup_all(hook.pass_environment, request, " for environment", messages):
+        if value is not None:
+            env_pairs.append(env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value)))
+            if passes_a_secret(arg):
+                hidden.add(env_pairs[-1][0])
     file_pairs = []
     for arg, value in lookup_all(hook.pass_files, request, " for file", messages):
         if value is None:
@@ -4512,7 +4534,7 @@ def build_invocation(hook, request):
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
                       messages, request.raw_body if hook.payload_to_stdin else None,
-                      hook.masker)
+                      hook.masker, hidden)
 
 
 def write_temp_files(invocation, request_id):
@@ -4692,7 +4714,7 @@ class Runner:
             log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
                      "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
                      invocation.executable,
-                     go_quote_list([invocation.masker.bytes(arg) for arg in invocation.argv]),
+                     go_quote_list(invocation.shown_argv()),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
         proc = subprocess.Popen(
@@ -4941,7 +4963,10 @@ class WhenBusy:
             if fresh:
                 held = self.quiet[hook.id] = HeldRun(run)
             if hook.debounce:
-                held.run, held.until = run, time.monotonic() + hook.debounce
+                until = time.monotonic() + hook.debounce
+                if held.until is not None and until < held.until:  # a reload shortened the
+                    self.changed.notify_all()  # quiet time: its thread waits for the old end
+                held.run, held.until = run, until
             elif held is not None:  # the newer trigger goes on, even if a reload removed
                 del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
                 held.run = None
@@ -5334,11 +5359,17 @@ class RunStore:
 
     def _load(self):
         loaded = self.files.load(self.max_output)
+        redelivered = {r.redelivery_of for r in loaded if isinstance(r.redelivery_of, str)}
         with self.changed:
             for record in loaded:
                 self._add(record)
                 if record.version:
                     self.files.put("record", record)
+            # records of one second load in the order of their ids' random part: a delivery's
+            # newest record is the one no redelivery followed, wherever it was loaded
+            for record in loaded:
+                if record.delivered is not None and record.id not in redelivered:
+                    self.deliveries[record.delivered] = record
             for bucket in {r.bucket for r in loaded}:
                 self._retain(bucket)
 
