@@ -164,6 +164,7 @@ def test_credentials_a_request_passes_to_the_command_are_masked_where_the_run_is
             "source": "header", "name": "X-GitHub-Event"}}},
         "pass-arguments-to-command": [
             {"source": "payload", "name": "ref"},
+            {"source": "payload", "name": "head_commit.author.name"},
             {"source": "header", "name": "Authorization"},
             {"source": "url", "name": "token"},
             {"source": "header", "name": "X-Hub-Signature-256"},
@@ -175,14 +176,15 @@ def test_credentials_a_request_passes_to_the_command_are_masked_where_the_run_is
                "gitlab-secret-4")
     with start(hooks) as daemon:
         status, answer, _ = daemon.request("POST", "/hooks/deploy?token=" + secrets[1],
-                                           b'{"ref": "refs/heads/main"}', {
+                                           b'{"ref": "refs/heads/main", "head_commit": '
+                                           b'{"author": {"name": "Ada"}}}', {
             "Content-Type": "application/json", "X-GitHub-Event": "push",
             "Authorization": secrets[0], "X-Hub-Signature-256": secrets[2],
             "X-Gitlab-Token": secrets[3]})
         assert status == 200
         record = ended(daemon, answer["x-webhookd-run"])
         assert record["state"] == "succeeded"
-        assert record["arguments"] == [command, "refs/heads/main"] + ["********"] * 4
+        assert record["arguments"] == [command, "refs/heads/main", "Ada"] + ["********"] * 4
         assert record["environment"] == {"GITLAB_TOKEN": "********", "BRANCH": "refs/heads/main"}
         page = daemon.request("GET", "/status/runs/" + record["id"],
                               headers={"Accept": "text/html"})[2].decode()
@@ -193,4 +195,4 @@ def test_credentials_a_request_passes_to_the_command_are_masked_where_the_run_is
     # the access log line keeps the request target as upstream's does (a query token is in
     # every proxy's log too); the command's arguments are not there
     assert not any(secret in log for secret in secrets[:1] + secrets[2:])
-    assert '"refs/heads/main" "********" "********"' in log
+    assert '"refs/heads/main" "Ada" "********" "********"' in log
