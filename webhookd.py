@@ -2887,9 +2887,9 @@ class HookServer(HTTPServer):
 # ---------------------------------------------------------------------------
 
 class HookRun:
-    """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
-    the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
-    run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
+    """One triggered hook, built once by Hooks.prepare (or Hooks.replay), carrying all a run
+    needs to the runner: the hook, the request id, what to execute (`invocation`, or `failure`
+    when it cannot run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
     (`has_turn` once granted), the run's record (None without run history) and, in the
     background, the bytes its invocation holds in the backlog (`held`)."""
 
@@ -3164,7 +3164,9 @@ class Hooks:
         run.invocation, run.held = invocation, invocation.size()
         log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
                  run.record.id)
-        self.run_in_background(run)
+        # a deliberate replay waits for its max-concurrency turn in arrival order: when-busy's
+        # latest/drop/debounce are about bursts of deliveries, not a person asking again
+        run.gate.enter(lambda: self.run_in_background(run))
         return run.record, None
 
     def replay_refusal(self, record):
