@@ -1185,7 +1185,7 @@ class Service:
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
         self.metrics_token = metrics_token  # bytes: --metrics-token-file's token, or None
-        self.joins = JoinsCache()  # the indexes' foreignKeys, for check_joins
+        self.settings = SettingsCache()  # index settings the guard checks against
 
     def handle(self, request):
         reason = None
@@ -1304,7 +1304,7 @@ class Service:
                                             "to see whether the index joins others "
                                             "(foreignKeys)")
             check_joins(call.principal, fetch_joins(upstream, searched_indexes(call),
-                                                    self.joins))
+                                                    self.settings))
         return value, query, fetch_facts(upstream, call, decision.facts)
 
     @staticmethod
@@ -2421,20 +2421,12 @@ MAX_JOIN_LOOKUPS = 20  # distinct indexes whose foreignKeys one search request m
 
 def fetch_joins(upstream, indexes, cache):
     """{index: the indexes it joins} for the indexes a request searches: from
-    `cache` (a JoinsCache) while fresh, else from the backend (joined_indexes)."""
+    `cache` (a SettingsCache) while fresh, else from the backend (joined_indexes)."""
     if len(indexes) > MAX_JOIN_LOOKUPS:  # one request must not make hundreds of the backend
         raise refused("index", invalid_api_key(
             "This API key may search at most %d indexes in one request (searchkeys looks at "
             "each one's `foreignKeys`); the request is refused." % MAX_JOIN_LOOKUPS))
-    joins = {}
-    for index in indexes:
-        asked = time.monotonic()
-        joined = cache.get(index, asked)
-        if joined is None:
-            joined = joined_indexes(upstream, index)
-            cache.keep(index, joined, asked)
-        joins[index] = joined
-    return joins
+    return {index: cache.setting(joined_indexes, upstream, index) for index in indexes}
 
 
 def joined_indexes(upstream, index):
@@ -2458,44 +2450,49 @@ def joined_indexes(upstream, index):
     return tuple(dict.fromkeys(uid if isinstance(uid, str) else None for uid in uids))
 
 
-JOINS_FRESH_FOR = 0.25  # seconds an index's foreignKeys are reused, as STORE_POLL_SECONDS
-MAX_CACHED_JOINS = 1024  # indexes remembered at once; the whole cache is dropped when full
-MAX_CACHED_JOIN_SIZE = 1024  # an entry's uids' characters, plus 64 for each uid's own cost
+SETTINGS_FRESH_FOR = 0.25  # seconds an index's setting is reused, as STORE_POLL_SECONDS
+MAX_CACHED_SETTINGS = 1024  # settings remembered at once; the whole cache is dropped when full
+MAX_CACHED_SETTING_SIZE = 1024  # an entry's index uid and strings, plus 64 for each one's cost
 
 
-class JoinsCache:
-    """An optimization, isolated here: each index's foreignKeys, as the
-    backend answered them, reused for JOINS_FRESH_FOR seconds from the moment
-    they were asked for, so that a scoped search does not cost one more
-    backend round trip each time (bench/README.md, searchkeys round three).
-    The joins check was never atomic (a settings task may finish between the
-    lookup and the forwarded search): this widens that window from one round
-    trip to JOINS_FRESH_FOR, the time in which another `serve --workers`
-    process learns of a deleted key. Only the setting is kept (a list, or the
-    404 of a backend without the route); index_not_found and errors are
-    asked again each time. Index uids are client text: an entry weighing
-    more than MAX_CACHED_JOIN_SIZE is not kept, so the cache holds at most
-    MAX_CACHED_JOINS entries of ~1 KiB (4 KiB were every character one of
+class SettingsCache:
+    """An optimization, isolated here: the index settings the guard checks
+    against (an index's foreignKeys, see joined_indexes; its
+    displayedAttributes, see displayed_attributes), as the backend answered
+    them, reused for SETTINGS_FRESH_FOR seconds from the moment they were
+    asked for, so that a scoped search or documents read does not cost one
+    more backend round trip each time (bench/README.md, searchkeys round
+    three). These checks were never atomic (a settings task may finish
+    between the lookup and the forwarded request): this widens that window
+    from one round trip to SETTINGS_FRESH_FOR, the time in which another
+    `serve --workers` process learns of a deleted key. Only the setting is
+    kept (a tuple of strings and Nones, or the () a backend without the
+    route answers for foreignKeys); index_not_found and errors are raised,
+    so asked again each time. Index uids are client text: an entry weighing
+    more than MAX_CACHED_SETTING_SIZE is not kept, so the cache holds at most
+    MAX_CACHED_SETTINGS entries of ~1 KiB (4 KiB were every character one of
     Python's widest). One per process; threads share it."""
 
     def __init__(self):
-        self._entries = {}  # index uid -> (monotonic time it expires, the uids it joins)
+        # (reader, index uid) -> (monotonic time it expires, the setting it read)
+        self._entries = {}
         self._lock = threading.Lock()
 
-    def get(self, index, now):
-        """The indexes `index` joins, or None when not known or not fresh."""
-        entry = self._entries.get(index)  # one dict read: no lock
-        return entry[1] if entry is not None and now < entry[0] else None
-
-    def keep(self, index, joined, asked):
-        """Remember the indexes `index` joins, as the backend answered when
-        asked at `asked` (a monotonic time)."""
-        if sum(64 + len(uid or "") for uid in (index,) + joined) > MAX_CACHED_JOIN_SIZE:
-            return
-        with self._lock:
-            if len(self._entries) >= MAX_CACHED_JOINS and index not in self._entries:
-                self._entries.clear()
-            self._entries[index] = (asked + JOINS_FRESH_FOR, joined)
+    def setting(self, read, upstream, index):
+        """`read(upstream, index)`: an index's setting, from the backend
+        unless this cache holds a fresh one."""
+        asked = time.monotonic()
+        entry = self._entries.get((read, index))  # one dict read: no lock
+        if entry is not None and asked < entry[0]:
+            return entry[1]
+        value = read(upstream, index)
+        if sum(64 + len(item or "") for item in (index,) + value) <= MAX_CACHED_SETTING_SIZE:
+            with self._lock:
+                if len(self._entries) >= MAX_CACHED_SETTINGS and \
+                        (read, index) not in self._entries:
+                    self._entries.clear()
+                self._entries[(read, index)] = (asked + SETTINGS_FRESH_FOR, value)
+        return value
 
 
 def cap_hits(route, cap, value):
