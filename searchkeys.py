@@ -1273,7 +1273,8 @@ class Service:
            may forward it as sent (Decision.check_unchanged);
         3. the backend's facts: the index exists (for a caller who may not
            create it), the indexes searched join no documents the principal
-           may not see whole, then the facts the query steps need.
+           may not see whole, then the facts the other steps need;
+        4. forwarding runs its fact steps.
         `query`: the query string of the request judged. Returns the search
         value and query string to forward, and the facts."""
         decision, upstream = call.decision, self.upstream
@@ -1284,7 +1285,7 @@ class Service:
                 value = fetch_one_document(call.params["document_id"], query)
             else:
                 value = call.json if decision.needs_body else None
-            value, query = decision.rewrite(value, query)
+            value, query = decision.rewrite(value, query, decision.value_steps)
             if upstream is None:
                 raise no_upstream()
         else:
@@ -1305,7 +1306,10 @@ class Service:
                                             "(foreignKeys)")
             check_joins(call.principal, fetch_joins(upstream, searched_indexes(call),
                                                     self.settings))
-        return value, query, fetch_facts(upstream, call, decision.facts)
+        facts = fetch_facts(upstream, call, decision.facts, self.settings)
+        if forwarding:
+            value, query = decision.rewrite(value, query, decision.fact_steps, facts)
+        return value, query, facts
 
     @staticmethod
     def caller_body(body, headers):
@@ -2261,7 +2265,8 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins concurrent fetches_document")):
+                    "answer_filter searches checks_joins concurrent fetches_document "
+                    "fact_steps")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2286,22 +2291,27 @@ class Decision(collections.namedtuple(
       documents fetch of its id (carrier BODY, the value from
       fetch_one_document), so that it answers only a document that passes,
       and `answer_filter` makes the answer the document, or Meilisearch's
-      own 404 as if it were missing."""
+      own 404 as if it were missing;
+    - `fact_steps`: Steps on its search value that read the backend's
+      `facts` (`apply(value, facts)`), run once those are fetched: a tenant
+      token's documents read cut to what a search shows (show_displayed)."""
 
     @property
     def needs_body(self):
-        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
+        return bool(self.value_steps or self.fact_steps) and self.carrier == BODY \
+            or self.searches is not None
 
-    def rewrite(self, value, query):
-        """The search value and query string to forward once the value steps
-        ran on them: `value` is the JSON body's (carrier BODY) or None; a
-        GET's value is read from its query string and written back to it."""
-        if self.value_steps and self.carrier == QUERY:
+    def rewrite(self, value, query, steps, *facts):
+        """The search value and query string to forward once `steps` (the
+        value steps, or the fact steps given the facts) ran on them: `value`
+        is the JSON body's (carrier BODY) or None; a GET's value is read from
+        its query string and written back to it."""
+        if steps and self.carrier == QUERY:
             read = parse_search_query(query)
             value = dict(read[0])
-        for step in self.value_steps:
-            value = step.apply(value)
-        if self.value_steps and self.carrier == QUERY:
+        for step in steps:
+            value = step.apply(value, *facts)
+        if steps and self.carrier == QUERY:
             query = encode_search_query(query, read, value)
         return value, query
 
@@ -2380,13 +2390,20 @@ def decide(route, principal, index):
     checks_joins = held_read or searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
-    fetches_document = route.one_document and held_read
+    # a tenant token's documents read shows what its searches would (issue 34), not every
+    # field as Meilisearch's documents routes do
+    token_read = route.forced is force_documents and principal.rules is not None
+    fact_steps = ()
+    if token_read:
+        facts = facts + ("displayed_attributes",)
+        fact_steps = (Step(SCOPE, show_displayed),)
+    fetches_document = route.one_document and (held_read or token_read)
     if fetches_document:
         answer_filter = one_document_answer
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps),
                     BODY if fetches_document else route.carrier, answer_filter, searches,
-                    checks_joins, concurrent, fetches_document)
+                    checks_joins, concurrent, fetches_document, fact_steps)
 
 
 def check_joins(principal, joins):
@@ -2523,10 +2540,12 @@ def check_index_exists(upstream, index, missing_status):
         raise
 
 
-def fetch_facts(upstream, call, names):
+def fetch_facts(upstream, call, names, settings):
     """The backend's facts a decision's steps need ({name: value}), fetched
     once for the request: `covered_indexes`, the index objects the principal
-    covers; `task`, the task of the path's task_id (its refusal relayed)."""
+    covers; `task`, the task of the path's task_id (its refusal relayed);
+    `displayed_attributes`, the path index's (from `settings`, a
+    SettingsCache)."""
     facts = {}
     if "covered_indexes" in names:
         status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
@@ -2539,7 +2558,23 @@ def fetch_facts(upstream, call, names):
         task_id = call.params["task_id"]
         facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
             task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
+    if "displayed_attributes" in names:
+        facts["displayed_attributes"] = settings.setting(displayed_attributes, upstream,
+                                                         call.index)
     return facts
+
+
+def displayed_attributes(upstream, index):
+    """The attributes a search of `index` shows, from its displayedAttributes
+    setting on the backend (`("*",)`: all). Its refusal (index_not_found) is
+    relayed; anything else but the setting (a list of strings) fails closed."""
+    answer = fetch_or_refuse(upstream, "/indexes/%s/settings/displayed-attributes" % (
+        urllib.parse.quote(index, safe="")), "asking for the displayedAttributes of index %s"
+        % _uid_shown(index))
+    if not isinstance(answer, list) or not all(isinstance(name, str) for name in answer):
+        raise upstream_unreachable(upstream, "the displayedAttributes of index %s are not a "
+                                   "list of attributes" % _uid_shown(index))
+    return tuple(answer)
 
 
 def _check_route_table(routes):
@@ -3000,13 +3035,32 @@ def force_documents(restrictions, index, value):
         value["filter"] = fuse_filters(value.get("filter"), forced["filter"])
     shown = forced.get("attributesToRetrieve")
     if shown is not None and "*" not in shown:
-        asked = value.get("fields")
-        value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
-            [name for name in asked if name in shown]
-        if "_vectors" not in shown and "retrieveVectors" in value:
-            value["retrieveVectors"] = False
+        cut_fields(value, shown)
     if "retrieveVectors" in forced:
         value["retrieveVectors"] = forced["retrieveVectors"]
+    return value
+
+
+def show_displayed(value, facts):
+    """A tenant token's documents read, its fields limited as a search's
+    (issue 34; Meilisearch's documents routes ignore displayedAttributes):
+    cut to the index's displayedAttributes unless they are `*`."""
+    displayed = facts["displayed_attributes"]
+    if "*" in displayed or not isinstance(value, dict):
+        return value
+    return cut_fields(dict(value), displayed)
+
+
+def cut_fields(value, shown):
+    """A documents read's value with its `fields` cut to `shown` (all of
+    those when none, `*` or no list is asked) and no vectors (embeddings are
+    made from any of the document's fields, shown or not) unless `_vectors`
+    is among them."""
+    asked = value.get("fields")
+    value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
+        [name for name in asked if name in shown]
+    if "_vectors" not in shown and "retrieveVectors" in value:
+        value["retrieveVectors"] = False
     return value
 
 
