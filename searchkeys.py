@@ -1495,8 +1495,8 @@ class Route(collections.namedtuple(
       and from a browser, the one place where browser_refusal does not keep
       it out; anything else gets 401 with a Basic challenge (Gate.check);
     - `one_document`: it reads the one document its path's `document_id`
-      names: under a filter the backend is asked for it by a documents fetch
-      (Decision.fetches_document)."""
+      names: under a filter, or for a tenant token, the backend is asked for
+      it by a documents fetch (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
@@ -2287,7 +2287,8 @@ class Decision(collections.namedtuple(
       maxConcurrentSearches), this one holding a place until its answer
       has gone, or None;
     - `fetches_document`: a GET of one document under a filter (a tenant
-      token's, forced parameters'): the backend is asked for it by a
+      token's, forced parameters') or by any tenant token (its fields cut,
+      see fact_steps): the backend is asked for it by a
       documents fetch of its id (carrier BODY, the value from
       fetch_one_document), so that it answers only a document that passes,
       and `answer_filter` makes the answer the document, or Meilisearch's
