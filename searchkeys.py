@@ -2447,17 +2447,23 @@ def fetch_joins(upstream, indexes, cache):
     return {index: cache.setting(joined_indexes, upstream, index) for index in indexes}
 
 
+def fetch_setting(upstream, index, setting):
+    """The backend's (status, answer) to `GET /indexes/{index}/settings/
+    {setting}` with the upstream key; its index_not_found relayed."""
+    status, answer = upstream.fetch_json("/indexes/%s/settings/%s" % (
+        urllib.parse.quote(index, safe=""), setting))
+    if status == 404 and isinstance(answer, dict) and answer.get("code") == "index_not_found":
+        raise index_not_found(index)
+    return status, answer
+
+
 def joined_indexes(upstream, index):
     """The uids of the indexes `index` joins, from its foreignKeys setting on
     the backend (None for an entry naming none). Its index_not_found is
     relayed; a backend without the route (another 404: an older
     Meilisearch) joins nothing; anything else but the setting (a list) fails
     closed (a --upstream-key without settings.get gets 403 here)."""
-    target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
-    status, answer = upstream.fetch_json(target)
-    code = answer.get("code") if isinstance(answer, dict) else None
-    if status == 404 and code == "index_not_found":
-        raise index_not_found(index)
+    status, answer = fetch_setting(upstream, index, "foreign-keys")
     if status == 404:
         return ()
     if status != 200 or not isinstance(answer, list):
@@ -2567,14 +2573,13 @@ def fetch_facts(upstream, call, names, settings):
 
 def displayed_attributes(upstream, index):
     """The attributes a search of `index` shows, from its displayedAttributes
-    setting on the backend (`("*",)`: all). Its refusal (index_not_found) is
-    relayed; anything else but the setting (a list of strings) fails closed."""
-    answer = fetch_or_refuse(upstream, "/indexes/%s/settings/displayed-attributes" % (
-        urllib.parse.quote(index, safe="")), "asking for the displayedAttributes of index %s"
-        % _uid_shown(index))
-    if not isinstance(answer, list) or not all(isinstance(name, str) for name in answer):
-        raise upstream_unreachable(upstream, "the displayedAttributes of index %s are not a "
-                                   "list of attributes" % _uid_shown(index))
+    setting on the backend (`("*",)`: all). Its index_not_found is relayed;
+    anything else but the setting (a list of strings) fails closed."""
+    status, answer = fetch_setting(upstream, index, "displayed-attributes")
+    if status != 200 or not isinstance(answer, list) or \
+            not all(isinstance(name, str) for name in answer):
+        raise upstream_unreachable(upstream, "asking for the displayedAttributes of index %s "
+                                   "answered %s" % (index, status))
     return tuple(answer)
 
 

@@ -29,8 +29,10 @@ DOCUMENTS = [
     {"id": "x-4", "title": "Delta", "tenant": "other", "public": False, "secret": "s4"},
 ]
 # The indexes' displayedAttributes: `movies` and `catalog` hold DOCUMENTS, `catalog` shows
-# only some of their attributes; `reviews` exists only to join `critics`.
-DISPLAYED = {"movies": ["*"], "catalog": ["id", "title", "tenant"], "reviews": ["*"]}
+# only some of their attributes; `reviews` exists only to join `critics`; `broken` answers
+# something else than the setting.
+DISPLAYED = {"movies": ["*"], "catalog": ["id", "title", "tenant"], "reviews": ["*"],
+             "broken": {"displayedAttributes": ["id"]}}
 
 
 def meili_error(message, code, status=400):
@@ -414,6 +416,24 @@ def test_a_tenant_token_reads_only_the_displayed_attributes(guard, backend, read
     status, answer, seen = send(guard, backend, reader["key"], "POST",
                                 "/indexes/catalog/documents/fetch", {"fields": ["secret"]})
     assert status == 200 and [d["secret"] for d in answer["results"]] == ["s1", "s2", "s3", "s4"]
+
+
+def test_a_tokens_read_fails_closed_without_the_setting(guard, backend, reader):
+    """A missing index: its index_not_found, as Meilisearch answers the read; a setting the
+    backend does not answer as one: 502, and the read is never sent."""
+    credential = token(reader, ["*"])
+    for method, target in (("GET", "/indexes/books/documents"),
+                           ("POST", "/indexes/books/documents/fetch"),
+                           ("GET", "/indexes/books/documents/1")):
+        status, answer, seen = send(guard, backend, credential, method, target,
+                                    {} if method == "POST" else None)
+        assert status == 404 and answer["code"] == "index_not_found", answer
+        assert seen[1] == "/indexes/books/settings/displayed-attributes"
+        status, answer, seen = send(guard, backend, credential, method,
+                                    target.replace("books", "broken"),
+                                    {} if method == "POST" else None)
+        assert status == 502 and answer["code"] == "upstream_unavailable", answer
+        assert seen[1] == "/indexes/broken/settings/displayed-attributes"
 
 
 def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, reader):
