@@ -639,7 +639,7 @@ def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(own_
         backend.joins.clear()
 
 
-JOINS_FRESH_FOR = 0.25  # seconds the guard reuses an index's foreignKeys (its JOINS_FRESH_FOR)
+JOINS_FRESH_FOR = 0.25  # seconds the guard reuses an index's foreignKeys (its SETTINGS_FRESH_FOR)
 
 
 def search_until(guard, backend, credential, status, seconds=5.0):

@@ -23,8 +23,10 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
       index, and routes whose indexes the guard cannot see, never reach the backend;
   (f) documents read (issue 34: searchkeys lets a tenant token read documents when its key
       may): listed or fetched, with the token's and the forced filter fused in as on a search,
-      the fields within a forced attributesToRetrieve and no vectors unless it shows them; one
-      document under a filter never asked of the backend by its id alone (its fetch is (f));
+      the fields within a forced attributesToRetrieve and no vectors unless it shows them, and
+      for a token within the index's displayedAttributes too (as its searches show them); one
+      document under a filter, or of a token on an index that hides attributes, never asked of
+      the backend by its id alone (its fetch is (f));
   (g) issue 34's restrictions: an admin credential (the master key, or a key holding more than
       `search` without `allowBrowser`) sent with a browser's signal (`Origin`, `Referer`,
       `Sec-Fetch-Mode`) gets nothing through; the backend never runs more searches of a key at
@@ -481,6 +483,8 @@ INDEX_POOL = ["movies", "movies_fr", "movies-2", "mov", "books", "books_de", "mu
               "tenant_a", "tenant_b", "a", "ab", "new_index", "zzz"]
 EXISTING = ["movies", "movies_fr", "movies-2", "books", "books_de", "music", "secret",
             "tenant_a", "a", "ab"]
+# The existing indexes' displayedAttributes (the others': all, `*`).
+DISPLAYED = {"movies": ["id", "title"], "music": ["id", "_vectors"]}
 PATTERNS = ["movies", "movies*", "mov*", "books*", "books", "music", "tenant_a", "tenant_*",
             "a*", "ab", "secret", "m*", "nothing", "new_index"]
 TASK_INDEX = {t: (INDEX_POOL[t % len(INDEX_POOL)] if t % 7 else None) for t in range(40)}
@@ -593,6 +597,8 @@ class Backend:
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
         if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
             return 200, []  # no index joins another (foreignKeys)
+        if (method, template) == ("GET", "/indexes/{index_uid}/settings/displayed-attributes"):
+            return 200, DISPLAYED.get(params["index_uid"], ["*"])
         if (method, template) == ("POST", "/indexes/{index_uid}/documents/fetch"):
             return 200, {"results": [{"id": 1}], "offset": 0, "limit": 20, "total": 1}
         if (method, template) == ("GET", "/stats"):
@@ -727,11 +733,12 @@ def document_problems(case, key, index, body, pairs, unseen_body):
     cred = case.cred
     forced = {n: v for n, v in (cred.forced(index) or {}).items()
               if n in ("filter", "attributesToRetrieve", "retrieveVectors")}
-    filtered = cred.tenant_filters(index) != [None] or forced
+    displayed = DISPLAYED.get(index, ["*"]) if cred.kind == "token" else ["*"]
+    held = cred.tenant_filters(index) != [None] or forced or "*" not in displayed
     if key[1].endswith("{document_id}"):
-        return ["(f) one document asked by its id for a filtered credential"] if filtered else []
+        return ["(f) one document asked by its id for a held credential"] if held else []
     if key[0] == "POST" and unseen_body:
-        return ["(f) documents fetch body unseen for a filtered credential"] if filtered else []
+        return ["(f) documents fetch body unseen for a held credential"] if held else []
     if key[0] == "GET":
         sent_filter, fields = get_filter(pairs), last_param(pairs, "fields")
         fields = fields.split(",") if fields is not None else None
@@ -752,6 +759,12 @@ def document_problems(case, key, index, body, pairs, unseen_body):
             problems.append("(f) vectors retrieved under a forced attributesToRetrieve")
     if "retrieveVectors" in forced and vectors != forced["retrieveVectors"]:
         problems.append("(f) retrieveVectors is not the forced %r" % forced["retrieveVectors"])
+    if "*" not in displayed:
+        if not isinstance(fields, list) or "*" in fields or not set(fields) <= set(displayed):
+            problems.append("(f) a token's fields %r outside the displayed %r" % (
+                fields, displayed))
+        if vectors and "_vectors" not in displayed:
+            problems.append("(f) a token's vectors retrieved, not displayed")
     return problems
 
 
@@ -1690,15 +1703,16 @@ def forwarding_problems(client, backend, case, stats):
 
 
 def check_internal(backend):
-    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys):
-    GETs with the upstream key."""
+    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys
+    and displayedAttributes): GETs with the upstream key."""
     problems = []
     for record in backend.untagged:
         route = route_of(record["method"], record["target"])
         auth = [v for n, v in record["headers"] if n == "authorization"]
         if record["method"] != "GET" or not isinstance(route, tuple) or route[0] not in (
                 "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}",
-                "/indexes/{index_uid}/settings/foreign-keys") or \
+                "/indexes/{index_uid}/settings/foreign-keys",
+                "/indexes/{index_uid}/settings/displayed-attributes") or \
                 auth != ["Bearer " + UPSTREAM_KEY]:
             problems.append("untagged backend request %s %s (auth %r)" % (
                 record["method"], record["target"], auth))

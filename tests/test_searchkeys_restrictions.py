@@ -293,8 +293,10 @@ class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
     answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
     answered from `joins` (index uid -> the setting, or the status of an error to answer;
-    none: []) and recorded in `lookups`. The indexes named in `missing` do not exist:
-    `GET /indexes/{uid}` (recorded) and their foreignKeys answer index_not_found."""
+    none: []) and recorded in `lookups`; every index displays all its attributes (`["*"]`,
+    what the guard looks up for a tenant token's documents read). The indexes named in
+    `missing` do not exist: `GET /indexes/{uid}` (recorded) and their settings answer
+    index_not_found."""
 
     def __init__(self):
         seen = self.seen = []
@@ -319,6 +321,12 @@ class Backend:
                                           b'"type":"internal","link":""}', setting)
                     else:
                         answer_json(self, json.dumps(setting).encode())
+                    return
+                if self.command == "GET" and self.path.endswith("/settings/displayed-attributes"):
+                    if parts[2] in missing:
+                        self.index_not_found(parts[2])
+                    else:
+                        answer_json(self, b'["*"]')
                     return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
                 if self.command == "GET" and len(parts) == 3 and parts[2] in missing:
