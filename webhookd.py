@@ -2686,7 +2686,13 @@ class HookHandler(BaseHTTPRequestHandler):
         Go, under 256 KiB), else close after the answer (so a body trickled in is no way to
         hold a worker), as when the client waits for `100 Continue`."""
         conn = self.conn
-        size = body_length(request, self.server.limits.max_body)
+        try:
+            size = body_length(request, self.server.limits.max_body)
+        except BadRequest as exc:
+            if exc.status != 413:  # a malformed one is Go's 400, whatever the route
+                raise
+            response.close = self.body_unread = True  # over -max-body-bytes: the app's answer
+            return  # stands (Go's 404 or 405), and nothing more is read
         if size == 0:
             return
         skipped = False
