@@ -1185,6 +1185,7 @@ class Service:
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
         self.metrics_token = metrics_token  # bytes: --metrics-token-file's token, or None
+        self.settings = SettingsCache()  # index settings the guard checks against
 
     def handle(self, request):
         reason = None
@@ -1272,7 +1273,8 @@ class Service:
            may forward it as sent (Decision.check_unchanged);
         3. the backend's facts: the index exists (for a caller who may not
            create it), the indexes searched join no documents the principal
-           may not see whole, then the facts the query steps need.
+           may not see whole, then the facts the other steps need;
+        4. forwarding runs its fact steps.
         `query`: the query string of the request judged. Returns the search
         value and query string to forward, and the facts."""
         decision, upstream = call.decision, self.upstream
@@ -1283,7 +1285,7 @@ class Service:
                 value = fetch_one_document(call.params["document_id"], query)
             else:
                 value = call.json if decision.needs_body else None
-            value, query = decision.rewrite(value, query)
+            value, query = decision.rewrite(value, query, decision.value_steps)
             if upstream is None:
                 raise no_upstream()
         else:
@@ -1302,8 +1304,12 @@ class Service:
                 raise scope_not_enforceable(call.route, "without --upstream, which it needs "
                                             "to see whether the index joins others "
                                             "(foreignKeys)")
-            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call)))
-        return value, query, fetch_facts(upstream, call, decision.facts)
+            check_joins(call.principal, fetch_joins(upstream, searched_indexes(call),
+                                                    self.settings))
+        facts = fetch_facts(upstream, call, decision.facts, self.settings)
+        if forwarding:
+            value, query = decision.rewrite(value, query, decision.fact_steps, facts)
+        return value, query, facts
 
     @staticmethod
     def caller_body(body, headers):
@@ -1489,8 +1495,8 @@ class Route(collections.namedtuple(
       and from a browser, the one place where browser_refusal does not keep
       it out; anything else gets 401 with a Basic challenge (Gate.check);
     - `one_document`: it reads the one document its path's `document_id`
-      names: under a filter the backend is asked for it by a documents fetch
-      (Decision.fetches_document)."""
+      names: under a filter, or for a tenant token, the backend is asked for
+      it by a documents fetch (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
@@ -2259,7 +2265,8 @@ class Step(collections.namedtuple("Step", "why apply")):
 
 class Decision(collections.namedtuple(
         "Decision", "refusal needs_existing_index facts value_steps query_steps carrier "
-                    "answer_filter searches checks_joins concurrent fetches_document")):
+                    "answer_filter searches checks_joins concurrent fetches_document "
+                    "fact_steps")):
     """What a principal's request on a route and index gets, before anything
     of the request but its route is read:
     - `refusal`: an ApiError, or None;
@@ -2280,26 +2287,32 @@ class Decision(collections.namedtuple(
       maxConcurrentSearches), this one holding a place until its answer
       has gone, or None;
     - `fetches_document`: a GET of one document under a filter (a tenant
-      token's, forced parameters'): the backend is asked for it by a
+      token's, forced parameters') or by any tenant token (its fields cut,
+      see fact_steps): the backend is asked for it by a
       documents fetch of its id (carrier BODY, the value from
       fetch_one_document), so that it answers only a document that passes,
       and `answer_filter` makes the answer the document, or Meilisearch's
-      own 404 as if it were missing."""
+      own 404 as if it were missing;
+    - `fact_steps`: Steps on its search value that read the backend's
+      `facts` (`apply(value, facts)`), run once those are fetched: a tenant
+      token's documents read cut to what a search shows (show_displayed)."""
 
     @property
     def needs_body(self):
-        return bool(self.value_steps) and self.carrier == BODY or self.searches is not None
+        return bool(self.value_steps or self.fact_steps) and self.carrier == BODY \
+            or self.searches is not None
 
-    def rewrite(self, value, query):
-        """The search value and query string to forward once the value steps
-        ran on them: `value` is the JSON body's (carrier BODY) or None; a
-        GET's value is read from its query string and written back to it."""
-        if self.value_steps and self.carrier == QUERY:
+    def rewrite(self, value, query, steps, *facts):
+        """The search value and query string to forward once `steps` (the
+        value steps, or the fact steps given the facts) ran on them: `value`
+        is the JSON body's (carrier BODY) or None; a GET's value is read from
+        its query string and written back to it."""
+        if steps and self.carrier == QUERY:
             read = parse_search_query(query)
             value = dict(read[0])
-        for step in self.value_steps:
-            value = step.apply(value)
-        if self.value_steps and self.carrier == QUERY:
+        for step in steps:
+            value = step.apply(value, *facts)
+        if steps and self.carrier == QUERY:
             query = encode_search_query(query, read, value)
         return value, query
 
@@ -2378,26 +2391,33 @@ def decide(route, principal, index):
     checks_joins = held_read or searching and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
-    fetches_document = route.one_document and held_read
+    # a tenant token's documents read shows what its searches would (issue 34), not every
+    # field as Meilisearch's documents routes do
+    token_read = route.forced is force_documents and principal.rules is not None
+    fact_steps = ()
+    if token_read:
+        facts = facts + ("displayed_attributes",)
+        fact_steps = (Step(SCOPE, show_displayed),)
+    fetches_document = route.one_document and (held_read or token_read)
     if fetches_document:
         answer_filter = one_document_answer
     return Decision(refusal, route.creates_index and not principal.may_create_index(index),
                     facts, tuple(value_steps), tuple(query_steps),
                     BODY if fetches_document else route.carrier, answer_filter, searches,
-                    checks_joins, concurrent, fetches_document)
+                    checks_joins, concurrent, fetches_document, fact_steps)
 
 
 def check_joins(principal, joins):
     """Meilisearch's experimental foreignKeys put the whole document of a
     joined index into each hit (and `_foreign(...)` filters on it): `joins`
-    ({index searched: its foreignKeys setting}) must name only indexes the
-    principal covers with nothing to hold it to there (no forced parameters,
-    no tenant-token filter): the guard applies neither to joined documents."""
+    ({index searched: the indexes it joins}, see fetch_joins) must name only
+    indexes the principal covers with nothing to hold it to there (no forced
+    parameters, no tenant-token filter): the guard applies neither to joined
+    documents."""
     restrictions = principal.restrictions
-    for index, foreign_keys in joins.items():
-        for foreign in foreign_keys:
-            uid = foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
-            if not isinstance(uid, str) or not principal.may_use_index(uid) or \
+    for index, joined in joins.items():
+        for uid in joined:
+            if uid is None or not principal.may_use_index(uid) or \
                     tenant_filter(principal.rules, uid) is not None or \
                     forced_parameters(restrictions, uid) is not None:
                 raise refused("index", invalid_api_key(
@@ -2417,30 +2437,86 @@ def searched_indexes(call):
 MAX_JOIN_LOOKUPS = 20  # distinct indexes whose foreignKeys one search request may need
 
 
-def fetch_joins(upstream, indexes):
-    """{index: its foreignKeys setting} from the backend. Its index_not_found
-    is relayed; a backend without the route (another 404: an older
-    Meilisearch) joins nothing; anything else but the setting (a list) fails
-    closed (a --upstream-key without settings.get gets 403 here)."""
+def fetch_joins(upstream, indexes, cache):
+    """{index: the indexes it joins} for the indexes a request searches: from
+    `cache` (a SettingsCache) while fresh, else from the backend (joined_indexes)."""
     if len(indexes) > MAX_JOIN_LOOKUPS:  # one request must not make hundreds of the backend
         raise refused("index", invalid_api_key(
             "This API key may search at most %d indexes in one request (searchkeys looks at "
             "each one's `foreignKeys`); the request is refused." % MAX_JOIN_LOOKUPS))
-    joins = {}
-    for index in indexes:
-        target = "/indexes/%s/settings/foreign-keys" % urllib.parse.quote(index, safe="")
-        status, answer = upstream.fetch_json(target)
-        code = answer.get("code") if isinstance(answer, dict) else None
-        if status == 404 and code == "index_not_found":
-            raise index_not_found(index)
-        if status == 404:
-            joins[index] = []
-        elif status == 200 and isinstance(answer, list):
-            joins[index] = answer
-        else:
-            raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
-                                       "answered %s" % (index, status))
-    return joins
+    return {index: cache.setting(joined_indexes, upstream, index) for index in indexes}
+
+
+def fetch_setting(upstream, index, setting):
+    """The backend's (status, answer) to `GET /indexes/{index}/settings/
+    {setting}` with the upstream key; its index_not_found relayed."""
+    status, answer = upstream.fetch_json("/indexes/%s/settings/%s" % (
+        urllib.parse.quote(index, safe=""), setting))
+    if status == 404 and isinstance(answer, dict) and answer.get("code") == "index_not_found":
+        raise index_not_found(index)
+    return status, answer
+
+
+def joined_indexes(upstream, index):
+    """The uids of the indexes `index` joins, from its foreignKeys setting on
+    the backend (None for an entry naming none). Its index_not_found is
+    relayed; a backend without the route (another 404: an older
+    Meilisearch) joins nothing; anything else but the setting (a list) fails
+    closed (a --upstream-key without settings.get gets 403 here)."""
+    status, answer = fetch_setting(upstream, index, "foreign-keys")
+    if status == 404:
+        return ()
+    if status != 200 or not isinstance(answer, list):
+        raise upstream_unreachable(upstream, "asking for the foreignKeys of index %s "
+                                   "answered %s" % (index, status))
+    uids = (foreign.get("foreignIndexUid") if isinstance(foreign, dict) else None
+            for foreign in answer)
+    return tuple(dict.fromkeys(uid if isinstance(uid, str) else None for uid in uids))
+
+
+SETTINGS_FRESH_FOR = 0.25  # seconds an index's setting is reused, as STORE_POLL_SECONDS
+MAX_CACHED_SETTINGS = 1024  # settings remembered at once; the whole cache is dropped when full
+MAX_CACHED_SETTING_SIZE = 1024  # an entry's index uid and strings, plus 64 for each one's cost
+
+
+class SettingsCache:
+    """An optimization, isolated here: the index settings the guard checks
+    against (an index's foreignKeys, see joined_indexes; its
+    displayedAttributes, see displayed_attributes), as the backend answered
+    them, reused for SETTINGS_FRESH_FOR seconds from the moment they were
+    asked for, so that a scoped search or documents read does not cost one
+    more backend round trip each time (bench/README.md, searchkeys round
+    three). These checks were never atomic (a settings task may finish
+    between the lookup and the forwarded request): this widens that window
+    from one round trip to SETTINGS_FRESH_FOR, the time in which another
+    `serve --workers` process learns of a deleted key. Only the setting is
+    kept (a tuple of strings and Nones, or the () a backend without the
+    route answers for foreignKeys); index_not_found and errors are raised,
+    so asked again each time. Index uids are client text: an entry weighing
+    more than MAX_CACHED_SETTING_SIZE is not kept, so the cache holds at most
+    MAX_CACHED_SETTINGS entries of ~1 KiB (4 KiB were every character one of
+    Python's widest). One per process; threads share it."""
+
+    def __init__(self):
+        # (reader, index uid) -> (monotonic time it expires, the setting it read)
+        self._entries = {}
+        self._lock = threading.Lock()
+
+    def setting(self, read, upstream, index):
+        """`read(upstream, index)`: an index's setting, from the backend
+        unless this cache holds a fresh one."""
+        asked = time.monotonic()
+        entry = self._entries.get((read, index))  # one dict read: no lock
+        if entry is not None and asked < entry[0]:
+            return entry[1]
+        value = read(upstream, index)
+        if sum(64 + len(item or "") for item in (index,) + value) <= MAX_CACHED_SETTING_SIZE:
+            with self._lock:
+                if len(self._entries) >= MAX_CACHED_SETTINGS and \
+                        (read, index) not in self._entries:
+                    self._entries.clear()
+                self._entries[(read, index)] = (asked + SETTINGS_FRESH_FOR, value)
+        return value
 
 
 def cap_hits(route, cap, value):
@@ -2471,10 +2547,12 @@ def check_index_exists(upstream, index, missing_status):
         raise
 
 
-def fetch_facts(upstream, call, names):
+def fetch_facts(upstream, call, names, settings):
     """The backend's facts a decision's steps need ({name: value}), fetched
     once for the request: `covered_indexes`, the index objects the principal
-    covers; `task`, the task of the path's task_id (its refusal relayed)."""
+    covers; `task`, the task of the path's task_id (its refusal relayed);
+    `displayed_attributes`, the path index's (from `settings`, a
+    SettingsCache)."""
     facts = {}
     if "covered_indexes" in names:
         status, answer = upstream.fetch_json("/indexes?offset=0&limit=%d" % ALL_INDEXES_LIMIT)
@@ -2487,7 +2565,22 @@ def fetch_facts(upstream, call, names):
         task_id = call.params["task_id"]
         facts["task"] = fetch_or_refuse(upstream, "/tasks/" + urllib.parse.quote(
             task_id, safe=""), "asking for task %s" % _uid_shown(task_id))
+    if "displayed_attributes" in names:
+        facts["displayed_attributes"] = settings.setting(displayed_attributes, upstream,
+                                                         call.index)
     return facts
+
+
+def displayed_attributes(upstream, index):
+    """The attributes a search of `index` shows, from its displayedAttributes
+    setting on the backend (`("*",)`: all). Its index_not_found is relayed;
+    anything else but the setting (a list of strings) fails closed."""
+    status, answer = fetch_setting(upstream, index, "displayed-attributes")
+    if status != 200 or not isinstance(answer, list) or \
+            not all(isinstance(name, str) for name in answer):
+        raise upstream_unreachable(upstream, "asking for the displayedAttributes of index %s "
+                                   "answered %s" % (index, status))
+    return tuple(answer)
 
 
 def _check_route_table(routes):
@@ -2948,13 +3041,32 @@ def force_documents(restrictions, index, value):
         value["filter"] = fuse_filters(value.get("filter"), forced["filter"])
     shown = forced.get("attributesToRetrieve")
     if shown is not None and "*" not in shown:
-        asked = value.get("fields")
-        value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
-            [name for name in asked if name in shown]
-        if "_vectors" not in shown and "retrieveVectors" in value:
-            value["retrieveVectors"] = False
+        cut_fields(value, shown)
     if "retrieveVectors" in forced:
         value["retrieveVectors"] = forced["retrieveVectors"]
+    return value
+
+
+def show_displayed(value, facts):
+    """A tenant token's documents read, its fields limited as a search's
+    (issue 34; Meilisearch's documents routes ignore displayedAttributes):
+    cut to the index's displayedAttributes unless they are `*`."""
+    displayed = facts["displayed_attributes"]
+    if "*" in displayed or not isinstance(value, dict):
+        return value
+    return cut_fields(dict(value), displayed)
+
+
+def cut_fields(value, shown):
+    """A documents read's value with its `fields` cut to `shown` (all of
+    those when none, `*` or no list is asked) and no vectors (embeddings are
+    made from any of the document's fields, shown or not) unless `_vectors`
+    is among them."""
+    asked = value.get("fields")
+    value["fields"] = list(shown) if not isinstance(asked, list) or "*" in asked else \
+        [name for name in asked if name in shown]
+    if "_vectors" not in shown and "retrieveVectors" in value:
+        value["retrieveVectors"] = False
     return value
 
 

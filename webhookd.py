@@ -554,7 +554,6 @@ def parse_flags(argv):
     if not opts.hooks:
         opts.hooks = ["hooks.json"]
     opts.trusted_proxy = tuple(net for group in opts.trusted_proxy for net in group)
-    opts.runs_dir_fd = None  # the -runs-dir folder, held open once open_run_history opened it
     return opts
 
 
@@ -794,9 +793,11 @@ HOOK_FIELDS = {
 EMPTY = {"str": "", "bool": False, "int": 0, "posint": 0, "posnumber": None, "args": (),
          "headers": (), "strlist": (), "rule": None, "masks": (), "delivery": (),
          "whenbusy": "queue", "duration": None}
-# `"deduplicate": true` reads a delivery's id from the first of these a request has: GitHub's,
-# Gitea's (and Forgejo's), GitLab's, Standard Webhooks' and Stripe-style senders'
-DELIVERY_HEADERS = ("X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid", "Webhook-Id",
+# `"deduplicate": true` reads a delivery's id from the first of these a request has: Standard
+# Webhooks' first, the one id a signature covers (a replay that adds another of these headers
+# must not pass as a new delivery), then GitHub's, Gitea's (and Forgejo's), GitLab's and
+# Stripe-style senders'
+DELIVERY_HEADERS = ("Webhook-Id", "X-Github-Delivery", "X-Gitea-Delivery", "X-Gitlab-Event-Uuid",
                     "Idempotency-Key")
 WHEN_BUSY = ("queue", "latest", "drop")  # what a trigger does while its hook is busy (WhenBusy)
 DEBOUNCE_LONGEST = 3600.0  # seconds: a longer quiet time is more likely a typo than a wish
@@ -1263,9 +1264,15 @@ def compares_a_secret(arg):
         or SECRET_NAME.search(arg.name) is not None
 
 
+def passes_a_secret(arg):
+    """Whether what a command is given from this parameter may be a credential of the request
+    (a `string` is the hooks file's own: the hook's Masker knows its secrets)."""
+    return arg.source != "string" and compares_a_secret(arg)
+
+
 WHOLE_SOURCES = frozenset(("entire-headers", "entire-payload", "entire-query", "raw-request-body"))
-SECRET_NAME = re.compile(r"token|secret|passw|signature|auth|key|credential|cookie",
-                         re.IGNORECASE)
+SECRET_NAME = re.compile(r"token|secret|passw|signature|auth(?!or)|key|credential|cookie",
+                         re.IGNORECASE)  # (an `author`'s name is what a person looks for)
 
 
 def rule_secrets(rule):
@@ -2286,6 +2293,14 @@ class Connection:
             pass
 
 
+def waiting_capacity(fd_limit, max_connections):
+    """Connections that may wait for a request at once: a quarter of the descriptors and one
+    per worker are left for the connections being served, commands and files."""
+    if fd_limit == resource.RLIM_INFINITY:
+        fd_limit = 1 << 20
+    return max(64, fd_limit - fd_limit // 4 - max_connections)
+
+
 class WaitingRoom:
     """Connections with no request to serve: new ones, kept-alive ones between requests, slow
     ones still sending a head, and those whose client has not read its last answer yet.  One
@@ -2672,7 +2687,13 @@ class HookHandler(BaseHTTPRequestHandler):
         Go, under 256 KiB), else close after the answer (so a body trickled in is no way to
         hold a worker), as when the client waits for `100 Continue`."""
         conn = self.conn
-        size = body_length(request, self.server.limits.max_body)
+        try:
+            size = body_length(request, self.server.limits.max_body)
+        except BadRequest as exc:
+            if exc.status != 413:  # a malformed one is Go's 400, whatever the route
+                raise
+            response.close = self.body_unread = True  # over -max-body-bytes: the app's answer
+            return  # stands (Go's 404 or 405), and nothing more is read
         if size == 0:
             return
         skipped = False
@@ -2873,9 +2894,9 @@ class HookServer(HTTPServer):
 # ---------------------------------------------------------------------------
 
 class HookRun:
-    """One triggered hook, built once by the pipeline, carrying all a run needs to the runner:
-    the hook, the request id, what to execute (`invocation`, or `failure` when it cannot
-    run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
+    """One triggered hook, built once by Hooks.prepare (or Hooks.replay), carrying all a run
+    needs to the runner: the hook, the request id, what to execute (`invocation`, or `failure`
+    when it cannot run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
     (`has_turn` once granted), the run's record (None without run history) and, in the
     background, the bytes its invocation holds in the backlog (`held`)."""
 
@@ -2910,7 +2931,7 @@ class App:
     hookHandler does (its hook, or the plain answers: `/`, redirects, 404, 405, the status
     site) and returns the Response; a matched hook goes to Hooks.trigger."""
 
-    def __init__(self, opts, registry, stopping=None):
+    def __init__(self, opts, registry, status_token, runs, stopping=None):
         self.opts = opts
         self.registry = registry
         self.prefix = "/" + opts.urlprefix + "/" if opts.urlprefix else "/"
@@ -2920,12 +2941,12 @@ class App:
         self.in_flight = InFlight(stopping)
         self.request_numbers = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self.started = time.time()
-        self.runs = make_run_store(opts)
+        self.runs = runs
         self.metrics = Metrics(self.started)
         self.hooks = Hooks(opts, registry, self.runs, self.metrics, self.in_flight)
         self.runner = self.hooks.runner
         self.status_site = StatusSite(
-            opts, registry, self.runs,
+            opts.status_path, status_token, registry, self.runs,
             lambda: self.metrics.render(self.registry, self.runner, self.hooks.background),
             self.started, self.in_flight.stopping.is_set, self.hooks)
 
@@ -2948,7 +2969,9 @@ class App:
                      request.method, redact_target(request.target, request.secret_params))
 
     def handle(self, request):
-        """The Response to a request: routed as upstream's hookHandler (through gorilla/mux)."""
+        """The Response to a request, routed as upstream's hookHandler (through gorilla/mux):
+        after the fixed answers (`*`, a redirect of an unclean path, `/`), to the status site
+        (StatusSite.route) or a hook (answer_hook); 404 for anything else."""
         request.id = self.request_id(request)
         target = request.target
         if target.startswith(("http://", "https://")):
@@ -2966,15 +2989,19 @@ class App:
             return Response(301, b"", {"Location": location})
         if path == "/":
             return Response(200, b"OK")
-        if self.status_site.wants(path):
-            return self.status_site.answer(request)
-        if not path.startswith(self.prefix) or "\n" in path:
-            return Response(404, MSG_PAGE_NOT_FOUND, {
-                "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+        status_route = self.status_site.route(path)
+        if status_route:
+            return self.status_site.answer(request, *status_route)
+        if path.startswith(self.prefix) and "\n" not in path:
+            return self.answer_hook(request, path[len(self.prefix):])
+        return Response(404, MSG_PAGE_NOT_FOUND, {
+            "Content-Type": TEXT_PLAIN, "X-Content-Type-Options": "nosniff"})
+
+    def answer_hook(self, request, hook_id):
+        """The answer of a path under the hook prefix: its hook's (Hooks.trigger), or 404/405."""
         request.client = self.client(request)
         log.info("[%s] incoming HTTP %s request from %s", request.id, request.method,
                  request.client)
-        hook_id = path[len(self.prefix):]
         hook = self.registry.hook(hook_id)
         if hook is None:
             return Response(404, MSG_HOOK_NOT_FOUND)
@@ -3144,7 +3171,9 @@ class Hooks:
         run.invocation, run.held = invocation, invocation.size()
         log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
                  run.record.id)
-        self.run_in_background(run)
+        # a deliberate replay waits for its max-concurrency turn in arrival order: when-busy's
+        # latest/drop/debounce are about bursts of deliveries, not a person asking again
+        run.gate.enter(lambda: self.run_in_background(run))
         return run.record, None
 
     def replay_refusal(self, record):
@@ -3286,38 +3315,17 @@ def delivery_id(hook, request):
     """The id of the delivery a request to a deduplicating hook carries: the value of the first
     of its `deduplicate` headers the request has (not empty), as sent if at most 128 visible
     ASCII characters, else `sha256:` and the hex digest of it (so that the id of any request
-    costs the history as little, and shows no control character); None when it has none."""
+    costs the history as little, and shows no control character), as is a header kept out of
+    the logs (a token, a signature: records and logs show the id) and one sent as `sha256:...`
+    (it would be the id of the value it digests); None when it has none."""
     for name in hook.delivery_headers:
         value = request.headers.get(name)
         if value:
-            if DELIVERY_ID.fullmatch(value):
+            if DELIVERY_ID.fullmatch(value) and name not in hook.secret_headers \
+                    and not value.startswith("sha256:"):
                 return value
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
     return None
-
-
-def status_details(registry, runs, started):
-    """What the status page shows trusted clients besides its health."""
-    files, errors = registry.status()
-    running = {}
-    for hook_id, gate in list(registry.gates.items()):
-        if gate.running or gate.waiting:
-            running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
-    return {
-        "implementation": "webhookd.py",
-        "webhookd_version": __version__,
-        "started": iso_time(started),
-        "uptime_seconds": round(time.time() - started, 3),
-        "hooks_loaded": registry.count(),
-        "hooks_files": files,
-        "last_load": iso_time(registry.last_load),
-        "last_reload_failed": registry.last_reload_failed,
-        "load_errors": errors,
-        "last_runs": runs.last_per_hook(),
-        "runs": running,
-        "runs_in_progress": sum(r["running"] for r in running.values()),
-        "runs_queued": sum(r["queued"] for r in running.values()),
-    }
 
 
 def status_or_200(code, rid, hook):
@@ -3363,11 +3371,6 @@ def captured_response(hook, result, headers, success):
         return Response(504, MSG_TIMED_OUT, headers)
     body = result.output if hook.capture_output_on_error else MSG_COMMAND_ERROR
     return Response(500, body, headers)
-
-
-def describe_exit(returncode):
-    name = signal_name(returncode)
-    return "exit status %d" % returncode if name is None else "signal: " + name
 
 
 # ---------------------------------------------------------------------------
@@ -4444,22 +4447,30 @@ class Invocation:
     """Everything needed to start a hook's command; `messages` are for the log."""
 
     def __init__(self, executable, argv, env_pairs, file_pairs, cwd, messages, stdin=None,
-                 masker=None):
+                 masker=None, hidden=()):
         self.executable, self.argv, self.env_pairs = executable, argv, env_pairs
         self.file_pairs, self.cwd, self.messages = file_pairs, cwd, messages
         self.stdin = stdin  # pass-payload-to-stdin: the body; None: stdin is /dev/null
         self.masker = masker or NO_MASK  # the hook's: what the log and the record show
+        self.hidden = hidden  # argv indexes, variable names: given a credential (passes_a_secret)
+
+    def shown_argv(self):
+        """argv as the log and the record show it: masked, a credential shown as MASKED."""
+        return [MASKED if i in self.hidden else self.masker.bytes(arg)
+                for i, arg in enumerate(self.argv)]
 
     def shown(self):
         """What a run's record shows of it: `arguments` (argv, the command first) and
         `environment` (each variable the hook sets, with its value; for a pass-file-to-command
         variable, the file's size), masked, each value cut."""
         def text(data):
-            return cut(self.masker.bytes(data).decode("utf-8", "surrogateescape"))
-        environment = {name: text(value) for name, value in self.env_pairs}
+            return cut(data.decode("utf-8", "surrogateescape"))
+        environment = {name: text(MASKED if name in self.hidden else self.masker.bytes(value))
+                       for name, value in self.env_pairs}
         environment.update((name, "(a file of %d bytes)" % len(data))
                            for name, data in self.file_pairs)
-        return {"arguments": [text(arg) for arg in self.argv], "environment": environment}
+        return {"arguments": [text(arg) for arg in self.shown_argv()],
+                "environment": environment}
 
     def size(self):
         """The bytes it holds that grow with the request: what a queued run keeps until it runs."""
@@ -4525,12 +4536,15 @@ def build_invocation(hook, request):
     executable = look_path(hook.execute_command, hook.working_directory)
     messages = []
     argv = [os_bytes(hook.execute_command)]
-    argv += [os_bytes(value or "") for _, value in lookup_all(hook.pass_arguments, request, "",
-                                                                messages)]
-    env_pairs = [env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value))
-                 for arg, value in lookup_all(hook.pass_environment, request,
-                                              " for environment", messages)
-                 if value is not None]
+    arguments = lookup_all(hook.pass_arguments, request, "", messages)
+    argv += [os_bytes(value or "") for _, value in arguments]
+    hidden = {i for i, (arg, _) in enumerate(arguments, 1) if passes_a_secret(arg)}
+    env_pairs = []
+    for arg, value in lookup_all(hook.pass_environment, request, " for environment", messages):
+        if value is not None:
+            env_pairs.append(env_entry(arg.envname or "HOOK_" + arg.name, os_bytes(value)))
+            if passes_a_secret(arg):
+                hidden.add(env_pairs[-1][0])
     file_pairs = []
     for arg, value in lookup_all(hook.pass_files, request, " for file", messages):
         if value is None:
@@ -4548,7 +4562,7 @@ def build_invocation(hook, request):
         file_pairs.append((envname, data))
     return Invocation(executable, argv, env_pairs, file_pairs, hook.working_directory or None,
                       messages, request.raw_body if hook.payload_to_stdin else None,
-                      hook.masker)
+                      hook.masker, hidden)
 
 
 def write_temp_files(invocation, request_id):
@@ -4609,6 +4623,22 @@ class CommandResult:
     @property
     def ok(self):
         return self.started and self.returncode == 0 and not self.timed_out
+
+
+def signal_name(returncode):
+    """`SIGKILL` for a process a signal ended (Popen's negative returncode), else None."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return str(-returncode)
+
+
+def describe_exit(returncode):
+    """How the log tells a failed command's end: `exit status N`, or `signal: SIGKILL`."""
+    name = signal_name(returncode)
+    return "exit status %d" % returncode if name is None else "signal: " + name
 
 
 def command_environment(pairs):
@@ -4712,7 +4742,7 @@ class Runner:
             log.info("[%s] executing %s (%s) with arguments %s and environment %s using %s as "
                      "cwd", request_id, invocation.argv[0].decode("utf-8", "replace"),
                      invocation.executable,
-                     go_quote_list([invocation.masker.bytes(arg) for arg in invocation.argv]),
+                     go_quote_list(invocation.shown_argv()),
                      "[" + " ".join(name for name, _ in invocation.env_pairs + files) + "]",
                      invocation.cwd or "")
         proc = subprocess.Popen(
@@ -4961,7 +4991,10 @@ class WhenBusy:
             if fresh:
                 held = self.quiet[hook.id] = HeldRun(run)
             if hook.debounce:
-                held.run, held.until = run, time.monotonic() + hook.debounce
+                until = time.monotonic() + hook.debounce
+                if held.until is not None and until < held.until:  # a reload shortened the
+                    self.changed.notify_all()  # quiet time: its thread waits for the old end
+                held.run, held.until = run, until
             elif held is not None:  # the newer trigger goes on, even if a reload removed
                 del self.quiet[hook.id]  # debounce meanwhile; the thread of the quiet ends
                 held.run = None
@@ -5050,16 +5083,6 @@ RUN_FIELDS_UNSET = dict.fromkeys(RUN_FIELDS)
 def new_run_id(now):
     """Sortable by time, unique without coordination: `20261123T214700Z-9f3a0c1e`."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + os.urandom(4).hex()
-
-
-def signal_name(returncode):
-    """`SIGKILL` for a process a signal ended (Popen's negative returncode), else None."""
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return str(-returncode)
 
 
 def run_outcome(result, stopping):
@@ -5388,11 +5411,17 @@ class RunStore:
 
     def _load(self):
         loaded = self.files.load(self.max_output)
+        redelivered = {r.redelivery_of for r in loaded if isinstance(r.redelivery_of, str)}
         with self.changed:
             for record in loaded:
                 self._add(record)
                 if record.version:
                     self.files.put("record", record)
+            # records of one second load in the order of their ids' random part: a delivery's
+            # newest record is the one no redelivery followed, wherever it was loaded
+            for record in loaded:
+                if record.delivered is not None and record.id not in redelivered:
+                    self.deliveries[record.delivered] = record
             for bucket in {r.bucket for r in loaded}:
                 self._retain(bucket)
 
@@ -5713,7 +5742,7 @@ def json_response(status, document):
 
 
 def forbidden(what):
-    """The JSON answer to a client the one access check (StatusSite.trusted) refused."""
+    """The JSON answer to a client the one access check (StatusSite.refusal) refused."""
     return json_response(403, {"error": "%s served with Authorization: Bearer <-status-token>, "
                                         "or without one set to loopback clients no proxy "
                                         "relays" % what})
@@ -5722,55 +5751,57 @@ def forbidden(what):
 class StatusSite:
     """The status site: <status-path> (its health to anyone, the details to trusted clients),
     <status-path>/metrics and <status-path>/runs[/<id>[/output]] (the records and output of a
-    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), behind one
-    405 check and one access check (`trusted`), as JSON or, to a browser, HTML (RunsHtml).
-    An untrusted client never sees hook ids (some hooks rely on theirs being secret), paths,
-    load errors or runs."""
+    RunStore), and POST <status-path>/runs/<id>/replay (a run again, by `hooks`), as JSON or,
+    to a browser, HTML (RunsHtml).  Each path is one record of STATUS_ROUTES, holding the
+    methods it takes (405 otherwise), its access, what it answers a client the one access
+    check (`refusal`) refuses, and its handler.  An untrusted client never sees hook ids (some
+    hooks rely on theirs being secret), paths, load errors or runs."""
 
-    def __init__(self, opts, registry, store, metrics_text, started, stopped, hooks):
-        self.path, self.token = opts.status_path, opts.status_token
-        self.metrics_path, self.prefix = self.path + "/metrics", self.path + "/runs"
+    def __init__(self, path, token, registry, store, metrics_text, started, stopped, hooks):
+        self.path, self.token = path, token
         self.registry, self.store, self.started = registry, store, started
         self.metrics_text, self.stopped, self.hooks = metrics_text, stopped, hooks
         self.html = RunsHtml(self.path)
         self.nonces = ReplayNonces()
 
-    def wants(self, path):
-        return bool(self.path) and (path in (self.path, self.metrics_path, self.prefix)
-                                    or path.startswith(self.prefix + "/"))
+    def route(self, path):
+        """The route of STATUS_ROUTES a path takes, and its match; None off the site."""
+        if self.path and path.startswith(self.path):
+            for route in STATUS_ROUTES:
+                match = route.shape.fullmatch(path, len(self.path))
+                if match:
+                    return route, match
+        return None
 
-    def answer(self, request):
-        path, as_html = request.path, prefers_html(request)
-        replay = REPLAY_PATH.fullmatch(path, len(self.prefix)) if path.startswith(
-            self.prefix) else None
-        if replay:
-            return self.replay(request, replay.group(1), as_html) if request.method == "POST" \
-                else Response(405)
-        if request.method not in ("GET", "HEAD"):
+    def answer(self, request, route, match):
+        """A route's answer: 405 for a method it does not take, then the one access check as
+        the route asks it, then its handler."""
+        if request.method not in route.methods:
             return Response(405)
-        trusted = self.trusted(request)
-        if path == self.path:
-            health = {"status": "degraded" if self.registry.count() == 0
-                      or self.registry.last_reload_failed else "ok", "version": VERSION}
-            if not trusted:
-                return self.refused(health) if as_html else json_response(200, health)
-            details = dict(health, **status_details(self.registry, self.store, self.started))
-            if as_html:
-                return self.listing(request.raw_query, True, details)
-            return json_response(200, details)
-        if path == self.metrics_path:  # Prometheus sends the -status-token as its bearer token
-            if not trusted:
-                return forbidden("metrics are")
-            return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
-                                                       "Cache-Control": "no-store"})
-        if not trusted:
-            return self.refused() if as_html else forbidden("run history is")
-        return self.runs(request, as_html)
+        as_html, arguments = prefers_html(request), match.groupdict()
+        refusal = self.refusal(route, request, as_html, **arguments)
+        if refusal is not None:
+            return refusal
+        return route.handler(self, request, as_html, **arguments)
+
+    def refusal(self, route, request, as_html, run_id=None):
+        """The one access check, as a route's record asks it: None where it lets the request
+        through, else the answer to the client it refuses.  Every route asks for a `trusted`
+        client; a route ASKED_HERE (a replay) also for, unless the bearer of the token asks by
+        itself, a request from this site carrying the nonce of the run's page (`asked_here`):
+        credentials a browser sends on its own (Basic, or none on loopback) would let any page
+        it shows post a plain form."""
+        if not self.trusted(request):
+            return route.refused(self, as_html)
+        if route.access == ASKED_HERE and not self.asked_here(request, run_id):
+            return self.not_replayed(as_html, 403, "a replay is asked with Authorization: "
+                                     "Bearer <-status-token>, or with the Replay button of the "
+                                     "run's page (reload it: its nonce may be too old)")
+        return None
 
     def trusted(self, request):
-        """The one check for all that shows hooks or runs: with -status-token, the bearers of
-        the token (or browsers giving it as their Basic password), whoever they are; without,
-        loopback clients no proxy relays."""
+        """With -status-token, the bearers of the token (or browsers giving it as their Basic
+        password), whoever they are; without, loopback clients no proxy relays."""
         if self.token:
             given = authorization_token(request.get("Authorization"))
             return given is not None and hmac.compare_digest(given, self.token.encode())
@@ -5778,56 +5809,71 @@ class StatusSite:
         return (is_loopback_peer(request.peer) and not relayed
                 and names_loopback(request.get("Host")))
 
-    def refused(self, health=None):
+    def asked_here(self, request, run_id):
+        """Whether the bearer of the token asks, or a request from this site (same_origin)
+        with the nonce the run's page gave its Replay button."""
+        if self.token and request.get("Authorization")[:7].lower() == "bearer ":
+            return True
+        body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
+        nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+        return same_origin(request) and self.nonces.valid(nonce, run_id)
+
+    def sign_in(self, health=None):
         """What an untrusted browser gets: a sign-in prompt where a token would help."""
         return self.html.refused(health, bool(self.token))
 
-    def replay(self, request, run_id, as_html):
-        """A trusted client's POST asking for a run again (Hooks.replay): 202 (a browser: 303
-        to the new run's page), the new run in X-Webhookd-Run.  Only the bearer of the token
-        asks by itself; credentials a browser sends on its own (Basic, or none on loopback)
-        would let any page it shows post a plain form, so they also need a request from this
-        site (same_origin) carrying the nonce of the run's page (its Replay button)."""
-        if not self.trusted(request):
-            return self.refused() if as_html else forbidden("replays are")
+    def health(self):
+        return {"status": "degraded" if self.registry.count() == 0
+                or self.registry.last_reload_failed else "ok", "version": VERSION}
 
-        def not_replayed(status, why):
-            if as_html:
-                return self.html.problem(status, "Not replayed", why)
-            return json_response(status, {"error": why})
-        record = self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
-        if record is None:
-            return not_replayed(404, "run not found")
-        bearer = self.token and request.get("Authorization")[:7].lower() == "bearer "
-        if not bearer:
-            body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
-            nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
-            if not (same_origin(request) and self.nonces.valid(nonce, record.id)):
-                return not_replayed(403, "a replay is asked with Authorization: Bearer "
-                                         "<-status-token>, or with the Replay button of the "
-                                         "run's page (reload it: its nonce may be too old)")
-        new, refusal = self.hooks.replay(record, request)
-        if refusal is not None:
-            return not_replayed(*refusal)
-        response = json_response(202, {"id": new.id, "replayOf": record.id})
+    def details(self):
+        """What the status page shows trusted clients besides its health."""
+        files, errors = self.registry.status()
+        running = {}
+        for hook_id, gate in list(self.registry.gates.items()):
+            if gate.running or gate.waiting:
+                running[hook_id] = {"running": gate.running, "queued": len(gate.waiting)}
+        return {
+            "implementation": "webhookd.py",
+            "webhookd_version": __version__,
+            "started": iso_time(self.started),
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "hooks_loaded": self.registry.count(),
+            "hooks_files": files,
+            "last_load": iso_time(self.registry.last_load),
+            "last_reload_failed": self.registry.last_reload_failed,
+            "load_errors": errors,
+            "last_runs": self.store.last_per_hook(),
+            "runs": running,
+            "runs_in_progress": sum(r["running"] for r in running.values()),
+            "runs_queued": sum(r["queued"] for r in running.values()),
+        }
+
+    def health_only(self, as_html):
+        """The status path to an untrusted client: its health alone."""
+        health = self.health()
+        return self.sign_in(health) if as_html else json_response(200, health)
+
+    def status(self, request, as_html):
+        """The status path to a trusted client: the health and the details (as a page, above
+        the runs the query asks for)."""
+        details = dict(self.health(), **self.details())
         if as_html:
-            response = Response(303, b"", {"Location": self.html.run_url(new.id),
-                                           "Cache-Control": "no-store"})
-        response.headers["X-Webhookd-Run"] = new.id
-        return response
+            return self.listing(request.raw_query, True, details)
+        return json_response(200, details)
+
+    def metrics(self, request, as_html):  # Prometheus sends the -status-token as its bearer
+        return Response(200, self.metrics_text(), {"Content-Type": METRICS_CONTENT_TYPE,
+                                                   "Cache-Control": "no-store"})
 
     def runs(self, request, as_html):
-        """A trusted client's GET of the run list, a run, or its output."""
-        parts = request.path[len(self.prefix):].split("/")[1:]
-        if not parts:
-            return self.listing(request.raw_query, as_html)
-        record = self.store.get(parts[0]) if RUN_ID.fullmatch(parts[0]) else None
-        if record is None or len(parts) > 2 or (len(parts) == 2 and parts[1] != "output"):
-            if as_html:
-                return self.html.problem(404, "Run not found", "No run has this id (any more).")
-            return json_response(404, {"error": "run not found"})
-        if len(parts) == 2:
-            return self.output(request, record)
+        return self.listing(request.raw_query, as_html)
+
+    def run(self, request, as_html, run_id):
+        """A run's record; as a page, with its output and its Replay button."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.no_run(request, as_html)
         if as_html:
             refusal = self.hooks.replay_refusal(record)
             return self.html.run(record.as_dict(), self.store.read_output(record)[0],
@@ -5836,20 +5882,11 @@ class StatusSite:
                                  refusal and refusal[1])
         return json_response(200, record.as_dict())
 
-    def listing(self, raw_query, as_html=False, details=None):
-        """The runs a query asks for; as HTML, below the status page's `details` if given."""
-        chosen, problem = runs_filter(raw_query)
-        if problem:
-            if as_html:
-                return self.html.problem(400, "Bad filter", problem)
-            return json_response(400, {"error": problem})
-        runs = self.store.listing(*chosen)
-        if as_html:
-            return self.html.overview(details, runs, chosen)
-        return json_response(200, runs)
-
-    def output(self, request, record):
+    def run_output(self, request, as_html, run_id):
         """The kept output; while the run goes on, its body follows the run until it ends."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.no_run(request, as_html)
         headers = {"Content-Type": TEXT_PLAIN, "Cache-Control": "no-store",
                    "X-Content-Type-Options": "nosniff"}
         data, position, ended = self.store.read_output(record)
@@ -5866,8 +5903,82 @@ class StatusSite:
                 data, position, ended = self.store.read_output(record, position)
         return Response(200, StreamedBody(follow(data, position, ended), drain=False), headers)
 
+    def no_run(self, request, as_html):
+        """Anything else under <status-path>/runs/: a run not there (any more)."""
+        if as_html:
+            return self.html.problem(404, "Run not found", "No run has this id (any more).")
+        return json_response(404, {"error": "run not found"})
 
-REPLAY_PATH = re.compile(r"/([^/]+)/replay")  # what follows <status-path>/runs
+    def replay(self, request, as_html, run_id):
+        """A run again (Hooks.replay): 202 (a browser: 303 to the new run's page), the new run
+        in X-Webhookd-Run."""
+        record = self.run_record(run_id)
+        if record is None:
+            return self.not_replayed(as_html, 404, "run not found")
+        new, refusal = self.hooks.replay(record, request)
+        if refusal is not None:
+            return self.not_replayed(as_html, *refusal)
+        response = json_response(202, {"id": new.id, "replayOf": record.id})
+        if as_html:
+            response = Response(303, b"", {"Location": self.html.run_url(new.id),
+                                           "Cache-Control": "no-store"})
+        response.headers["X-Webhookd-Run"] = new.id
+        return response
+
+    def not_replayed(self, as_html, status, why):
+        if as_html:
+            return self.html.problem(status, "Not replayed", why)
+        return json_response(status, {"error": why})
+
+    def run_record(self, run_id):
+        return self.store.get(run_id) if RUN_ID.fullmatch(run_id) else None
+
+    def listing(self, raw_query, as_html=False, details=None):
+        """The runs a query asks for; as HTML, below the status page's `details` if given."""
+        chosen, problem = runs_filter(raw_query)
+        if problem:
+            if as_html:
+                return self.html.problem(400, "Bad filter", problem)
+            return json_response(400, {"error": problem})
+        runs = self.store.listing(*chosen)
+        if as_html:
+            return self.html.overview(details, runs, chosen)
+        return json_response(200, runs)
+
+
+def refused_as(what, pages=True):
+    """A route's answer to a client the access check refuses: a browser gets a sign-in page
+    (if the route serves pages), anyone else a 403 saying `what` needs the check."""
+    def refused(site, as_html):
+        return site.sign_in() if as_html and pages else forbidden(what)
+    return refused
+
+
+class StatusRoute(namedtuple("StatusRoute", "shape methods access refused handler")):
+    """One route of the status site: the `shape` of the path after <status-path> (a pattern;
+    its `run_id` names a run), the `methods` it takes, its `access` (TRUSTED or ASKED_HERE),
+    what it answers a client the access check refuses (`refused`: site, as_html) and its
+    `handler` (site, request, as_html, and the shape's run_id)."""
+
+    __slots__ = ()
+
+
+TRUSTED, ASKED_HERE = "trusted", "trusted, asked by this site's page"
+READ_METHODS = ("GET", "HEAD")
+RUN_HISTORY_REFUSED = refused_as("run history is")
+# The first route whose shape fits the whole path wins; the last takes the rest under runs/.
+STATUS_ROUTES = tuple(StatusRoute(re.compile(shape, re.DOTALL), *rest) for shape, *rest in (
+    ("", READ_METHODS, TRUSTED, StatusSite.health_only, StatusSite.status),
+    ("/metrics", READ_METHODS, TRUSTED, refused_as("metrics are", pages=False),
+     StatusSite.metrics),
+    ("/runs", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.runs),
+    ("/runs/(?P<run_id>[^/]+)/replay", ("POST",), ASKED_HERE, refused_as("replays are"),
+     StatusSite.replay),
+    ("/runs/(?P<run_id>[^/]*)", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.run),
+    ("/runs/(?P<run_id>[^/]*)/output", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED,
+     StatusSite.run_output),
+    ("/runs/.*", READ_METHODS, TRUSTED, RUN_HISTORY_REFUSED, StatusSite.no_run)))
+
 REPLAY_FORM_BYTES = 1024  # a replay's form holds its nonce alone
 REPLAY_NONCE_SECONDS = 3600  # how long a run page's Replay button works
 
@@ -6095,33 +6206,36 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
+class RunHistoryError(Exception):
+    """The status token or -runs-dir cannot be had: the sentence saying why."""
+
+
 def open_run_history(opts):
-    """For serving, before privileges are dropped: read -status-token-file into
-    opts.status_token and open -runs-dir (created, chowned to the user it will run as, locked)
-    into opts.runs_dir_fd.  A sentence if either fails."""
+    """For serving, before privileges are dropped: the status token (-status-token, or read
+    from -status-token-file) and the RunStore, over -runs-dir opened (created, chowned to the
+    user it will run as, locked) when given.  RunHistoryError if either fails."""
+    token = opts.status_token
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
-                opts.status_token = handle.read().strip()
+                token = handle.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            return "cannot read -status-token-file %s: %s" % (
-                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError) else exc)
-        if not opts.status_token:
-            return "-status-token-file %s is empty" % opts.status_token_file
+            raise RunHistoryError("cannot read -status-token-file %s: %s" % (
+                opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError)
+                else exc)) from None
+        if not token:
+            raise RunHistoryError("-status-token-file %s is empty" % opts.status_token_file)
+    dir_fd = None
     if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
         try:
-            opts.runs_dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping
-                                             else os.geteuid(), opts.setgid if dropping
-                                             else os.getegid())
+            dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
+                                   opts.setgid if dropping else os.getegid())
         except OSError as exc:
-            return "cannot use -runs-dir %s: %s" % (opts.runs_dir, go_errno_text(exc))
-    return None
-
-
-def make_run_store(opts):
-    return RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
-                    opts.runs_dir or None, opts.runs_dir_fd)
+            raise RunHistoryError("cannot use -runs-dir %s: %s" % (
+                opts.runs_dir, go_errno_text(exc))) from None
+    return token, RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
+                           opts.runs_dir or None, dir_fd)
 
 
 # ---------------------------------------------------------------------------
@@ -6353,14 +6467,6 @@ def raise_fd_limit():
         except (ValueError, OSError):
             pass
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def waiting_capacity(fd_limit, max_connections):
-    """Connections that may wait for a request at once: a quarter of the descriptors and one
-    per worker are left for the connections being served, commands and files."""
-    if fd_limit == resource.RLIM_INFINITY:
-        fd_limit = 1 << 20
-    return max(64, fd_limit - fd_limit // 4 - max_connections)
 
 
 # ---------------------------------------------------------------------------
@@ -6716,16 +6822,17 @@ def main(argv=None):
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
-    problem = open_run_history(opts)
-    if problem:
-        print("error: " + problem)
+    try:
+        status_token, runs = open_run_history(opts)
+    except RunHistoryError as exc:
+        print("error: %s" % exc)
         return 1
     try:
         listener_thread = setup_logging(opts)
     except LogFileError as exc:
         return fatal(str(exc))
     try:
-        return serve(opts)
+        return serve(opts, status_token, runs)
     except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
         if not isinstance(exc.code, str):
             raise
@@ -6736,8 +6843,9 @@ def main(argv=None):
             listener_thread.stop()
 
 
-def serve(opts):
-    """Load the hooks, listen, and run until stopped.  Exit status."""
+def serve(opts, status_token, runs):
+    """Load the hooks, listen, and run until stopped (the status site with `status_token`,
+    run history in `runs`, as open_run_history gives them).  Exit status."""
     signals = SignalQueue()
     log.info("%s starting", VERSION_LINE)
     environ = os.environ
@@ -6759,17 +6867,35 @@ def serve(opts):
             log.warning("warning: -trusted-proxy %s trusts every address: a client that reaches "
                         "webhookd itself can name any address in X-Forwarded-For, and pass "
                         "ip-whitelist with it; give the proxies' own range", network)
-    if opts.status_path and not opts.status_token:
+    if opts.status_path and not status_token:
         log.warning("warning: %s and its run history are served without -status-token to "
                     "loopback clients no proxy relays: behind a proxy that adds no "
                     "X-Forwarded-For (nginx's proxy_pass does not by default, nor do stunnel "
                     "or ssh -L), every client counts as loopback: set -status-token",
                     opts.status_path)
-    cleanup = []
     stopping = threading.Event()  # set by the Daemon alone
-    app = App(opts, registry, stopping)
+    app = App(opts, registry, status_token, runs, stopping)
+    listeners, where, tls_context, cleanup = open_service(opts, environ)
+    app.runs.start()  # as the user we now are: the run files are theirs
+    servers = start_servers(opts, app, listeners, tls_context, fd_limit, stopping)
+    scheme = "https" if opts.secure else "http"
+    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
+    if opts.status_path:  # where an operator finds the page the service unit offers
+        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
+                 opts.status_path, "with -status-token" if status_token
+                 else "loopback clients only")
+    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
+    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
+
+
+def open_service(opts, environ):
+    """What serving takes from the system while it may (as root, if started so): the pidfile,
+    the listeners and the TLS context, then privileges dropped.  (listeners, where they
+    listen, the TLS context or None, the files to remove at exit); SystemExit with a sentence
+    if a step fails, leaving no socket file or pidfile behind."""
+    cleanup = []
     tls_context = None
-    try:  # a start that fails leaves no socket file or pidfile behind
+    try:
         if opts.pidfile:  # before listening: a client that gets an answer finds the pidfile
             try:
                 write_pidfile(opts.pidfile)
@@ -6781,11 +6907,9 @@ def serve(opts):
             listeners, where = open_listeners(opts, environ)
         except (OSError, OverflowError, ValueError) as exc:
             step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            log.error("error listening on port: listen %s: %s", "unix " + opts.socket
-                      if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
-                      step + go_errno_text(exc) if isinstance(exc, OSError) else exc)
-            remove_paths(cleanup)
-            return 1
+            raise SystemExit("error listening on port: listen %s: %s" % (
+                "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
+                step + go_errno_text(exc) if isinstance(exc, OSError) else exc)) from None
         if opts.socket and where.startswith("unix:"):
             cleanup.append(opts.socket)
         if opts.secure:
@@ -6798,21 +6922,19 @@ def serve(opts):
     except SystemExit:
         remove_paths(cleanup)
         raise
-    app.runs.start()  # as the user we now are: the run files are theirs
+    return listeners, where, tls_context, cleanup
+
+
+def start_servers(opts, app, listeners, tls_context, fd_limit, stopping):
+    """A HookServer per listener, each accepting in a thread of its own, all handing their
+    connections to one WaitingRoom and one pool of Workers."""
     limits = Limits(opts, stopping)
     workers = Workers(max(1, opts.max_connections))
     room = WaitingRoom(workers, waiting_capacity(fd_limit, opts.max_connections), limits)
     servers = [HookServer(listener, app, room, limits, tls_context) for listener in listeners]
     for server in servers:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
-    scheme = "https" if opts.secure else "http"
-    log.info("serving hooks on %s://%s%s{id}", scheme, where, app.prefix)
-    if opts.status_path:  # where an operator finds the page the service unit offers
-        log.info("status page and run history on %s://%s%s (%s)", scheme, where,
-                 opts.status_path, "with -status-token" if opts.status_token
-                 else "loopback clients only")
-    notifier.notify("READY=1\nSTATUS=serving %d hook(s) on %s" % (registry.count(), where))
-    return Daemon(opts, registry, app, servers, notifier, signals, cleanup, stopping).run()
+    return servers
 
 
 # ---------------------------------------------------------------------------
@@ -6919,7 +7041,7 @@ class RunsHtml:
     """The status page and the run history as HTML for people: one small page each, with
     inline CSS (and script, on a run's page) allowed by a per-answer nonce, everything else
     refused by its Content-Security-Policy.  Shows exactly the documents the JSON answers
-    hold (status_details, the run records, the output), every value escaped."""
+    hold (StatusSite.details, the run records, the output), every value escaped."""
 
     def __init__(self, status_path):
         self.status_url = url_part(status_path, safe="/")
@@ -6947,7 +7069,7 @@ class RunsHtml:
     # -- pages ---------------------------------------------------------------
 
     def overview(self, details, runs, chosen):
-        """The status page (`details`, as status_details gives them) above the runs the filter
+        """The status page (`details`, as StatusSite.details gives them) above the runs the filter
         `chosen` (hook, state, limit) picked; without details, the runs alone."""
         parts = [self.nav()] if details is None else [self.summary(details),
                                                       self.hooks(details), self.files(details)]

@@ -28,6 +28,11 @@ DOCUMENTS = [
     {"id": 3, "title": "Gamma", "tenant": "other", "public": True, "secret": "s3"},
     {"id": "x-4", "title": "Delta", "tenant": "other", "public": False, "secret": "s4"},
 ]
+# The indexes' displayedAttributes: `movies` and `catalog` hold DOCUMENTS, `catalog` shows
+# only some of their attributes; `reviews` exists only to join `critics`; `broken` answers
+# something else than the setting.
+DISPLAYED = {"movies": ["*"], "catalog": ["id", "title", "tenant"], "reviews": ["*"],
+             "broken": {"displayedAttributes": ["id"]}}
 
 
 def meili_error(message, code, status=400):
@@ -128,8 +133,8 @@ def browse(query):
 
 
 class Backend:
-    """The index `movies` holding DOCUMENTS (`reviews` exists only to join `critics`); every
-    request it gets is in `seen`."""
+    """The indexes `movies` and `catalog` holding DOCUMENTS, with DISPLAYED (`reviews` exists
+    only to join `critics`); every request it gets is in `seen`."""
 
     def __init__(self):
         seen = self.seen = []
@@ -150,9 +155,12 @@ class Backend:
                 if parts[2:] == ["settings", "foreign-keys"]:  # only `reviews` joins another
                     return 200, [{"foreignIndexUid": "critics", "foreignKey": "critic"}] \
                         if parts[1] == "reviews" else []
-                if parts[:1] != ["indexes"] or len(parts) < 3 or parts[2] != "documents":
+                if parts[2:] == ["settings", "displayed-attributes"] and parts[1] in DISPLAYED:
+                    return 200, DISPLAYED[parts[1]]
+                if parts[:1] != ["indexes"] or len(parts) < 3 or parts[2] not in (
+                        "documents", "settings"):
                     return 200, {"hits": []}
-                if parts[1] != "movies":
+                if parts[1] not in ("movies", "catalog") or parts[2] != "documents":
                     return meili_error("Index `%s` not found." % parts[1], "index_not_found",
                                        404)
                 params = dict(pairs)  # the last of a repeated parameter counts
@@ -337,11 +345,16 @@ def test_a_key_without_a_filter_is_forwarded_as_sent(guard, backend, reader):
     target = "/indexes/movies/documents?filter=tenant%20%3D%20other"
     assert send(guard, backend, key, "GET", target)[2][1] == target
     unscoped = token(reader, ["movies"])  # a token with no filter there: as its key
-    assert send(guard, backend, unscoped, "GET", "/indexes/movies/documents/3")[2][:2] == (
-        "GET", "/indexes/movies/documents/3")
+    status, answer, seen = send(guard, backend, unscoped, "GET", "/indexes/movies/documents/3")
+    assert status == 200 and answer == shown(DOCUMENTS[2], None, False)
+    assert seen[2] == {"ids": ["3"], "limit": 1}  # a fetch (its displayedAttributes are `*`)
+    target = "/indexes/movies/documents?fields=secret&retrieveVectors=true"
+    assert send(guard, backend, unscoped, "GET", target)[2][1] == target
 
 
 def test_authorize_refuses_them_with_the_reason(guard, reader, tenant, forced):
+    """Any token: its fields are cut to the index's displayedAttributes, which /authorize can
+    neither read nor apply."""
     def authorize(credential, method, uri):
         status, headers, _ = guard.request("GET", "/authorize", None, {
             "Authorization": "Bearer " + credential, "X-Original-Method": method,
@@ -351,13 +364,76 @@ def test_authorize_refuses_them_with_the_reason(guard, reader, tenant, forced):
     for method, uri in (("GET", "/indexes/movies/documents"),
                         ("POST", "/indexes/movies/documents/fetch"),
                         ("GET", "/indexes/movies/documents/1")):
-        status, error = authorize(tenant, method, uri)
-        assert status == 403 and error["code"] == "invalid_api_key"
-        assert "tenant token" in error["message"] and "GET /authorize" in error["message"]
+        for credential in (tenant, token(reader, ["movies"])):
+            status, error = authorize(credential, method, uri)
+            assert status == 403 and error["code"] == "invalid_api_key"
+            assert "tenant token" in error["message"] and "GET /authorize" in error["message"]
         status, error = authorize(forced, method, uri)
         assert status == 403 and error["code"] == "forbidden_by_restriction"
         assert "forcedParameters" in error["message"]
         assert authorize(reader["key"], method, uri) == (204, None)
+
+
+@pytest.mark.parametrize("rules", [{"catalog": {"filter": "tenant = acme"}}, ["catalog"]])
+def test_a_tenant_token_reads_only_the_displayed_attributes(guard, backend, reader, rules):
+    """As its searches show them (issue 34), whether its rule filters the index or not:
+    Meilisearch's documents routes ignore displayedAttributes, the guard does not."""
+    credential = token(reader, rules)
+    results = [shown(d, DISPLAYED["catalog"], False) for d in DOCUMENTS]
+    results = results[:2] if isinstance(rules, dict) else results
+    status, answer, seen = send(guard, backend, credential, "GET",
+                                "/indexes/catalog/documents?retrieveVectors=true")
+    assert status == 200 and answer["results"] == results, answer
+    sent = dict(urllib.parse.parse_qsl(seen[1].partition("?")[2]))
+    assert (sent["fields"], sent["retrieveVectors"]) == ("id,title,tenant", "false")
+    status, answer, _ = send(guard, backend, credential, "GET",
+                             "/indexes/catalog/documents?fields=secret,title")
+    assert status == 200 and answer["results"] == [{"title": d["title"]} for d in results]
+    status, answer, seen = send(guard, backend, credential, "GET",
+                                "/indexes/catalog/documents?fields=secret")
+    # a GET cannot spell "no field": refused, not widened (the backend got a lookup at most)
+    assert status == 403 and "use POST" in answer["message"]
+    assert seen is None or seen[1] == "/indexes/catalog/settings/displayed-attributes"
+    for body in ({}, {"fields": None, "retrieveVectors": True}, {"fields": ["*", "secret"]}):
+        status, answer, seen = send(guard, backend, credential, "POST",
+                                    "/indexes/catalog/documents/fetch", body)
+        assert status == 200 and answer["results"] == results, (body, answer)
+    status, answer, _ = send(guard, backend, credential, "POST",
+                             "/indexes/catalog/documents/fetch", {"fields": ["secret"]})
+    assert status == 200 and answer["results"] == [{} for _ in results]
+    status, answer, seen = send(guard, backend, credential, "GET",
+                                "/indexes/catalog/documents/1?retrieveVectors=true")
+    assert status == 200 and answer == {"id": 1, "title": "Alpha", "tenant": "acme"}
+    assert seen[1] == "/indexes/catalog/documents/fetch" and seen[2]["retrieveVectors"] is False
+    status, answer, _ = send(guard, backend, credential, "GET",
+                             "/indexes/catalog/documents/1?fields=secret,title")
+    assert status == 200 and answer == {"title": "Alpha"}
+    # the key that signed it reads every field, as in Meilisearch
+    target = "/indexes/catalog/documents/1?fields=secret&retrieveVectors=true"
+    status, answer, seen = send(guard, backend, reader["key"], "GET", target)
+    assert status == 200 and answer == {"secret": "s1", "_vectors": {"default": [0.5]}}
+    assert seen[:2] == ("GET", target)
+    status, answer, seen = send(guard, backend, reader["key"], "POST",
+                                "/indexes/catalog/documents/fetch", {"fields": ["secret"]})
+    assert status == 200 and [d["secret"] for d in answer["results"]] == ["s1", "s2", "s3", "s4"]
+
+
+def test_a_tokens_read_fails_closed_without_the_setting(guard, backend, reader):
+    """A missing index: its index_not_found, as Meilisearch answers the read; a setting the
+    backend does not answer as one: 502, and the read is never sent."""
+    credential = token(reader, ["*"])
+    for method, target in (("GET", "/indexes/books/documents"),
+                           ("POST", "/indexes/books/documents/fetch"),
+                           ("GET", "/indexes/books/documents/1")):
+        status, answer, seen = send(guard, backend, credential, method, target,
+                                    {} if method == "POST" else None)
+        assert status == 404 and answer["code"] == "index_not_found", answer
+        assert seen[1] == "/indexes/books/settings/displayed-attributes"
+        status, answer, seen = send(guard, backend, credential, method,
+                                    target.replace("books", "broken"),
+                                    {} if method == "POST" else None)
+        assert status == 502 and answer["code"] == "upstream_unavailable", answer
+        assert seen[1] == "/indexes/broken/settings/displayed-attributes"
 
 
 def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, reader):
@@ -370,7 +446,8 @@ def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, 
         status, answer, seen = send(guard, backend, credential, method, target,
                                     {} if method == "POST" else None)
         assert status == 403 and "foreignKeys" in answer["message"], answer
-        assert seen[1] == "/indexes/reviews/settings/foreign-keys"
+        # the read never reaches the backend: only the lookup, unless the guard just made it
+        assert seen is None or seen[1] == "/indexes/reviews/settings/foreign-keys"
     # joining an index the token sees whole, or read without a filter: as before
     for credential in (token(reader, {"reviews": {"filter": "public = true"}, "critics": None}),
                        reader["key"]):

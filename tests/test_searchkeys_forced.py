@@ -12,6 +12,7 @@ import hmac
 import json
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import pytest
@@ -579,10 +580,19 @@ def test_the_log_stream_is_refused(guard, backend):
     assert send(guard, backend, plain["key"], "POST", "/logs/stream", stream)[0] == 200
 
 
-def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guard, backend):
+@pytest.fixture
+def own_guard(backend):
+    """A guard of its own, for a test that changes the backend's joins: another guard may have
+    just looked at the same indexes' foreignKeys, and reuses them for a moment."""
+    with serve(backend) as daemon:
+        yield daemon
+
+
+def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(own_guard, backend):
     """S3: with Meilisearch's experimental foreignKeys, each hit carries the whole document of
     the joined index (and `_foreign(...)` filters on it), outside that index's forced
     parameters and outside an index-scoped key's indexes."""
+    guard = own_guard
     backend.joins["movies"] = [{"foreignIndexUid": "owners", "fieldName": "owner"}]
     try:
         scoped = new_key(guard, None, indexes=("movies",))
@@ -627,3 +637,71 @@ def test_searches_of_an_index_joining_documents_outside_the_key_are_refused(guar
         assert sorted(backend.lookups) == sorted("i%d" % n for n in range(20))
     finally:
         backend.joins.clear()
+
+
+JOINS_FRESH_FOR = 0.25  # seconds the guard reuses an index's foreignKeys (its SETTINGS_FRESH_FOR)
+
+
+def search_until(guard, backend, credential, status, seconds=5.0):
+    """Search `movies` until the answer is `status`; fail after `seconds`."""
+    started = time.monotonic()
+    while True:
+        answer = send(guard, backend, credential, "POST", "/indexes/movies/search", {"q": "x"})
+        if answer[0] == status:
+            return
+        assert time.monotonic() - started < seconds, answer
+        time.sleep(0.02)
+
+
+def test_an_index_s_joins_are_looked_up_at_most_once_a_moment(own_guard, backend):
+    # the joins check costs a backend round trip a search: each index's answer is reused for
+    # JOINS_FRESH_FOR seconds, on every search route and /authorize
+    guard = own_guard
+    scoped = new_key(guard, None, indexes=("movies",))
+    backend.lookups.clear()
+    started = time.monotonic()
+    for _ in range(5):
+        for method, target, body in (
+                ("POST", "/indexes/movies/search", {"q": "x"}),
+                ("GET", "/indexes/movies/search?q=x", None),
+                ("POST", "/multi-search", {"queries": [{"indexUid": "movies"}]})):
+            assert send(guard, backend, scoped["key"], method, target, body)[0] == 200
+        assert guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + scoped["key"], "X-Original-Method": "GET",
+            "X-Original-URI": "/indexes/movies/search?q=x"})[0] == 204
+    took = time.monotonic() - started
+    assert set(backend.lookups) == {"movies"}
+    assert len(backend.lookups) <= 1 + took / JOINS_FRESH_FOR, (len(backend.lookups), took)
+    # a join added meanwhile is refused soon, and from then on
+    backend.joins["movies"] = [{"foreignIndexUid": "owners", "fieldName": "owner"}]
+    try:
+        search_until(guard, backend, scoped["key"], 403)
+        assert send(guard, backend, scoped["key"], "POST", "/indexes/movies/search",
+                    {"q": "x"})[0] == 403
+    finally:
+        backend.joins.clear()
+    search_until(guard, backend, scoped["key"], 200)
+
+
+def test_what_is_not_the_setting_is_asked_again_each_time(own_guard, backend):
+    # a missing index (relayed) and the backend's errors (failing closed) are not reused: each
+    # search asks again, and is answered as soon as the backend answers the setting
+    guard = own_guard
+    scoped = new_key(guard, None, indexes=("gone", "broken"))
+    backend.missing.add("gone")
+    backend.joins["broken"] = 500
+    try:
+        for index, status, code in (("gone", 404, "index_not_found"),
+                                    ("broken", 502, "upstream_unavailable")):
+            backend.lookups.clear()
+            for _ in range(3):
+                answer, error, sent = send(guard, backend, scoped["key"], "POST",
+                                           "/indexes/%s/search" % index, {"q": "x"})
+                assert (answer, error["code"], sent) == (status, code, None), error
+            assert backend.lookups == [index] * 3
+    finally:
+        backend.missing.clear()
+        backend.joins.clear()
+    for index in ("gone", "broken"):
+        assert send(guard, backend, scoped["key"], "POST", "/indexes/%s/search" % index,
+                    {"q": "x"})[0] == 200

@@ -23,8 +23,16 @@ the spec and Meilisearch's source (nothing of searchkeys.py is imported):
       index, and routes whose indexes the guard cannot see, never reach the backend;
   (f) documents read (issue 34: searchkeys lets a tenant token read documents when its key
       may): listed or fetched, with the token's and the forced filter fused in as on a search,
-      the fields within a forced attributesToRetrieve and no vectors unless it shows them; one
-      document under a filter never asked of the backend by its id alone (its fetch is (f)).
+      the fields within a forced attributesToRetrieve and no vectors unless it shows them, and
+      for a token within the index's displayedAttributes too (as its searches show them); one
+      document under a filter, or of a token on an index that hides attributes, never asked of
+      the backend by its id alone (its fetch is (f));
+  (g) issue 34's restrictions: an admin credential (the master key, or a key holding more than
+      `search` without `allowBrowser`) sent with a browser's signal (`Origin`, `Referer`,
+      `Sec-Fetch-Mode`) gets nothing through; the backend never runs more searches of a key at
+      once than its maxConcurrentSearches, and `/authorize` never lets one of them through
+      (nginx never says when the answer has gone); a tenant token revoked (by
+      `/keys/{key}/revoke-tokens` before its `iat`, or singly) is refused.
 A `GET /authorize` answered 204 is checked as if nginx forwarded the request unchanged, and the
 same request is then forwarded through the guard: it must reach the backend exactly as sent
 (`/authorize` never allows what forwarding refuses or would rewrite).
@@ -34,6 +42,7 @@ FUZZ_STRICT=1 also fails on requests the guard refused that Meilisearch would ha
 (otherwise they are only counted).
 """
 import base64
+import calendar
 import hashlib
 import collections
 import hmac
@@ -199,6 +208,8 @@ CREATING = {("POST", "/indexes/{index_uid}/documents"), ("PUT", "/indexes/{index
             ("PATCH", "/indexes/{index_uid}/settings")} | {
     ("PUT", "/indexes/{index_uid}/settings/" + n) for n in SETTINGS_PUT} | {
     ("PATCH", "/indexes/{index_uid}/settings/" + n) for n in SETTINGS_PATCH}
+# (g) the routes that run searches: a key's maxConcurrentSearches holds them
+SEARCHES = SEARCH_BODY | SEARCH_QUERY | {("POST", "/multi-search")}
 # handlers whose index checks the guard cannot see (the chat's search tool, template's document)
 UNVERIFIABLE = {("POST", "/render-template"), ("POST", "/chats/{workspace}/chat/completions")}
 DEFAULT_LIMIT = 20
@@ -291,10 +302,13 @@ class Credential:
     def describe(self):
         key = self.key
         shape = "" if key is None else " key(actions=%s, indexes=%s, expired=%s, cap=%s, " \
-            "rate=%s/second%s%s)" % (key["actions"], key["indexes"], key["expired"], key["cap"],
-                                     key["rate"], ", deleted" if key["deleted"] else "",
-                                     ", forced=%s" % json.dumps(key["forced"])
-                                     if key.get("forced") else "")
+            "rate=%s/second%s%s%s)" % (key["actions"], key["indexes"], key["expired"],
+                                       key["cap"], key["rate"],
+                                       ", deleted" if key["deleted"] else "",
+                                       ", forced=%s" % json.dumps(key["forced"])
+                                       if key.get("forced") else "", "".join(
+                                           ", %s=%s" % (name, key[name]) for name in EXTRAS
+                                           if key.get(name)))
         rules = "" if self.rules is None else " searchRules=%s valid=%s" % (
             json.dumps(self.rules), self.token_valid)
         return self.kind + shape + rules
@@ -389,6 +403,19 @@ class Credential:
         key = self.key if self.kind in ("key", "token") else None
         return key["rate"] if key else None
 
+    def concurrent(self):
+        """(g) The searches the key may run at once (maxConcurrentSearches), or None."""
+        key = self.key if self.kind in ("key", "token") else None
+        return key.get("concurrent") if key else None
+
+    def admin_from_browser(self, browser):
+        """(g) A credential a browser may not use: the master key, or an API key holding any
+        action beyond `search` without `allowBrowser` (a tenant token only ever searches)."""
+        if not browser:
+            return False
+        return self.kind == "master" or self.kind == "key" and not self.key.get(
+            "allow_browser") and any(action != "search" for action in self.key["actions"])
+
 
 ABSENT = object()  # no filter at all (a GET's `filter=null` is JSON null, a filter of its own)
 
@@ -456,6 +483,8 @@ INDEX_POOL = ["movies", "movies_fr", "movies-2", "mov", "books", "books_de", "mu
               "tenant_a", "tenant_b", "a", "ab", "new_index", "zzz"]
 EXISTING = ["movies", "movies_fr", "movies-2", "books", "books_de", "music", "secret",
             "tenant_a", "a", "ab"]
+# The existing indexes' displayedAttributes (the others': all, `*`).
+DISPLAYED = {"movies": ["id", "title"], "music": ["id", "_vectors"]}
 PATTERNS = ["movies", "movies*", "mov*", "books*", "books", "music", "tenant_a", "tenant_*",
             "a*", "ab", "secret", "m*", "nothing", "new_index"]
 TASK_INDEX = {t: (INDEX_POOL[t % len(INDEX_POOL)] if t % 7 else None) for t in range(40)}
@@ -483,11 +512,14 @@ def world_task_index(task_id):
 
 class Backend:
     """Records every request (tagged by X-Fuzz-Case when the guard forwarded a caller's) and
-    answers like a Meilisearch holding the world above."""
+    answers like a Meilisearch holding the world above. A search of a case registered in
+    `held` (tag -> its key's uid: the key has maxConcurrentSearches) is held HOLD seconds, and
+    its record says how many searches of that key the backend was running then (`running`)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.tagged, self.untagged = {}, []
+        self.held, self.running = {}, collections.Counter()
         backend = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -508,11 +540,21 @@ class Backend:
                 record = {"method": self.command, "target": self.path, "headers": headers,
                           "body": body}
                 tag = self.headers.get("X-Fuzz-Case")
+                route = route_of(self.command, self.path)
+                held = backend.held.get(tag) if isinstance(route, tuple) and \
+                    (self.command, route[0]) in SEARCHES else None
                 with backend.lock:
                     if tag is None:
                         backend.untagged.append(record)
                     else:
                         backend.tagged.setdefault(tag, []).append(record)
+                    if held is not None:
+                        backend.running[held] += 1
+                        record["running"] = backend.running[held]
+                if held is not None:
+                    time.sleep(HOLD)
+                    with backend.lock:  # before answering: the guard holds its place until then
+                        backend.running[held] -= 1
                 status, payload = backend.answer(self.command, self.path)
                 data = json.dumps(payload).encode()
                 self.send_response(status)
@@ -555,6 +597,8 @@ class Backend:
                          "link": "https://docs.meilisearch.com/errors#index_not_found"}
         if (method, template) == ("GET", "/indexes/{index_uid}/settings/foreign-keys"):
             return 200, []  # no index joins another (foreignKeys)
+        if (method, template) == ("GET", "/indexes/{index_uid}/settings/displayed-attributes"):
+            return 200, DISPLAYED.get(params["index_uid"], ["*"])
         if (method, template) == ("POST", "/indexes/{index_uid}/documents/fetch"):
             return 200, {"results": [{"id": 1}], "offset": 0, "limit": 20, "total": 1}
         if (method, template) == ("GET", "/stats"):
@@ -575,6 +619,9 @@ class Backend:
             return 200, {"uid": batch_id, "stats": {"indexUids": {
                 u: 1 for u in BATCH_INDEXES[batch_id]}, "types": BATCH_TYPES[batch_id]}}
         return 200, {"hits": [], "ok": True}
+
+
+HOLD = 0.03  # seconds the backend takes over a search of a key with maxConcurrentSearches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,6 +678,8 @@ def request_problems(case, method, target, body, unseen_body=False):
             problems.append("(a) %s on %s not granted" % (needed, index or "(no index)"))
     if problems or not actions:
         return problems
+    if cred.admin_from_browser(case.browser):
+        problems.append("(g) an admin credential sent from a browser got through")
     key = (method, template)
     restricted = not cred.all_indexes(action)
     pairs = query_pairs(target.partition("?")[2])
@@ -669,6 +718,9 @@ def request_problems(case, method, target, body, unseen_body=False):
         problems.append("(a) write creates missing index %r without indexes.create" % index)
     if key in SEARCH_BODY | SEARCH_QUERY:
         problems += search_problems(case, key, index, body, pairs, unseen_body)
+    if key in SEARCHES and unseen_body and cred.concurrent() is not None:
+        problems.append("(g) /authorize let a search of a key with maxConcurrentSearches "
+                        "through")
     if key in DOCUMENT_READS:
         problems += document_problems(case, key, index, body, pairs, unseen_body)
     if key in FORCED_BYPASSES and cred.has_forced():
@@ -681,11 +733,12 @@ def document_problems(case, key, index, body, pairs, unseen_body):
     cred = case.cred
     forced = {n: v for n, v in (cred.forced(index) or {}).items()
               if n in ("filter", "attributesToRetrieve", "retrieveVectors")}
-    filtered = cred.tenant_filters(index) != [None] or forced
+    displayed = DISPLAYED.get(index, ["*"]) if cred.kind == "token" else ["*"]
+    held = cred.tenant_filters(index) != [None] or forced or "*" not in displayed
     if key[1].endswith("{document_id}"):
-        return ["(f) one document asked by its id for a filtered credential"] if filtered else []
+        return ["(f) one document asked by its id for a held credential"] if held else []
     if key[0] == "POST" and unseen_body:
-        return ["(f) documents fetch body unseen for a filtered credential"] if filtered else []
+        return ["(f) documents fetch body unseen for a held credential"] if held else []
     if key[0] == "GET":
         sent_filter, fields = get_filter(pairs), last_param(pairs, "fields")
         fields = fields.split(",") if fields is not None else None
@@ -706,6 +759,12 @@ def document_problems(case, key, index, body, pairs, unseen_body):
             problems.append("(f) vectors retrieved under a forced attributesToRetrieve")
     if "retrieveVectors" in forced and vectors != forced["retrieveVectors"]:
         problems.append("(f) retrieveVectors is not the forced %r" % forced["retrieveVectors"])
+    if "*" not in displayed:
+        if not isinstance(fields, list) or "*" in fields or not set(fields) <= set(displayed):
+            problems.append("(f) a token's fields %r outside the displayed %r" % (
+                fields, displayed))
+        if vectors and "_vectors" not in displayed:
+            problems.append("(f) a token's vectors retrieved, not displayed")
     return problems
 
 
@@ -871,6 +930,8 @@ def answer_problems(case, status, data):
     template, actions, params = route
     cred, key = case.cred, (case.method, template)
     if template.startswith("/keys"):
+        if cred.admin_from_browser(case.browser):
+            return ["(g) %s %s answered 200 to an admin credential from a browser" % key]
         return [] if all(cred.may(a, None) for a in actions) else [
             "(a) %s %s answered 200" % key]
     if not actions or cred.all_indexes(actions[0]):
@@ -913,7 +974,7 @@ def batch_refusal_problems(case, status):
         return []
     batch = rust_usize(route[2]["batch_id"])
     if not case.cred.may("tasks.get", None) or batch not in BATCH_INDEXES or \
-            case.cred.all_indexes("tasks.get"):
+            case.cred.all_indexes("tasks.get") or case.cred.admin_from_browser(case.browser):
         return []
     if batch_shown(case.cred, BATCH_INDEXES[batch], BATCH_TYPES[batch]) and \
             status in (401, 403, 404):  # (a 429 is the key's rate limit)
@@ -929,8 +990,8 @@ def meilisearch_allows(case):
     route = route_of(case.method, case.target)
     if not isinstance(route, tuple) or not route[1] or (case.method, route[0]) in UNVERIFIABLE:
         return False
-    if case.cred.rate() is not None:
-        return False  # a rate limit refuses, by design, what Meilisearch would run
+    if case.cred.rate() is not None or case.cred.admin_from_browser(case.browser):
+        return False  # a rate limit, or admin keys kept out of browsers, refuse by design
     index = route[2].get("index_uid")
     if (index is not None and not VALID_UID.match(index)) or \
             not all(case.cred.may(a, index) for a in route[1]):
@@ -998,6 +1059,8 @@ class Case:
         self.cred = None
         self.secrets = []
         self.connection_listed = set()
+        self.browser = False  # (g) sent with a browser's signal
+        self.crowd = False  # (g) a search forwarded: sent again by several callers at once
 
     def describe(self):
         reproduce = "FUZZ_SEED=%d FUZZ_CASE=%d" % (SEED, self.number)
@@ -1012,6 +1075,7 @@ class Generator:
 
     def case(self, number):
         rng = random.Random("%d:%d" % (SEED, number))
+        more = random.Random("%d:%d:more" % (SEED, number))  # (g)'s: rng's draws stay as they were
         case = Case(number)
         template, methods = rng.choice(WEIGHTED_ROUTES)
         method = rng.choice(sorted(methods))
@@ -1020,9 +1084,12 @@ class Generator:
         if not case.method_header and "GET" in methods and len(methods) > 1:
             # a credential for the GET of this path, asking about another method
             method = rng.choice(sorted(set(methods) - {"GET"}))
-            case.cred = self.credential(rng, methods["GET"])
+            case.cred = self.credential(rng, more, methods["GET"])
         else:
-            case.cred = self.credential(rng, methods[method])
+            case.cred = self.credential(rng, more, methods[method])
+        if case.cred.concurrent() is not None and (method, template) in SEARCHES and \
+                more.random() < 0.3:
+            case.authorize = True  # (g) which /authorize must never let through
         if rng.random() < 0.03 and not template.startswith("/keys"):  # the pool stays as made
             method = rng.choice(["HEAD", "OPTIONS", "PUT", "PATCH", "DELETE", "POST", "GET"])
         case.method = method
@@ -1038,10 +1105,11 @@ class Generator:
                 case.body_value = value
                 case.body = encode_json(rng, value).encode()
                 case.chunked = rng.random() < 0.1
-        case.headers = self.headers(rng, case)
+        case.headers = self.headers(rng, more, case)
+        case.crowd = more.random() < 0.3
         return case
 
-    def credential(self, rng, actions):
+    def credential(self, rng, more, actions):
         """Mostly a key that holds the route's actions, so that most requests get through."""
         roll = rng.random()
         if roll < 0.03:
@@ -1057,21 +1125,32 @@ class Generator:
         capped = [k for k in holders if k["cap"] is not None]
         rated = [k for k in holders if k["rate"] is not None]
         scoped = [k for k in holders if "*" not in k["indexes"]]
+        held = [k for k in holders if k["concurrent"] is not None]
         if "search" in actions and rated and rng.random() < 0.1:
             holders = rated  # multi-searches counted query by query want rated keys
         elif "search" in actions and capped and rng.random() < 0.4:
             holders = capped  # hit caps want capped keys
         elif scoped and rng.random() < 0.5:
             holders = scoped  # what handlers filter wants keys restricted to some indexes
+        if "search" in actions and held and more.random() < 0.5:
+            holders = held  # searches held at once want keys with maxConcurrentSearches
         key = rng.choice(holders if holders and rng.random() < 0.7 else self.pool)
         if roll < 0.65 or (set(actions).isdisjoint(TOKEN_ACTIONS) and rng.random() < 0.9):
             value = key["key"].upper() if rng.random() < 0.05 else key["key"]
             return Credential("Bearer " + value, "key", key=key, secret=key["key"])
-        return self.token(rng, key)
+        credential = self.token(rng, more, key)
+        if key["revoked_token"] is not None and more.random() < 0.2:
+            token, rules = key["revoked_token"]  # (g) revoked singly
+            return Credential("Bearer " + token, "token", key=key, token_rules=rules,
+                              token_valid=False, secret=token)
+        return credential
 
-    def token(self, rng, key):
+    def token(self, rng, more, key):
         rules = self.rules(rng)
         claims = {"searchRules": rules, "apiKeyUid": key["uid"]}
+        issued = more.random()  # (g) issued now, an hour ago, or not said: revoked by time?
+        if issued < 0.6:
+            claims["iat"] = int(time.time()) - (3600 if issued < 0.2 else 0)
         valid = True  # as a token; its parent key's expiry and rights are checked apart
         exp_roll = rng.random()
         if exp_roll < 0.1:
@@ -1093,6 +1172,9 @@ class Generator:
         elif trouble < 0.06:
             claims["apiKeyUid"] = str(uuid.UUID(int=rng.getrandbits(128)))
             valid, parent = False, None
+        before = key["revoked_before"]
+        if before is not None and claims.get("iat", before - 1) < before:
+            valid = False  # revoked: issued before, or no iat (counts as issued before)
         token = mint(secret, claims, algorithm)
         return Credential("Bearer " + token, "token", key=parent or key, token_rules=rules,
                           token_valid=valid, secret=token)
@@ -1203,8 +1285,13 @@ class Generator:
             return rng.choice([{}, [{"id": 1}], {"rankingRules": []}])
         return None
 
-    def headers(self, rng, case):
+    def headers(self, rng, more, case):
         headers = [("X-Fuzz-Case", case.tag)]
+        if more.random() < 0.2:  # (g) a browser's signals, whatever their value or spelling
+            case.browser = True
+            headers += more.sample([("Origin", "https://shop.example"), ("sec-fetch-mode", "cors"),
+                                    ("Referer", "https://shop.example/find?q=x"),
+                                    ("Sec-Fetch-Mode", "")], more.randint(1, 2))
         if case.body:  # what Meilisearch takes for JSON, mostly plain
             headers.append(("Content-Type", rng.choice(["application/json"] * 8 + [
                 "application/json; charset=utf-8", "application/x-ndjson", "text/plain"])))
@@ -1376,12 +1463,23 @@ def admin(port, method, path, value):
         connection.close()
 
 
+EXTRAS = ("allow_browser", "concurrent", "revoked_before", "revoked_token")  # (g), issue 34
+
+
 def make_pool(port, rng):
-    """40 keys, two of them (an admin key and a random one) expired by the time it returns."""
+    """40 keys, two of them (an admin key and a random one) expired by the time it returns.
+    (g): some may be used from browsers, some run a few searches at once, some had their
+    tenant tokens revoked (those issued before a time, or one)."""
     shapes = key_shapes(rng, 40)
     forcing = random.Random("%d:forced" % SEED)  # apart, so the shapes stay as they were
     forced_of = [forcing.choice(FORCED_CHOICES) if forcing.random() < 0.25 else None
                  for _ in shapes]
+    more = random.Random("%d:more" % SEED)
+    extras_of = [{"allow_browser": more.random() < 0.3,
+                  "concurrent": {2: 1, 4: 2}.get(n) or (  # two of key_shapes' search keys
+                      more.choice([1, 2]) if more.random() < 0.1 else None),
+                  "revoked_before": more.random() < 0.2, "revoked_token": more.random() < 0.2}
+                 for n in range(len(shapes))]
     pool = [None] * len(shapes)
     expiring = (1, len(shapes) - 1)
     latest = time.time()
@@ -1397,26 +1495,53 @@ def make_pool(port, rng):
             if status != 400 or not expired:
                 break  # (a 400 for an expiring key: the machine was too slow, try again)
         assert status == 201, (actions, indexes, key)
-        restrictions = {"maxHitsPerQuery": cap, "forcedParameters": forced_of[n]}
+        extras = extras_of[n]
+        restrictions = {"maxHitsPerQuery": cap, "forcedParameters": forced_of[n],
+                        "maxConcurrentSearches": extras["concurrent"],
+                        "allowBrowser": extras["allow_browser"]}
         if rate is not None:
             restrictions["rateLimit"] = {"perKey": "%d/second" % rate}
-        if cap is not None or rate is not None or forced_of[n] is not None:
+        if any(value not in (None, False) for value in restrictions.values()):
             status, shown = admin(port, "PUT", "/keys/%s/restrictions" % key["uid"],
                                   restrictions)
             assert status == 200, shown
-        pool[n] = {"key": key["key"], "uid": key["uid"], "actions": actions,
-                   "indexes": indexes, "expired": expired, "cap": cap, "rate": rate,
-                   "forced": forced_of[n]}
+        pool[n] = dict(extras, key=key["key"], uid=key["uid"], actions=actions,
+                       indexes=indexes, expired=expired, cap=cap, rate=rate,
+                       forced=forced_of[n])
+        revoke_tokens(port, pool[n])
     status, key = admin(port, "POST", "/keys", {"actions": ["*"], "indexes": ["*"],
                                                 "expiresAt": None})
     assert status == 201 and admin(port, "DELETE", "/keys/" + key["uid"], None)[0] == 204
     for record in pool:
         record["deleted"] = False
-    pool.append({"key": key["key"], "uid": key["uid"], "actions": ["*"], "indexes": ["*"],
-                 "expired": False, "cap": None, "rate": None, "deleted": True})
+    pool.append(dict(dict.fromkeys(EXTRAS), key=key["key"], uid=key["uid"], actions=["*"],
+                     indexes=["*"], expired=False, cap=None, rate=None, deleted=True))
     while time.time() < latest + 0.5:  # past the expiry of the expiring keys
         time.sleep(0.1)
     return pool
+
+
+def revoke_tokens(port, key):
+    """(g) Revoke what `key` says of its tenant tokens through the API: those issued before
+    now (`revoked_before` becomes the Unix second they were issued before), and one token
+    (`revoked_token` becomes it and its rules)."""
+    if key["revoked_before"]:
+        status, answer = admin(port, "POST", "/keys/%s/revoke-tokens" % key["uid"], {})
+        assert status == 200, answer
+        key["revoked_before"] = calendar.timegm(time.strptime(answer["issuedBefore"][:19],
+                                                              "%Y-%m-%dT%H:%M:%S"))
+    else:
+        key["revoked_before"] = None
+    if key["revoked_token"]:
+        rules = ["*"]
+        token = mint(key["key"], {"searchRules": rules, "apiKeyUid": key["uid"],
+                                  "exp": int(time.time()) + 3600})
+        status, answer = admin(port, "POST", "/keys/%s/revoke-token" % key["uid"],
+                               {"token": token})
+        assert status == 200 or key["expired"], answer
+        key["revoked_token"] = token, rules
+    else:
+        key["revoked_token"] = None
 
 
 class Client:
@@ -1472,6 +1597,9 @@ class LockedCounter(collections.Counter):
 
 def run_case(client, backend, case, stats):
     """Send one case; the problems found in what the backend received and what was answered."""
+    most = case.cred.concurrent()
+    if most is not None:
+        backend.held[case.tag] = case.cred.key["uid"]
     if case.authorize:
         headers = [h for h in case.headers if h[0] != "Content-Type"]
         headers.append(("X-Original-URI", case.target))
@@ -1501,10 +1629,20 @@ def run_case(client, backend, case, stats):
         problems += header_problems(case, record)
         problems += request_problems(case, record["method"], record["target"],
                                      body_json(record["body"]))
+        problems += held_problems(record, most)
+    if case.crowd and most is not None and records and \
+            (case.method, route_of(case.method, case.target)[0]) in SEARCHES:
+        problems += crowd_problems(client.port, backend, case, most, stats)
     if records:
         stats.bump("forwarded")
     else:
         stats.bump("answered by the guard %d" % status)
+        if status == 429 and b"too_many_search_requests" in data:
+            stats.bump("refused at maxConcurrentSearches")
+        if status == 403 and b"api_key_not_for_browsers" in data:
+            stats.bump("refused from a browser")
+        if status == 403 and b"was revoked" in data:
+            stats.bump("refused a revoked token")
         if status in (401, 403) and meilisearch_allows(case):
             stats.bump("refused, Meilisearch allows")
             if STRICT:
@@ -1512,6 +1650,39 @@ def run_case(client, backend, case, stats):
     problems += answer_problems(case, status, data)
     problems += batch_refusal_problems(case, status)
     return problems, records, status
+
+
+def held_problems(record, most):
+    """(g) A search of a key with maxConcurrentSearches `most` the backend ran with more."""
+    if record.get("running", 0) <= (most or 0):
+        return []
+    return ["(g) the backend ran %d searches of a key with maxConcurrentSearches %d at once" % (
+        record["running"], most)]
+
+
+def crowd_problems(port, backend, case, most, stats):
+    """(g) The case's search sent again by `most` + 1 callers at once, each with a tag of its
+    own: the backend never runs more than `most` of them at once (the others get 429)."""
+    tags = ["%s/%d" % (case.tag, n) for n in range(most + 1)]
+    statuses = []
+
+    def send(tag):
+        backend.held[tag] = case.cred.key["uid"]
+        caller = Client(port)
+        headers = [(n, tag if n == "X-Fuzz-Case" else v) for n, v in case.headers]
+        statuses.append(caller.send(case.method, case.target, headers, case.body,
+                                    case.chunked)[0])
+        if caller.connection is not None:
+            caller.connection.close()
+
+    threads = [threading.Thread(target=send, args=(tag,)) for tag in tags]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stats.bump("crowds of searches answered %s" % "/".join(map(str, sorted(statuses))))
+    return [problem for tag in tags for record in backend.take(tag)
+            for problem in held_problems(record, most)]
 
 
 def forwarding_problems(client, backend, case, stats):
@@ -1532,15 +1703,16 @@ def forwarding_problems(client, backend, case, stats):
 
 
 def check_internal(backend):
-    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys):
-    GETs with the upstream key."""
+    """The guard's own reads (index lists and lookups, task lookups, an index's foreignKeys
+    and displayedAttributes): GETs with the upstream key."""
     problems = []
     for record in backend.untagged:
         route = route_of(record["method"], record["target"])
         auth = [v for n, v in record["headers"] if n == "authorization"]
         if record["method"] != "GET" or not isinstance(route, tuple) or route[0] not in (
                 "/indexes", "/indexes/{index_uid}", "/tasks/{task_id}",
-                "/indexes/{index_uid}/settings/foreign-keys") or \
+                "/indexes/{index_uid}/settings/foreign-keys",
+                "/indexes/{index_uid}/settings/displayed-attributes") or \
                 auth != ["Bearer " + UPSTREAM_KEY]:
             problems.append("untagged backend request %s %s (auth %r)" % (
                 record["method"], record["target"], auth))
@@ -1548,8 +1720,8 @@ def check_internal(backend):
 
 
 def property_of(problem):
-    """The property, (a) to (f), a problem breaks, or "other"."""
-    match = re.search(r"\(([a-f])\)", problem)
+    """The property, (a) to (g), a problem breaks, or "other"."""
+    match = re.search(r"\(([a-g])\)", problem)
     return "(%s)" % match.group(1) if match else "other"
 
 

@@ -292,9 +292,11 @@ ADMIN = dict(JSON, Authorization="Bearer " + MASTER)
 class Backend:
     """A stand-in search engine: records each request (method, target, JSON body) and
     answers 200 with an empty hit list. The guard's lookups of an index's foreignKeys are
-    answered from `joins` (index uid -> the setting; none: []) and recorded in `lookups`.
-    The indexes named in `missing` do not exist: `GET /indexes/{uid}` answers index_not_found
-    (and is recorded)."""
+    answered from `joins` (index uid -> the setting, or the status of an error to answer;
+    none: []) and recorded in `lookups`; every index displays all its attributes (`["*"]`,
+    what the guard looks up for a tenant token's documents read). The indexes named in
+    `missing` do not exist: `GET /indexes/{uid}` (recorded) and their settings answer
+    index_not_found."""
 
     def __init__(self):
         seen = self.seen = []
@@ -311,15 +313,31 @@ class Backend:
                 parts = self.path.split("/")
                 if self.command == "GET" and self.path.endswith("/settings/foreign-keys"):
                     lookups.append(parts[2])
-                    answer_json(self, json.dumps(joins.get(parts[2], [])).encode())
+                    setting = joins.get(parts[2], [])
+                    if parts[2] in missing:
+                        self.index_not_found(parts[2])
+                    elif isinstance(setting, int):
+                        answer_json(self, b'{"message":"Broken.","code":"internal",'
+                                          b'"type":"internal","link":""}', setting)
+                    else:
+                        answer_json(self, json.dumps(setting).encode())
+                    return
+                if self.command == "GET" and self.path.endswith("/settings/displayed-attributes"):
+                    if parts[2] in missing:
+                        self.index_not_found(parts[2])
+                    else:
+                        answer_json(self, b'["*"]')
                     return
                 seen.append((self.command, self.path, json.loads(body) if body else None))
                 if self.command == "GET" and len(parts) == 3 and parts[2] in missing:
-                    answer_json(self, json.dumps({
-                        "message": "Index `%s` not found." % parts[2], "code": "index_not_found",
-                        "type": "invalid_request", "link": ""}).encode(), 404)
+                    self.index_not_found(parts[2])
                     return
                 answer_json(self, b'{"hits":[]}')
+
+            def index_not_found(self, index):
+                answer_json(self, json.dumps({
+                    "message": "Index `%s` not found." % index, "code": "index_not_found",
+                    "type": "invalid_request", "link": ""}).encode(), 404)
 
             do_GET = do_POST = do_PATCH = answer
 

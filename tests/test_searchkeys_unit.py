@@ -1264,8 +1264,7 @@ def documents_decision(method, path, rules=None, forced=None):
 
 
 def test_a_documents_read_is_held_only_under_a_filter():
-    for rules, forced in ((None, None), (["movies"], None), ({"movies": None}, None),
-                          (None, {"books": {"filter": "a = 1"}}),
+    for rules, forced in ((None, None), (None, {"books": {"filter": "a = 1"}}),
                           (None, {"movies": {"facets": ["genre"]}})):
         route, decision = documents_decision("GET", "/indexes/movies/documents/7", rules, forced)
         assert not decision.fetches_document and not decision.checks_joins
@@ -1278,6 +1277,30 @@ def test_a_documents_read_is_held_only_under_a_filter():
         assert decision.carrier == sk.BODY and decision.answer_filter is sk.one_document_answer
         with pytest.raises(sk.ApiError):
             decision.check_unchanged(route, sk.Principal(), {}, "")
+
+
+def test_a_tokens_documents_read_shows_what_its_searches_would():
+    """Any token, filtered or not: fields cut to the index's displayedAttributes (a fact)."""
+    for rules in (["movies"], {"movies": None}, {"movies": {"filter": "t = 1"}}):
+        for path in ("/indexes/movies/documents", "/indexes/movies/documents/7"):
+            route, decision = documents_decision("GET", path, rules)
+            assert "displayed_attributes" in decision.facts
+            assert decision.fact_steps == (sk.Step(sk.SCOPE, sk.show_displayed),)
+            assert decision.fetches_document == path.endswith("/7")
+            with pytest.raises(sk.ApiError):
+                decision.check_unchanged(route, sk.Principal(), {}, "")
+    assert not documents_decision("GET", "/indexes/movies/documents")[1].fact_steps  # a key
+    show = sk.show_displayed
+    facts = {"displayed_attributes": ("a", "b")}
+    assert show({"fields": ["b", "secret"], "retrieveVectors": True}, facts) == {
+        "fields": ["b"], "retrieveVectors": False}
+    assert show({"fields": ["*"], "filter": "t = 1"}, facts) == {
+        "fields": ["a", "b"], "filter": "t = 1"}
+    assert show({"fields": "a", "retrieveVectors": True},
+                {"displayed_attributes": ("a", "_vectors")}) == {
+        "fields": ["a", "_vectors"], "retrieveVectors": True}
+    for value in ({"fields": ["secret"], "retrieveVectors": True}, [1], None):
+        assert show(value, {"displayed_attributes": ("*",)}) == value
 
 
 def test_forced_parameters_on_documents_fuse_the_filter_and_cut_the_fields():

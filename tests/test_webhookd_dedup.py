@@ -87,7 +87,7 @@ def test_a_delivery_already_going_or_done_is_answered_with_its_run(tmp_path):
         status, other, _ = deliver(daemon, "deploy", "other", {"X-GitHub-Delivery": "2"})
         status, gitea, _ = deliver(daemon, "deploy", "gitea", {"X-Gitea-Delivery": "3"})
         status, gitea_again, _ = deliver(daemon, "deploy", "gitea-again",
-                                         {"X-Gitea-Delivery": "3", "Webhook-Id": "4"})
+                                         {"X-Gitea-Delivery": "3", "Idempotency-Key": "4"})
         # a request with no delivery id always runs
         status, no_id, _ = deliver(daemon, "deploy", "no-id", {})
         status, no_id_again, _ = deliver(daemon, "deploy", "no-id-again", {})

@@ -171,6 +171,8 @@ def test_without_a_token_set_even_loopback_needs_the_pages_nonce(tmp_path):
         for headers in ({}, {"Authorization": "Bearer anything"}):
             assert replay(daemon, run_id, headers=headers)[0] == 403
         assert replay(daemon, run_id, headers={"X-Forwarded-For": "203.0.113.9"})[0] == 403
+        # the access check comes before the lookup: without the nonce, no telling which runs exist
+        assert replay(daemon, "20260101T000000Z-00000000")[0] == 403
         page = daemon.request("GET", "/status/runs/" + run_id, headers=HTML)[2].decode()
         nonce = re.search(r'name="nonce" value="([^"]+)"', page).group(1)
         status, headers, _ = replay(daemon, run_id, "nonce=" + nonce, {
@@ -231,3 +233,43 @@ def test_the_replay_button_on_the_run_page(browser, tmp_path):  # noqa: F811
         first, second = recorded(daemon)
         assert first == second
         assert page_problems(browser) == []
+
+
+WAITER = """#!%s
+import os, sys, time
+open(os.path.join(%r, "started-%%d" %% os.getpid()), "w").close()
+while not os.path.exists(%r):
+    time.sleep(0.02)
+"""
+
+
+def test_a_replay_waits_for_the_hooks_max_concurrency_turn(tmp_path):
+    """A replay runs under the hook's max-concurrency as a trigger does: it waits while a run
+    holds the one turn, and gives the turn back once (the count never goes below zero)."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    started.mkdir()
+    command = tmp_path / "wait.py"
+    command.write_text(WAITER % (sys.executable, str(started), str(release)))
+    command.chmod(0o755)
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(json.dumps([{"id": "deploy", "execute-command": str(command),
+                                  "max-concurrency": 1}]))
+    port = free_port()
+    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
+                           "-status-path", "/status", "-status-token", TOKEN), port) as daemon:
+        release.touch()
+        first = ended(daemon, daemon.request("POST", "/hooks/deploy")[1]["x-webhookd-run"])
+        release.unlink()
+        running = daemon.request("POST", "/hooks/deploy")[1]["x-webhookd-run"]
+        wait_until(lambda: len(list(started.iterdir())) == 2, 20, "the second run to start")
+        status, headers, _ = replay(daemon, first["id"], headers=BEARER)
+        assert status == 202
+        again = headers["x-webhookd-run"]
+        time.sleep(0.5)  # (had it not waited, it would have started by now)
+        assert run_record(daemon, again)["state"] == "queued"
+        assert len(list(started.iterdir())) == 2
+        release.touch()
+        assert ended(daemon, running)["state"] == ended(daemon, again)["state"] == "succeeded"
+        status, _, body = daemon.request("GET", "/status", headers=BEARER)
+        details = json.loads(body)
+        assert details["runs_in_progress"] == 0 and "deploy" not in details["runs"], body

@@ -55,6 +55,20 @@ def test_a_content_length_of_thousands_of_digits_is_a_400(tmp_path):
         assert "Traceback" not in daemon.log()
 
 
+def test_a_body_over_the_limit_on_a_path_that_reads_none_keeps_gos_answer(tmp_path):
+    """-max-body-bytes (ours) is about bodies a hook reads: a 404 or 405 stays Go's answer
+    (webhook has no such limit), and the connection closes instead of reading the body."""
+    with start(tmp_path, "-max-body-bytes", "100") as daemon:
+        for path, status in ((b"/hooks/nope", b"404 Not Found"), (b"/nowhere", b"404 Not Found")):
+            answer = raw_answer(daemon.port, b"POST %s HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Length: 1000\r\n\r\n" % path + b"x" * 100)
+            assert answer.startswith(b"HTTP/1.1 " + status + b"\r\n"), answer[:200]
+            assert b"Connection: close\r\n" in answer, answer[:300]
+        answer = raw_answer(daemon.port, b"POST /hooks/echo HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 1000\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]  # a hook's own body: refused
+
+
 def test_a_run_list_limit_of_thousands_of_digits_is_a_400(tmp_path):
     with start(tmp_path, "-status-path", "/-/status") as daemon:
         status, _, body = daemon.request("GET", "/-/status/runs?limit=1" + "0" * 5000)
