@@ -953,13 +953,14 @@ class MatchRule:
     `secrets`: the secret, or the several a list gave (ours, on SECRET_LIST_TYPES)."""
 
     __slots__ = ("type", "value", "regex", "secrets", "ip_range", "parameter", "compiled",
-                 "regex_error")
+                 "regex_error", "explained")
 
     def __init__(self, type, value="", regex="", secret="", ip_range="", parameter=None):
         self.type, self.value, self.regex = type, value, regex
         self.secrets = (secret,) if isinstance(secret, str) else tuple(secret)
         self.ip_range, self.parameter = ip_range, parameter or Argument("", "")
         self.compiled, self.regex_error = None, None
+        self.explained = None  # what explaining it shows of the rule itself (explained_match)
         if type == "regex":
             try:
                 self.compiled = compile_re2(regex)
@@ -3898,7 +3899,7 @@ class HookRequest:
     """What rules and arguments can see of one request."""
 
     __slots__ = ("id", "method", "remote_addr", "headers", "query", "query_ok", "payload",
-                 "body", "raw_body", "content_type", "allow_signature_errors")
+                 "body", "raw_body", "content_type", "allow_signature_errors", "masker")
 
     def __init__(self, request_id, method, remote_addr, headers, query, body, content_type):
         self.id, self.method, self.remote_addr = request_id, method, remote_addr
@@ -3907,6 +3908,7 @@ class HookRequest:
         self.content_type, self.payload = content_type, None
         self.query_ok = True  # False: the query string had a pair url.ParseQuery refuses
         self.allow_signature_errors = False
+        self.masker = None  # the hook's, that its explained rules are shown through
 
     @classmethod
     def of(cls, request, hook, body):
@@ -4026,7 +4028,7 @@ def evaluate(rule, request, trace=None):
     reads about a refused delivery, and what -explain prints."""
     if trace is None:
         return evaluate_node(rule, request, None)
-    node = explain_node(rule)
+    node = explain_node(rule, request.masker)
     trace.append(node)
     ok, err = evaluate_node(rule, request, node)
     node["result"] = bool(ok)
@@ -4067,7 +4069,8 @@ def evaluate_match(rule, request, node=None):
     kind = rule.type
     if kind == "ip-whitelist":
         if node is not None:
-            node.update(value=request.remote_addr, wanted=rule.ip_range)
+            node.update(value=request.remote_addr,
+                        wanted=explained_match(rule, request.masker).wanted)
         return check_ip_whitelist(request.remote_addr, rule.ip_range)
     if kind == "scalr-signature":
         if node is not None:
@@ -4079,7 +4082,7 @@ def evaluate_match(rule, request, node=None):
         return check_standard_webhooks(request, rule.secrets, time.time())
     value, err = get_argument(rule.parameter, request)
     if node is not None:
-        explain_value(node, rule, value, err)
+        explain_value(node, explained_match(rule, request.masker), value, err)
     if err is not None:
         return False, err
     if kind == "value":
@@ -4259,7 +4262,7 @@ def rules_satisfied(hook, request, trace=None):
     `trace` (a list), the explained tree is its one item."""
     if hook.trigger_rule is None:
         return True, None, None
-    request.allow_signature_errors = hook.signature_soft_failures
+    request.allow_signature_errors, request.masker = hook.signature_soft_failures, hook.masker
     ok, err = evaluate(hook.trigger_rule, request, trace)
     if trace:
         shown_tree(trace[0], hook.masker)
@@ -4292,12 +4295,12 @@ def cut(text, masker=NO_MASK):
     return "%s... (%d characters)" % (shown, len(text))
 
 
-EXPLAIN_TEXTS = ("name", "value", "wanted", "error")  # what a request or a hooks file wrote
+EXPLAIN_TEXTS = ("value", "error")  # what a request wrote (the hooks file's: explained_match)
 
 
 def shown_tree(node, masker):
-    """The explained tree made fit to show, in place: each text masked with the hook's Masker
-    (its file's secrets, its `mask` patterns) and cut."""
+    """The explained tree made fit to show, in place: each text a request wrote masked with
+    the hook's Masker (its file's secrets, its `mask` patterns) and cut."""
     for field in EXPLAIN_TEXTS:
         if field in node:
             node[field] = cut(node[field], masker)
@@ -4305,16 +4308,34 @@ def shown_tree(node, masker):
         shown_tree(child, masker)
 
 
-def explain_node(rule):
+def explain_node(rule, masker):
+    if rule[0] == "match":
+        return dict(explained_match(rule[1], masker).node)
     node = {"rule": rule[0]}
     if rule[0] in ("and", "or"):
         node["of"] = len(rule[1])
-    elif rule[0] == "match":
-        match = rule[1]
-        node["type"] = match.type
-        if match.parameter.source:
-            node["source"], node["name"] = match.parameter.source, match.parameter.name
     return node
+
+
+ExplainedMatch = namedtuple("ExplainedMatch", "masker node wanted hidden")
+
+
+def explained_match(match, masker):
+    """What a match's explanation shows of the rule itself: its node's first keys (the name
+    masked and cut), what it wanted (masked and cut), and whether what it compares stays hidden
+    (compares_a_secret).  Made once per rule and the hook's Masker, and kept on the rule: an
+    optimization, they were made again for every request the rule refused."""
+    explained = match.explained
+    if explained is None or explained.masker is not masker:
+        kind, arg = match.type, match.parameter
+        node = {"rule": "match", "type": kind}
+        if arg.source:
+            node["source"], node["name"] = arg.source, cut(arg.name, masker)
+        wanted = match.ip_range if kind == "ip-whitelist" else \
+            match.value if kind == "value" else match.regex
+        explained = match.explained = ExplainedMatch(masker, node, cut(wanted, masker),
+                                                     compares_a_secret(arg))
+    return explained
 
 
 def explain_error(err):
@@ -4332,20 +4353,19 @@ def explain_signature(node, headers, name):
         node["length"] = len(headers[name])
 
 
-def explain_value(node, rule, value, err):
+def explain_value(node, explained, value, err):
     """What a match with a parameter saw (its value), and what it wanted."""
-    kind, arg = rule.type, rule.parameter
-    if kind in SECRET_LIST_TYPES:
+    if explained.node["type"] in SECRET_LIST_TYPES:
         node["present"] = err is None
         if err is None:
             node["length"] = len(value)
     elif err is not None:
         node["present"] = False
-    elif compares_a_secret(arg):
+    elif explained.hidden:
         node["present"], node["length"], node["hidden"] = True, len(value), True
     else:
         node["value"] = value
-        node["wanted"] = rule.value if kind == "value" else rule.regex
+        node["wanted"] = explained.wanted
 
 
 def explain_summary(node):
@@ -5057,6 +5077,7 @@ RUN_FIELDS = ("id", "hook", "state", "exit_code", "signal", "queued_at", "starte
               "ended_at", "duration_ms", "remote_addr", "request_id", "output_bytes",
               "output_truncated", "storage_error", "reason", "rules", "arguments",
               "environment", "delivery", "redelivery_of", "superseded_by", "replayOf")
+RUN_FIELDS_UNSET = dict.fromkeys(RUN_FIELDS)
 
 
 def new_run_id(now):
@@ -5080,23 +5101,42 @@ def run_outcome(result, stopping):
     return "failed", code, name
 
 
+def json_list_length(values):
+    """len(json.dumps(list(values))), without writing the strings it would leave as they are.
+    An optimization (a refused record, one per refused request, spent half its cost writing
+    the JSON of its texts only to count it): see bench/README.md, webhookd round three."""
+    length = 2 * max(len(values), 1)  # the brackets, and ", " between items
+    for value in values:
+        if value is None:
+            length += 4
+        elif type(value) is str and value.isascii() and value.isprintable() \
+                and '"' not in value and "\\" not in value:  # no escapes: written as it is
+            length += len(value) + 2
+        else:
+            length += len(json.dumps(value))
+    return length
+
+
 class RunRecord:
     """One run: the fields of RUN_FIELDS, the kept tail of its output, and `version`, bumped on
     every change so the disk writer saves each record once however often it changed."""
 
     def __init__(self, fields):
-        self.__dict__.update({name: fields.get(name) for name in RUN_FIELDS})
+        known = {**RUN_FIELDS_UNSET, **fields}  # an optimization: a third of a per-name .get()
+        if len(known) != len(RUN_FIELDS_UNSET):  # names that are no field (a file's)
+            known = {name: known[name] for name in RUN_FIELDS}
+        self.__dict__.update(known)
         self.output_bytes = self.output_bytes or 0
         self.output_truncated = bool(self.output_truncated)
         self.tail = None  # output bytes kept in memory (None: only on disk)
         self.started_ts = None
         self.version = self.saved_version = self.disk_total = self.disk_size = 0
         self.queued_output = False
-        self.text_bytes = 3 * len(json.dumps([self.hook, self.request_id, self.remote_addr,
-                                              self.delivery, self.redelivery_of]))
+        self.text_bytes = 3 * json_list_length((self.hook, self.request_id, self.remote_addr,
+                                                 self.delivery, self.redelivery_of))
         if self.rules is not None or self.arguments is not None:  # written once, never grow
-            self.text_bytes += len(json.dumps([self.reason, self.rules, self.arguments,
-                                               self.environment]))
+            self.text_bytes += json_list_length((self.reason, self.rules, self.arguments,
+                                                 self.environment))
         # the Invocation as it ran, unmasked, for a replay: in memory only (RunStore.open),
         # never shown, never written to -runs-dir
         self.invocation = None
@@ -5196,8 +5236,9 @@ class RunStore:
         if not self.keep:
             return None
         now = time.time()
+        stamp = iso_time(now)
         record = RunRecord({"id": new_run_id(now), "hook": hook_id, "state": "refused",
-                            "queued_at": iso_time(now), "ended_at": iso_time(now),
+                            "queued_at": stamp, "ended_at": stamp,
                             "remote_addr": request.remote_addr, "request_id": request.id,
                             "reason": explain_summary(rules), "rules": rules})
         record.cap, record.tail = self.max_output, bytearray()
@@ -5324,7 +5365,10 @@ class RunStore:
 
     def _add(self, record):
         self.records[record.id] = record
-        self.by_hook.setdefault(record.bucket, deque()).append(record)
+        of_hook = self.by_hook.get(record.bucket)
+        if of_hook is None:  # not setdefault(): it would make a deque on every call
+            of_hook = self.by_hook[record.bucket] = deque()
+        of_hook.append(record)
         self.size += record.kept_bytes
         if record.delivered is not None:
             self.deliveries[record.delivered] = record

@@ -133,6 +133,20 @@ def test_refusals_are_kept_apart_from_runs_and_bounded(tmp_path):
         assert len(long_one["reason"]) < 400
 
 
+def test_refusals_count_their_texts_as_written_against_runs_max_bytes(tmp_path):
+    """A refusal counts against -runs-max-bytes with its texts as its record writes them: a
+    request id (-x-request-id) of 50,000 quotes is 100,000 bytes of JSON on each of a record's
+    lines, so a bound of 700,000 bytes keeps two such refusals, not the four their length
+    alone would allow."""
+    with start(hooks_file(tmp_path), "-x-request-id", "-runs-max-bytes", "700000") as daemon:
+        for number in range(6):
+            assert daemon.request("POST", "/hooks/gitlab", b"", {
+                "X-Gitlab-Token": "a-wrong-guess",
+                "X-Request-Id": '"' * 50000 + str(number)})[0] == 200
+        kept = refusals(daemon, "gitlab")
+        assert 1 <= len(kept) <= 2 and kept[0]["request_id"] == '"' * 50000 + "5"
+
+
 def test_no_refusal_is_recorded_without_run_history(tmp_path):
     with start(hooks_file(tmp_path), "-runs-keep", "0") as daemon:
         assert push(daemon, "refs/heads/dev")[2] == b"Hook rules were not satisfied."
