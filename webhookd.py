@@ -3149,8 +3149,8 @@ class Hooks:
         """POST <status-path>/runs/<id>/replay (StatusSite.replay): the kept invocation of the
         run `original` again, as it ran (argv, environment, stdin and files; not built again
         from a hooks file that may have changed since), in the background whatever the hook's
-        mode (the output is in the record), under the hook as it is served now (its
-        max-concurrency turn, command timeout and masking): (the new run's record, None), or
+        mode (the output is in the record), under the hook as it is served now (it waits for
+        its max-concurrency turn whatever the hook's when-busy; its command timeout and masking): (the new run's record, None), or
         (None, (status, why)) when it cannot run."""
         refusal = self.replay_refusal(original)
         if refusal is not None:
@@ -3164,7 +3164,7 @@ class Hooks:
         run.invocation, run.held = invocation, invocation.size()
         log.info("[%s] replaying run %s of %s as run %s", request.id, original.id, hook.id,
                  run.record.id)
-        self.run_in_background(run)
+        run.gate.enter(lambda: self.run_in_background(run))  # its turn, as a `queue` trigger's
         return run.record, None
 
     def replay_refusal(self, record):

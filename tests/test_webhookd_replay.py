@@ -233,3 +233,45 @@ def test_the_replay_button_on_the_run_page(browser, tmp_path):  # noqa: F811
         first, second = recorded(daemon)
         assert first == second
         assert page_problems(browser) == []
+
+
+def test_a_replay_waits_for_the_hooks_max_concurrency_turn(tmp_path):
+    """A replay is no way around max-concurrency: it waits while a run of the hook goes, and
+    leaves the hook's count of running commands as it found it (a replay that skipped the turn
+    but gave it back left the count at -1, so two deploys then ran at once)."""
+    gate = tmp_path / "gate"
+    slow = tmp_path / "slow.sh"
+    slow.write_text("#!/bin/sh\nwhile [ ! -e %s ]; do sleep 0.05; done\n" % gate)
+    slow.chmod(0o755)
+    with start(tmp_path, "-status-token", TOKEN) as daemon:
+        reload(daemon, [{"id": "slow", "execute-command": str(slow), "max-concurrency": 1}])
+
+        def trigger():
+            status, headers, _ = daemon.request("POST", "/hooks/slow")
+            assert status == 200
+            return headers["x-webhookd-run"]
+
+        def state(run_id):
+            return run_record(daemon, run_id)["state"]
+
+        def busy():
+            return json.loads(daemon.request("GET", "/status", headers=BEARER)[2])["runs"]
+
+        first = trigger()
+        wait_until(lambda: state(first) == "running", 20, "the first run")
+        status, headers, _ = replay(daemon, first, headers=BEARER)
+        assert status == 202
+        again = headers["x-webhookd-run"]
+        time.sleep(0.5)
+        assert state(again) == "queued" and busy() == {"slow": {"running": 1, "queued": 1}}
+        gate.touch()
+        assert ended(daemon, first)["state"] == ended(daemon, again)["state"] == "succeeded"
+        assert busy() == {}
+        # the hook still runs one command at a time
+        gate.unlink()
+        second, third = trigger(), trigger()
+        wait_until(lambda: state(second) == "running", 20, "the second run")
+        time.sleep(0.5)
+        assert state(third) == "queued"
+        gate.touch()
+        assert ended(daemon, third)["state"] == "succeeded"
