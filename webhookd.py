@@ -585,9 +585,11 @@ def check_flags(opts):
     if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
                         or "?" in status_path or "#" in status_path
                         or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or ("/" + opts.urlprefix + "/").startswith(status_path + "/")
                         or not opts.urlprefix):
-        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/, "
-                "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/ (and "
+                "the prefix outside it), without //, . or .. in it, a trailing /, ? or #"
+                % (status_path, opts.urlprefix))
     return None
 
 
