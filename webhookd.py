@@ -5955,7 +5955,9 @@ class ReplayNonces:
             mac.encode("utf-8", "surrogateescape"), self.sign(run_id, issued).encode())
 
     def sign(self, run_id, issued):
-        return hmac.new(self.key, ("%s %s" % (run_id, issued)).encode(), "sha256").hexdigest()
+        # any bytes of a path (a `%ff` decodes to a surrogate escape) sign as they came
+        message = ("%s %s" % (run_id, issued)).encode("utf-8", "surrogateescape")
+        return hmac.new(self.key, message, "sha256").hexdigest()
 
 
 def same_origin(request):

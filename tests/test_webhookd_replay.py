@@ -275,3 +275,15 @@ def test_a_replay_waits_for_the_hooks_max_concurrency_turn(tmp_path):
         assert state(third) == "queued"
         gate.touch()
         assert ended(daemon, third)["state"] == "succeeded"
+
+
+def test_a_run_id_of_any_bytes_gets_a_4xx(tmp_path):
+    """The nonce is checked against the run id of the path, whatever bytes it decodes to: a
+    `%ff` there, with a nonce of the current time, was a 500 and a traceback, from any loopback
+    client (or any page its browser shows) without a token set."""
+    with start(tmp_path) as daemon:
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        for run_id in ("%ff", "%ed%a0%80", "a%ffb"):
+            status, _, body = replay(daemon, run_id, "nonce=%d.00" % time.time(), form)
+            assert status == 403, (run_id, status, body)
+        assert "Traceback" not in daemon.log()
