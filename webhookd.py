@@ -4271,16 +4271,23 @@ def rules_satisfied(hook, request, trace=None):
 # set (which may hold one).
 
 EXPLAIN_VALUE_CHARS = 120
-SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
+# controls and bytes not UTF-8 (as \xNN); bidi controls and line separators (as \uNNNN), which
+# would reorder or break the line a value is shown in: `refs/heads/` RLO `niam` reads as `main`
+SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]|([\u061c\u200e\u200f"
+                             "\u2028-\u202e\u2066-\u2069])")
+
+
+def shown_escape(found):
+    return "\\u%04x" % ord(found.group()) if found.group(1) else "\\x%02x" % (
+        ord(found.group()) & 0xFF)
 
 
 def cut(text, masker=NO_MASK):
     """A value as shown: the secrets of `masker` masked, control characters and bytes that are
-    not UTF-8 as `\\xNN` (a terminal reading -explain or -runs obeys none), at most
-    EXPLAIN_VALUE_CHARS characters (a secret begun among them masked whole), and how long it
-    was."""
-    shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
-                                masker.head(text, EXPLAIN_VALUE_CHARS))
+    not UTF-8 as `\\xNN`, bidi controls as `\\uNNNN` (a terminal reading -explain or -runs, or
+    the page, obeys none), at most EXPLAIN_VALUE_CHARS characters (a secret begun among them
+    masked whole), and how long it was."""
+    shown = SHOWN_AS_ESCAPE.sub(shown_escape, masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
     return "%s... (%d characters)" % (shown, len(text))
