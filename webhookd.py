@@ -4271,10 +4271,11 @@ def rules_satisfied(hook, request, trace=None):
 # set (which may hold one).
 
 EXPLAIN_VALUE_CHARS = 120
-# controls and bytes not UTF-8 (as \xNN); bidi controls and line separators (as \uNNNN), which
-# would reorder or break the line a value is shown in: `refs/heads/` RLO `niam` reads as `main`
-SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]|([\u061c\u200e\u200f"
-                             "\u2028-\u202e\u2066-\u2069])")
+# controls and bytes not UTF-8 (as \xNN); bidi controls, line separators and invisible
+# characters (as \uNNNN), which would reorder, break or hide in the line a value is shown in:
+# `refs/heads/` RLO `niam` reads as `main`, and so does `ma` ZERO WIDTH SPACE `in`
+SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]|([\xad\u061c\u200b-\u200f"
+                             "\u2028-\u202e\u2060-\u2069\ufeff])")
 
 
 def shown_escape(found):
@@ -4284,9 +4285,9 @@ def shown_escape(found):
 
 def cut(text, masker=NO_MASK):
     """A value as shown: the secrets of `masker` masked, control characters and bytes that are
-    not UTF-8 as `\\xNN`, bidi controls as `\\uNNNN` (a terminal reading -explain or -runs, or
-    the page, obeys none), at most EXPLAIN_VALUE_CHARS characters (a secret begun among them
-    masked whole), and how long it was."""
+    not UTF-8 as `\\xNN`, bidi controls and invisible characters as `\\uNNNN` (a terminal
+    reading -explain or -runs, or the page, obeys or hides none), at most EXPLAIN_VALUE_CHARS
+    characters (a secret begun among them masked whole), and how long it was."""
     shown = SHOWN_AS_ESCAPE.sub(shown_escape, masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
