@@ -2556,9 +2556,11 @@ class BodyReader:
         self.send_continue = send_continue
         self.consumed = self.broken = False
 
-    def read(self):
+    def read(self, limit=None):
+        """The body; over `limit` bytes (or -max-body-bytes), a 413 (BadRequest)."""
         request, conn, limits = self.request, self.conn, self.limits
-        size = body_length(request, limits.max_body)  # refused before the client sends it
+        max_body = limits.max_body if limit is None else min(limit, limits.max_body)
+        size = body_length(request, max_body)  # refused before the client sends it
         self.consumed = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.send_continue()  # as Go: only when a body is announced
@@ -2566,12 +2568,12 @@ class BodyReader:
         # bytes that are no body (trailers, chunk extensions) never take longer than all of it
         now = time.monotonic()
         conn.body_ceiling = now + limits.header_timeout + (
-            limits.max_body if size is None else size) / BODY_MIN_RATE
+            max_body if size is None else size) / BODY_MIN_RATE
         conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
                             conn.body_ceiling)
         try:
             if size is None:
-                return read_chunked(conn, limits.max_body)
+                return read_chunked(conn, max_body)
             body = bytearray()
             while len(body) < size:
                 chunk = conn.read1(min(size - len(body), RECV_BYTES))
@@ -5772,8 +5774,8 @@ class StatusSite:
         with the nonce the run's page gave its Replay button."""
         if self.token and request.get("Authorization")[:7].lower() == "bearer ":
             return True
-        body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
-        nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+        form = request.body.read(REPLAY_FORM_BYTES)  # 413 for more than a nonce, chunked too
+        nonce = parse_query(form.decode("latin-1"))[0].get("nonce", "")
         return same_origin(request) and self.nonces.valid(nonce, run_id)
 
     def sign_in(self, health=None):

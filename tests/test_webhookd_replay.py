@@ -5,6 +5,7 @@ Replay button (Basic, a same-origin request, the page's nonce).  The real daemon
 environment, a passed file, stdin), so a replay is checked by its side effects; the button in
 headless Chromium.
 """
+import http.client
 import json
 import re
 import signal
@@ -287,3 +288,21 @@ def test_a_run_id_of_any_bytes_gets_a_4xx(tmp_path):
             status, _, body = replay(daemon, run_id, "nonce=%d.00" % time.time(), form)
             assert status == 403, (run_id, status, body)
         assert "Traceback" not in daemon.log()
+
+
+def test_a_chunked_replay_form_is_capped_as_a_sized_one(tmp_path):
+    """The replay's form holds a nonce: more than 1024 bytes is a 413 whether its length is
+    declared or it comes chunked (which was read on up to -max-body-bytes, all of it held,
+    from any loopback client without a token)."""
+    with start(tmp_path) as daemon:
+        run_id = ended(daemon, deploy(daemon))["id"]
+        for chunks in ([b"nonce=" + b"a" * 1100], [b"nonce=1.", b"a" * 700, b"b" * 700]):
+            conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
+            try:
+                conn.request("POST", "/status/runs/%s/replay" % run_id, body=iter(chunks),
+                             headers={"Content-Type": "application/x-www-form-urlencoded"},
+                             encode_chunked=True)
+                assert conn.getresponse().status == 413
+            finally:
+                conn.close()
+        assert len(recorded(daemon)) == 1
