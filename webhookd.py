@@ -585,9 +585,11 @@ def check_flags(opts):
     if status_path and (clean_path(status_path) != status_path or status_path.endswith("/")
                         or "?" in status_path or "#" in status_path
                         or (status_path + "/").startswith("/" + opts.urlprefix + "/")
+                        or ("/" + opts.urlprefix + "/").startswith(status_path + "/")
                         or not opts.urlprefix):
-        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/, "
-                "without //, . or .. in it, a trailing /, ? or #" % (status_path, opts.urlprefix))
+        return ("-status-path %r must be an absolute path outside the hooks prefix /%s/ (and "
+                "the prefix outside it), without //, . or .. in it, a trailing /, ? or #"
+                % (status_path, opts.urlprefix))
     return None
 
 
@@ -2555,9 +2557,11 @@ class BodyReader:
         self.send_continue = send_continue
         self.consumed = self.broken = False
 
-    def read(self):
+    def read(self, limit=None):
+        """The body; over `limit` bytes (or -max-body-bytes), a 413 (BadRequest)."""
         request, conn, limits = self.request, self.conn, self.limits
-        size = body_length(request, limits.max_body)  # refused before the client sends it
+        max_body = limits.max_body if limit is None else min(limit, limits.max_body)
+        size = body_length(request, max_body)  # refused before the client sends it
         self.consumed = True
         if request.get("Expect").lower() == "100-continue" and size != 0:
             self.send_continue()  # as Go: only when a body is announced
@@ -2565,12 +2569,12 @@ class BodyReader:
         # bytes that are no body (trailers, chunk extensions) never take longer than all of it
         now = time.monotonic()
         conn.body_ceiling = now + limits.header_timeout + (
-            limits.max_body if size is None else size) / BODY_MIN_RATE
+            max_body if size is None else size) / BODY_MIN_RATE
         conn.body_due = min(now + limits.header_timeout + len(conn.buffer) / BODY_MIN_RATE,
                             conn.body_ceiling)
         try:
             if size is None:
-                return read_chunked(conn, limits.max_body)
+                return read_chunked(conn, max_body)
             body = bytearray()
             while len(body) < size:
                 chunk = conn.read1(min(size - len(body), RECV_BYTES))
@@ -3156,8 +3160,8 @@ class Hooks:
         """POST <status-path>/runs/<id>/replay (StatusSite.replay): the kept invocation of the
         run `original` again, as it ran (argv, environment, stdin and files; not built again
         from a hooks file that may have changed since), in the background whatever the hook's
-        mode (the output is in the record), under the hook as it is served now (its
-        max-concurrency turn, command timeout and masking): (the new run's record, None), or
+        mode (the output is in the record), under the hook as it is served now (it waits for
+        its max-concurrency turn whatever the hook's when-busy; its command timeout and masking): (the new run's record, None), or
         (None, (status, why)) when it cannot run."""
         refusal = self.replay_refusal(original)
         if refusal is not None:
@@ -4280,16 +4284,24 @@ def rules_satisfied(hook, request, trace=None):
 # set (which may hold one).
 
 EXPLAIN_VALUE_CHARS = 120
-SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, bytes not UTF-8
+# controls and bytes not UTF-8 (as \xNN); bidi controls, line separators and invisible
+# characters (as \uNNNN), which would reorder, break or hide in the line a value is shown in:
+# `refs/heads/` RLO `niam` reads as `main`, and so does `ma` ZERO WIDTH SPACE `in`
+SHOWN_AS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]|([\xad\u061c\u200b-\u200f"
+                             "\u2028-\u202e\u2060-\u2069\ufeff])")
+
+
+def shown_escape(found):
+    return "\\u%04x" % ord(found.group()) if found.group(1) else "\\x%02x" % (
+        ord(found.group()) & 0xFF)
 
 
 def cut(text, masker=NO_MASK):
     """A value as shown: the secrets of `masker` masked, control characters and bytes that are
-    not UTF-8 as `\\xNN` (a terminal reading -explain or -runs obeys none), at most
-    EXPLAIN_VALUE_CHARS characters (a secret begun among them masked whole), and how long it
-    was."""
-    shown = SHOWN_AS_ESCAPE.sub(lambda m: "\\x%02x" % (ord(m.group()) & 0xFF),
-                                masker.head(text, EXPLAIN_VALUE_CHARS))
+    not UTF-8 as `\\xNN`, bidi controls and invisible characters as `\\uNNNN` (a terminal
+    reading -explain or -runs, or the page, obeys or hides none), at most EXPLAIN_VALUE_CHARS
+    characters (a secret begun among them masked whole), and how long it was."""
+    shown = SHOWN_AS_ESCAPE.sub(shown_escape, masker.head(text, EXPLAIN_VALUE_CHARS))
     if len(text) <= EXPLAIN_VALUE_CHARS:
         return shown
     return "%s... (%d characters)" % (shown, len(text))
@@ -5814,8 +5826,8 @@ class StatusSite:
         with the nonce the run's page gave its Replay button."""
         if self.token and request.get("Authorization")[:7].lower() == "bearer ":
             return True
-        body_length(request, REPLAY_FORM_BYTES)  # 413 for more than a nonce
-        nonce = parse_query(request.body.read().decode("latin-1"))[0].get("nonce", "")
+        form = request.body.read(REPLAY_FORM_BYTES)  # 413 for more than a nonce, chunked too
+        nonce = parse_query(form.decode("latin-1"))[0].get("nonce", "")
         return same_origin(request) and self.nonces.valid(nonce, run_id)
 
     def sign_in(self, health=None):
@@ -6005,7 +6017,9 @@ class ReplayNonces:
             mac.encode("utf-8", "surrogateescape"), self.sign(run_id, issued).encode())
 
     def sign(self, run_id, issued):
-        return hmac.new(self.key, ("%s %s" % (run_id, issued)).encode(), "sha256").hexdigest()
+        # any bytes of a path (a `%ff` decodes to a surrogate escape) sign as they came
+        message = ("%s %s" % (run_id, issued)).encode("utf-8", "surrogateescape")
+        return hmac.new(self.key, message, "sha256").hexdigest()
 
 
 def same_origin(request):

@@ -532,9 +532,13 @@ def test_status_page_reports_hooks_files_and_state(tmp_path):
         assert daemon.request("GET", "/hooks/health")[0] == 404
 
 
-def test_status_path_inside_the_hooks_prefix_is_refused(tmp_path):
+@pytest.mark.parametrize("flags", [
+    ("-status-path", "/hooks/status"),
+    # the hooks under the status site: its runs/<id> route would take every hook's path
+    ("-status-path", "/a", "-urlprefix", "a/runs")])
+def test_status_path_inside_the_hooks_prefix_is_refused(tmp_path, flags):
     hooks = write_hooks(tmp_path / "hooks.json", [echo_hook("a")])
-    result = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, "-status-path", "/hooks/status",
+    result = subprocess.run(python_cmd(WEBHOOKD, "-hooks", hooks, *flags,
                                        "-port", str(free_port())),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "status-path" in result.stdout

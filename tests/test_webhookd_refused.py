@@ -171,6 +171,31 @@ def test_runs_lists_refusals_from_the_runs_dir(tmp_path):
         assert [r["id"] for r in refusals(daemon)] == [record["id"]]
 
 
+def test_a_value_cannot_reorder_how_it_is_shown(tmp_path):
+    """Unicode's bidi controls, line separators and invisible characters in a value are shown
+    as escapes, as control characters are: `refs/heads/` + RIGHT-TO-LEFT OVERRIDE + `niam` was
+    listed (on the page, and in -runs on a terminal that reorders) as `refs/heads/main`, the
+    very ref the rule wants; so was `ma` + ZERO WIDTH SPACE + `in`."""
+    folder = tmp_path / "runs"
+    spoof = "refs/heads/\u202eniam"
+    with start(hooks_file(tmp_path), "-runs-dir", folder) as daemon:
+        push(daemon, spoof)
+        push(daemon, "refs/heads/\u2066dev\u2069\u2028\u200f")
+        push(daemon, "refs/heads/ma\u200bin\ufeff")
+        records = wait_until(lambda: len(refusals(daemon)) == 3 and refusals(daemon),
+                             what="the refusals")
+        assert [r["rules"]["rules"][1]["value"] for r in records] == [
+            "refs/heads/ma\\u200bin\\ufeff", "refs/heads/\\u2066dev\\u2069\\u2028\\u200f",
+            "refs/heads/\\u202eniam"]
+        assert "`refs/heads/\\u202eniam`" in records[2]["reason"]
+        wait_until(lambda: all((folder / (r["id"] + ".json")).exists() for r in records),
+                   what="their files")
+    listed = subprocess.run(python_cmd(WEBHOOKD, "-runs", "-runs-dir", folder),
+                            capture_output=True, text=True, timeout=30)
+    assert "refs/heads/\\u202eniam" in listed.stdout
+    assert not re.search("[\u202e\u2066\u2069\u2028\u200f\u200b\ufeff]", listed.stdout)
+
+
 def test_refused_trees_mask_the_hooks_files_secrets(tmp_path):
     """A secret of the hooks file that a request puts in a field a rule shows (here the HMAC
     secret, and a token another hook compares), or what a hook's `mask` names, is masked in

@@ -5,6 +5,7 @@ Replay button (Basic, a same-origin request, the page's nonce).  The real daemon
 environment, a passed file, stdin), so a replay is checked by its side effects; the button in
 headless Chromium.
 """
+import http.client
 import json
 import re
 import signal
@@ -235,41 +236,73 @@ def test_the_replay_button_on_the_run_page(browser, tmp_path):  # noqa: F811
         assert page_problems(browser) == []
 
 
-WAITER = """#!%s
-import os, sys, time
-open(os.path.join(%r, "started-%%d" %% os.getpid()), "w").close()
-while not os.path.exists(%r):
-    time.sleep(0.02)
-"""
-
-
 def test_a_replay_waits_for_the_hooks_max_concurrency_turn(tmp_path):
-    """A replay runs under the hook's max-concurrency as a trigger does: it waits while a run
-    holds the one turn, and gives the turn back once (the count never goes below zero)."""
-    started, release = tmp_path / "started", tmp_path / "release"
-    started.mkdir()
-    command = tmp_path / "wait.py"
-    command.write_text(WAITER % (sys.executable, str(started), str(release)))
-    command.chmod(0o755)
-    hooks = tmp_path / "hooks.json"
-    hooks.write_text(json.dumps([{"id": "deploy", "execute-command": str(command),
-                                  "max-concurrency": 1}]))
-    port = free_port()
-    with Daemon(python_cmd(WEBHOOKD, "-hooks", hooks, "-ip", "127.0.0.1", "-port", str(port),
-                           "-status-path", "/status", "-status-token", TOKEN), port) as daemon:
-        release.touch()
-        first = ended(daemon, daemon.request("POST", "/hooks/deploy")[1]["x-webhookd-run"])
-        release.unlink()
-        running = daemon.request("POST", "/hooks/deploy")[1]["x-webhookd-run"]
-        wait_until(lambda: len(list(started.iterdir())) == 2, 20, "the second run to start")
-        status, headers, _ = replay(daemon, first["id"], headers=BEARER)
+    """A replay is no way around max-concurrency: it waits while a run of the hook goes, and
+    leaves the hook's count of running commands as it found it (a replay that skipped the turn
+    but gave it back left the count at -1, so two deploys then ran at once)."""
+    gate = tmp_path / "gate"
+    slow = tmp_path / "slow.sh"
+    slow.write_text("#!/bin/sh\nwhile [ ! -e %s ]; do sleep 0.05; done\n" % gate)
+    slow.chmod(0o755)
+    with start(tmp_path, "-status-token", TOKEN) as daemon:
+        reload(daemon, [{"id": "slow", "execute-command": str(slow), "max-concurrency": 1}])
+
+        def trigger():
+            status, headers, _ = daemon.request("POST", "/hooks/slow")
+            assert status == 200
+            return headers["x-webhookd-run"]
+
+        def state(run_id):
+            return run_record(daemon, run_id)["state"]
+
+        def busy():
+            return json.loads(daemon.request("GET", "/status", headers=BEARER)[2])["runs"]
+
+        first = trigger()
+        wait_until(lambda: state(first) == "running", 20, "the first run")
+        status, headers, _ = replay(daemon, first, headers=BEARER)
         assert status == 202
         again = headers["x-webhookd-run"]
-        time.sleep(0.5)  # (had it not waited, it would have started by now)
-        assert run_record(daemon, again)["state"] == "queued"
-        assert len(list(started.iterdir())) == 2
-        release.touch()
-        assert ended(daemon, running)["state"] == ended(daemon, again)["state"] == "succeeded"
-        status, _, body = daemon.request("GET", "/status", headers=BEARER)
-        details = json.loads(body)
-        assert details["runs_in_progress"] == 0 and "deploy" not in details["runs"], body
+        time.sleep(0.5)
+        assert state(again) == "queued" and busy() == {"slow": {"running": 1, "queued": 1}}
+        gate.touch()
+        assert ended(daemon, first)["state"] == ended(daemon, again)["state"] == "succeeded"
+        wait_until(lambda: busy() == {}, 20, "the turns given back")  # just after the records
+        # the hook still runs one command at a time
+        gate.unlink()
+        second, third = trigger(), trigger()
+        wait_until(lambda: state(second) == "running", 20, "the second run")
+        time.sleep(0.5)
+        assert state(third) == "queued"
+        gate.touch()
+        assert ended(daemon, third)["state"] == "succeeded"
+
+
+def test_a_run_id_of_any_bytes_gets_a_4xx(tmp_path):
+    """The nonce is checked against the run id of the path, whatever bytes it decodes to: a
+    `%ff` there, with a nonce of the current time, was a 500 and a traceback, from any loopback
+    client (or any page its browser shows) without a token set."""
+    with start(tmp_path) as daemon:
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        for run_id in ("%ff", "%ed%a0%80", "a%ffb"):
+            status, _, body = replay(daemon, run_id, "nonce=%d.00" % time.time(), form)
+            assert status == 403, (run_id, status, body)
+        assert "Traceback" not in daemon.log()
+
+
+def test_a_chunked_replay_form_is_capped_as_a_sized_one(tmp_path):
+    """The replay's form holds a nonce: more than 1024 bytes is a 413 whether its length is
+    declared or it comes chunked (which was read on up to -max-body-bytes, all of it held,
+    from any loopback client without a token)."""
+    with start(tmp_path) as daemon:
+        run_id = ended(daemon, deploy(daemon))["id"]
+        for chunks in ([b"nonce=" + b"a" * 1100], [b"nonce=1.", b"a" * 700, b"b" * 700]):
+            conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
+            try:
+                conn.request("POST", "/status/runs/%s/replay" % run_id, body=iter(chunks),
+                             headers={"Content-Type": "application/x-www-form-urlencoded"},
+                             encode_chunked=True)
+                assert conn.getresponse().status == 413
+            finally:
+                conn.close()
+        assert len(recorded(daemon)) == 1
