@@ -2280,7 +2280,8 @@ class Decision(collections.namedtuple(
     - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
-    - `checks_joins`: the indexes searched (or read under a filter) must not
+    - `checks_joins`: the indexes searched (or read under a filter: the
+      caller's, a token's, a forced one) must not
       join (Meilisearch's foreignKeys) documents the principal may not see
       whole (check_joins);
     - `concurrent`: the searches the key may run at once (its
@@ -2384,16 +2385,19 @@ def decide(route, principal, index):
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     searching = route.joins  # the routes that run searches, whose hits may hydrate joins
-    # a documents read held to a filter (a token's, a forced one), whose caller's own filter
-    # may still reach into joined documents (`_foreign(...)`)
-    held_read = route.forced is force_documents and (
+    documents_read = route.forced is force_documents
+    # a documents read held to a filter (a token's, a forced one), or a documents list or
+    # fetch, whose caller's own filter may reach into joined documents (`_foreign(...)`):
+    # checked for the same principals as a search
+    held_read = documents_read and (
         rule is not None or documents_forced(restrictions, index) is not None)
-    checks_joins = held_read or searching and not (
+    filtered_read = documents_read and not route.one_document
+    checks_joins = held_read or (searching or filtered_read) and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
     # a tenant token's documents read shows what its searches would (issue 34), not every
     # field as Meilisearch's documents routes do
-    token_read = route.forced is force_documents and principal.rules is not None
+    token_read = documents_read and principal.rules is not None
     fact_steps = ()
     if token_read:
         facts = facts + ("displayed_attributes",)
