@@ -7766,7 +7766,9 @@ def build_parser():
         "revoke-token", parents=[common], help="revoke one tenant token of a key until it "
                                                "expires (searchkeys only)")
     revoke_one.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
-    revoke_one.add_argument("token", metavar="TOKEN", help="the tenant token (it needs an `exp`)")
+    revoke_one.add_argument("token", metavar="TOKEN",
+                            help="the tenant token (it needs an `exp`); `-` reads it from "
+                                 "standard input, out of sight of ps and the shell's history")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -8229,6 +8231,9 @@ def check_client_args(parser, args):
                 and args.before is not None and parse_expires_at(args.before) is None:
             raise ValueError("--before `%s` is not a date: write it as RFC 3339, e.g. "
                              "2030-01-31T00:00:00Z" % args.before)
+        elif args.command == "keys" and args.keys_command == "revoke-token" \
+                and args.token == "-":
+            args.token = token_from_stdin()
         elif args.command == "keys" and args.keys_command == "rotate" \
                 and args.grace is not None:
             try:
@@ -8273,6 +8278,22 @@ def check_text_args(args, names):
             value is None or value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("%s is not valid UTF-8 text" % shown)
+
+
+def token_from_stdin():
+    """`keys revoke-token KEY -`: the tenant token from standard input, its
+    surrounding whitespace (a final newline) dropped; at most MAX_HEAD bytes,
+    as no request could carry a longer one."""
+    data = sys.stdin.buffer.read(MAX_HEAD + 1).strip()
+    if not data:
+        raise ValueError("TOKEN is `-`, but standard input holds no token")
+    if len(data) > MAX_HEAD:
+        raise ValueError("TOKEN is `-`, but standard input holds more than %d bytes: no "
+                         "tenant token is that long" % MAX_HEAD)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("TOKEN is `-`, but standard input is not valid UTF-8 text")
 
 
 def check_connection_args(args):
