@@ -158,13 +158,8 @@ HANDLER_CHECKED_ACTIONS = frozenset((
     "tasks.cancel", "tasks.delete", "tasks.get", "settings.get", "stats.*", "stats.get",
     "chatCompletions",
 ))
-# Index-only: only meaningful on routes that name an index.
-INDEX_ONLY_ACTIONS = frozenset((
-    "documents.add", "documents.delete", "indexes.update", "indexes.delete",
-    "indexes.compact", "fields.post", "settings.update",
-))
-# Multi: wildcards spanning scopes; allowed on keys with any indexes.
-MULTI_SCOPE_ACTIONS = frozenset(("*", "*.get", "documents.*", "indexes.*", "tasks.*", "settings.*"))
+# The rest (upstream's index-only actions and the wildcards spanning scopes)
+# are allowed on keys with any indexes, and need no set of their own here.
 
 KEYS_ACTIONS = frozenset(("keys.create", "keys.get", "keys.update", "keys.delete"))
 # Routes needing one of these accept tenant tokens as well as API keys (a token
@@ -1509,13 +1504,6 @@ class Route(collections.namedtuple(
                                route_family(pattern, handler is not Service.forward), gated,
                                joins, people, one_document)
 
-    @property
-    def is_meilisearch(self):
-        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/, the keys page among them, are not)?"""
-        return self.family != "authorize" and not (self.pattern.startswith("/keys/")
-                                                   and self.pattern != "/keys/{key}")
-
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
         this route (None: the index check was enough)."""
@@ -2198,7 +2186,7 @@ class Principal:
         if rules is not None and not search_rules_allow(rules, index):
             return invalid_api_key(
                 "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(set(search_rule_patterns(rules))))))
+                "are %s." % (index, rust_debug_list(sorted(set(rules)))))
         if any(pattern_matches(p, index) for p in key.indexes):
             return None
         if rules is not None:
@@ -2227,13 +2215,10 @@ OPEN = Principal()
 MASTER = Principal()  # the master key: OPEN's rights, but a credential (see browser_refusal)
 
 
-def search_rule_patterns(rules):
-    """The index patterns a tenant token's `searchRules` name."""
-    return list(rules)  # a list of patterns, or the keys of an object
-
-
 def search_rules_allow(rules, index):
-    return any(pattern_matches(p, index) for p in search_rule_patterns(rules))
+    """Do a tenant token's `searchRules` (a list of index patterns, or an
+    object keyed by them) name a pattern matching `index`?"""
+    return any(pattern_matches(p, index) for p in rules)
 
 
 def index_scoped_global_action(actions, indexes):
@@ -5206,8 +5191,6 @@ def _fsync_folder(folder):
         os.close(fd)
 
 
-HISTORY_CHANGES = ("create", "update", "restrict", "rotate", "delete", "restore",
-                   "revoke-tokens", "revoke-token")
 MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
 MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
 MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
@@ -5219,7 +5202,8 @@ class KeyHistory:
     beside the store (FILE.history, 0600, opened without following a link),
     or, without a store file, the last MAX_HISTORY_BYTES of lines in memory.
 
-    A line holds `at`, `change` (HISTORY_CHANGES), the key's `uid` and
+    A line holds `at`, `change` (create, update, restrict, rotate, delete,
+    restore, revoke-tokens or revoke-token), the key's `uid` and
     `name`, `by` (the uid of the key that made it, "master" or LOCAL) and
     `fields` (what changed: names and new values; never a key's value or a
     token). The KeyStore appends it once the change is written, while it
