@@ -287,7 +287,9 @@ class RequestHeaders:
     for http.server (`get`, `get_all`, `items`; names without case, `get`
     the first of repeated ones), from lines checked by _HEADER_BLOCK_RE,
     each value without its leading blanks and line end as email.parser
-    leaves them: without its feed parser and per-call policy (~80 µs a request)."""
+    leaves them: without its feed parser and per-call policy, once the
+    largest single cost of a guarded request (bench/README.md, "Where the
+    guard's time goes")."""
 
     __slots__ = ("_lines", "_first")
 
@@ -577,8 +579,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         """Replaces http.server's: a request line of three words and HTTP/1.x
         (no HTTP/0.9, whose answers have no head), the whole head within
         MAX_HEAD but no cap per line, header lines every party reads alike,
-        one unambiguous body framing. (Its header parsing, email's, costs
-        ~60 µs more a request than RequestHeaders.)"""
+        one unambiguous body framing. (Its header parsing, email's, is the
+        cost RequestHeaders spares.)"""
         self.started, self.command = time.monotonic(), None
         self.request_version = self.default_request_version
         self.close_connection = True
@@ -3901,11 +3903,14 @@ PAGE_REVEAL_SECONDS = 60  # a key made this recently shows its value, on the pag
 
 class PageNonces:
     """The nonce each served keys page puts in its forms, which a change
-    must send back: unguessable (random), bound to the page it was served
-    with (its random part and time, signed), valid PAGE_NONCE_SECONDS,
-    compared in constant time. Signed with a secret derived from the master
-    key rather than kept, so that memory holds none, and any of `serve
-    --workers`' processes checks the nonce of a page another one served."""
+    must send back: unguessable (a random part), signed with the time it was
+    served, compared in constant time. It is bound to no page, form or
+    session: any nonce served in the last PAGE_NONCE_SECONDS is taken by any
+    form. What it proves is that the sender read a page only the master key
+    opens, which a cross-site form cannot. Signed with a secret derived from
+    the master key rather than kept, so that memory holds none, and any of
+    `serve --workers`' processes checks the nonce of a page another one
+    served."""
 
     def __init__(self, master_key):
         self._secret = None if master_key is None else hmac.new(
@@ -5192,7 +5197,7 @@ def _fsync_folder(folder):
 
 
 MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
-MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
+MAX_HISTORY_LINE = 4096  # bytes of a line; reading the last lines begins one line early
 MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
 _HISTORY_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO: no wait
 
@@ -6988,7 +6993,8 @@ def _check_claims(part):
 def _issued_at(part):
     """The token's `iat` in Unix seconds, or None (none, more than one, not
     a number). Meilisearch ignores it; searchkeys' revocation reads it, and
-    one it cannot read counts as revoked (see token_refusal)."""
+    counts a token without one as issued before any time a revocation names
+    (TokenRevocation.refusal)."""
     values = [value for name, value, _, _, _ in part.members if name == "iat"]
     if len(values) != 1 or isinstance(values[0], bool) \
             or not isinstance(values[0], (int, float)) or values[0] != values[0]:
