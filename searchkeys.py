@@ -1226,8 +1226,8 @@ class Service:
             return Response(405)
         route, index, params = found
         request.family = route.family
-        principal = self.gate.check(request, route.actions, index, route.people) \
-            if route.gated else OPEN
+        principal = self.gate.check(request, route.actions, index, route.people,
+                                    route.master_only) if route.gated else OPEN
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
@@ -1466,7 +1466,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated joins people one_document")):
+                 "forced carrier family gated joins people master_only one_document")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1491,20 +1491,22 @@ class Route(collections.namedtuple(
       opens it, given as HTTP Basic's password (any user name) or as Bearer,
       and from a browser, the one place where browser_refusal does not keep
       it out; anything else gets 401 with a Basic challenge (Gate.check);
+    - `master_only`: what only the master key may do on it, the words of
+      the 403 any API key holding its actions gets (Gate.check), or None;
     - `one_document`: it reads the one document its path's `document_id`
       names: under a filter, or for a tenant token, the backend is asked for
       it by a documents fetch (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
-                joins=False, people=False, one_document=False):
+                joins=False, people=False, master_only=None, one_document=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
                                route_family(pattern, handler is not Service.forward), gated,
-                               joins, people, one_document)
+                               joins, people, master_only, one_document)
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -1555,6 +1557,7 @@ def build_routes():
     key's index patterns; other "{...}" segments match anything.
     Built once every handler and rule exists (called at the end of the
     file, so that this module reads in the order a request travels)."""
+    restricting = "read or change the restrictions of a key"  # master_only, for three routes
     return tuple([
         Route("GET", "/health", PUBLIC, handler=Service.answer_health),
         Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
@@ -1577,21 +1580,22 @@ def build_routes():
               handler=on_keys_api(KeysApi.update_key)),
         Route("DELETE", "/keys/{key}", ("keys.delete",),
               handler=on_keys_api(KeysApi.delete_key)),
-        Route("GET", "/keys/{key}/restrictions", ("keys.get",),
+        Route("GET", "/keys/{key}/restrictions", ("keys.get",), master_only=restricting,
               handler=on_keys_api(KeysApi.get_restrictions)),
-        Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
+        Route("PUT", "/keys/{key}/restrictions", ("keys.update",), master_only=restricting,
               handler=on_keys_api(KeysApi.put_restrictions)),
         Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
-              handler=on_keys_api(KeysApi.delete_restrictions)),
+              master_only=restricting, handler=on_keys_api(KeysApi.delete_restrictions)),
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
               handler=on_keys_api(KeysApi.rotate_key)),
-        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("GET", "/keys/{key}/usage", ("keys.get",), master_only="read the usage of a key",
+              handler=on_keys_api(KeysApi.key_usage)),
         Route("POST", "/keys/{key}/revoke-tokens", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_tokens)),
         Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_token)),
         Route("POST", "/keys/{key}/restore", ("keys.create",),
-              handler=on_keys_api(KeysApi.restore_key)),
+              master_only="restore a deleted key", handler=on_keys_api(KeysApi.restore_key)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -1904,11 +1908,14 @@ class Gate:
             forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
         return client_address(request.peer or "", forwarded, trusted)
 
-    def check(self, request, actions, index, people=False):
+    def check(self, request, actions, index, people=False, master_only=None):
         """The Principal, as Guard.check; raises its refusals, 403 for an
         address or referrer the key does not allow, 429 over a rate.
         `people`: the route is a page for people (Route.people): the master
-        key only, as Bearer or Basic, from browsers too; else 401."""
+        key only, as Bearer or Basic, from browsers too; else 401.
+        `master_only`: what only the master key may do on the route
+        (Route.master_only): any API key gets 403, once its own
+        restrictions have been applied (and counted) as on any route."""
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
@@ -1937,8 +1944,16 @@ class Gate:
         if refusal is not None:
             raise refusal
         restrictions = key.restrictions if key is not None else None
-        if restrictions is None:
-            return principal
+        if restrictions is not None:
+            self._hold(request, key, address)
+        if master_only is not None:
+            require_master(principal, master_only)
+        return principal
+
+    def _hold(self, request, key, address):
+        """Raise the refusal of the key's restrictions on who sends it,
+        from where and how often (counting the request against its rates)."""
+        restrictions = key.restrictions
         if address is None:
             address = self.client(request)
         if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
@@ -1948,7 +1963,6 @@ class Gate:
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
             raise restriction_refused("allowedReferrers", "from this site")
-        return principal
 
     def charge(self, request, principal, searches):
         """Count a request's further searches (a multi-search runs one a
@@ -3793,7 +3807,6 @@ class KeysApi:
     def restore_key(self, call):
         """POST /keys/{uid}/restore, master key only: the deleted key back
         (201, as POST /keys answers)."""
-        require_master(call.principal, "restore a deleted key")
         segment = call.params["key"]
         try:
             uid = parse_uuid(segment)
@@ -3842,32 +3855,25 @@ class KeysApi:
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
-        `lastUsedAt` and `unsaved`, the part only this process has counted."""
-        require_master(call.principal, "read the usage of a key")
+        `lastUsedAt` and `unsaved`, the part only this process has counted;
+        master key only."""
         key = self.store.find(call.params["key"])
         return Response.json(200, dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
                                        unsaved=self.store.usage.unsaved(key.uid)))
 
     def get_restrictions(self, call):
         """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
-        self._require_master_for_restrictions(call)
         return self._restrictions(200, self.store.find(call.params["key"]))
 
     def put_restrictions(self, call):
-        self._require_master_for_restrictions(call)
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
                                                    restrictions, actor(call.principal)))
 
     def delete_restrictions(self, call):
-        self._require_master_for_restrictions(call)
         self._write(self.store.restrict, call.params["key"], None, actor(call.principal))
         return Response(204)
-
-    @staticmethod
-    def _require_master_for_restrictions(call):
-        require_master(call.principal, "read or change the restrictions of a key")
 
     @staticmethod
     def _restrictions(status, key):
