@@ -158,13 +158,8 @@ HANDLER_CHECKED_ACTIONS = frozenset((
     "tasks.cancel", "tasks.delete", "tasks.get", "settings.get", "stats.*", "stats.get",
     "chatCompletions",
 ))
-# Index-only: only meaningful on routes that name an index.
-INDEX_ONLY_ACTIONS = frozenset((
-    "documents.add", "documents.delete", "indexes.update", "indexes.delete",
-    "indexes.compact", "fields.post", "settings.update",
-))
-# Multi: wildcards spanning scopes; allowed on keys with any indexes.
-MULTI_SCOPE_ACTIONS = frozenset(("*", "*.get", "documents.*", "indexes.*", "tasks.*", "settings.*"))
+# The rest (upstream's index-only actions and the wildcards spanning scopes)
+# are allowed on keys with any indexes, and need no set of their own here.
 
 KEYS_ACTIONS = frozenset(("keys.create", "keys.get", "keys.update", "keys.delete"))
 # Routes needing one of these accept tenant tokens as well as API keys (a token
@@ -292,7 +287,9 @@ class RequestHeaders:
     for http.server (`get`, `get_all`, `items`; names without case, `get`
     the first of repeated ones), from lines checked by _HEADER_BLOCK_RE,
     each value without its leading blanks and line end as email.parser
-    leaves them: without its feed parser and per-call policy (~80 µs a request)."""
+    leaves them: without its feed parser and per-call policy, once the
+    largest single cost of a guarded request (bench/README.md, "Where the
+    guard's time goes")."""
 
     __slots__ = ("_lines", "_first")
 
@@ -582,8 +579,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         """Replaces http.server's: a request line of three words and HTTP/1.x
         (no HTTP/0.9, whose answers have no head), the whole head within
         MAX_HEAD but no cap per line, header lines every party reads alike,
-        one unambiguous body framing. (Its header parsing, email's, costs
-        ~60 µs more a request than RequestHeaders.)"""
+        one unambiguous body framing. (Its header parsing, email's, is the
+        cost RequestHeaders spares.)"""
         self.started, self.command = time.monotonic(), None
         self.request_version = self.default_request_version
         self.close_connection = True
@@ -1229,8 +1226,8 @@ class Service:
             return Response(405)
         route, index, params = found
         request.family = route.family
-        principal = self.gate.check(request, route.actions, index, route.people) \
-            if route.gated else OPEN
+        principal = self.gate.check(request, route.actions, index, route.people,
+                                    route.master_only) if route.gated else OPEN
         return route.handler(self, Call(request, route, index, params, principal))
 
     def forward(self, call):
@@ -1469,7 +1466,7 @@ def count_queries(body):
 
 class Route(collections.namedtuple(
         "Route", "method pattern actions handler rule hits searches repeatable creates_index "
-                 "forced carrier family gated joins people one_document")):
+                 "forced carrier family gated joins people master_only one_document")):
     """One route:
     - `actions`: what a credential must hold (PUBLIC: nothing);
     - `handler(service, call)`: who answers (Service.forward: the backend);
@@ -1494,27 +1491,22 @@ class Route(collections.namedtuple(
       opens it, given as HTTP Basic's password (any user name) or as Bearer,
       and from a browser, the one place where browser_refusal does not keep
       it out; anything else gets 401 with a Basic challenge (Gate.check);
+    - `master_only`: what only the master key may do on it, the words of
+      the 403 any API key holding its actions gets (Gate.check), or None;
     - `one_document`: it reads the one document its path's `document_id`
       names: under a filter, or for a tenant token, the backend is asked for
       it by a documents fetch (Decision.fetches_document)."""
 
     def __new__(cls, method, pattern, actions, handler=None, rule=None, hits=None,
                 searches=None, repeatable=None, creates_index=False, forced=None, gated=True,
-                joins=False, people=False, one_document=False):
+                joins=False, people=False, master_only=None, one_document=False):
         repeatable = method == "GET" if repeatable is None else repeatable
         handler = handler or Service.forward
         return super().__new__(cls, method, pattern, tuple(actions), handler, rule, hits,
                                searches, repeatable, creates_index, forced,
                                QUERY if method == "GET" else BODY,
                                route_family(pattern, handler is not Service.forward), gated,
-                               joins, people, one_document)
-
-    @property
-    def is_meilisearch(self):
-        """Is it one of Meilisearch's routes (searchkeys' own /authorize and
-        its additions under /keys/, the keys page among them, are not)?"""
-        return self.family != "authorize" and not (self.pattern.startswith("/keys/")
-                                                   and self.pattern != "/keys/{key}")
+                               joins, people, master_only, one_document)
 
     def scope_rule(self, principal, index):
         """The rule that holds `principal` to its indexes and filters on
@@ -1565,6 +1557,7 @@ def build_routes():
     key's index patterns; other "{...}" segments match anything.
     Built once every handler and rule exists (called at the end of the
     file, so that this module reads in the order a request travels)."""
+    restricting = "read or change the restrictions of a key"  # master_only, for three routes
     return tuple([
         Route("GET", "/health", PUBLIC, handler=Service.answer_health),
         Route("GET", "/authorize", PUBLIC, handler=Service.answer_authorize),
@@ -1587,21 +1580,22 @@ def build_routes():
               handler=on_keys_api(KeysApi.update_key)),
         Route("DELETE", "/keys/{key}", ("keys.delete",),
               handler=on_keys_api(KeysApi.delete_key)),
-        Route("GET", "/keys/{key}/restrictions", ("keys.get",),
+        Route("GET", "/keys/{key}/restrictions", ("keys.get",), master_only=restricting,
               handler=on_keys_api(KeysApi.get_restrictions)),
-        Route("PUT", "/keys/{key}/restrictions", ("keys.update",),
+        Route("PUT", "/keys/{key}/restrictions", ("keys.update",), master_only=restricting,
               handler=on_keys_api(KeysApi.put_restrictions)),
         Route("DELETE", "/keys/{key}/restrictions", ("keys.update",),
-              handler=on_keys_api(KeysApi.delete_restrictions)),
+              master_only=restricting, handler=on_keys_api(KeysApi.delete_restrictions)),
         Route("POST", "/keys/{key}/rotate", ("keys.create", "keys.delete"),
               handler=on_keys_api(KeysApi.rotate_key)),
-        Route("GET", "/keys/{key}/usage", ("keys.get",), handler=on_keys_api(KeysApi.key_usage)),
+        Route("GET", "/keys/{key}/usage", ("keys.get",), master_only="read the usage of a key",
+              handler=on_keys_api(KeysApi.key_usage)),
         Route("POST", "/keys/{key}/revoke-tokens", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_tokens)),
         Route("POST", "/keys/{key}/revoke-token", ("keys.update",),
               handler=on_keys_api(KeysApi.revoke_token)),
         Route("POST", "/keys/{key}/restore", ("keys.create",),
-              handler=on_keys_api(KeysApi.restore_key)),
+              master_only="restore a deleted key", handler=on_keys_api(KeysApi.restore_key)),
         Route("GET", "/indexes", ("indexes.get",), rule=Rule(
             SCOPED, query=_index_page_query, answer=_index_page_answer)),
         Route("POST", "/indexes", ("indexes.create",),
@@ -1914,11 +1908,14 @@ class Gate:
             forwarded = ",".join(request.headers.get_all("X-Forwarded-For") or ())
         return client_address(request.peer or "", forwarded, trusted)
 
-    def check(self, request, actions, index, people=False):
+    def check(self, request, actions, index, people=False, master_only=None):
         """The Principal, as Guard.check; raises its refusals, 403 for an
         address or referrer the key does not allow, 429 over a rate.
         `people`: the route is a page for people (Route.people): the master
-        key only, as Bearer or Basic, from browsers too; else 401."""
+        key only, as Bearer or Basic, from browsers too; else 401.
+        `master_only`: what only the master key may do on the route
+        (Route.master_only): any API key gets 403, once its own
+        restrictions have been applied (and counted) as on any route."""
         throttle, address = self.limits.throttle, None
         if throttle is not None and actions:
             address = self.client(request)
@@ -1947,8 +1944,16 @@ class Gate:
         if refusal is not None:
             raise refusal
         restrictions = key.restrictions if key is not None else None
-        if restrictions is None:
-            return principal
+        if restrictions is not None:
+            self._hold(request, key, address)
+        if master_only is not None:
+            require_master(principal, master_only)
+        return principal
+
+    def _hold(self, request, key, address):
+        """Raise the refusal of the key's restrictions on who sends it,
+        from where and how often (counting the request against its rates)."""
+        restrictions = key.restrictions
         if address is None:
             address = self.client(request)
         if restrictions.ips is not None and not in_ranges(address, restrictions.ips):
@@ -1958,7 +1963,6 @@ class Gate:
                 restrictions.referrers, request.headers.get("Origin"),
                 request.headers.get("Referer")):
             raise restriction_refused("allowedReferrers", "from this site")
-        return principal
 
     def charge(self, request, principal, searches):
         """Count a request's further searches (a multi-search runs one a
@@ -2198,7 +2202,7 @@ class Principal:
         if rules is not None and not search_rules_allow(rules, index):
             return invalid_api_key(
                 "The provided tenant token cannot acces the index `%s`, allowed indexes "
-                "are %s." % (index, rust_debug_list(sorted(set(search_rule_patterns(rules))))))
+                "are %s." % (index, rust_debug_list(sorted(set(rules)))))
         if any(pattern_matches(p, index) for p in key.indexes):
             return None
         if rules is not None:
@@ -2227,13 +2231,10 @@ OPEN = Principal()
 MASTER = Principal()  # the master key: OPEN's rights, but a credential (see browser_refusal)
 
 
-def search_rule_patterns(rules):
-    """The index patterns a tenant token's `searchRules` name."""
-    return list(rules)  # a list of patterns, or the keys of an object
-
-
 def search_rules_allow(rules, index):
-    return any(pattern_matches(p, index) for p in search_rule_patterns(rules))
+    """Do a tenant token's `searchRules` (a list of index patterns, or an
+    object keyed by them) name a pattern matching `index`?"""
+    return any(pattern_matches(p, index) for p in rules)
 
 
 def index_scoped_global_action(actions, indexes):
@@ -2280,7 +2281,8 @@ class Decision(collections.namedtuple(
     - `answer_filter(context, answer)`: rewrites a 200 JSON answer, or None;
     - `searches(body)`: the searches a body runs, for the key's rate
       limits, or None (one);
-    - `checks_joins`: the indexes searched (or read under a filter) must not
+    - `checks_joins`: the indexes searched (or read under a filter: the
+      caller's, a token's, a forced one) must not
       join (Meilisearch's foreignKeys) documents the principal may not see
       whole (check_joins);
     - `concurrent`: the searches the key may run at once (its
@@ -2384,16 +2386,19 @@ def decide(route, principal, index):
     if route.searches is not None and restrictions is not None and restrictions.rated:
         searches = route.searches
     searching = route.joins  # the routes that run searches, whose hits may hydrate joins
-    # a documents read held to a filter (a token's, a forced one), whose caller's own filter
-    # may still reach into joined documents (`_foreign(...)`)
-    held_read = route.forced is force_documents and (
+    documents_read = route.forced is force_documents
+    # a documents read held to a filter (a token's, a forced one), or a documents list or
+    # fetch, whose caller's own filter may reach into joined documents (`_foreign(...)`):
+    # checked for the same principals as a search
+    held_read = documents_read and (
         rule is not None or documents_forced(restrictions, index) is not None)
-    checks_joins = held_read or searching and not (
+    filtered_read = documents_read and not route.one_document
+    checks_joins = held_read or (searching or filtered_read) and not (
         principal.unscoped and (restrictions is None or restrictions.forced is None))
     concurrent = restrictions.max_concurrent if searching and restrictions is not None else None
     # a tenant token's documents read shows what its searches would (issue 34), not every
     # field as Meilisearch's documents routes do
-    token_read = route.forced is force_documents and principal.rules is not None
+    token_read = documents_read and principal.rules is not None
     fact_steps = ()
     if token_read:
         facts = facts + ("displayed_attributes",)
@@ -3802,7 +3807,6 @@ class KeysApi:
     def restore_key(self, call):
         """POST /keys/{uid}/restore, master key only: the deleted key back
         (201, as POST /keys answers)."""
-        require_master(call.principal, "restore a deleted key")
         segment = call.params["key"]
         try:
             uid = parse_uuid(segment)
@@ -3851,32 +3855,25 @@ class KeysApi:
 
     def key_usage(self, call):
         """GET /keys/{key}/usage: the key's uid, `allowed`, `refused`,
-        `lastUsedAt` and `unsaved`, the part only this process has counted."""
-        require_master(call.principal, "read the usage of a key")
+        `lastUsedAt` and `unsaved`, the part only this process has counted;
+        master key only."""
         key = self.store.find(call.params["key"])
         return Response.json(200, dict({"uid": key.uid}, **self.store.usage.to_json(key.uid),
                                        unsaved=self.store.usage.unsaved(key.uid)))
 
     def get_restrictions(self, call):
         """GET /keys/{key_or_uid}/restrictions, master key only (as the other two)."""
-        self._require_master_for_restrictions(call)
         return self._restrictions(200, self.store.find(call.params["key"]))
 
     def put_restrictions(self, call):
-        self._require_master_for_restrictions(call)
         self.store.find(call.params["key"])  # 404 before 400, as PATCH /keys/{key}
         restrictions = Restrictions.from_json(call.request.read_json_body())
         return self._restrictions(200, self._write(self.store.restrict, call.params["key"],
                                                    restrictions, actor(call.principal)))
 
     def delete_restrictions(self, call):
-        self._require_master_for_restrictions(call)
         self._write(self.store.restrict, call.params["key"], None, actor(call.principal))
         return Response(204)
-
-    @staticmethod
-    def _require_master_for_restrictions(call):
-        require_master(call.principal, "read or change the restrictions of a key")
 
     @staticmethod
     def _restrictions(status, key):
@@ -3912,11 +3909,14 @@ PAGE_REVEAL_SECONDS = 60  # a key made this recently shows its value, on the pag
 
 class PageNonces:
     """The nonce each served keys page puts in its forms, which a change
-    must send back: unguessable (random), bound to the page it was served
-    with (its random part and time, signed), valid PAGE_NONCE_SECONDS,
-    compared in constant time. Signed with a secret derived from the master
-    key rather than kept, so that memory holds none, and any of `serve
-    --workers`' processes checks the nonce of a page another one served."""
+    must send back: unguessable (a random part), signed with the time it was
+    served, compared in constant time. It is bound to no page, form or
+    session: any nonce served in the last PAGE_NONCE_SECONDS is taken by any
+    form. What it proves is that the sender read a page only the master key
+    opens, which a cross-site form cannot. Signed with a secret derived from
+    the master key rather than kept, so that memory holds none, and any of
+    `serve --workers`' processes checks the nonce of a page another one
+    served."""
 
     def __init__(self, master_key):
         self._secret = None if master_key is None else hmac.new(
@@ -5202,10 +5202,8 @@ def _fsync_folder(folder):
         os.close(fd)
 
 
-HISTORY_CHANGES = ("create", "update", "restrict", "rotate", "delete", "restore",
-                   "revoke-tokens", "revoke-token")
 MAX_HISTORY_BYTES = 4 * 1024 * 1024  # past this, FILE.history becomes FILE.history.1
-MAX_HISTORY_LINE = 4096  # bytes of one line (PIPE_BUF on Linux): one write, never split
+MAX_HISTORY_LINE = 4096  # bytes of a line; reading the last lines begins one line early
 MAX_HISTORY_NAME = 256  # characters of a key's name kept on a line too long to keep whole
 _HISTORY_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO: no wait
 
@@ -5215,7 +5213,8 @@ class KeyHistory:
     beside the store (FILE.history, 0600, opened without following a link),
     or, without a store file, the last MAX_HISTORY_BYTES of lines in memory.
 
-    A line holds `at`, `change` (HISTORY_CHANGES), the key's `uid` and
+    A line holds `at`, `change` (create, update, restrict, rotate, delete,
+    restore, revoke-tokens or revoke-token), the key's `uid` and
     `name`, `by` (the uid of the key that made it, "master" or LOCAL) and
     `fields` (what changed: names and new values; never a key's value or a
     token). The KeyStore appends it once the change is written, while it
@@ -7000,7 +6999,8 @@ def _check_claims(part):
 def _issued_at(part):
     """The token's `iat` in Unix seconds, or None (none, more than one, not
     a number). Meilisearch ignores it; searchkeys' revocation reads it, and
-    one it cannot read counts as revoked (see token_refusal)."""
+    counts a token without one as issued before any time a revocation names
+    (TokenRevocation.refusal)."""
     values = [value for name, value, _, _, _ in part.members if name == "iat"]
     if len(values) != 1 or isinstance(values[0], bool) \
             or not isinstance(values[0], (int, float)) or values[0] != values[0]:
@@ -7762,7 +7762,9 @@ def build_parser():
         "revoke-token", parents=[common], help="revoke one tenant token of a key until it "
                                                "expires (searchkeys only)")
     revoke_one.add_argument("key_or_uid", metavar="KEY_OR_UID", help="the key's value or uid")
-    revoke_one.add_argument("token", metavar="TOKEN", help="the tenant token (it needs an `exp`)")
+    revoke_one.add_argument("token", metavar="TOKEN",
+                            help="the tenant token (it needs an `exp`); `-` reads it from "
+                                 "standard input, out of sight of ps and the shell's history")
     add_restrict_command(key_commands, common)
 
     token = commands.add_parser("token", parents=[common],
@@ -8225,6 +8227,9 @@ def check_client_args(parser, args):
                 and args.before is not None and parse_expires_at(args.before) is None:
             raise ValueError("--before `%s` is not a date: write it as RFC 3339, e.g. "
                              "2030-01-31T00:00:00Z" % args.before)
+        elif args.command == "keys" and args.keys_command == "revoke-token" \
+                and args.token == "-":
+            args.token = token_from_stdin()
         elif args.command == "keys" and args.keys_command == "rotate" \
                 and args.grace is not None:
             try:
@@ -8269,6 +8274,22 @@ def check_text_args(args, names):
             value is None or value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("%s is not valid UTF-8 text" % shown)
+
+
+def token_from_stdin():
+    """`keys revoke-token KEY -`: the tenant token from standard input, its
+    surrounding whitespace (a final newline) dropped; at most MAX_HEAD bytes,
+    as no request could carry a longer one."""
+    data = sys.stdin.buffer.read(MAX_HEAD + 1).strip()
+    if not data:
+        raise ValueError("TOKEN is `-`, but standard input holds no token")
+    if len(data) > MAX_HEAD:
+        raise ValueError("TOKEN is `-`, but standard input holds more than %d bytes: no "
+                         "tenant token is that long" % MAX_HEAD)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("TOKEN is `-`, but standard input is not valid UTF-8 text")
 
 
 def check_connection_args(args):

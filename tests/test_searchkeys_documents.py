@@ -456,6 +456,34 @@ def test_a_filtered_read_of_an_index_joining_another_is_refused(guard, backend, 
         assert status == 404 and seen[1] == "/indexes/reviews/documents/fetch"
 
 
+def test_an_index_scoped_keys_filtered_read_of_an_index_joining_another_is_refused(
+        guard, backend):
+    """A key covering `reviews` but not `critics`, which `reviews` joins: its own filter on a
+    documents list or fetch could probe the critics' documents (`_foreign(...)`), as its
+    searches could. One document (no filter of the caller's) is forwarded as before."""
+    def authorize(credential, method, uri):
+        return guard.request("GET", "/authorize", None, {
+            "Authorization": "Bearer " + credential, "X-Original-Method": method,
+            "X-Original-URI": uri})[0]
+    scoped = new_key(guard, None, actions=("documents.get",), indexes=("reviews",))["key"]
+    probe = "_foreign(critic, secret = s1)"
+    for method, target, body in (
+            ("GET", "/indexes/reviews/documents?filter=" + urllib.parse.quote(probe), None),
+            ("POST", "/indexes/reviews/documents/fetch", {"filter": probe})):
+        status, answer, seen = send(guard, backend, scoped, method, target, body)
+        assert status == 403 and "foreignKeys" in answer["message"], answer
+        assert seen is None or seen[1] == "/indexes/reviews/settings/foreign-keys"
+        assert authorize(scoped, method, target) == 403
+    status, _, seen = send(guard, backend, scoped, "GET", "/indexes/reviews/documents/1")
+    assert status == 404 and seen[1] == "/indexes/reviews/documents/1"
+    # covering the joined index too: forwarded as sent
+    both = new_key(guard, None, actions=("documents.get",), indexes=("reviews", "critics"))
+    status, _, seen = send(guard, backend, both["key"], "POST",
+                           "/indexes/reviews/documents/fetch", {"filter": probe})
+    assert status == 404 and seen[1:3] == ("/indexes/reviews/documents/fetch", {"filter": probe})
+    assert authorize(both["key"], "POST", "/indexes/reviews/documents/fetch") == 204
+
+
 def test_the_official_client_reads_a_tenants_documents(guard, tenant):
     meilisearch = pytest.importorskip("meilisearch")
     from meilisearch.errors import MeilisearchApiError

@@ -75,10 +75,10 @@ def stamp(seconds):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def cli(daemon, *args):
+def cli(daemon, *args, stdin=None):
     return subprocess.run([sys.executable, str(SEARCHKEYS), *args, "--url",
                            "http://127.0.0.1:%d" % daemon.port, "--key", MASTER],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, input=stdin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,3 +282,19 @@ def test_cli_signs_iat_and_revokes_tokens(guard):
     refused = cli(guard, "keys", "revoke-token", key["uid"], token(key))
     assert refused.returncode != 0 and "has no `exp`" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_cli_reads_the_token_to_revoke_from_stdin(guard):
+    """`-` keeps the token off the command line (ps, the shell's history)."""
+    key = new_key(guard)
+    leaked = token(key, exp=int(time.time()) + 3600)
+    assert works(guard, leaked)
+    done = cli(guard, "keys", "revoke-token", key["uid"], "-", stdin=leaked + "\n")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["revokedTokens"] == 1 and not works(guard, leaked)
+    empty = cli(guard, "keys", "revoke-token", key["uid"], "-", stdin="\n")
+    assert empty.returncode == 2 and "standard input holds no token" in empty.stderr
+    assert "Traceback" not in empty.stderr
+    help_text = subprocess.run([sys.executable, str(SEARCHKEYS), "keys", "revoke-token", "-h"],
+                               capture_output=True, text=True, timeout=30).stdout
+    assert "from standard input" in " ".join(help_text.split())
