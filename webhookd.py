@@ -2900,9 +2900,9 @@ class HookServer(HTTPServer):
 class HookRun:
     """One triggered hook, built once by Hooks.prepare (or Hooks.replay), carrying all a run
     needs to the runner: the hook, the request id, what to execute (`invocation`, or `failure`
-    when it cannot run), the mode (`streamed`, `captured` or `background`), the hook's max-concurrency gate
-    (`has_turn` once granted), the run's record (None without run history) and, in the
-    background, the bytes its invocation holds in the backlog (`held`)."""
+    when it cannot run), the mode (`streamed`, `captured` or `background`), the hook's
+    max-concurrency gate (`has_turn` once granted), the run's record (None without run
+    history) and, in the background, the bytes its invocation holds in the backlog (`held`)."""
 
     def __init__(self, hook, request_id, mode, gate, record):
         self.hook, self.request_id, self.mode, self.gate = hook, request_id, mode, gate
@@ -3161,12 +3161,12 @@ class Hooks:
         run `original` again, as it ran (argv, environment, stdin and files; not built again
         from a hooks file that may have changed since), in the background whatever the hook's
         mode (the output is in the record), under the hook as it is served now (it waits for
-        its max-concurrency turn whatever the hook's when-busy; its command timeout and masking): (the new run's record, None), or
-        (None, (status, why)) when it cannot run."""
-        refusal = self.replay_refusal(original)
-        if refusal is not None:
-            return None, refusal
+        its max-concurrency turn whatever the hook's when-busy; its command timeout and
+        masking): (the new run's record, None), or (None, (status, why)) when it cannot run."""
         hook, invocation = self.registry.hook(original.hook), original.invocation
+        refusal = self.replay_refusal(original, hook)  # (the hook looked up once: a reload
+        if refusal is not None:  # may remove it meanwhile)
+            return None, refusal
         if not self.background.reserve(invocation.size()):
             return None, (503, "the background runs' backlog is full: try again later")
         replayer = HookRequest(request.id, request.method, request.peer, {}, {}, b"", "")
@@ -3180,15 +3180,16 @@ class Hooks:
         run.gate.enter(lambda: self.run_in_background(run))
         return run.record, None
 
-    def replay_refusal(self, record):
-        """Why a run cannot be replayed, as (status, sentence), or None if it can."""
+    def replay_refusal(self, record, hook):
+        """Why a run cannot be replayed (`hook`: the one served under its hook's id now), as
+        (status, sentence), or None if it can."""
         if record.state == "refused":
             return 409, "run %s is a refused delivery: it ran nothing to replay" % record.id
         if record.invocation is None:
             return 410, ("the invocation of run %s is not kept: only runs whose command was "
                          "built since the daemon started can be replayed (it is kept in memory "
                          "only, never in -runs-dir)" % record.id)
-        if self.registry.hook(record.hook) is None:
+        if hook is None:
             return 409, ("hook %s is no longer served: only a hook the hooks files still hold "
                          "is replayed" % json.dumps(record.hook))
         return None
@@ -5887,7 +5888,7 @@ class StatusSite:
         if record is None:
             return self.no_run(request, as_html)
         if as_html:
-            refusal = self.hooks.replay_refusal(record)
+            refusal = self.hooks.replay_refusal(record, self.registry.hook(record.hook))
             return self.html.run(record.as_dict(), self.store.read_output(record)[0],
                                  self.registry.file_of(record.hook),
                                  None if refusal else self.nonces.issue(record.id),
