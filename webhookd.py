@@ -2543,9 +2543,12 @@ class BodyReader:
     `100 Continue` (send_continue) if the client waits for it, all of it within
     -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
     trickling it holds a worker for a bounded time (each byte by -read-header-timeout plus
-    the bytes before it at BODY_MIN_RATE).  A body that breaks off or is malformed
-    mid-way is logged and what came returned (as upstream: the hook runs with it), and
-    `broken` set; `consumed` once read() was called (else the handler reads past it)."""
+    the bytes before it at BODY_MIN_RATE).  A chunked body malformed mid-way is logged and
+    what came returned, `broken` set (as upstream: the hook runs with it, the connection
+    closes).  A body that breaks off (the client closed, or fell behind that pace) raises
+    OSError: unlike upstream, which logs `unexpected EOF` and runs the hook with what came,
+    the hook does not run on half a payload, and a client gone or too slow gets no answer.
+    `consumed` once read() was called (else the handler reads past it)."""
 
     __slots__ = ("request", "conn", "limits", "send_continue", "consumed", "broken")
 
