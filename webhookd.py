@@ -3086,9 +3086,9 @@ class Hooks:
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
         delivery = self.delivery(hook, request)
-        with self.runs.claim(hook.id, delivery) as earlier:
-            if earlier is not None and earlier.state in DELIVERY_HANDLED:
-                return self.deduplicated(hook, rid, delivery, earlier, headers)
+        with self.runs.claim(hook.id, delivery) as (earlier, state):
+            if state in DELIVERY_HANDLED:
+                return self.deduplicated(hook, rid, delivery, earlier, state, headers)
             log.info("[%s] %s hook triggered successfully", rid, hook.id)
             mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
                 else "background"
@@ -3119,14 +3119,15 @@ class Hooks:
             return None
         return delivery
 
-    def deduplicated(self, hook, rid, delivery, earlier, headers):
-        """The answer to a delivery already run (or going): 200, naming that run."""
+    def deduplicated(self, hook, rid, delivery, earlier, state, headers):
+        """The answer to a delivery already run (or going): 200, naming that run and its
+        state when claimed."""
         self.metrics.deduplicated(hook.id)
         log.info("[%s] %s: delivery %s was already run as %s (%s): not run again", rid,
-                 hook.id, delivery, earlier.id, earlier.state)
+                 hook.id, delivery, earlier.id, state)
         headers["X-Webhookd-Run"] = earlier.id
         headers.setdefault("Content-Type", TEXT_PLAIN)
-        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, earlier.state)).encode(),
+        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, state)).encode(),
                         headers)
 
     def prepare(self, hook, request, mode, delivery=None, earlier=None):
@@ -5153,15 +5154,18 @@ class RunStore:
     @contextlib.contextmanager
     def claim(self, hook_id, delivery):
         """Within it, a run of a deduplicating hook finds the newest record of its delivery
-        (what it gives, or None) and opens its own: of two deliveries with one id, the second
-        finds the first's record, already on disk.  Holds nothing without a delivery id."""
+        and that record's state as it was then, read under the store's lock (what it gives:
+        (record, state), or (None, None)), and opens its own: of two deliveries with one id,
+        the second finds the first's record, already on disk.  Holds nothing without a
+        delivery id."""
         if delivery is None or not self.keep:
-            yield None
+            yield None, None
             return
         with self.claims:
             with self.changed:
                 earlier = self.deliveries.get((hook_id, delivery))
-            yield earlier
+                state = None if earlier is None else earlier.state
+            yield earlier, state
 
     def open(self, hook_id, request, invocation=None, delivery=None, redelivery_of=None,
              replay_of=None):
