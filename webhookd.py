@@ -743,7 +743,7 @@ def expand_template(text, filename, environ=None, empty=None, expanded=None):
 
 
 # ---------------------------------------------------------------------------
-# Hook model, loading and validation (pure)
+# Hook model: fields, rules and hooks, with their problems (pure)
 # ---------------------------------------------------------------------------
 
 ARGUMENT_FIELDS = ("source", "name", "envname", "base64decode")
@@ -1232,6 +1232,10 @@ class Hook:
                             "remove the field)" % ", ".join(repr(key) for key in unknown))
 
 
+# ---------------------------------------------------------------------------
+# Secrets and masking: what the logs and a run's record must not show (pure)
+# ---------------------------------------------------------------------------
+
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
                                "X-Signature", "X-Gitlab-Token", "X-Gitea-Signature"))
 
@@ -1396,6 +1400,10 @@ def redact_target(target, names):
             parts[i] = key + "=<redacted>"
     return path + "?" + "".join(parts)
 
+
+# ---------------------------------------------------------------------------
+# Hooks files: reading (text to hooks, with the file's own checks) and -validate
+# ---------------------------------------------------------------------------
 
 def describe(index, obj):
     hook_id = obj.get("id") if isinstance(obj, dict) else None
@@ -4418,7 +4426,8 @@ def explain_lines(node, depth=0):
 
 
 # ---------------------------------------------------------------------------
-# Command execution: argv and environment, temp files, running, timeouts
+# Command invocation: argv, environment, stdin and temp files, built from the request
+# (first the runner's grace times and stdin write size, used by the Runs section next)
 # ---------------------------------------------------------------------------
 
 KILL_GRACE_SECONDS = 5.0
