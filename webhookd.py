@@ -417,6 +417,17 @@ class HelpRequested(Exception):
     """-h or -help: usage on stderr, exit status 0."""
 
 
+class StartupError(Exception):
+    """Serving cannot start (a hooks file, the log file, the run history, the pidfile, a
+    listener, TLS, privileges): the one sentence saying why, exit status 1, reported by main.
+    `as_flag`: a flag's file or folder cannot be used, said as check_flags says a bad flag
+    (`error: ...` on stdout); else as Go's log.Fatal says it, on the log."""
+
+    def __init__(self, sentence, as_flag=False):
+        Exception.__init__(self, sentence)
+        self.as_flag = as_flag
+
+
 def parse_go_bool(text):
     """strconv.ParseBool."""
     if text in ("1", "t", "T", "TRUE", "true", "True"):
@@ -6178,25 +6189,22 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
-class RunHistoryError(Exception):
-    """The status token or -runs-dir cannot be had: the sentence saying why."""
-
-
 def open_run_history(opts):
     """For serving, before privileges are dropped: the status token (-status-token, or read
     from -status-token-file) and the RunStore, over -runs-dir opened (created, chowned to the
-    user it will run as, locked) when given.  RunHistoryError if either fails."""
+    user it will run as, locked) when given.  StartupError (as_flag) if either fails."""
     token = opts.status_token
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
                 token = handle.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise RunHistoryError("cannot read -status-token-file %s: %s" % (
+            raise StartupError("cannot read -status-token-file %s: %s" % (
                 opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError)
-                else exc)) from None
+                else exc), as_flag=True) from None
         if not token:
-            raise RunHistoryError("-status-token-file %s is empty" % opts.status_token_file)
+            raise StartupError("-status-token-file %s is empty" % opts.status_token_file,
+                               as_flag=True)
     dir_fd = None
     if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
@@ -6204,8 +6212,8 @@ def open_run_history(opts):
             dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
                                    opts.setgid if dropping else os.getegid())
         except OSError as exc:
-            raise RunHistoryError("cannot use -runs-dir %s: %s" % (
-                opts.runs_dir, go_errno_text(exc))) from None
+            raise StartupError("cannot use -runs-dir %s: %s" % (
+                opts.runs_dir, go_errno_text(exc)), as_flag=True) from None
     return token, RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
                            opts.runs_dir or None, dir_fd)
 
@@ -6276,19 +6284,16 @@ def open_own_file(path, flags):
     return fd
 
 
-class LogFileError(Exception):
-    """-logfile cannot be opened: Go's sentence, exit status 1."""
-
-
 def setup_logging(opts):
     """`[webhook] date time message` lines, written by a thread of their own: a request never
     waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
-    nothing then: a hooks file it cannot load went unexplained)."""
+    nothing then: a hooks file it cannot load went unexplained).  The thread, or None;
+    StartupError if -logfile cannot be opened."""
     if opts.logfile:
         try:
             fd = open_own_file(opts.logfile, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
-            raise LogFileError('error opening log file "%s": %s'
+            raise StartupError('error opening log file "%s": %s'
                                % (opts.logfile, go_errno_text(exc, "open"))) from None
         target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
                                                  errors="backslashreplace"))
@@ -6364,7 +6369,7 @@ def make_tls_context(opts):
     versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
                 "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
     if opts.tls_min_version not in versions:
-        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
+        raise StartupError("error: unknown minimum TLS version: %s" % opts.tls_min_version)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = versions[opts.tls_min_version]
     if opts.cipher_suites:
@@ -6372,7 +6377,7 @@ def make_tls_context(opts):
         for name in opts.cipher_suites.split(","):
             name = name.strip()
             if name not in GO_CIPHER_SUITES:
-                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
+                raise StartupError("error: unknown TLS cipher suite: %s" % name)
             if GO_CIPHER_SUITES[name]:
                 names.append(GO_CIPHER_SUITES[name])
         if names:
@@ -6386,7 +6391,7 @@ def make_tls_context(opts):
     except OSError as exc:
         reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
             "no PEM certificate with its matching private key in them"
-        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
+        raise StartupError("error: loading TLS certificate %s / key %s: %s"
                          % (opts.cert, opts.key, reason)) from None
     return context
 
@@ -6413,7 +6418,7 @@ def write_pidfile(path):
         with open(path) as handle:
             old = handle.read().strip()
         if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
-            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
+            raise StartupError("error: pid file found, ensure webhook is not running or delete %s"
                              % path)
     except OSError:
         pass
@@ -6758,13 +6763,6 @@ def follow_log(path, handle, out):
     return current
 
 
-def fatal(message):
-    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
-    the exit status 1."""
-    sys.stderr.write(go_log_line(message) + "\n")
-    return 1
-
-
 def main(argv=None):
     """Parse the command line, then validate, print something, or serve.  Exit status."""
     argv = sys.argv if argv is None else argv
@@ -6794,21 +6792,18 @@ def main(argv=None):
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
+    listener_thread, logging_set_up = None, False
     try:
         status_token, runs = open_run_history(opts)
-    except RunHistoryError as exc:
-        print("error: %s" % exc)
-        return 1
-    try:
-        listener_thread = setup_logging(opts)
-    except LogFileError as exc:
-        return fatal(str(exc))
-    try:
+        listener_thread, logging_set_up = setup_logging(opts), True
         return serve(opts, status_token, runs)
-    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
-        if not isinstance(exc.code, str):
-            raise
-        log.error("%s", exc.code)
+    except StartupError as exc:
+        if exc.as_flag:
+            print("error: %s" % exc)
+        elif logging_set_up:  # as Go's log.Fatal: one line on the log (-logfile's, if given)
+            log.error("%s", exc)
+        else:  # the log file cannot be opened: that line on stderr
+            sys.stderr.write(go_log_line(str(exc)) + "\n")
         return 1
     finally:
         if listener_thread is not None:
@@ -6827,8 +6822,7 @@ def serve(opts, status_token, runs):
     try:
         registry.load(startup=True)
     except HooksFileError as exc:
-        log.error("%s", exc)
-        return 1
+        raise StartupError(str(exc)) from None
     if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
                                       or opts.nopanic):
         print(go_log_line(NO_HOOKS_MESSAGE))
@@ -6863,7 +6857,7 @@ def serve(opts, status_token, runs):
 def open_service(opts, environ):
     """What serving takes from the system while it may (as root, if started so): the pidfile,
     the listeners and the TLS context, then privileges dropped.  (listeners, where they
-    listen, the TLS context or None, the files to remove at exit); SystemExit with a sentence
+    listen, the TLS context or None, the files to remove at exit); StartupError
     if a step fails, leaving no socket file or pidfile behind."""
     cleanup = []
     tls_context = None
@@ -6872,14 +6866,14 @@ def open_service(opts, environ):
             try:
                 write_pidfile(opts.pidfile)
             except OSError as exc:
-                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
+                raise StartupError("Error creating pidfile: %s" % go_errno_text(
                     exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
             cleanup.append(opts.pidfile)
         try:
             listeners, where = open_listeners(opts, environ)
         except (OSError, OverflowError, ValueError) as exc:
             step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            raise SystemExit("error listening on port: listen %s: %s" % (
+            raise StartupError("error listening on port: listen %s: %s" % (
                 "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
                 step + go_errno_text(exc) if isinstance(exc, OSError) else exc)) from None
         if opts.socket and where.startswith("unix:"):
@@ -6890,8 +6884,8 @@ def open_service(opts, environ):
             try:
                 drop_privileges(opts.setuid, opts.setgid)
             except OSError as exc:
-                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
-    except SystemExit:
+                raise StartupError("error dropping privileges: %s" % go_errno_text(exc)) from None
+    except StartupError:
         remove_paths(cleanup)
         raise
     return listeners, where, tls_context, cleanup
