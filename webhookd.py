@@ -1222,7 +1222,7 @@ class Hook:
                 problems.file_error(exc)
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
-        self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
+        self.masker = NO_MASK  # parse_hooks_file gives it the file's: one hook may pass another's
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
         held_back = '"when-busy": "%s"' % self.when_busy if self.when_busy != "queue" else \
