@@ -1251,23 +1251,30 @@ SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-
                                "X-Signature", "X-Gitlab-Token", "X-Gitea-Signature"))
 
 
-def rule_parameters(rule):
-    """Header names and query names a trigger rule compares: they are kept out of the logs."""
-    headers, params, pending = set(SENSITIVE_HEADERS), set(), [rule]
+def match_nodes(rule):
+    """The matches of a trigger rule, in no particular order (a walk without recursion)."""
+    pending = [rule]
     while pending:
         node = pending.pop()
         if node is None or node[0] == "none":
             continue
         if node[0] == "match":
-            arg = node[1].parameter
-            if arg.source == "header":
-                headers.add(canonical_header(arg.name))
-            elif arg.source in ("url", "query"):
-                params.add(arg.name)
+            yield node[1]
         elif node[0] == "not":
             pending.append(node[1])
         else:
             pending.extend(node[1])
+
+
+def rule_parameters(rule):
+    """Header names and query names a trigger rule compares: they are kept out of the logs."""
+    headers, params = set(SENSITIVE_HEADERS), set()
+    for match in match_nodes(rule):
+        arg = match.parameter
+        if arg.source == "header":
+            headers.add(canonical_header(arg.name))
+        elif arg.source in ("url", "query"):
+            params.add(arg.name)
     return frozenset(headers), frozenset(params)
 
 
@@ -1292,20 +1299,11 @@ SECRET_NAME = re.compile(r"token|secret|passw|signature|auth(?!or)|key|credentia
 def rule_secrets(rule):
     """The secrets a trigger rule holds: every `secret`, and the `value` a match compares with
     a parameter that may hold a secret."""
-    found, pending = [], [rule]
-    while pending:
-        node = pending.pop()
-        if node is None or node[0] == "none":
-            continue
-        if node[0] == "match":
-            match = node[1]
-            found.extend(secret for secret in match.secrets if secret)
-            if match.type == "value" and compares_a_secret(match.parameter):
-                found.append(match.value)
-        elif node[0] == "not":
-            pending.append(node[1])
-        else:
-            pending.extend(node[1])
+    found = []
+    for match in match_nodes(rule):
+        found.extend(secret for secret in match.secrets if secret)
+        if match.type == "value" and compares_a_secret(match.parameter):
+            found.append(match.value)
     return found
 
 
