@@ -5175,8 +5175,8 @@ class RunStore:
         and that record's state as it was then, read under the store's lock (what it gives:
         (record, state), or (None, None)), and opens its own: of two deliveries with one id,
         the second finds the first's record, already on disk.  Holds nothing without a
-        delivery id."""
-        if delivery is None or not self.keep:
+        delivery id (there is none with -runs-keep 0: see Hooks.delivery)."""
+        if delivery is None:
             yield None, None
             return
         with self.claims:
