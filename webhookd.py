@@ -2652,8 +2652,8 @@ class HookHandler(BaseHTTPRequestHandler):
         self.close_connection, self.answering = True, False
         self.started = time.monotonic()
         try:
-            if self.parse_request():
-                self.serve(self.head)
+            self.parse_request()
+            self.serve(self.head)
         except BadRequest as exc:
             self.answer_bad_request(exc)
         except OSError:  # the client went away or stalled: nothing to answer
@@ -2666,7 +2666,9 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
-        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request."""
+        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request.
+        A bad head raises BadRequest (answered by handle_one_request through the one writer)
+        rather than being answered here and False returned, as the base's does."""
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
             conn.due = time.monotonic() + self.server.limits.header_timeout
@@ -2679,14 +2681,13 @@ class HookHandler(BaseHTTPRequestHandler):
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
         conn.due = None  # from here on, each read of the body has -read-header-timeout
-        return True
 
     def serve(self, request):
         """The request made whole (who sent it, its body to read), answered by the App."""
         app = self.server.app
         request.peer = self.remote_addr
         request.body = body = BodyReader(request, self.conn, self.server.limits,
-                                         self.handle_expect_100)
+                                         self.send_continue)
         app.in_flight.hold()
         try:
             response = app.handle(request)
@@ -2728,7 +2729,10 @@ class HookHandler(BaseHTTPRequestHandler):
         if not skipped:
             response.close = self.body_unread = True
 
-    def handle_expect_100(self):
+    def send_continue(self):
+        """`100 Continue`, sent by the BodyReader when the App reads a body the client waits
+        to send (not the base's handle_expect_100: the base's parse_request, which calls that,
+        is replaced, and Go sends it only once the body is read)."""
         self.protocol_version = "HTTP/1.1"  # (the last answer on the connection may be 1.0's)
         self.send_response_only(100)
         self.end_headers()
