@@ -6167,7 +6167,7 @@ class Metrics:
                                                          for hook_id, count in refusals])
         lines += metric_family("deduplicated_total", "counter", "Deliveries a hook's "
                                "`deduplicate` did not run again (their id's run was queued, "
-                               "running or succeeded), by hook.",
+                               "running, succeeded, or superseded by a later trigger), by hook.",
                                [("", metric_labels(hook=hook_id), count)
                                 for hook_id, count in deduplications])
         lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
