@@ -3076,26 +3076,27 @@ class Hooks:
                                          if opts.max_body_bytes > 0 else sys.maxsize)
         self.when_busy = WhenBusy(self.run_in_background, self.pass_over)
 
-    def trigger(self, http_request, hook, request):
-        """parse payload -> check rules -> build argv/env -> run -> the Response."""
-        rid, headers = request.id, dict(self.response_headers)
+    def trigger(self, http_request, hook, hook_request):
+        """parse payload -> check rules -> build argv/env -> run -> the Response (for the
+        HookRequest the App built from http_request, the Request)."""
+        rid, headers = hook_request.id, dict(self.response_headers)
         try:
-            messages = parse_payload(request, hook, http_request.get("Content-Type"))
+            messages = parse_payload(hook_request, hook, http_request.get("Content-Type"))
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
             return Response(500, MSG_MULTIPART_ERROR, headers)
-        messages += apply_json_parameters(hook, request)
+        messages += apply_json_parameters(hook, hook_request)
         for message in messages:
             log.info("[%s] %s", rid, message)
 
         trace = [] if self.runs.keep else None  # explained only where it can be kept
-        satisfied, error, note = rules_satisfied(hook, request, trace)
+        satisfied, error, note = rules_satisfied(hook, hook_request, trace)
         if note:
             log.info("[%s] %s", rid, note)
         if error is not None or not satisfied:
             self.metrics.refused(hook.id)
             if trace:
-                self.runs.refused(hook.id, request, trace[0])
+                self.runs.refused(hook.id, hook_request, trace[0])
         if error is not None:
             log.info("[%s] error evaluating hook: %s", rid, error)
             return Response(500, MSG_RULES_ERROR, headers)
@@ -3106,14 +3107,14 @@ class Hooks:
                             MSG_RULES_NOT_SATISFIED, headers)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        delivery = self.delivery(hook, request)
+        delivery = self.delivery(hook, hook_request)
         with self.runs.claim(hook.id, delivery) as (earlier, state):
             if state in DELIVERY_HANDLED:
                 return self.deduplicated(hook, rid, delivery, earlier, state, headers)
             log.info("[%s] %s hook triggered successfully", rid, hook.id)
             mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
                 else "background"
-            run = self.prepare(hook, request, mode, delivery, earlier)
+            run = self.prepare(hook, hook_request, mode, delivery, earlier)
         if run is None:
             log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
                      "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
