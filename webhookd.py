@@ -1626,7 +1626,7 @@ class HooksFile:
         self.loaded_at = None
         self.signature = None
         self.missing_since = None
-        self.digest = None  # of the content last read, loaded or not
+        self.content_hash = None  # hash() of the content last read, loaded or not
         self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
         self.seen = None  # what the last poll saw: a change is loaded once seen twice
 
@@ -1672,7 +1672,7 @@ class Registry:
                     hf.recheck_until = hf.signature[3] / 1e9 + MTIME_TICK_SECONDS
                 try:
                     raw = read_bytes(hf.path)
-                    hf.digest = hash(raw)
+                    hf.content_hash = hash(raw)
                     hooks, problems = parse_hooks_file(raw, hf.path, self.template)
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
@@ -1761,7 +1761,7 @@ class Registry:
             hf.missing_since = None
             seen = (signature, self._content_hash(hf) if time.time() < hf.recheck_until else None)
             steady, hf.seen = seen == hf.seen, seen
-            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
+            if steady and (signature != hf.signature or seen[1] not in (None, hf.content_hash)):
                 changed.append(hf)
         for hf in changed:
             log.info("hooks file %s modified", hf.path)
