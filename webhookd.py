@@ -6458,7 +6458,9 @@ POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothi
 
 class SignalQueue:
     """Signals recorded by their handlers and handled later by the main loop.  Installed first
-    thing, so a signal that arrives while starting up is not lost or fatal."""
+    thing in serve, so a signal that arrives while the hooks load and the listeners open is
+    not lost or fatal; one that comes earlier, while main opens the run history (which may
+    chown a whole -runs-dir) and the log, still has its default action (SIGTERM ends it)."""
 
     def __init__(self):
         self.pending = deque()
