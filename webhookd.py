@@ -417,6 +417,17 @@ class HelpRequested(Exception):
     """-h or -help: usage on stderr, exit status 0."""
 
 
+class StartupError(Exception):
+    """Serving cannot start (a hooks file, the log file, the run history, the pidfile, a
+    listener, TLS, privileges): the one sentence saying why, exit status 1, reported by main.
+    `as_flag`: a flag's file or folder cannot be used, said as check_flags says a bad flag
+    (`error: ...` on stdout); else as Go's log.Fatal says it, on the log."""
+
+    def __init__(self, sentence, as_flag=False):
+        Exception.__init__(self, sentence)
+        self.as_flag = as_flag
+
+
 def parse_go_bool(text):
     """strconv.ParseBool."""
     if text in ("1", "t", "T", "TRUE", "true", "True"):
@@ -745,7 +756,7 @@ def expand_template(text, filename, environ=None, empty=None, expanded=None):
 
 
 # ---------------------------------------------------------------------------
-# Hook model, loading and validation (pure)
+# Hook model: fields, rules and hooks, with their problems (pure)
 # ---------------------------------------------------------------------------
 
 ARGUMENT_FIELDS = ("source", "name", "envname", "base64decode")
@@ -1214,7 +1225,7 @@ class Hook:
                 problems.file_error(exc)
         self.allowed_methods = tuple(m.strip().upper() for m in self.http_methods)
         self.secret_headers, self.secret_params = rule_parameters(self.trigger_rule)
-        self.masker = Masker(rule_secrets(self.trigger_rule), self.mask)  # see parse_hooks_file
+        self.masker = NO_MASK  # parse_hooks_file gives it the file's: one hook may pass another's
         if not self.execute_command:
             problems.error(where, "no execute-command: the hook cannot run")
         held_back = '"when-busy": "%s"' % self.when_busy if self.when_busy != "queue" else \
@@ -1235,27 +1246,38 @@ class Hook:
                             "remove the field)" % ", ".join(repr(key) for key in unknown))
 
 
+# ---------------------------------------------------------------------------
+# Secrets and masking: what the logs and a run's record must not show (pure)
+# ---------------------------------------------------------------------------
+
 SENSITIVE_HEADERS = frozenset(("Authorization", "Cookie", "X-Hub-Signature", "X-Hub-Signature-256",
                                "X-Signature", "X-Gitlab-Token", "X-Gitea-Signature"))
 
 
-def rule_parameters(rule):
-    """Header names and query names a trigger rule compares: they are kept out of the logs."""
-    headers, params, pending = set(SENSITIVE_HEADERS), set(), [rule]
+def match_nodes(rule):
+    """The matches of a trigger rule, in no particular order (a walk without recursion)."""
+    pending = [rule]
     while pending:
         node = pending.pop()
         if node is None or node[0] == "none":
             continue
         if node[0] == "match":
-            arg = node[1].parameter
-            if arg.source == "header":
-                headers.add(canonical_header(arg.name))
-            elif arg.source in ("url", "query"):
-                params.add(arg.name)
+            yield node[1]
         elif node[0] == "not":
             pending.append(node[1])
         else:
             pending.extend(node[1])
+
+
+def rule_parameters(rule):
+    """Header names and query names a trigger rule compares: they are kept out of the logs."""
+    headers, params = set(SENSITIVE_HEADERS), set()
+    for match in match_nodes(rule):
+        arg = match.parameter
+        if arg.source == "header":
+            headers.add(canonical_header(arg.name))
+        elif arg.source in ("url", "query"):
+            params.add(arg.name)
     return frozenset(headers), frozenset(params)
 
 
@@ -1280,20 +1302,11 @@ SECRET_NAME = re.compile(r"token|secret|passw|signature|auth(?!or)|key|credentia
 def rule_secrets(rule):
     """The secrets a trigger rule holds: every `secret`, and the `value` a match compares with
     a parameter that may hold a secret."""
-    found, pending = [], [rule]
-    while pending:
-        node = pending.pop()
-        if node is None or node[0] == "none":
-            continue
-        if node[0] == "match":
-            match = node[1]
-            found.extend(secret for secret in match.secrets if secret)
-            if match.type == "value" and compares_a_secret(match.parameter):
-                found.append(match.value)
-        elif node[0] == "not":
-            pending.append(node[1])
-        else:
-            pending.extend(node[1])
+    found = []
+    for match in match_nodes(rule):
+        found.extend(secret for secret in match.secrets if secret)
+        if match.type == "value" and compares_a_secret(match.parameter):
+            found.append(match.value)
     return found
 
 
@@ -1399,6 +1412,10 @@ def redact_target(target, names):
             parts[i] = key + "=<redacted>"
     return path + "?" + "".join(parts)
 
+
+# ---------------------------------------------------------------------------
+# Hooks files: reading (text to hooks, with the file's own checks) and -validate
+# ---------------------------------------------------------------------------
 
 def describe(index, obj):
     hook_id = obj.get("id") if isinstance(obj, dict) else None
@@ -1612,7 +1629,7 @@ class HooksFile:
         self.loaded_at = None
         self.signature = None
         self.missing_since = None
-        self.digest = None  # of the content last read, loaded or not
+        self.content_hash = None  # hash() of the content last read, loaded or not
         self.recheck_until = 0.0  # while the mtime is this fresh, compare content too
         self.seen = None  # what the last poll saw: a change is loaded once seen twice
 
@@ -1658,7 +1675,7 @@ class Registry:
                     hf.recheck_until = hf.signature[3] / 1e9 + MTIME_TICK_SECONDS
                 try:
                     raw = read_bytes(hf.path)
-                    hf.digest = hash(raw)
+                    hf.content_hash = hash(raw)
                     hooks, problems = parse_hooks_file(raw, hf.path, self.template)
                 except HooksFileError as exc:
                     ok = self._keep_old(hf, "couldn't load hooks from file! %s" % exc, str(exc))
@@ -1747,7 +1764,7 @@ class Registry:
             hf.missing_since = None
             seen = (signature, self._content_hash(hf) if time.time() < hf.recheck_until else None)
             steady, hf.seen = seen == hf.seen, seen
-            if steady and (signature != hf.signature or seen[1] not in (None, hf.digest)):
+            if steady and (signature != hf.signature or seen[1] not in (None, hf.content_hash)):
                 changed.append(hf)
         for hf in changed:
             log.info("hooks file %s modified", hf.path)
@@ -2546,9 +2563,12 @@ class BodyReader:
     `100 Continue` (send_continue) if the client waits for it, all of it within
     -read-header-timeout plus its size (chunked: the cap) at BODY_MIN_RATE, so a client
     trickling it holds a worker for a bounded time (each byte by -read-header-timeout plus
-    the bytes before it at BODY_MIN_RATE).  A body that breaks off or is malformed
-    mid-way is logged and what came returned (as upstream: the hook runs with it), and
-    `broken` set; `consumed` once read() was called (else the handler reads past it)."""
+    the bytes before it at BODY_MIN_RATE).  A chunked body malformed mid-way is logged and
+    what came returned, `broken` set (as upstream: the hook runs with it, the connection
+    closes).  A body that breaks off (the client closed, or fell behind that pace) raises
+    OSError: unlike upstream, which logs `unexpected EOF` and runs the hook with what came,
+    the hook does not run on half a payload, and a client gone or too slow gets no answer.
+    `consumed` once read() was called (else the handler reads past it)."""
 
     __slots__ = ("request", "conn", "limits", "send_continue", "consumed", "broken")
 
@@ -2637,8 +2657,8 @@ class HookHandler(BaseHTTPRequestHandler):
         self.close_connection, self.answering = True, False
         self.started = time.monotonic()
         try:
-            if self.parse_request():
-                self.serve(self.head)
+            self.parse_request()
+            self.serve(self.head)
         except BadRequest as exc:
             self.answer_bad_request(exc)
         except OSError:  # the client went away or stalled: nothing to answer
@@ -2651,7 +2671,9 @@ class HookHandler(BaseHTTPRequestHandler):
 
     def parse_request(self):
         """Read the rest of the head, if it did not all come while the connection waited
-        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request."""
+        (-read-header-timeout for all of it), and check it as Go does: self.head, a Request.
+        A bad head raises BadRequest (answered by handle_one_request through the one writer)
+        rather than being answered here and False returned, as the base's does."""
         conn = self.conn
         if conn.due is None:  # a head that came while a worker held the connection
             conn.due = time.monotonic() + self.server.limits.header_timeout
@@ -2664,14 +2686,13 @@ class HookHandler(BaseHTTPRequestHandler):
             raise BadRequest(431, "request header too large")
         self.head = parse_head(conn.take(end))
         conn.due = None  # from here on, each read of the body has -read-header-timeout
-        return True
 
     def serve(self, request):
         """The request made whole (who sent it, its body to read), answered by the App."""
         app = self.server.app
         request.peer = self.remote_addr
         request.body = body = BodyReader(request, self.conn, self.server.limits,
-                                         self.handle_expect_100)
+                                         self.send_continue)
         app.in_flight.hold()
         try:
             response = app.handle(request)
@@ -2713,7 +2734,10 @@ class HookHandler(BaseHTTPRequestHandler):
         if not skipped:
             response.close = self.body_unread = True
 
-    def handle_expect_100(self):
+    def send_continue(self):
+        """`100 Continue`, sent by the BodyReader when the App reads a body the client waits
+        to send (not the base's handle_expect_100: the base's parse_request, which calls that,
+        is replaced, and Go sends it only once the body is read)."""
         self.protocol_version = "HTTP/1.1"  # (the last answer on the connection may be 1.0's)
         self.send_response_only(100)
         self.end_headers()
@@ -3057,26 +3081,27 @@ class Hooks:
                                          if opts.max_body_bytes > 0 else sys.maxsize)
         self.when_busy = WhenBusy(self.run_in_background, self.pass_over)
 
-    def trigger(self, http_request, hook, request):
-        """parse payload -> check rules -> build argv/env -> run -> the Response."""
-        rid, headers = request.id, dict(self.response_headers)
+    def trigger(self, http_request, hook, hook_request):
+        """parse payload -> check rules -> build argv/env -> run -> the Response (for the
+        HookRequest the App built from http_request, the Request)."""
+        rid, headers = hook_request.id, dict(self.response_headers)
         try:
-            messages = parse_payload(request, hook, http_request.get("Content-Type"))
+            messages = parse_payload(hook_request, hook, http_request.get("Content-Type"))
         except MultipartError as exc:
             log.info("[%s] error parsing multipart form: %s", rid, exc)
             return Response(500, MSG_MULTIPART_ERROR, headers)
-        messages += apply_json_parameters(hook, request)
+        messages += apply_json_parameters(hook, hook_request)
         for message in messages:
             log.info("[%s] %s", rid, message)
 
         trace = [] if self.runs.keep else None  # explained only where it can be kept
-        satisfied, error, note = rules_satisfied(hook, request, trace)
+        satisfied, error, note = rules_satisfied(hook, hook_request, trace)
         if note:
             log.info("[%s] %s", rid, note)
         if error is not None or not satisfied:
             self.metrics.refused(hook.id)
             if trace:
-                self.runs.refused(hook.id, request, trace[0])
+                self.runs.refused(hook.id, hook_request, trace[0])
         if error is not None:
             log.info("[%s] error evaluating hook: %s", rid, error)
             return Response(500, MSG_RULES_ERROR, headers)
@@ -3087,14 +3112,14 @@ class Hooks:
                             MSG_RULES_NOT_SATISFIED, headers)
         for name, value in hook.response_headers:
             headers[canonical_header(name)] = value
-        delivery = self.delivery(hook, request)
-        with self.runs.claim(hook.id, delivery) as earlier:
-            if earlier is not None and earlier.state in DELIVERY_HANDLED:
-                return self.deduplicated(hook, rid, delivery, earlier, headers)
+        delivery = self.delivery(hook, hook_request)
+        with self.runs.claim(hook.id, delivery) as (earlier, state):
+            if state in DELIVERY_HANDLED:
+                return self.deduplicated(hook, rid, delivery, earlier, state, headers)
             log.info("[%s] %s hook triggered successfully", rid, hook.id)
             mode = "streamed" if hook.stream_output else "captured" if hook.capture_output \
                 else "background"
-            run = self.prepare(hook, request, mode, delivery, earlier)
+            run = self.prepare(hook, hook_request, mode, delivery, earlier)
         if run is None:
             log.info("[%s] the background runs' backlog is full (%d runs or %d bodies' worth "
                      "of commands): %s refused", rid, ASYNC_BACKLOG_LIMIT, ASYNC_BACKLOG_BODIES,
@@ -3121,14 +3146,15 @@ class Hooks:
             return None
         return delivery
 
-    def deduplicated(self, hook, rid, delivery, earlier, headers):
-        """The answer to a delivery already run (or going): 200, naming that run."""
+    def deduplicated(self, hook, rid, delivery, earlier, state, headers):
+        """The answer to a delivery already run (or going): 200, naming that run and its
+        state when claimed."""
         self.metrics.deduplicated(hook.id)
         log.info("[%s] %s: delivery %s was already run as %s (%s): not run again", rid,
-                 hook.id, delivery, earlier.id, earlier.state)
+                 hook.id, delivery, earlier.id, state)
         headers["X-Webhookd-Run"] = earlier.id
         headers.setdefault("Content-Type", TEXT_PLAIN)
-        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, earlier.state)).encode(),
+        return Response(200, ("Already run as %s (%s).\n" % (earlier.id, state)).encode(),
                         headers)
 
     def prepare(self, hook, request, mode, delivery=None, earlier=None):
@@ -4447,7 +4473,8 @@ def explain_lines(node, depth=0):
 
 
 # ---------------------------------------------------------------------------
-# Command execution: argv and environment, temp files, running, timeouts
+# Command invocation: argv, environment, stdin and temp files, built from the request
+# (first the runner's grace times and stdin write size, used by the Runs section next)
 # ---------------------------------------------------------------------------
 
 KILL_GRACE_SECONDS = 5.0
@@ -5203,15 +5230,18 @@ class RunStore:
     @contextlib.contextmanager
     def claim(self, hook_id, delivery):
         """Within it, a run of a deduplicating hook finds the newest record of its delivery
-        (what it gives, or None) and opens its own: of two deliveries with one id, the second
-        finds the first's record, already on disk.  Holds nothing without a delivery id."""
-        if delivery is None or not self.keep:
-            yield None
+        and that record's state as it was then, read under the store's lock (what it gives:
+        (record, state), or (None, None)), and opens its own: of two deliveries with one id,
+        the second finds the first's record, already on disk.  Holds nothing without a
+        delivery id (there is none with -runs-keep 0: see Hooks.delivery)."""
+        if delivery is None:
+            yield None, None
             return
         with self.claims:
             with self.changed:
                 earlier = self.deliveries.get((hook_id, delivery))
-            yield earlier
+                state = None if earlier is None else earlier.state
+            yield earlier, state
 
     def open(self, hook_id, request, invocation=None, delivery=None, redelivery_of=None,
              replay_of=None):
@@ -6197,7 +6227,7 @@ class Metrics:
                                                          for hook_id, count in refusals])
         lines += metric_family("deduplicated_total", "counter", "Deliveries a hook's "
                                "`deduplicate` did not run again (their id's run was queued, "
-                               "running or succeeded), by hook.",
+                               "running, succeeded, or superseded by a later trigger), by hook.",
                                [("", metric_labels(hook=hook_id), count)
                                 for hook_id, count in deduplications])
         lines += metric_family("run_duration_seconds", "histogram", "How long the commands "
@@ -6221,25 +6251,22 @@ def histogram_samples(hook_id, counts):
     return samples + [("_sum", "{%s}" % hook, counts[-1]), ("_count", "{%s}" % hook, total)]
 
 
-class RunHistoryError(Exception):
-    """The status token or -runs-dir cannot be had: the sentence saying why."""
-
-
 def open_run_history(opts):
     """For serving, before privileges are dropped: the status token (-status-token, or read
     from -status-token-file) and the RunStore, over -runs-dir opened (created, chowned to the
-    user it will run as, locked) when given.  RunHistoryError if either fails."""
+    user it will run as, locked) when given.  StartupError (as_flag) if either fails."""
     token = opts.status_token
     if opts.status_token_file:
         try:
             with open(opts.status_token_file, encoding="utf-8") as handle:
                 token = handle.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise RunHistoryError("cannot read -status-token-file %s: %s" % (
+            raise StartupError("cannot read -status-token-file %s: %s" % (
                 opts.status_token_file, go_errno_text(exc) if isinstance(exc, OSError)
-                else exc)) from None
+                else exc), as_flag=True) from None
         if not token:
-            raise RunHistoryError("-status-token-file %s is empty" % opts.status_token_file)
+            raise StartupError("-status-token-file %s is empty" % opts.status_token_file,
+                               as_flag=True)
     dir_fd = None
     if opts.runs_dir:  # only the daemon creates it
         dropping = opts.setuid and opts.setgid
@@ -6247,8 +6274,8 @@ def open_run_history(opts):
             dir_fd = open_runs_dir(opts.runs_dir, opts.setuid if dropping else os.geteuid(),
                                    opts.setgid if dropping else os.getegid())
         except OSError as exc:
-            raise RunHistoryError("cannot use -runs-dir %s: %s" % (
-                opts.runs_dir, go_errno_text(exc))) from None
+            raise StartupError("cannot use -runs-dir %s: %s" % (
+                opts.runs_dir, go_errno_text(exc)), as_flag=True) from None
     return token, RunStore(opts.runs_keep, opts.runs_max_bytes, opts.runs_max_output,
                            opts.runs_dir or None, dir_fd)
 
@@ -6319,19 +6346,16 @@ def open_own_file(path, flags):
     return fd
 
 
-class LogFileError(Exception):
-    """-logfile cannot be opened: Go's sentence, exit status 1."""
-
-
 def setup_logging(opts):
     """`[webhook] date time message` lines, written by a thread of their own: a request never
     waits for stderr or the log file.  Without -verbose only errors, on stderr (upstream logs
-    nothing then: a hooks file it cannot load went unexplained)."""
+    nothing then: a hooks file it cannot load went unexplained).  The thread, or None;
+    StartupError if -logfile cannot be opened."""
     if opts.logfile:
         try:
             fd = open_own_file(opts.logfile, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
-            raise LogFileError('error opening log file "%s": %s'
+            raise StartupError('error opening log file "%s": %s'
                                % (opts.logfile, go_errno_text(exc, "open"))) from None
         target = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8",
                                                  errors="backslashreplace"))
@@ -6407,7 +6431,7 @@ def make_tls_context(opts):
     versions = {"1.0": ssl.TLSVersion.TLSv1, "1.1": ssl.TLSVersion.TLSv1_1,
                 "1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
     if opts.tls_min_version not in versions:
-        raise SystemExit("error: unknown minimum TLS version: %s" % opts.tls_min_version)
+        raise StartupError("error: unknown minimum TLS version: %s" % opts.tls_min_version)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = versions[opts.tls_min_version]
     if opts.cipher_suites:
@@ -6415,7 +6439,7 @@ def make_tls_context(opts):
         for name in opts.cipher_suites.split(","):
             name = name.strip()
             if name not in GO_CIPHER_SUITES:
-                raise SystemExit("error: unknown TLS cipher suite: %s" % name)
+                raise StartupError("error: unknown TLS cipher suite: %s" % name)
             if GO_CIPHER_SUITES[name]:
                 names.append(GO_CIPHER_SUITES[name])
         if names:
@@ -6429,7 +6453,7 @@ def make_tls_context(opts):
     except OSError as exc:
         reason = go_errno_text(exc, "open") if not isinstance(exc, ssl.SSLError) else \
             "no PEM certificate with its matching private key in them"
-        raise SystemExit("error: loading TLS certificate %s / key %s: %s"
+        raise StartupError("error: loading TLS certificate %s / key %s: %s"
                          % (opts.cert, opts.key, reason)) from None
     return context
 
@@ -6456,7 +6480,7 @@ def write_pidfile(path):
         with open(path) as handle:
             old = handle.read().strip()
         if old.isdigit() and int(old) != os.getpid() and process_exists(int(old)):
-            raise SystemExit("error: pid file found, ensure webhook is not running or delete %s"
+            raise StartupError("error: pid file found, ensure webhook is not running or delete %s"
                              % path)
     except OSError:
         pass
@@ -6493,7 +6517,9 @@ POLL_INTERVAL = 0.2  # hot-reload polling period: a stat() per hooks file, nothi
 
 class SignalQueue:
     """Signals recorded by their handlers and handled later by the main loop.  Installed first
-    thing, so a signal that arrives while starting up is not lost or fatal."""
+    thing in serve, so a signal that arrives while the hooks load and the listeners open is
+    not lost or fatal; one that comes earlier, while main opens the run history (which may
+    chown a whole -runs-dir) and the log, still has its default action (SIGTERM ends it)."""
 
     def __init__(self):
         self.pending = deque()
@@ -6801,13 +6827,6 @@ def follow_log(path, handle, out):
     return current
 
 
-def fatal(message):
-    """A start-up error: one `[webhook] date time message` line on stderr, as Go's log.Fatal;
-    the exit status 1."""
-    sys.stderr.write(go_log_line(message) + "\n")
-    return 1
-
-
 def main(argv=None):
     """Parse the command line, then validate, print something, or serve.  Exit status."""
     argv = sys.argv if argv is None else argv
@@ -6837,21 +6856,18 @@ def main(argv=None):
         return 1
     if opts.runs or opts.runs_follow:
         return runs_command(opts)
+    listener_thread, logging_set_up = None, False
     try:
         status_token, runs = open_run_history(opts)
-    except RunHistoryError as exc:
-        print("error: %s" % exc)
-        return 1
-    try:
-        listener_thread = setup_logging(opts)
-    except LogFileError as exc:
-        return fatal(str(exc))
-    try:
+        listener_thread, logging_set_up = setup_logging(opts), True
         return serve(opts, status_token, runs)
-    except SystemExit as exc:  # a start-up error's sentence: logged, as Go's log.Fatal
-        if not isinstance(exc.code, str):
-            raise
-        log.error("%s", exc.code)
+    except StartupError as exc:
+        if exc.as_flag:
+            print("error: %s" % exc)
+        elif logging_set_up:  # as Go's log.Fatal: one line on the log (-logfile's, if given)
+            log.error("%s", exc)
+        else:  # the log file cannot be opened: that line on stderr
+            sys.stderr.write(go_log_line(str(exc)) + "\n")
         return 1
     finally:
         if listener_thread is not None:
@@ -6870,8 +6886,7 @@ def serve(opts, status_token, runs):
     try:
         registry.load(startup=True)
     except HooksFileError as exc:
-        log.error("%s", exc)
-        return 1
+        raise StartupError(str(exc)) from None
     if registry.count() == 0 and not (opts.verbose or opts.debug or opts.logfile
                                       or opts.nopanic):
         print(go_log_line(NO_HOOKS_MESSAGE))
@@ -6906,7 +6921,7 @@ def serve(opts, status_token, runs):
 def open_service(opts, environ):
     """What serving takes from the system while it may (as root, if started so): the pidfile,
     the listeners and the TLS context, then privileges dropped.  (listeners, where they
-    listen, the TLS context or None, the files to remove at exit); SystemExit with a sentence
+    listen, the TLS context or None, the files to remove at exit); StartupError
     if a step fails, leaving no socket file or pidfile behind."""
     cleanup = []
     tls_context = None
@@ -6915,14 +6930,14 @@ def open_service(opts, environ):
             try:
                 write_pidfile(opts.pidfile)
             except OSError as exc:
-                raise SystemExit("Error creating pidfile: %s" % go_errno_text(
+                raise StartupError("Error creating pidfile: %s" % go_errno_text(
                     exc, "mkdir" if exc.filename != opts.pidfile else "open")) from None
             cleanup.append(opts.pidfile)
         try:
             listeners, where = open_listeners(opts, environ)
         except (OSError, OverflowError, ValueError) as exc:
             step = "lookup %s: " % opts.ip if isinstance(exc, socket.gaierror) else "bind: "
-            raise SystemExit("error listening on port: listen %s: %s" % (
+            raise StartupError("error listening on port: listen %s: %s" % (
                 "unix " + opts.socket if opts.socket else "tcp %s:%d" % (opts.ip, opts.port),
                 step + go_errno_text(exc) if isinstance(exc, OSError) else exc)) from None
         if opts.socket and where.startswith("unix:"):
@@ -6933,8 +6948,8 @@ def open_service(opts, environ):
             try:
                 drop_privileges(opts.setuid, opts.setgid)
             except OSError as exc:
-                raise SystemExit("error dropping privileges: %s" % go_errno_text(exc)) from None
-    except SystemExit:
+                raise StartupError("error dropping privileges: %s" % go_errno_text(exc)) from None
+    except StartupError:
         remove_paths(cleanup)
         raise
     return listeners, where, tls_context, cleanup
