@@ -310,7 +310,8 @@ def test_a_bug_under_the_handler_is_answered_500_and_logged(tmp_path):
     listener = socket.create_server(("127.0.0.1", 0))
     limits = webhookd.Limits(opts)
     room = webhookd.WaitingRoom(webhookd.Workers(4), 64, limits)
-    server = webhookd.HookServer(listener, Broken(opts, registry), room, limits, None)
+    app = Broken(opts, registry, *webhookd.open_run_history(opts))
+    server = webhookd.HookServer(listener, app, room, limits, None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         answer = raw_answer(listener.getsockname()[1], b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
