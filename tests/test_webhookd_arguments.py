@@ -81,8 +81,10 @@ def test_a_run_record_shows_its_command_line_with_every_secret_masked(tmp_path):
         shown = [daemon.request("GET", path, headers=headers)[2].decode() for path, headers in (
             ("/status/runs", None), ("/status/runs/" + record["id"], None),
             ("/status/runs/" + record["id"], HTML), ("/status", HTML))]
-        log = daemon.log()
-        assert "executing" in log and "command output" in log and "c0ffee" in log
+        # (the log is written by its own thread: wait for the run's last line)
+        log = wait_until(lambda: "command output" in daemon.log() and daemon.log(), 20,
+                         "the run's output in the log")
+        assert "executing" in log and "c0ffee" in log
         for secret in HIDDEN:
             assert not any(secret in text for text in shown + [log]), secret
 

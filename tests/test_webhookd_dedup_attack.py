@@ -189,7 +189,8 @@ def test_credentials_a_request_passes_to_the_command_are_masked_where_the_run_is
         page = daemon.request("GET", "/status/runs/" + record["id"],
                               headers={"Accept": "text/html"})[2].decode()
         assert "refs/heads/main" in page
-        log = daemon.log()
+        log = wait_until(lambda: '"refs/heads/main" "Ada" "********" "********"' in daemon.log()
+                         and daemon.log(), what="the executing line")  # (a log thread)
     for shown in (json.dumps(record), page):
         assert not any(secret in shown for secret in secrets)
     # the access log line keeps the request target as upstream's does (a query token is in

@@ -113,8 +113,8 @@ def test_a_replay_with_the_token_runs_the_recorded_invocation_again(tmp_path):
         assert first == second == {"argv": ["refs/heads/main", HOOK_TOKEN],
                                    "branch": "refs/heads/main", "file": "line one\nline two",
                                    "stdin": BODY}
-        assert "replaying run %s of deploy as run %s" % (original["id"], answer["id"]) \
-            in daemon.log()
+        wait_until(lambda: "replaying run %s of deploy as run %s" % (
+            original["id"], answer["id"]) in daemon.log(), 20, "the log line")  # (a log thread)
         # a replay of the replay is one more run, of the same invocation
         status, headers, _ = replay(daemon, again["id"], headers=BEARER)
         assert status == 202 and ended(daemon, headers["x-webhookd-run"])["replayOf"] == again["id"]
