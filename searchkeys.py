@@ -282,30 +282,36 @@ MIN_BODY_RATE = 1024    # bytes a second a body must average once CLIENT_TIMEOUT
 _ORIGIN_FORM_RE = re.compile(r"/[!$-;=?-~]*\Z")  # visible ASCII but `#`, `<` and `>`
 
 
-class RequestHeaders:
-    """A request's header lines, read as email.message.Message reads them
-    for http.server (`get`, `get_all`, `items`; names without case, `get`
-    the first of repeated ones), from lines checked by _HEADER_BLOCK_RE,
-    each value without its leading blanks and line end as email.parser
-    leaves them: without its feed parser and per-call policy, once the
-    largest single cost of a guarded request (bench/README.md, "Where the
-    guard's time goes")."""
+class Headers:
+    """A request's header lines, or a backend answer's, read as
+    email.message.Message reads them for http.server and http.client
+    (`get`, `get_all`, `items`; names without case, `get` the first of
+    repeated ones), from lines checked by _HEADER_BLOCK_RE, each value
+    without its leading blanks and line end as email.parser leaves them.
+    An optimization, measured: without email's feed parser and per-call
+    policy, the largest single cost of a guarded request, twice over
+    (bench/README.md, "Where the guard's time goes", "round five")."""
 
-    __slots__ = ("_lines", "_first")
+    __slots__ = ("_lines", "_values")
 
     def __init__(self, block=""):
         self._lines = [(name, value.lstrip(" \t").rstrip("\r")) for name, _, value in
                        (line.partition(":") for line in block.split("\n")[:-1])]
-        self._first = {}
-        for name, value in reversed(self._lines):
-            self._first[name.lower()] = value
+        self._values = {}  # lower-case name -> its values, in order
+        for name, value in self._lines:
+            self._values.setdefault(name.lower(), []).append(value)
 
     def get(self, name, failobj=None):
-        return self._first.get(name.lower(), failobj)
+        values = self._values.get(name.lower())
+        return failobj if values is None else values[0]
 
     def get_all(self, name, failobj=None):
-        name = name.lower()
-        return [value for key, value in self._lines if key.lower() == name] or failobj
+        values = self._values.get(name.lower())
+        return failobj if values is None else list(values)
+
+    def has_any(self, lower_names):
+        """Is any of `lower_names` (a set of lower-case names) among them?"""
+        return not self._values.keys().isdisjoint(lower_names)
 
     def items(self):
         return list(self._lines)
@@ -526,7 +532,7 @@ class Response:
 # server, socketserver's process_request and shutdown_request, which hand a
 # connection to the waiting room between requests instead of to a thread.
 
-MAX_HEADERS = 100       # header lines in a request head
+MAX_HEADERS = 100       # header lines in a head
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
 MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished requests the waiting room holds in all
@@ -537,6 +543,33 @@ _HTTP_VERSION_RE = re.compile(r"HTTP/(\d)\.(\d)\Z")
 # them (a bare CR may read as a line break to a backend, which would then see
 # headers, Transfer-Encoding..., the guard never saw); no continuation lines.
 _HEADER_BLOCK_RE = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*")
+
+
+class BadHead(Exception):
+    """A head's header lines too large, or not read alike by every party."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def read_head(stream, budget):
+    """The Headers of a head whose start line was read from `stream`, up to
+    its blank line; BadHead past `budget` bytes or MAX_HEADERS lines, or for
+    a line not every party reads alike (_HEADER_BLOCK_RE)."""
+    lines = []
+    while True:
+        line = stream.readline(budget + 1)
+        budget -= len(line)
+        if budget < 0 or len(lines) > MAX_HEADERS:
+            raise BadHead(431, "Header fields too large")
+        if line in (b"\r\n", b"\n", b""):
+            break
+        lines.append(line)
+    block = b"".join(lines)
+    if not _HEADER_BLOCK_RE.fullmatch(block):
+        raise BadHead(400, "Bad header line")
+    return Headers(block.decode("iso-8859-1"))
 
 
 class KeysHandler(http.server.BaseHTTPRequestHandler):
@@ -580,7 +613,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         (no HTTP/0.9, whose answers have no head), the whole head within
         MAX_HEAD but no cap per line, header lines every party reads alike,
         one unambiguous body framing. (Its header parsing, email's, is the
-        cost RequestHeaders spares.)"""
+        cost Headers spares.)"""
         self.started, self.command = time.monotonic(), None
         self.request_version = self.default_request_version
         self.close_connection = True
@@ -597,10 +630,11 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             return False
         self.command, self.path = words[0], words[1]  # the target as sent: the service checks it
         self.request_version = "HTTP/1.1" if int(version.group(2)) else "HTTP/1.0"
-        head = self.read_header_block(MAX_HEAD - len(self.raw_requestline))
-        if head is None:
+        try:
+            self.headers = read_head(self.rfile, MAX_HEAD - len(self.raw_requestline))
+        except BadHead as refusal:
+            self.send_error(refusal.status, str(refusal))
             return False
-        self.headers = RequestHeaders(head)
         connection = self.headers.get("Connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version == "HTTP/1.0" and connection != "keep-alive")
@@ -614,24 +648,6 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.send_answer(Response.error(error))
             return False
         return True
-
-    def read_header_block(self, budget):
-        """The header lines within `budget` bytes as text, or None once refused."""
-        lines = []
-        while True:
-            line = self.rfile.readline(budget + 1)
-            budget -= len(line)
-            if budget < 0 or len(lines) > MAX_HEADERS:
-                self.send_error(431, "Header fields too large")
-                return None
-            if line in (b"\r\n", b"\n", b""):
-                break
-            lines.append(line)
-        block = b"".join(lines)
-        if not _HEADER_BLOCK_RE.fullmatch(block):
-            self.send_error(400, "Bad header line")
-            return None
-        return block.decode("iso-8859-1")
 
     def handle_expect_100(self):
         """http.server's hook for `Expect: 100-continue`: the 100 is sent when
@@ -657,16 +673,14 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
 
-    def __getattr__(self, name):
-        """do_<any other method> too (an unknown one gets the service's 404 or
-        405, as from upstream, not http.server's 501)."""
-        if name.startswith("do_"):
-            return self.do_request
-        raise AttributeError(name)
-
     def send_error(self, code, message=None, explain=None):
         """http.server's refusals (a bad request line, a head too large...),
-        as upstream's JSON error."""
+        as upstream's JSON error. Its 501 for a method without a do_* goes to
+        the service instead, which answers any method as upstream does (404
+        or 405). (Not a __getattr__ making up do_* methods: with one, every
+        attribute read of a handler costs a second lookup, 8 % of a /health.)"""
+        if code == http.HTTPStatus.NOT_IMPLEMENTED and self.command is not None:
+            return self.do_request()
         self.close_connection = True  # (an HTTPStatus from http.server prints as a name on 3.9)
         error = ApiError(int(code), "bad_request", message or http.HTTPStatus(code).phrase)
         self.send_answer(Response.error(error))
@@ -1097,7 +1111,8 @@ class KeysServer(http.server.HTTPServer):
 
     def _serve_ready(self):
         """A serving thread: connections whose head is in, until none has come
-        for thread_idle_seconds."""
+        for thread_idle_seconds; each served on while its next request comes
+        at once and nobody else waits (_next_request_in)."""
         while True:
             with self._lock:
                 while not self._ready:
@@ -1108,21 +1123,32 @@ class KeysServer(http.server.HTTPServer):
                         self._threads -= 1
                         return
                 connection = self._ready.popleft()
-            try:
-                self.finish_request(connection, connection.address)
-            except Exception:
-                self.handle_error(connection, connection.address)
-                connection.keep = False
+            while True:
+                try:
+                    self.finish_request(connection, connection.address)
+                except Exception:
+                    self.handle_error(connection, connection.address)
+                    connection.keep = False
+                if not self._next_request_in(connection):
+                    break
             self.shutdown_request(connection)
 
-    def shutdown_request(self, request):
-        """socketserver's hook once a request is answered: a kept-alive
-        connection waits for its next head (served on by this thread if it
-        comes within NEXT_REQUEST_WAIT and nobody else waits, else from the
-        waiting room); others are seen out by the waiting room."""
-        connection = request if isinstance(request, Connection) else Connection(request, None)
-        if connection.keep and not connection.request_arrived() and not self._ready:
+    def _next_request_in(self, connection):
+        """Is the next request of `connection` (kept alive) in, within
+        NEXT_REQUEST_WAIT, while nobody else waits? Then the thread that
+        served it serves on, as http.server's own loop would: no trip
+        through the waiting room nor the queue's lock."""
+        if not connection.keep or self._ready:
+            return False
+        if not connection.request_arrived():
             self._next_request_soon(connection)
+        return connection.keep and connection.request_arrived()
+
+    def shutdown_request(self, request):
+        """socketserver's hook once a connection's turn is over: kept alive,
+        it waits in turn if its next head is in, else in the waiting room;
+        otherwise the waiting room sees it out."""
+        connection = request if isinstance(request, Connection) else Connection(request, None)
         if not connection.keep:
             try:
                 connection.sock.shutdown(socket.SHUT_WR)
@@ -1820,13 +1846,13 @@ def authorize_headers(principal):
     return NOT_CACHEABLE if key is not None and key.restrictions is not None else ()
 
 
-BROWSER_SIGNALS = ("Origin", "Sec-Fetch-Mode", "Referer")  # headers browsers send, tools not
+BROWSER_SIGNALS = {"origin", "sec-fetch-mode", "referer"}  # headers browsers send, tools not
 
 
 def from_browser(headers):
     """Does the request carry a browser's signals? (Any of BROWSER_SIGNALS,
     whatever its value: a header a client can forge counts against it.)"""
-    return any(headers.get(name) is not None for name in BROWSER_SIGNALS)
+    return headers.has_any(BROWSER_SIGNALS)
 
 
 def browser_refusal(principal, headers):
@@ -4070,7 +4096,7 @@ class KeysPage:
         data = b"" if body is None else compact_json(body).encode()
         target = re.sub(r"\{(\w+)\}", lambda name: urllib.parse.quote(params[name.group(1)],
                                                                      safe=""), pattern)
-        request = Request(method, target, RequestHeaders("Content-Type: application/json\n"),
+        request = Request(method, target, Headers("Content-Type: application/json\n"),
                           Body(io.BytesIO(data), len(data)), call.request.peer)
         answer = route.handler(self.service, Call(request, route, None, params, call.principal))
         return json.loads(answer.body) if answer.body else None
@@ -5393,6 +5419,55 @@ def _kept_headers(headers, dropped):
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
+class BackendResponse(http.client.HTTPResponse):
+    """http.client's answer, its head read by read_head, not email.parser.
+    An optimization, measured: parsing a backend's answer head with email
+    cost a guarded search ~120,000 instructions, 16 % of it (bench/README.md,
+    "round five"). `begin` is http.client's, but for that line; a head
+    read_head refuses (a folded line...) fails the answer (502)."""
+
+    def begin(self):
+        if self.headers is not None:
+            return
+        version, status, reason = self._read_status()
+        while status == http.client.CONTINUE:  # an interim 100: its head is skipped
+            self._read_head()
+            version, status, reason = self._read_status()
+        self.code = self.status = status
+        self.reason = reason.strip()
+        if version in ("HTTP/1.0", "HTTP/0.9"):
+            self.version = 10
+        elif version.startswith("HTTP/1."):
+            self.version = 11
+        else:
+            raise http.client.UnknownProtocol(version)
+        self.headers = self.msg = self._read_head()
+        encoding = self.headers.get("transfer-encoding")
+        self.chunked = bool(encoding) and encoding.lower() == "chunked"
+        self.chunk_left = None
+        self.will_close = self._check_close()
+        self.length = None
+        length = self.headers.get("content-length")
+        if length and not self.chunked:
+            try:
+                self.length = int(length)
+            except ValueError:
+                pass
+            else:
+                if self.length < 0:  # ignored, as http.client does
+                    self.length = None
+        if status in (204, 304) or 100 <= status < 200 or self._method == "HEAD":
+            self.length = 0
+        if not self.will_close and not self.chunked and self.length is None:
+            self.will_close = True  # the body ends when the backend closes
+
+    def _read_head(self):
+        try:
+            return read_head(self.fp, MAX_HEAD)
+        except BadHead as exc:
+            raise http.client.HTTPException("its answer's head: %s" % exc)
+
+
 class UpstreamError(Exception):
     """The backend could not be reached, or answered something that is not HTTP."""
 
@@ -5465,10 +5540,13 @@ class Upstream:
             if connection is None:
                 if self.tls:
                     import ssl  # here: a Python built without ssl still serves http backends
-                    return http.client.HTTPSConnection(
+                    connection = http.client.HTTPSConnection(
                         *self.address, timeout=self.timeout,
-                        context=ssl.create_default_context()), False
-                return http.client.HTTPConnection(*self.address, timeout=self.timeout), False
+                        context=ssl.create_default_context())
+                else:
+                    connection = http.client.HTTPConnection(*self.address, timeout=self.timeout)
+                connection.response_class = BackendResponse
+                return connection, False
             if not check or not _readable(connection.sock):
                 return connection, True
             connection.close()

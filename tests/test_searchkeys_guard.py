@@ -34,14 +34,25 @@ def mint(parent_key, parent_uid, rules):
     return signing_input + "." + b64url(sig)
 
 
+# Answers of a backend, for the guard's reading of their heads.
+HEADS = {
+    "interim": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-Tag: one\r\n"
+               b"Content-Type: application/json\r\nx-tag: two\r\nContent-Length: 2\r\n\r\n{}",
+    "folded": b"HTTP/1.1 200 OK\r\nX-Tag: one\r\n two\r\nContent-Length: 2\r\n\r\n{}",
+    "until-close": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\n\r\n{\"hits\": []}",
+}
+
+
 class Recorder:
     """A backend speaking HTTP/1.1 on a raw socket, so that it can misbehave on purpose.
 
     It records every request (method, target, headers, body; chunked bodies decoded) and
     answers 200 JSON, except: a target containing `drop` is read, recorded, and the connection
     closed without an answer; a target containing `chunked` is answered with chunked coding
-    (`size` bytes of it, from the query); the guard's lookups of an index's foreignKeys are
-    answered `[]` (no joins), not recorded."""
+    (`size` bytes of it, from the query); a target containing `head=NAME` gets the answer
+    HEADS[NAME]; the guard's lookups of an index's foreignKeys are answered `[]` (no joins),
+    not recorded."""
 
     def __init__(self):
         self.seen = []
@@ -91,6 +102,11 @@ class Recorder:
                                   "fields": fields, "body": body})
                 if "drop" in target:
                     return
+                if "head=" in target:
+                    conn.sendall(HEADS[target.partition("head=")[2]])
+                    if b"Connection: close" in HEADS[target.partition("head=")[2]]:
+                        return
+                    continue
                 if "chunked" in target:
                     size = int(dict(urllib.parse.parse_qsl(target.partition("?")[2]))["size"])
                     piece = b"0123456789abcdef" * 1024
@@ -379,3 +395,63 @@ def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(guard, bac
         sock.sendall(body)
         assert stream.readline().split()[1] == b"200"
     assert backend.seen[-1]["body"] == body
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: methods http.server has no do_* for, and the heads of the backend's answers
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,target,expected", [
+    ("TRACE", "/keys", 405), ("PROPFIND", "/indexes/movies/search", 405),
+    ("BREW", "/coffee", 404)])
+def test_any_method_is_answered_as_meilisearch_answers_it(guard, backend, method, target,
+                                                          expected):
+    """A method http.server has no do_* for gets Meilisearch's 405 on a known route and 404
+    elsewhere, not http.server's 501, and nothing reaches the backend."""
+    backend.seen.clear()
+    status, _ = raw(guard.port, ("%s %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                                 "Content-Length: 0\r\n\r\n" % (method, target, MASTER)).encode())
+    assert status == expected
+    assert backend.seen == []
+
+
+def relayed(guard, key, head):
+    """The guard's answer to a search the backend answers with HEADS[head]."""
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=15) as sock:
+        sock.sendall(("GET /indexes/movies/search?head=%s HTTP/1.1\r\nHost: x\r\n"
+                      "Authorization: Bearer %s\r\nConnection: close\r\n\r\n"
+                      % (head, key)).encode())
+        data = b""
+        while True:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    head_text, _, body = data.partition(b"\r\n\r\n")
+    lines = head_text.decode("latin-1").split("\r\n")
+    headers = [line.partition(":")[::2] for line in lines[1:]]
+    if ("Transfer-Encoding", " chunked") in headers:
+        chunks = b""
+        while True:
+            size, _, body = body.partition(b"\r\n")
+            if int(size, 16) == 0:
+                break
+            chunks, body = chunks + body[:int(size, 16)], body[int(size, 16) + 2:]
+        body = chunks
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_the_backends_answer_heads_are_read_as_http_client_reads_them(guard):
+    """An interim 100 is skipped; repeated headers are relayed, in order; an answer whose end
+    is the backend's close is relayed whole; a folded header line, which two parties could
+    read differently, fails the answer (502) rather than being relayed."""
+    key = create_key(guard, ["search"], ["movies"])["key"]
+    status, headers, body = relayed(guard, key, "interim")
+    assert status == 200 and body == b"{}"
+    assert [value.strip() for name, value in headers if name.lower() == "x-tag"] == \
+        ["one", "two"]
+    status, _, body = relayed(guard, key, "until-close")
+    assert status == 200 and json.loads(body) == {"hits": []}
+    status, headers, body = relayed(guard, key, "folded")
+    assert status == 502 and json.loads(body)["code"] == "upstream_unavailable"
+    assert not [name for name, _ in headers if name.lower() == "x-tag"]
