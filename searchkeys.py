@@ -591,9 +591,15 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         self.connection = self.request.sock
         if self.connection.gettimeout() != self.timeout:  # a system call each time
             self.connection.settimeout(self.timeout)
-        self.reader = ConnectionReader(self.request)
-        self.rfile = io.BufferedReader(self.reader)
-        self.wfile = self.connection.makefile("wb", self.wbufsize)
+        self.reader, self.rfile, self.wfile = self.request.streams(self.wbufsize)
+
+    def finish(self):
+        """StreamRequestHandler's, but the streams stay open: they are the
+        connection's for the rest of this thread's turn on it."""
+        try:
+            self.wfile.flush()
+        except OSError:  # the caller is gone
+            pass
 
     def handle(self):
         """One request a turn (not http.server's loop): between requests the
@@ -768,13 +774,39 @@ class Connection:
     next request read so far, and when that request's head must be in."""
 
     __slots__ = ("sock", "address", "pending", "scanned", "wanted", "deadline", "keep",
-                 "closing")
+                 "closing", "_streams")
 
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
         self.pending, self.scanned, self.wanted = bytearray(), 0, None
         self.deadline, self.keep = None, False
         self.closing = None  # once closing: the bytes the caller may still send, to be dropped
+        self._streams = None
+
+    def streams(self, wbufsize):
+        """(reader, rfile, wfile) for its request: its ConnectionReader,
+        starting with `pending`, buffered, and the socket's writer. Made when
+        a thread's turn on it starts and kept while that thread serves on
+        (an optimization, measured: making them cost ~35,000 instructions a
+        request, 5 % of a guarded search); close_streams ends them."""
+        if self._streams is None:
+            reader = ConnectionReader(self.sock)
+            self._streams = (reader, io.BufferedReader(reader),
+                             self.sock.makefile("wb", wbufsize))
+        self._streams[0].start(self.pending)
+        return self._streams
+
+    def close_streams(self):
+        """At the end of a turn: a connection between requests holds no
+        buffers (the waiting room holds thousands)."""
+        if self._streams is not None:
+            _, rfile, wfile = self._streams
+            self._streams = None
+            for stream in (wfile, rfile):
+                try:
+                    stream.close()
+                except OSError:  # an unsent answer's end: the caller is gone
+                    pass
 
     def take_back(self, data):
         """What was read past the request just answered: the next one's start."""
@@ -825,10 +857,13 @@ class ConnectionReader(io.RawIOBase):
     """What a handler's rfile reads: the bytes its connection's request came
     in so far, then the socket."""
 
-    def __init__(self, connection):
+    def __init__(self, sock):
         super().__init__()
-        self.sock, self.pending = connection.sock, memoryview(bytes(connection.pending))
-        self.probing = False
+        self.sock, self.pending, self.probing = sock, memoryview(b""), False
+
+    def start(self, pending):
+        """A request's reading: `pending` first."""
+        self.pending, self.probing = memoryview(bytes(pending)), False
 
     def readable(self):
         return True
@@ -1149,6 +1184,7 @@ class KeysServer(http.server.HTTPServer):
         it waits in turn if its next head is in, else in the waiting room;
         otherwise the waiting room sees it out."""
         connection = request if isinstance(request, Connection) else Connection(request, None)
+        connection.close_streams()
         if not connection.keep:
             try:
                 connection.sock.shutdown(socket.SHUT_WR)
