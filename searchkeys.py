@@ -703,6 +703,9 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
+        # a 1xx, 204 or 304 ends at its head (RFC 9112, 6.3), whatever body it was given (a
+        # backend's 204 in chunked coding): written, the caller would read it as its next answer
+        bodyless = status < 200 or status in (204, 304)
         self.log_request(status)
         self.send_response_only(status)
         names = set()
@@ -713,8 +716,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Date", self.date_time_string())
         chunked = False
         if response.stream is None:
-            if status >= 200 and status not in (204, 304) and not (
-                    head_only and "content-length" in names):
+            if not bodyless and not (head_only and "content-length" in names):
                 self.send_header("Content-Length", str(len(response.body)))
         elif response.length is not None:
             self.send_header("Content-Length", str(response.length))
@@ -727,7 +729,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         if response.stream is None:
-            if not head_only:
+            if not (head_only or bodyless):
                 self.wfile.write(response.body)
             return
         self.write_stream(response.stream, chunked)

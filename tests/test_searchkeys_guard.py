@@ -46,6 +46,11 @@ HEADS = {
                     b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
     "processing": (b"HTTP/1.1 102 Processing\r\n\r\n",
                    b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
+    # a body after heads that can have none: as chunked coding, which http.client reads
+    "no-content": b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n2b\r\n"
+                  b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
+    "not-modified": b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n2b\r\n"
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
     "upgrade": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
                 b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
 }
@@ -485,3 +490,31 @@ def test_every_interim_answer_is_skipped_and_an_upgrade_never_asked_for_fails(gu
                                   headers=auth)
         assert status == 200 and json.loads(data) == {
             "target": "/indexes/movies/search?q=next"}, (head, data)
+
+
+@pytest.mark.parametrize("head,status", [("no-content", 204), ("not-modified", 304)])
+def test_no_body_follows_a_head_that_cannot_have_one(guard, head, status):
+    """A 204 or 304 ends at its head (RFC 9112, 6.3), whatever its backend sent after it: a body
+    written there would be read by the caller (or a proxy sharing the connection among its own
+    callers) as the answer to its next request."""
+    key = create_key(guard, ["search"], ["movies"])["key"]
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=15) as sock:
+        sock.sendall(("GET /indexes/movies/search?head=%s HTTP/1.1\r\nHost: x\r\n"
+                      "Authorization: Bearer %s\r\n\r\n"
+                      "GET /indexes/movies/search?q=next HTTP/1.1\r\nHost: x\r\n"
+                      "Authorization: Bearer %s\r\nConnection: close\r\n\r\n"
+                      % (head, key, key)).encode())
+        stream = sock.makefile("rb")
+        answers = []
+        for _ in range(2):  # read as a client reads them: a 204 or 304 ends at its blank line
+            code = int(stream.readline().split()[1])
+            length = 0
+            while True:
+                line = stream.readline().rstrip(b"\r\n")
+                if not line:
+                    break
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            answers.append((code, stream.read(length) if code not in (204, 304) else b""))
+    assert answers == [(status, b""), (200, b'{"target": "/indexes/movies/search?q=next"}')]
