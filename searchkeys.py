@@ -703,6 +703,9 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
             self.connection.settimeout(self.timeout)
         status, head_only = response.status, self.command == "HEAD"
+        # a 1xx, 204 or 304 ends at its head (RFC 9112, 6.3), whatever body it was given (a
+        # backend's 204 in chunked coding): written, the caller would read it as its next answer
+        bodyless = status < 200 or status in (204, 304)
         self.log_request(status)
         self.send_response_only(status)
         names = set()
@@ -713,8 +716,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Date", self.date_time_string())
         chunked = False
         if response.stream is None:
-            if status >= 200 and status not in (204, 304) and not (
-                    head_only and "content-length" in names):
+            if not bodyless and not (head_only and "content-length" in names):
                 self.send_header("Content-Length", str(len(response.body)))
         elif response.length is not None:
             self.send_header("Content-Length", str(response.length))
@@ -727,7 +729,7 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         if response.stream is None:
-            if not head_only:
+            if not (head_only or bodyless):
                 self.wfile.write(response.body)
             return
         self.write_stream(response.stream, chunked)
@@ -5459,14 +5461,21 @@ class BackendResponse(http.client.HTTPResponse):
     """http.client's answer, its head read by read_head, not email.parser.
     An optimization, measured: parsing a backend's answer head with email
     cost a guarded search ~120,000 instructions, 16 % of it (bench/README.md,
-    "round five"). `begin` is http.client's, but for that line; a head
-    read_head refuses (a folded line...) fails the answer (502)."""
+    "round five"). `begin` is http.client's, but for that line and the
+    interim answers: a head read_head refuses (a folded line...) fails the
+    answer (502); every 1xx before the answer is skipped, as RFC 9110 (15.2)
+    asks, not 100 alone (http.client takes a 103 Early Hints for the answer,
+    and the answer that follows for the next request's on the pooled
+    connection: another caller's); a 101 fails it, for an upgrade the
+    guard never asks for (it forwards no Upgrade)."""
 
     def begin(self):
         if self.headers is not None:
             return
         version, status, reason = self._read_status()
-        while status == http.client.CONTINUE:  # an interim 100: its head is skipped
+        while 100 <= status < 200:  # an interim answer: its head is skipped
+            if status == http.client.SWITCHING_PROTOCOLS:
+                raise http.client.HTTPException("its answer: an upgrade never asked for")
             self._read_head()
             version, status, reason = self._read_status()
         self.code = self.status = status
@@ -5492,7 +5501,7 @@ class BackendResponse(http.client.HTTPResponse):
             else:
                 if self.length < 0:  # ignored, as http.client does
                     self.length = None
-        if status in (204, 304) or 100 <= status < 200 or self._method == "HEAD":
+        if status in (204, 304) or self._method == "HEAD":
             self.length = 0
         if not self.will_close and not self.chunked and self.length is None:
             self.will_close = True  # the body ends when the backend closes

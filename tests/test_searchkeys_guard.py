@@ -41,6 +41,18 @@ HEADS = {
     "folded": b"HTTP/1.1 200 OK\r\nX-Tag: one\r\n two\r\nContent-Length: 2\r\n\r\n{}",
     "until-close": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                    b"Connection: close\r\n\r\n{\"hits\": []}",
+    # pieces sent apart: the answer comes after the interim one has been read
+    "early-hints": (b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
+    "processing": (b"HTTP/1.1 102 Processing\r\n\r\n",
+                   b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
+    # a body after heads that can have none: as chunked coding, which http.client reads
+    "no-content": b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n2b\r\n"
+                  b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
+    "not-modified": b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n2b\r\n"
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
+    "upgrade": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
 }
 
 
@@ -51,7 +63,7 @@ class Recorder:
     answers 200 JSON, except: a target containing `drop` is read, recorded, and the connection
     closed without an answer; a target containing `chunked` is answered with chunked coding
     (`size` bytes of it, from the query); a target containing `head=NAME` gets the answer
-    HEADS[NAME]; the guard's lookups of an index's foreignKeys are answered `[]` (no joins),
+    HEADS[NAME] (a tuple: its pieces, 0.3 s apart); the guard's lookups of an index's foreignKeys are answered `[]` (no joins),
     not recorded."""
 
     def __init__(self):
@@ -103,8 +115,12 @@ class Recorder:
                 if "drop" in target:
                     return
                 if "head=" in target:
-                    conn.sendall(HEADS[target.partition("head=")[2]])
-                    if b"Connection: close" in HEADS[target.partition("head=")[2]]:
+                    answer = HEADS[target.partition("head=")[2]]
+                    pieces = answer if isinstance(answer, tuple) else (answer,)
+                    for number, piece in enumerate(pieces):
+                        time.sleep(0.3 if number else 0)
+                        conn.sendall(piece)
+                    if b"Connection: close" in b"".join(pieces):
                         return
                     continue
                 if "chunked" in target:
@@ -455,3 +471,50 @@ def test_the_backends_answer_heads_are_read_as_http_client_reads_them(guard):
     status, headers, body = relayed(guard, key, "folded")
     assert status == 502 and json.loads(body)["code"] == "upstream_unavailable"
     assert not [name for name, _ in headers if name.lower() == "x-tag"]
+
+
+def test_every_interim_answer_is_skipped_and_an_upgrade_never_asked_for_fails(guard):
+    """RFC 9110 (15.2): a client must read any number of 1xx answers before the answer, not
+    only 100. A 103 Early Hints or 102 Processing taken for the answer would be relayed (a
+    caller reads it as interim, and takes its next answer for this one) while the real answer
+    waits on the pooled backend connection, to be read as the next caller's. A 101 switches
+    the connection to a protocol the guard never asked for (it forwards no Upgrade): 502."""
+    key = create_key(guard, ["search"], ["movies"])["key"]
+    auth = {"Authorization": "Bearer " + key}
+    for head, expected in (("early-hints", 200), ("processing", 200), ("upgrade", 502)):
+        status, _, body = relayed(guard, key, head)
+        assert status == expected, (head, status, body)
+        if expected == 200:
+            assert json.loads(body) == {"hits": ["late"]}, (head, body)
+        status, _, data = request(guard.port, "GET", "/indexes/movies/search?q=next",
+                                  headers=auth)
+        assert status == 200 and json.loads(data) == {
+            "target": "/indexes/movies/search?q=next"}, (head, data)
+
+
+@pytest.mark.parametrize("head,status", [("no-content", 204), ("not-modified", 304)])
+def test_no_body_follows_a_head_that_cannot_have_one(guard, head, status):
+    """A 204 or 304 ends at its head (RFC 9112, 6.3), whatever its backend sent after it: a body
+    written there would be read by the caller (or a proxy sharing the connection among its own
+    callers) as the answer to its next request."""
+    key = create_key(guard, ["search"], ["movies"])["key"]
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=15) as sock:
+        sock.sendall(("GET /indexes/movies/search?head=%s HTTP/1.1\r\nHost: x\r\n"
+                      "Authorization: Bearer %s\r\n\r\n"
+                      "GET /indexes/movies/search?q=next HTTP/1.1\r\nHost: x\r\n"
+                      "Authorization: Bearer %s\r\nConnection: close\r\n\r\n"
+                      % (head, key, key)).encode())
+        stream = sock.makefile("rb")
+        answers = []
+        for _ in range(2):  # read as a client reads them: a 204 or 304 ends at its blank line
+            code = int(stream.readline().split()[1])
+            length = 0
+            while True:
+                line = stream.readline().rstrip(b"\r\n")
+                if not line:
+                    break
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            answers.append((code, stream.read(length) if code not in (204, 304) else b""))
+    assert answers == [(status, b""), (200, b'{"target": "/indexes/movies/search?q=next"}')]
