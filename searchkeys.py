@@ -533,6 +533,7 @@ class Response:
 # connection to the waiting room between requests instead of to a thread.
 
 MAX_HEADERS = 100       # header lines in a head
+MAX_LOGGED = 256        # characters of a request's method, and of its path, in its log line
 LINGER_SECONDS = 2.0    # seconds a closing connection waits for the caller's last bytes
 NEXT_REQUEST_WAIT = 0.002  # seconds a free thread waits for a keep-alive caller's next request
 MAX_HEADS_HELD = 64 * 1024 * 1024  # bytes of unfinished requests the waiting room holds in all
@@ -764,8 +765,8 @@ class KeysHandler(http.server.BaseHTTPRequestHandler):
         status, time taken (http.server's has the whole request line)."""
         taken = time.monotonic() - self.started if self.started else 0.0
         self.server.service.log("%s %s %s %.2fms" % (
-            printable(self.command or "-"), safe_path(self.path) if self.command else "-",
-            code, taken * 1000))
+            printable((self.command or "-")[:MAX_LOGGED]),
+            safe_path(self.path)[:MAX_LOGGED] if self.command else "-", code, taken * 1000))
 
     def log_message(self, format, *args):
         self.server.service.log("searchkeys: %s" % printable(format % args))
@@ -5457,6 +5458,9 @@ def _kept_headers(headers, dropped):
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
+MAX_INTERIM_ANSWERS = 16  # 1xx heads a backend may send before its answer
+
+
 class BackendResponse(http.client.HTTPResponse):
     """http.client's answer, its head read by read_head, not email.parser.
     An optimization, measured: parsing a backend's answer head with email
@@ -5473,9 +5477,13 @@ class BackendResponse(http.client.HTTPResponse):
         if self.headers is not None:
             return
         version, status, reason = self._read_status()
+        interim = 0
         while 100 <= status < 200:  # an interim answer: its head is skipped
+            interim += 1
             if status == http.client.SWITCHING_PROTOCOLS:
                 raise http.client.HTTPException("its answer: an upgrade never asked for")
+            if interim > MAX_INTERIM_ANSWERS:  # endless: it would hold this thread
+                raise http.client.HTTPException("its answer: interim answers without end")
             self._read_head()
             version, status, reason = self._read_status()
         self.code = self.status = status
@@ -5492,6 +5500,8 @@ class BackendResponse(http.client.HTTPResponse):
         self.chunk_left = None
         self.will_close = self._check_close()
         self.length = None
+        if len({value.strip() for value in self.headers.get_all("content-length", ())}) > 1:
+            raise http.client.HTTPException("its answer: conflicting Content-Length headers")
         length = self.headers.get("content-length")
         if length and not self.chunked:
             try:

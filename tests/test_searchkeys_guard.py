@@ -51,6 +51,9 @@ HEADS = {
                   b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
     "not-modified": b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n2b\r\n"
                     b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nforge\r\n0\r\n\r\n",
+    "endless-interim": b"HTTP/1.1 103 Early Hints\r\n\r\n" * 200,
+    "two-lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 12\r\n\r\n"
+                   b"{}{\"hits\": 1}",
     "upgrade": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
                 b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{\"hits\": [\"late\"]}"),
 }
@@ -518,3 +521,25 @@ def test_no_body_follows_a_head_that_cannot_have_one(guard, head, status):
                     length = int(value)
             answers.append((code, stream.read(length) if code not in (204, 304) else b""))
     assert answers == [(status, b""), (200, b'{"target": "/indexes/movies/search?q=next"}')]
+
+
+@pytest.mark.parametrize("head", ["endless-interim", "two-lengths"])
+def test_a_backend_answer_without_one_reading_fails(guard, head):
+    """Interim answers without end would hold a thread; two Content-Lengths could be read two
+    ways: either fails the answer (502) rather than being waited for or guessed at."""
+    key = create_key(guard, ["search"], ["movies"])["key"]
+    status, _, body = relayed(guard, key, head)
+    assert status == 502 and json.loads(body)["code"] == "upstream_unavailable"
+
+
+def test_a_log_line_holds_a_bounded_method_and_path(guard):
+    """A request line may be 128 KiB; its log line is not: method and path are cut."""
+    method, path = "M" * 5000, "/indexes" + "/abc" * 5000
+    status, _ = raw(guard.port, ("%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+                                 % (method, path)).encode())
+    assert status == 404
+    deadline = time.monotonic() + 10
+    while "MMMM" not in guard.log() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the log line may trail the answer
+    line = next(line for line in guard.log().splitlines() if "MMMM" in line)
+    assert len(line) < 1000, len(line)
