@@ -12,7 +12,9 @@ sends every request shape of bench_searchkeys.py's guard target on one keep-aliv
 ``callgrind_control --zero`` to ``--dump`` (startup and warm-up requests excluded).
 
 What it cannot show: the cost of threads waiting for each other (the GIL) at higher
-concurrency; bench_searchkeys.py's c=8 figures are for that. Needs valgrind (Debian: valgrind).
+concurrency; bench_searchkeys.py's c=8 figures are for that. At valgrind's pace the guard's
+settings cache (an index's foreignKeys, kept 0.25 s) runs out every few requests, so the
+guard's counts include more backend lookups than at full speed: they err high. Needs valgrind (Debian: valgrind).
 Prints ONE JSON object and keeps a copy in bench/results/.
 """
 import argparse
