@@ -175,17 +175,22 @@ def raw(port, data, timeout=15):
     """Raw bytes in, the first answer's status line and body out."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
-        stream = sock.makefile("rb")
-        status = stream.readline().split()[1]
-        length = 0
-        while True:
-            line = stream.readline().rstrip(b"\r\n")
-            if not line:
-                break
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return int(status), stream.read(length)
+        return read_answer(sock.makefile("rb"))
+
+
+def read_answer(stream):
+    """The next answer on a client's `stream`, read as a client reads it: (status, body of its
+    Content-Length; a 204 or 304 ends at its blank line)."""
+    status = int(stream.readline().split()[1])
+    length = 0
+    while True:
+        line = stream.readline().rstrip(b"\r\n")
+        if not line:
+            break
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, b"" if status in (204, 304) else stream.read(length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,18 +513,7 @@ def test_no_body_follows_a_head_that_cannot_have_one(guard, head, status):
                       "Authorization: Bearer %s\r\nConnection: close\r\n\r\n"
                       % (head, key, key)).encode())
         stream = sock.makefile("rb")
-        answers = []
-        for _ in range(2):  # read as a client reads them: a 204 or 304 ends at its blank line
-            code = int(stream.readline().split()[1])
-            length = 0
-            while True:
-                line = stream.readline().rstrip(b"\r\n")
-                if not line:
-                    break
-                name, _, value = line.partition(b":")
-                if name.lower() == b"content-length":
-                    length = int(value)
-            answers.append((code, stream.read(length) if code not in (204, 304) else b""))
+        answers = [read_answer(stream), read_answer(stream)]
     assert answers == [(status, b""), (200, b'{"target": "/indexes/movies/search?q=next"}')]
 
 
