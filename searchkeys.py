@@ -528,9 +528,11 @@ class Response:
 # -> do_* -> send_response_only/send_header/end_headers -> wfile); the only
 # way in or out of it is Service.handle(Request) -> Response. Overridden:
 # parse_request (actix-http's head rules), handle_expect_100 (the 100 waits
-# for the body's first read), send_error (upstream's JSON error) and, on the
-# server, socketserver's process_request and shutdown_request, which hand a
-# connection to the waiting room between requests instead of to a thread.
+# for the body's first read), send_error (upstream's JSON error; a method
+# without do_* goes to the service), setup and finish (a connection's streams
+# last a thread's turn on it) and, on the server, socketserver's
+# process_request and shutdown_request, which hand a connection to the
+# waiting room between requests instead of to a thread.
 
 MAX_HEADERS = 100       # header lines in a head
 MAX_LOGGED = 256        # characters of a request's method, and of its path, in its log line
